@@ -1,0 +1,17 @@
+PYTHON ?= python3
+
+.PHONY: setup demo test bench
+
+setup:
+	PYTHON=$(PYTHON) bash scripts/setup.sh
+
+# Sets up, then runs the main job on its embedded default (2 ranks on CPU, no server needed).
+demo: setup
+	$(PYTHON) -m examples.main_job
+
+# Sets up, then runs the whole test suite.
+test: setup
+	$(PYTHON) -m pytest
+
+bench: setup
+	$(PYTHON) -m benchmarks.telemetry_overhead
