@@ -1,0 +1,346 @@
+"""``fully_shard``: turns a module into an FSDP unit over a 1-D device mesh.
+
+Lifecycle of a unit's parameters within one training iteration:
+
+1. pre-forward: all-gather the compute copy of each group into the unsharded parameters and
+   swap them into the module;
+2. post-forward: swap the sharded parameters back, free the unsharded storage when
+   ``reshard_after_forward`` (or when no backward can follow);
+3. pre-backward (first grad reaching the unit's outputs): all-gather again if freed;
+4. post-backward (grads of the unit's inputs computed, or the root's final callback):
+   reduce-scatter the unsharded grads into the main-grad buffers, free the unsharded storage;
+5. end of backward (root's final callback): install DTensor views of the main grads as the
+   sharded parameters' ``.grad``.
+
+Alternatives considered:
+    - Wrapping the module in a new object (FSDP1): changes parameter names; we swap the
+      module's class instead, as FSDP2 does, so FQNs stay those of the unwrapped model.
+    - Casting at every all-gather (FSDP2): costs a cast per forward and per backward; a
+      persistent compute copy costs memory and a refresh per optimizer step instead.
+    - Counting ``post_accumulate_grad`` hooks to detect the end of a unit's backward: breaks
+      when a weight is used more than once; the input-side autograd function does not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .mixed_precision import MixedPrecisionPolicy
+from .parameter_group import ParameterGroup, parameter_group_of
+from .placement import mesh_device, resolve_mesh
+
+__all__ = ["fully_shard", "FSDPModule", "parameter_groups"]
+
+_Location = tuple[nn.Module, str]
+
+
+class _RootContext:
+    """State shared by all units under one root for the current backward."""
+
+    def __init__(self, states: list["_UnitState"]) -> None:
+        self.states = states
+        self.callback_queued = False
+
+    def queue_final_callback(self) -> None:
+        if self.callback_queued:
+            return
+        self.callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        try:
+            for state in reversed(self.states):
+                state.post_backward(final=True)
+            for state in self.states:
+                for group in state.groups:
+                    group.finalize_grads()
+        finally:
+            self.callback_queued = False
+
+
+class _UnitState:
+    """Per-unit state: groups, where their parameters live in the module tree, hook logic."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool,
+        groups: list[ParameterGroup],
+        locations: list[list[list[_Location]]],
+    ) -> None:
+        self.module = module
+        self.mesh = mesh
+        self.policy = policy
+        self.reshard_after_forward = reshard_after_forward
+        self.groups = groups
+        self.locations = locations
+        self.requires_gradient_sync = True
+        self.context: _RootContext | None = None
+        self.pending_post_backward = 0
+
+    def _swap(self, unsharded: bool) -> None:
+        for group, group_locations in zip(self.groups, self.locations):
+            params = group.unsharded_params if unsharded else group.params
+            for param, places in zip(params, group_locations):
+                for owner, name in places:
+                    owner._parameters[name] = param
+
+    def lazy_init_as_root(self) -> None:
+        states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        context = _RootContext(states)
+        for state in states:
+            state.context = context
+
+    def unshard(self) -> None:
+        for group in self.groups:
+            group.unshard()
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            group.reshard()
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.context is None:
+            self.lazy_init_as_root()
+        self.unshard()
+        self._swap(unsharded=True)
+        if torch.is_grad_enabled() and any(g.requires_grad for g in self.groups):
+            self.pending_post_backward += 1
+            args, kwargs = _register_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self._swap(unsharded=False)
+        grad_enabled = torch.is_grad_enabled()
+        if self.reshard_after_forward or not grad_enabled:
+            self.reshard()
+        if grad_enabled:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self.context is not None:
+            self.context.queue_final_callback()
+        self.unshard()
+
+    def post_backward(self, final: bool = False) -> None:
+        if self.pending_post_backward <= 0:
+            return
+        self.pending_post_backward = 0 if final else self.pending_post_backward - 1
+        if self.requires_gradient_sync:
+            for group in self.groups:
+                if group.requires_grad:
+                    group.reduce_grads()
+        self.reshard()
+
+
+class _RegisterPostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward marks the end of the unit's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, state: _UnitState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _register_post_backward(state: _UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    flat, spec = tree_flatten((args, kwargs))
+    indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not indices:
+        return args, kwargs
+    outputs = _RegisterPostBackward.apply(state, *(flat[i] for i in indices))
+    for i, out in zip(indices, outputs):
+        flat[i] = out
+    return tree_unflatten(flat, spec)
+
+
+class FSDPModule:
+    """Mixin added to the class of every module ``fully_shard`` was applied to."""
+
+    _fsdp_state: _UnitState
+
+    def unshard(self) -> None:
+        """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
+        self._fsdp_state.unshard()
+
+    def reshard(self) -> None:
+        """Frees this unit's unsharded parameters."""
+        self._fsdp_state.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Skips (``False``) or resumes the reduce-scatter of grads in backward.
+
+        While skipped, unsharded grads accumulate locally over microbatches; the next backward
+        with sync reduce-scatters their sum, like FSDP2's method of the same name.
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        for module in modules:
+            if isinstance(module, FSDPModule):
+                module._fsdp_state.requires_gradient_sync = requires_gradient_sync
+
+    @property
+    def fsdp_parameter_groups(self) -> list[ParameterGroup]:
+        """This unit's own parameter groups (not those of FSDP children)."""
+        return list(self._fsdp_state.groups)
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _FSDP_CLASSES[cls]
+
+
+def parameter_groups(module: nn.Module) -> list[ParameterGroup]:
+    """All parameter groups of the FSDP units in ``module``'s subtree, in module order."""
+    return [g for m in module.modules() if isinstance(m, FSDPModule) for g in m._fsdp_state.groups]
+
+
+def _owned_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``module`` and its descendants, not descending into FSDP children."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is None or isinstance(child, FSDPModule):
+            continue
+        yield from _owned_modules(child, f"{prefix}{name}.")
+
+
+def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str], dict[int, list[_Location]]]:
+    params: list[nn.Parameter] = []
+    names: list[str] = []
+    locations: dict[int, list[_Location]] = {}
+    for prefix, owner in _owned_modules(module):
+        for name, param in owner._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{prefix}{name}"
+            if isinstance(param, DTensor) or parameter_group_of(param) is not None:
+                raise ValueError(
+                    f"parameter '{fqn}' is already sharded by fully_shard on another module; apply "
+                    "fully_shard bottom-up (blocks first, then the root), and keep tied parameters "
+                    "within one unit"
+                )
+            if param in _CONSUMED:
+                raise ValueError(
+                    f"parameter '{fqn}' is tied to a parameter of an already fully_shard-ed submodule "
+                    f"('{_CONSUMED[param]}'); tied parameters must belong to one unit: apply "
+                    "fully_shard to a module that contains every use of the parameter"
+                )
+            if id(param) in locations:
+                locations[id(param)].append((owner, name))
+                continue
+            if param.dim() == 0:
+                raise ValueError(
+                    f"parameter '{fqn}' is 0-dimensional; fully_shard shards along dim 0 and expects "
+                    "at least 1 dimension (store it with shape (1,))"
+                )
+            if not param.is_floating_point():
+                raise ValueError(f"parameter '{fqn}' has dtype {param.dtype}; expected a floating-point dtype")
+            if param.is_meta:
+                raise ValueError(f"parameter '{fqn}' is on the meta device; materialize it before fully_shard")
+            params.append(param)
+            names.append(fqn)
+            locations[id(param)] = [(owner, name)]
+    return params, names, locations
+
+
+# Original parameter -> FQN, for parameters that a unit replaced; a later unit that still
+# finds one of them registered somewhere has found a parameter tied across units.
+_CONSUMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shards ``module``'s parameters over a 1-D mesh with fp32 main weights.
+
+    Apply bottom-up: each block first, then the root. A unit owns the parameters that no FSDP
+    child owns. Its parameters become DTensor ``Shard(0)`` parameters (split as ``torch.chunk``
+    splits) holding the main weights, with ``grad_dtype`` set to the main-grad dtype; the
+    module's class becomes a subclass of :class:`FSDPModule`.
+
+    Args:
+        module: Module to shard in place.
+        mesh: 1-D device mesh; ``None`` builds one over the default process group.
+        mp_policy: Dtypes of main weights and main grads; ``None`` means the defaults.
+        reshard_after_forward: Free the unsharded parameters after forward and gather again
+            for backward.
+
+    Returns:
+        ``module``, now an :class:`FSDPModule`.
+
+    Raises:
+        ValueError: ``fully_shard`` was already applied to ``module``, a parameter is tied
+            across units, 0-dimensional, not floating point or on the meta device.
+        NotImplementedError: ``mesh`` is not 1-D.
+        TypeError: An argument has the wrong type.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expected an nn.Module, got {type(module)!r}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy()
+    elif not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard expected mp_policy to be a MixedPrecisionPolicy or None, got {type(mp_policy)!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"fully_shard expected reshard_after_forward to be a bool, got {reshard_after_forward!r}")
+    mesh = resolve_mesh(mesh)
+    device = mesh_device(mesh)
+
+    params, names, locations = _collect_parameters(module)
+    by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for index, param in enumerate(params):
+        by_key.setdefault((param.dtype, param.requires_grad), []).append(index)
+
+    # Everything that can fail happens before the module is touched.
+    groups: list[ParameterGroup] = []
+    group_locations: list[list[list[_Location]]] = []
+    for indices in by_key.values():
+        groups.append(
+            ParameterGroup([params[i] for i in indices], [names[i] for i in indices], mesh, mp_policy, device)
+        )
+        group_locations.append([locations[id(params[i])] for i in indices])
+
+    state = _UnitState(module, mesh, mp_policy, reshard_after_forward, groups, group_locations)
+    state._swap(unsharded=False)
+    for group in groups:
+        group.register()
+    for param, name in zip(params, names):
+        _CONSUMED[param] = name
+    for _, owner in _owned_modules(module):
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and buffer.device != device:
+                owner._buffers[name] = buffer.to(device)
+    module._fsdp_state = state  # type: ignore[assignment]
+    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    module.__class__ = _fsdp_class(type(module))
+    return module

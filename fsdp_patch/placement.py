@@ -1,0 +1,45 @@
+"""Where shards live: the device mesh and the device of a ``fully_shard`` call."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["resolve_mesh", "mesh_device"]
+
+
+def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    """Returns the 1-D mesh to shard over, building one over the default group if ``None``.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        NotImplementedError: ``mesh`` has more than one dimension (HSDP).
+        TypeError: ``mesh`` is not a DeviceMesh.
+    """
+    if mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "fully_shard needs an initialized torch.distributed process group "
+                "(torchrun, or dist.init_process_group('gloo'|'nccl')) or an explicit mesh; "
+                "got neither"
+            )
+        backend = dist.get_backend()
+        device_type = "cuda" if "nccl" in str(backend) else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expected mesh to be a DeviceMesh or None, got {type(mesh)!r}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard supports 1-D meshes only; got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)} (HSDP / 2-D meshes are not implemented)"
+        )
+    return mesh
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device that holds this rank's shards; the CPU path never touches ``torch.cuda``."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())

@@ -1,0 +1,112 @@
+"""A pool of gloo ranks that stays up across tests, so each test pays no process start-up.
+
+``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank (``fn`` must be importable at module
+level) and returns the per-rank results. An exception on any rank is re-raised here with the
+rank's traceback; a rank that hangs makes the pool restart and the call fail.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_TIMEOUT_S = float(os.environ.get("FSDP_PATCH_TEST_TIMEOUT", "240"))
+
+
+def _worker(rank: int, world_size: int, init_file: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=_TIMEOUT_S / 2),
+    )
+    outbox.put((rank, "ready", None))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            outbox.put((rank, "ok", fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test process
+            outbox.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankError(AssertionError):
+    """An exception raised on a rank, with that rank's traceback."""
+
+
+class DistributedPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[mp.Process] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._outbox = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._inboxes[r], self._outbox), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._collect(expect="ready")
+
+    def _collect(self, expect: str | None = None) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.world_size:
+            try:
+                rank, status, payload = self._outbox.get(timeout=_TIMEOUT_S)
+            except queue.Empty:
+                self.restart()
+                raise RankError(f"ranks {sorted(set(range(self.world_size)) - set(results) - set(errors))} timed out")
+            if status == "error":
+                errors[rank] = payload
+                # A rank that failed inside a collective leaves its peers waiting for the gloo
+                # timeout; they report too, then the pool is rebuilt.
+            else:
+                results[rank] = payload
+        if errors:
+            self.restart()
+            first = min(errors)
+            raise RankError(f"rank {first} raised:\n{errors[first]}")
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        return self._collect()
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        for inbox in getattr(self, "_inboxes", []):
+            try:
+                inbox.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        self._procs = []
