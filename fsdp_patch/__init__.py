@@ -5,6 +5,7 @@ optimizer updates, a persistent low-precision compute copy forward and backward 
 main grads in their own dtype, advertised through ``Tensor.grad_dtype``.
 """
 
+from .adapter import remove_fully_shard_optimizer
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FSDPModule, fully_shard, parameter_groups
 from .parameter_group import ParameterGroup, contained_in_parameter_group, parameter_group_of
@@ -17,4 +18,5 @@ __all__ = [
     "fully_shard",
     "parameter_group_of",
     "parameter_groups",
+    "remove_fully_shard_optimizer",
 ]

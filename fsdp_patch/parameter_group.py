@@ -262,6 +262,17 @@ class ParameterGroup:
                 param.grad = view
         self._reduced_since_finalize = False
 
+    def install_zero_grads(self) -> None:
+        """Gives parameters without a grad a zeroed main-grad view as ``.grad``."""
+        if self.main_grad is None:
+            return
+        self.restore_grads()
+        with torch.no_grad():
+            for param, layout, view in zip(self.params, self.layout.params, self._grad_views):
+                if param.grad is None:
+                    layout.local_view(self.main_grad).zero_()
+                    param.grad = view
+
     def zero_main_grad(self) -> None:
         """Zeroes all main grads of the group in one operation."""
         if self.main_grad is not None:

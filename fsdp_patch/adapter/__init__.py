@@ -1,0 +1,101 @@
+"""The optimizer adapter's machinery; the public entry points are in :mod:`fsdp_patch.optimizer`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .hook_attachment import HookAttachment
+from .state_init import init_optimizer_state
+from .step_core import StepCore
+from .wrapt_attachment import StepObserver, WraptAttachment
+
+__all__ = [
+    "adapt_optimizer",
+    "adaptation_of",
+    "init_optimizer_state",
+    "remove_fully_shard_optimizer",
+    "Adaptation",
+    "StepObserver",
+]
+
+
+class Adaptation:
+    """An optimizer's adaptation: its core and how the core is attached."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        precision_aware: bool,
+        attachment: str,
+        observer_factory: Callable[[], StepObserver] | None = None,
+    ) -> None:
+        self.precision_aware = precision_aware
+        self.core = StepCore(optimizer, precision_aware)
+        if attachment == "hooks":
+            self.attachment: HookAttachment | WraptAttachment = HookAttachment(optimizer, self.core)
+        elif attachment == "wrapt":
+            if observer_factory is None:
+                raise ValueError("the wrapt attachment needs an observer factory")
+            self.attachment = WraptAttachment(optimizer, self.core, observer_factory())
+        else:
+            raise ValueError(f"attachment must be 'hooks' or 'wrapt', got {attachment!r}")
+
+    @property
+    def kind(self) -> str:
+        return self.attachment.kind
+
+
+# Keyed by identity and held weakly: the optimizer carries no attribute of ours, and a copy or
+# an unpickled optimizer (whose __getstate__ keeps only defaults, state and param_groups) is a
+# plain optimizer again.
+_ADAPTATIONS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def adaptation_of(optimizer: torch.optim.Optimizer) -> Adaptation | None:
+    """The adaptation of ``optimizer``, or ``None`` if it is not adapted."""
+    return _ADAPTATIONS.get(optimizer)
+
+
+def adapt_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    precision_aware: bool,
+    attachment: str,
+    observer_factory: Callable[[], StepObserver] | None = None,
+) -> Adaptation:
+    """Adapts ``optimizer`` in place with the given attachment; idempotent for equal settings.
+
+    Raises:
+        TypeError: ``optimizer`` is not an Optimizer, or ``precision_aware`` not a bool.
+        ValueError: ``optimizer`` is already adapted with other settings.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fully_shard_optimizer expected a torch.optim.Optimizer instance, got {type(optimizer)!r}")
+    if not isinstance(precision_aware, bool):
+        raise TypeError(f"fully_shard_optimizer expected precision_aware to be a bool, got {precision_aware!r}")
+    existing = _ADAPTATIONS.get(optimizer)
+    if existing is not None:
+        if existing.precision_aware != precision_aware or existing.kind != attachment:
+            raise ValueError(
+                "fully_shard_optimizer was already applied to this optimizer with "
+                f"precision_aware={existing.precision_aware}, attachment={existing.kind!r}; got "
+                f"precision_aware={precision_aware}, attachment={attachment!r}. Call "
+                "fsdp_patch.remove_fully_shard_optimizer(optimizer) first to change them"
+            )
+        return existing
+    adaptation = Adaptation(optimizer, precision_aware, attachment, observer_factory)
+    _ADAPTATIONS[optimizer] = adaptation
+    return adaptation
+
+
+def remove_fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Undoes ``fully_shard_optimizer``: hooks removed, instance attributes restored.
+
+    Grads still cast by a failed step are put back first. A no-op on an optimizer that is not
+    adapted.
+    """
+    adaptation = _ADAPTATIONS.pop(optimizer, None)
+    if adaptation is not None:
+        adaptation.attachment.detach(optimizer)

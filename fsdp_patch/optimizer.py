@@ -1,0 +1,85 @@
+"""Optimizer adapter for the minimal Megatron-FSDP path.
+
+``fully_shard_optimizer`` adapts an optimizer instance in place: around each ``step`` it casts
+the grads of FSDP groups whose grad dtype differs from their main-weight dtype (one cast per
+group buffer), runs the optimizer's own step, puts the original grads back, and refreshes the
+compute copy of every group the optimizer touched.
+
+Attachment, chosen by ``FSDP_PATCH_TELEMETRY``:
+
+- unset, ``0``, ``false``: torch's step pre/post hooks; no OpenTelemetry call on the step.
+- ``1``, ``true``: a wrapt wrapper on the instance's ``step`` and ``zero_grad`` that emits
+  spans and metrics (see the ``telemetry`` package). Both train bitwise identically.
+
+Alternatives considered:
+    - Monkey-patching ``step`` on the instance (chosen for telemetry, through wrapt): it is the
+      only attachment that encloses the step, so it can time it and restore grads in a
+      ``finally``; it is made to compose with LR schedulers, step hooks, copies and undo.
+    - Generating an FSDP-specific subclass per optimizer class: changes ``type(optimizer)``,
+      which checkpoint and scheduler code inspects.
+    - Casting from main-grad to main-weight dtype after the last microbatch (root
+      post-backward): keeps an fp32 grad copy alive from backward to step.
+    - Letting main weights and main grads share a dtype: enough for an FSDP2 drop-in, and then
+      this adapter only refreshes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .adapter import StepObserver, adapt_optimizer
+from .adapter import init_optimizer_state as _init_optimizer_state
+
+__all__ = ["fully_shard_optimizer", "init_optimizer_state"]
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: bool = False) -> None:
+    """Attach FSDP-aware step handling to an optimizer instance, in place.
+
+    The adapted optimizer keeps its class, parameter groups and state. Calling this again with
+    the same arguments does nothing; ``fsdp_patch.remove_fully_shard_optimizer`` undoes it.
+
+    Args:
+        optimizer: Optimizer instance to adapt in place.
+        precision_aware: Whether the optimizer accepts FSDP's mixed-precision gradients without
+            temporary casting. Compute weights are refreshed either way.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or ``precision_aware`` is
+            not a bool.
+        ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, or the optimizer is
+            already adapted with other settings.
+    """
+    from telemetry import telemetry_enabled
+
+    if not telemetry_enabled():
+        adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="hooks")
+        return
+
+    def observer() -> "StepObserver":
+        from telemetry import OptimizerObserver
+
+        return OptimizerObserver(optimizer, precision_aware=precision_aware)
+
+    adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=observer)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate optimizer state so a DCP load has DTensors to fill, neutrally.
+
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` initializes empty
+    state through torch's ``_init_optim_state``, which assigns a parameter-dtype zero grad that
+    a sharded parameter advertising a different ``grad_dtype`` rejects, and takes a real step
+    that advances step counters and applies weight decay. This initializes the state with
+    ``grad_dtype``-matched zero grads instead and undoes every side effect: parameters are
+    bitwise unchanged and the next real step equals that of a never-initialized optimizer.
+    A no-op once the state exists.
+
+    Args:
+        optimizer: Optimizer whose (possibly empty) state should be materialized.
+
+    Raises:
+        TypeError: ``optimizer`` is not an Optimizer or holds a non-Parameter.
+        NotImplementedError: ``optimizer`` is an LBFGS.
+    """
+    _init_optimizer_state(optimizer)
