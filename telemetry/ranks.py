@@ -1,0 +1,56 @@
+"""Where this process sits in the job: rank, world size, local rank and run id."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Identity of one training process.
+
+    Attributes:
+        rank: Global rank.
+        world_size: Number of ranks in the default process group.
+        local_rank: Rank on this host; offsets per-process ports.
+        run_id: ``TORCHELASTIC_RUN_ID`` when torchrun started the job.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    run_id: str | None
+
+
+def distributed_rank() -> tuple[int, int]:
+    """Rank and world size of the default process group, ``(0, 1)`` when it is not initialized."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _env_int(name: str, default: int) -> int:
+    # torchrun's variables are not ours to validate; a malformed one only costs a label.
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return default
+
+
+def current_rank_info() -> RankInfo:
+    """Rank identity from ``torch.distributed`` when initialized, else torchrun's environment.
+
+    The environment fallback matters because providers may be built before
+    ``init_process_group`` and their resource cannot change afterwards.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or None
+    return RankInfo(rank, world_size, _env_int("LOCAL_RANK", 0), run_id)

@@ -1,0 +1,181 @@
+"""Helpers shared by the telemetry tests and their spawned worker processes.
+
+Kept out of conftest.py because ``torch.multiprocessing`` workers import them by module name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+
+@dataclass
+class Group:
+    """A stand-in for fsdp_patch's ParameterGroup (satisfies telemetry.PrecisionView)."""
+
+    main_weight: torch.Tensor
+    compute_weight: torch.Tensor
+    main_grad: torch.Tensor | None
+    process_group: Any = None
+
+
+@dataclass
+class InMemoryTelemetry:
+    """Providers whose output a test can read back."""
+
+    tracer_provider: TracerProvider
+    span_exporter: InMemorySpanExporter
+    meter_provider: MeterProvider
+    metric_reader: InMemoryMetricReader
+
+    def spans(self) -> list[Any]:
+        return list(self.span_exporter.get_finished_spans())
+
+    def points(self) -> dict[str, list[Any]]:
+        """Data points keyed by metric name (cumulative values since the start)."""
+        return metric_points(self.metric_reader)
+
+
+def in_memory_telemetry() -> InMemoryTelemetry:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    return InMemoryTelemetry(tracer_provider, exporter, meter_provider, reader)
+
+
+def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    points: dict[str, list[Any]] = {}
+    if data is None:
+        return points
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                points.setdefault(metric.name, []).extend(metric.data.data_points)
+    return points
+
+
+def point_value(points: dict[str, list[Any]], name: str, **attributes: Any) -> Any:
+    """The single data point of ``name`` whose attributes include ``attributes`` (value, or the point for histograms)."""
+    wanted = {k.replace("__", "."): v for k, v in attributes.items()}
+    matches = [p for p in points.get(name, []) if all(p.attributes.get(k) == v for k, v in wanted.items())]
+    assert len(matches) == 1, f"{name} {wanted}: {len(matches)} matching points in {points.get(name)}"
+    point = matches[0]
+    return point if isinstance(point, HistogramDataPoint) else point.value
+
+
+def fake_optimizer(device: str = "cpu") -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(4, device=device))], lr=0.1)
+
+
+def run_fake_step(
+    observer: Any,
+    groups: Sequence[Group],
+    new_main: Sequence[torch.Tensor] | None = None,
+    cast_bytes: int = 0,
+    fail_in_inner_step: BaseException | None = None,
+) -> int:
+    """Drive the observer exactly as fsdp_patch's adapter does for one step (wrapt mode).
+
+    The "optimizer step" writes ``new_main`` into each group's main weight and the refresh
+    copies it into the compute weight with a real dtype cast.
+    """
+    with observer.step({"fsdp.params.count": 3, "fsdp.groups.count": len(groups)}) as scope:
+        with observer.phase("cast_grads"):
+            if cast_bytes:
+                observer.record_cast("grad", torch.bfloat16, torch.float32, cast_bytes)
+                observer.record_mismatches(torch.float32, torch.bfloat16, "cast", 2)
+        scope.set_attribute("fsdp.cast.bytes", cast_bytes)
+        due = observer.precision_due(scope.step_number)
+        snapshot = observer.precision_begin(groups) if due else None
+        try:
+            with observer.phase("inner_step"):
+                if fail_in_inner_step is not None:
+                    raise fail_in_inner_step
+                for group, value in zip(groups, new_main or (), strict=False):
+                    group.main_weight.copy_(value)
+        finally:
+            with observer.phase("restore_grads"):
+                pass
+        with observer.phase("refresh"):
+            for group in groups:
+                if group.compute_weight is not group.main_weight:
+                    group.compute_weight.copy_(group.main_weight)
+                    observer.record_cast(
+                        "weight_refresh",
+                        group.main_weight.dtype,
+                        group.compute_weight.dtype,
+                        group.compute_weight.numel() * group.compute_weight.element_size(),
+                    )
+        if snapshot is not None:
+            with observer.phase("precision"):
+                observer.precision_end(snapshot, groups)
+        return scope.step_number
+
+
+def reference_stats(
+    main_before: Sequence[np.ndarray],
+    compute_before: Sequence[np.ndarray | None],
+    main_after: Sequence[np.ndarray],
+    compute_after: Sequence[np.ndarray | None],
+    grads: Sequence[np.ndarray | None],
+) -> dict[str, Any]:
+    """The design page's diagnostics computed independently with numpy over all elements.
+
+    ``compute_*`` None means the compute weight is the main weight. Arrays of all ranks may
+    simply be concatenated per group before calling this.
+    """
+
+    def bits(a: np.ndarray) -> np.ndarray:
+        return a.view({2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize])
+
+    out: dict[str, Any] = {k: 0 for k in ("overflow", "underflow", "changed", "lost")}
+    nonfinite = {(t, k): 0 for t in ("main_grad", "main_weight", "compute_weight") for k in ("nan", "inf")}
+    diff_sq = main_sq = 0.0
+    amax, grad_nan = 0.0, False
+    for mb, cb, ma, ca, g in zip(main_before, compute_before, main_after, compute_after, grads, strict=True):
+        c = ma if ca is None else ca
+        for name, arr in (("main_weight", ma), ("compute_weight", c), ("main_grad", g)):
+            if arr is None:
+                continue
+            nonfinite[(name, "nan")] += int(np.isnan(arr).sum())
+            nonfinite[(name, "inf")] += int(np.isinf(arr).sum())
+        m64 = ma.astype(np.float64)
+        c64 = c.astype(np.float64)
+        out["overflow"] += int((np.isfinite(ma) & np.isinf(c)).sum())
+        out["underflow"] += int(((ma != 0) & (c == 0)).sum())
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff_sq += float(np.sum((c64 - m64) ** 2))
+            main_sq += float(np.sum(m64**2))
+        changed = bits(ma) != bits(mb)
+        # A compute weight that is the main weight changes exactly when the main weight does.
+        kept = ~changed if ca is None else bits(ca) == bits(cb)
+        out["changed"] += int(changed.sum())
+        out["lost"] += int((changed & kept).sum())
+        if g is not None and g.size:
+            grad_nan |= bool(np.isnan(g).any())
+            amax = max(amax, float(np.nanmax(np.abs(g.astype(np.float64)))) if not np.isnan(g).all() else 0.0)
+    out["nonfinite"] = nonfinite
+    out["refresh_error"] = math.sqrt(diff_sq / main_sq) if main_sq > 0 else 0.0
+    out["lost_ratio"] = out["lost"] / out["changed"] if out["changed"] else 0.0
+    out["grad_amax"] = math.nan if grad_nan else amax
+    return out
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """numpy copy; bfloat16 goes through float32 (numpy has no bfloat16), fp16 stays fp16."""
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().copy()
+    return t.detach().numpy().copy()
