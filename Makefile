@@ -9,8 +9,9 @@ setup:
 demo: setup
 	$(PYTHON) -m examples.main_job
 
-# Sets up, then runs the whole test suite.
+# Sets up (with promtool, which the dashboard tests run), then runs the whole test suite.
 test: setup
+	bash dashboards/install_promtool.sh
 	$(PYTHON) -m pytest
 
 bench: setup

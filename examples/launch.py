@@ -1,0 +1,43 @@
+"""Runs a function on N local gloo ranks, or on the ranks torchrun started."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Calls ``fn(*args)`` on every rank with a process group initialized.
+
+    Under torchrun (``RANK`` set), runs in this process with the backend that fits the
+    machine (NCCL when CUDA is available, else gloo); otherwise spawns ``world_size`` local
+    gloo ranks on the CPU.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        try:
+            fn(*args)
+        finally:
+            dist.destroy_process_group()
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world_size, join=True)
