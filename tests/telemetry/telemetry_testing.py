@@ -132,7 +132,8 @@ def reference_stats(
     compute_after: Sequence[np.ndarray | None],
     grads: Sequence[np.ndarray | None],
 ) -> dict[str, Any]:
-    """The design page's diagnostics computed independently with numpy over all elements.
+    """The design page's diagnostics computed independently with numpy over all elements
+    (norms and amax over finite elements, as telemetry.precision documents).
 
     ``compute_*`` None means the compute weight is the main weight. Arrays of all ranks may
     simply be concatenated per group before calling this.
@@ -144,7 +145,7 @@ def reference_stats(
     out: dict[str, Any] = {k: 0 for k in ("overflow", "underflow", "changed", "lost")}
     nonfinite = {(t, k): 0 for t in ("main_grad", "main_weight", "compute_weight") for k in ("nan", "inf")}
     diff_sq = main_sq = 0.0
-    amax, grad_nan = 0.0, False
+    amax = 0.0
     for mb, cb, ma, ca, g in zip(main_before, compute_before, main_after, compute_after, grads, strict=True):
         c = ma if ca is None else ca
         for name, arr in (("main_weight", ma), ("compute_weight", c), ("main_grad", g)):
@@ -152,25 +153,25 @@ def reference_stats(
                 continue
             nonfinite[(name, "nan")] += int(np.isnan(arr).sum())
             nonfinite[(name, "inf")] += int(np.isinf(arr).sum())
-        m64 = ma.astype(np.float64)
-        c64 = c.astype(np.float64)
+        finite = np.isfinite(ma) & np.isfinite(c)
+        m64 = ma.astype(np.float64)[finite]
+        c64 = c.astype(np.float64)[finite]
         out["overflow"] += int((np.isfinite(ma) & np.isinf(c)).sum())
         out["underflow"] += int(((ma != 0) & (c == 0)).sum())
-        with np.errstate(invalid="ignore", over="ignore"):
-            diff_sq += float(np.sum((c64 - m64) ** 2))
-            main_sq += float(np.sum(m64**2))
+        diff_sq += float(np.sum((c64 - m64) ** 2))
+        main_sq += float(np.sum(m64**2))
         changed = bits(ma) != bits(mb)
         # A compute weight that is the main weight changes exactly when the main weight does.
         kept = ~changed if ca is None else bits(ca) == bits(cb)
         out["changed"] += int(changed.sum())
         out["lost"] += int((changed & kept).sum())
-        if g is not None and g.size:
-            grad_nan |= bool(np.isnan(g).any())
-            amax = max(amax, float(np.nanmax(np.abs(g.astype(np.float64)))) if not np.isnan(g).all() else 0.0)
+        if g is not None:
+            finite_g = np.abs(g[np.isfinite(g)].astype(np.float64))
+            amax = max(amax, float(finite_g.max()) if finite_g.size else 0.0)
     out["nonfinite"] = nonfinite
     out["refresh_error"] = math.sqrt(diff_sq / main_sq) if main_sq > 0 else 0.0
     out["lost_ratio"] = out["lost"] / out["changed"] if out["changed"] else 0.0
-    out["grad_amax"] = math.nan if grad_nan else amax
+    out["grad_amax"] = amax
     return out
 
 

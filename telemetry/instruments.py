@@ -1,0 +1,145 @@
+"""The one table of metric instruments, and the code that creates them from it.
+
+Names, kinds, units and attributes are fixed by the project's design page; dashboards
+query them, so change them only together with ``dashboards/``. ``fsdp.rank`` is added
+to every data point on top of the attributes listed here, because Prometheus drops
+resource attributes and dashboards split by rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter
+
+COUNTER = "Counter"
+HISTOGRAM = "Histogram"
+GAUGE = "Gauge"
+
+# The SDK's default histogram buckets are meant for milliseconds (0, 5, 10, ... 10000); in
+# seconds every optimizer step would fall into the first bucket. These span 100 µs to 1 min.
+DURATION_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class InstrumentSpec:
+    """One row of the instrument table.
+
+    Attributes:
+        name: OpenTelemetry instrument name.
+        kind: :data:`COUNTER`, :data:`HISTOGRAM` or :data:`GAUGE` (synchronous instruments only).
+        unit: UCUM unit; it also picks the Prometheus suffix (``By`` -> ``_bytes``, ``s`` -> ``_seconds``).
+        description: Shown by backends next to the series.
+        attributes: Data-point attribute keys besides ``fsdp.rank``.
+        buckets: Explicit histogram bucket boundaries, histograms only.
+    """
+
+    name: str
+    kind: str
+    unit: str
+    description: str
+    attributes: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+CAST_SIZE = "fsdp.optimizer.cast.size"
+REFRESH_DURATION = "fsdp.optimizer.refresh.duration"
+STEP_DURATION = "fsdp.optimizer.step.duration"
+DTYPE_MISMATCHES = "fsdp.optimizer.dtype_mismatches"
+NONFINITE = "fsdp.precision.nonfinite"
+REFRESH_OVERFLOW = "fsdp.precision.refresh.overflow"
+REFRESH_UNDERFLOW = "fsdp.precision.refresh.underflow"
+REFRESH_ERROR = "fsdp.precision.refresh.error"
+LOST_RATIO = "fsdp.precision.update.lost_ratio"
+GRAD_AMAX = "fsdp.precision.grad.amax"
+
+RANK_ATTRIBUTE = "fsdp.rank"
+
+INSTRUMENTS: tuple[InstrumentSpec, ...] = (
+    InstrumentSpec(
+        CAST_SIZE, COUNTER, "By",
+        "Bytes written by dtype casts around the optimizer step (size of each cast's output).",
+        ("fsdp.cast.kind", "fsdp.dtype.source", "fsdp.dtype.target"),
+    ),
+    InstrumentSpec(
+        REFRESH_DURATION, HISTOGRAM, "s",
+        "Time to refresh the compute weights from the main weights (device time on CUDA).",
+        buckets=DURATION_BUCKETS_S,
+    ),
+    InstrumentSpec(
+        STEP_DURATION, HISTOGRAM, "s",
+        "Time of one adapted optimizer.step() (device time on CUDA).",
+        buckets=DURATION_BUCKETS_S,
+    ),
+    InstrumentSpec(
+        DTYPE_MISMATCHES, COUNTER, "{parameter}",
+        "Parameters, per step, whose grad dtype differs from their data dtype.",
+        ("fsdp.dtype.param", "fsdp.dtype.grad", "fsdp.mismatch.action"),
+    ),
+    InstrumentSpec(
+        NONFINITE, COUNTER, "{element}",
+        "NaN and Inf elements found by the precision diagnostics, summed over ranks.",
+        ("fsdp.tensor", "fsdp.nonfinite.kind"),
+    ),
+    InstrumentSpec(
+        REFRESH_OVERFLOW, COUNTER, "{element}",
+        "Elements finite in the main weight and infinite in the refreshed compute weight.",
+    ),
+    InstrumentSpec(
+        REFRESH_UNDERFLOW, COUNTER, "{element}",
+        "Elements non-zero in the main weight and zero in the refreshed compute weight.",
+    ),
+    InstrumentSpec(
+        REFRESH_ERROR, GAUGE, "1",
+        "||compute - main||_2 / ||main||_2 after the refresh, over all ranks.",
+    ),
+    InstrumentSpec(
+        LOST_RATIO, GAUGE, "1",
+        "Among elements whose main weight changed this step, the fraction whose compute weight did not.",
+    ),
+    InstrumentSpec(
+        GRAD_AMAX, GAUGE, "1",
+        "Largest absolute main-grad value over all ranks.",
+    ),
+)  # fmt: skip
+
+
+def create_instruments(meter: Meter) -> dict[str, Any]:
+    """Create every instrument of :data:`INSTRUMENTS` on ``meter``.
+
+    Args:
+        meter: Meter to create the instruments on.
+
+    Returns:
+        Instrument objects keyed by instrument name.
+    """
+    created: dict[str, Any] = {}
+    for spec in INSTRUMENTS:
+        if spec.kind == COUNTER:
+            created[spec.name] = meter.create_counter(spec.name, spec.unit, spec.description)
+        elif spec.kind == HISTOGRAM:
+            created[spec.name] = meter.create_histogram(
+                spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=spec.buckets
+            )
+        elif spec.kind == GAUGE:
+            created[spec.name] = meter.create_gauge(spec.name, spec.unit, spec.description)
+        else:  # pragma: no cover - guards edits of the table itself
+            raise ValueError(f"unknown instrument kind {spec.kind!r} for {spec.name}")
+    return created
+
+
+def markdown_table() -> str:
+    """The instrument table as Markdown, the form ``telemetry/README.md`` embeds."""
+    rows = [
+        "| name | instrument | unit | attributes (plus `fsdp.rank`) | description |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for spec in INSTRUMENTS:
+        attributes = ", ".join(f"`{a}`" for a in spec.attributes) or "—"
+        rows.append(f"| `{spec.name}` | {spec.kind} | `{spec.unit}` | {attributes} | {spec.description} |")
+    return "\n".join(rows)

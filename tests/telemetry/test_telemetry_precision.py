@@ -1,0 +1,215 @@
+"""Precision diagnostics on hand-made flat buffers, against hand counts and a numpy reference."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
+
+from telemetry import precision
+
+NAN, INF = math.nan, math.inf
+
+
+def messy_fp16_group() -> tuple[Group, torch.Tensor]:
+    """A group whose next step produces every diagnostic at least once; returns it and the new main weight."""
+    before = torch.tensor([1.0, 2.0, 0.0, 0.0, 1e-8, 7e4, 3.0, -5.0, 1.0, 1.0])
+    after = torch.tensor([1.0 + 1e-5, 2.5, 0.0, 0.0, 2e-8, 7.1e4, NAN, -INF, 1.0, 1.0 - 1e-6])
+    grad = torch.tensor([0.5, -3.0, 0.0, 0.0, NAN, INF, 1.0, 2.0, -7.5, 0.0], dtype=torch.bfloat16)
+    return Group(before.clone(), before.to(torch.float16), grad), after
+
+
+def step_and_measure(groups, new_mains):
+    """Snapshot, write the new main weights, refresh, and compute the diagnostics."""
+    snapshot = precision.take_snapshot(groups)
+    before = [(to_numpy(g.main_weight), None if g.compute_weight is g.main_weight else to_numpy(g.compute_weight))
+              for g in groups]  # fmt: skip
+    for group, new in zip(groups, new_mains, strict=True):
+        group.main_weight.copy_(new)
+        if group.compute_weight is not group.main_weight:
+            group.compute_weight.copy_(group.main_weight)
+    stats = precision.compute_stats(snapshot, groups)
+    reference = reference_stats(
+        [b[0] for b in before],
+        [b[1] for b in before],
+        [to_numpy(g.main_weight) for g in groups],
+        [None if g.compute_weight is g.main_weight else to_numpy(g.compute_weight) for g in groups],
+        [None if g.main_grad is None else to_numpy(g.main_grad) for g in groups],
+    )
+    return stats, reference
+
+
+def test_hand_counted_diagnostics_fp32_main_fp16_compute():
+    group, after = messy_fp16_group()
+    stats, reference = step_and_measure([group], [after])
+
+    # Counted by hand from the tensors above.
+    assert stats.nonfinite == {
+        ("main_grad", "nan"): 1, ("main_grad", "inf"): 1,
+        ("main_weight", "nan"): 1, ("main_weight", "inf"): 1,        # 3.0 -> NaN, -5 -> -inf
+        ("compute_weight", "nan"): 1, ("compute_weight", "inf"): 2,  # plus 7.1e4 beyond fp16's 65504
+    }  # fmt: skip
+    assert stats.overflow == 1  # 7.1e4: finite in fp32, inf in fp16 (the -inf main is not "finite")
+    assert stats.underflow == 1  # 2e-8: below fp16's smallest subnormal (6e-8)
+    assert stats.changed == 7  # all but the two padding zeros and the unchanged 1.0
+    assert stats.lost == 4  # 1+1e-5, 2e-8 (0 -> 0), 7.1e4 (inf -> inf), 1-1e-6
+    assert stats.lost_ratio == pytest.approx(4 / 7)
+    assert stats.grad_amax == 7.5  # the largest finite |grad|; NaN and Inf are counted above instead
+    assert stats.complete
+
+    # ... and the independent numpy reference agrees on every count.
+    assert stats.nonfinite == reference["nonfinite"]
+    for key in ("overflow", "underflow", "changed", "lost"):
+        assert getattr(stats, key) == reference[key], key
+    assert stats.lost_ratio == pytest.approx(reference["lost_ratio"])
+    # over the 7 elements finite in both weights: the rounding of 1+1e-5, 2.5, 2e-8, 1-1e-6
+    assert stats.refresh_error == pytest.approx(reference["refresh_error"], rel=1e-5)
+    assert 0 < stats.refresh_error < 2**-11
+
+
+def clean_groups(seed: int = 0, n: int = 1000):
+    """Three groups: bf16 compute with grads, fp32 (compute is main) with grads, frozen fp16."""
+    g = torch.Generator().manual_seed(seed)
+    mains = [torch.randn(n, generator=g) for _ in range(3)]
+    mains[0][-7:] = 0.0  # padding
+    groups = [
+        Group(mains[0].clone(), mains[0].to(torch.bfloat16), (torch.randn(n, generator=g) * 3).to(torch.bfloat16)),
+        Group(mains[1].clone(), None, torch.randn(n, generator=g)),  # type: ignore[arg-type]
+        Group(mains[2].clone(), mains[2].to(torch.float16), None),
+    ]
+    groups[1].compute_weight = groups[1].main_weight
+    # Updates of mixed size: half tiny (lost in bf16/fp16), half large; padding stays zero.
+    scale = torch.where(torch.rand(n, generator=g) < 0.5, 1e-6, 1e-1)
+    new_mains = [m + scale * torch.randn(n, generator=g) for m in mains]
+    new_mains[0][-7:] = 0.0
+    return groups, new_mains
+
+
+def test_clean_diagnostics_against_numpy_reference():
+    groups, new_mains = clean_groups()
+    stats, reference = step_and_measure(groups, new_mains)
+    assert all(v == 0 for v in stats.nonfinite.values())
+    assert stats.overflow == stats.underflow == 0
+    assert stats.changed == reference["changed"] > 0
+    assert stats.lost == reference["lost"] > 0
+    assert stats.lost_ratio == pytest.approx(reference["lost_ratio"], rel=1e-12)
+    assert 0.2 < stats.lost_ratio < 0.6  # tiny updates of the fp32 group are not lost: it has no compute copy
+    assert stats.grad_amax == reference["grad_amax"]
+    assert stats.refresh_error == pytest.approx(reference["refresh_error"], rel=1e-5)
+    assert 1e-4 < stats.refresh_error < 2**-8  # bf16/fp16 rounding, never above bf16 unit roundoff
+
+
+def test_chunking_does_not_change_results(monkeypatch):
+    groups, new_mains = clean_groups(seed=3, n=257)
+    whole, _ = step_and_measure(groups, new_mains)
+    groups, new_mains = clean_groups(seed=3, n=257)
+    monkeypatch.setattr(precision, "CHUNK_ELEMENTS", 10)
+    chunked, _ = step_and_measure(groups, new_mains)
+    assert chunked.nonfinite == whole.nonfinite
+    assert (chunked.changed, chunked.lost, chunked.grad_amax) == (whole.changed, whole.lost, whole.grad_amax)
+    assert chunked.refresh_error == pytest.approx(whole.refresh_error, rel=1e-6)
+
+
+def test_nothing_changed_and_all_zero_weights_give_zero():
+    zeros = torch.zeros(16)
+    group = Group(zeros.clone(), zeros.to(torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16))
+    stats, _ = step_and_measure([group], [zeros])
+    assert (stats.changed, stats.lost, stats.lost_ratio, stats.refresh_error, stats.grad_amax) == (0, 0, 0.0, 0.0, 0.0)
+
+
+def bit_copies(groups):
+    return [
+        tuple(None if t is None else t.view(torch.uint8).clone() for t in (g.main_weight, g.compute_weight, g.main_grad))
+        for g in groups
+    ]
+
+
+def test_precision_end_leaves_every_buffer_bitwise_unchanged(make_observer):
+    messy, after = messy_fp16_group()
+    groups, new_mains = clean_groups(seed=1)
+    groups, new_mains = [messy, *groups], [after, *new_mains]
+    observer = make_observer()
+    snapshot = observer.precision_begin(groups)
+    for group, new in zip(groups, new_mains):
+        group.main_weight.copy_(new)
+        if group.compute_weight is not group.main_weight:
+            group.compute_weight.copy_(group.main_weight)
+    buffers = bit_copies(groups)
+    snap_bits = [t.view(torch.uint8).clone() for t in snapshot.main_weights]
+    versions = [g.main_weight._version for g in groups]
+
+    observer.precision_end(snapshot, groups)
+
+    for now, then in zip(bit_copies(groups), buffers):
+        for a, b in zip(now, then):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert all(torch.equal(s.view(torch.uint8), b) for s, b in zip(snapshot.main_weights, snap_bits))
+    assert [g.main_weight._version for g in groups] == versions
+
+
+def test_observer_records_the_diagnostics(otel, make_observer, monkeypatch):
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", "1")
+    observer = make_observer()
+    group, after = messy_fp16_group()
+    run_fake_step(observer, [group], [after])
+    points = otel.points()
+    expected_nonfinite = {("main_grad", "nan"): 1, ("main_grad", "inf"): 1, ("main_weight", "nan"): 1,
+                          ("main_weight", "inf"): 1, ("compute_weight", "nan"): 1, ("compute_weight", "inf"): 2}  # fmt: skip
+    for (tensor, kind), count in expected_nonfinite.items():
+        assert point_value(points, "fsdp.precision.nonfinite", fsdp__tensor=tensor, fsdp__nonfinite__kind=kind) == count
+    assert point_value(points, "fsdp.precision.refresh.overflow") == 1
+    assert point_value(points, "fsdp.precision.refresh.underflow") == 1
+    assert point_value(points, "fsdp.precision.update.lost_ratio") == pytest.approx(4 / 7)
+    assert point_value(points, "fsdp.precision.grad.amax") == 7.5
+    assert all(p.attributes["fsdp.rank"] == 0 for name in points for p in points[name])
+
+    # A second, clean diagnostic step: counters accumulate, gauges show the latest value.
+    groups, new_mains = clean_groups(seed=2)
+    _, reference = step_and_measure(*clean_groups(seed=2))
+    run_fake_step(observer, groups, new_mains)
+    points = otel.points()
+    assert point_value(points, "fsdp.precision.refresh.overflow") == 1
+    assert point_value(points, "fsdp.precision.nonfinite", fsdp__tensor="compute_weight", fsdp__nonfinite__kind="inf") == 2
+    assert point_value(points, "fsdp.precision.grad.amax") == reference["grad_amax"]
+    assert point_value(points, "fsdp.precision.refresh.error") == pytest.approx(reference["refresh_error"], rel=1e-5)
+    assert point_value(points, "fsdp.precision.update.lost_ratio") == pytest.approx(reference["lost_ratio"])
+
+
+@pytest.mark.parametrize(
+    ("every", "due_steps"), [("1", [1, 2, 3, 4, 5, 6]), ("3", [1, 3, 6]), ("0", []), (None, [1])]
+)
+def test_precision_schedule(make_observer, monkeypatch, every, due_steps):
+    if every is not None:
+        monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", every)
+    observer = make_observer()
+    assert [s for s in range(1, 7) if observer.precision_due(s)] == due_steps
+    if every is None:
+        assert observer.precision_due(100) and observer.precision_due(200) and not observer.precision_due(150)
+
+
+def test_sdk_disabled_turns_diagnostics_off(make_observer, monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert not make_observer().precision_due(1)
+
+
+def test_local_failure_is_reported_once_and_records_nothing(otel, make_observer, caplog):
+    observer = make_observer()
+    group, _ = messy_fp16_group()
+    snapshot = observer.precision_begin([group])
+    with caplog.at_level(logging.WARNING):
+        observer.precision_end(snapshot, [group, group])  # wrong number of groups
+        observer.precision_end(snapshot, [])
+    warnings = [r for r in caplog.records if "precision diagnostics failed" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "snapshot holds 1 groups, got 2" in warnings[0].getMessage()
+    assert not any(name.startswith("fsdp.precision") for name in otel.points())
+
+
+def test_protocol_is_satisfied_by_the_test_group():
+    group, _ = messy_fp16_group()
+    assert isinstance(group, precision.PrecisionView)
+    assert np.isnan(to_numpy(group.main_grad)).sum() == 1

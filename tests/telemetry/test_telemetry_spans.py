@@ -1,0 +1,143 @@
+"""Span names, parents, attributes and error handling of OptimizerObserver."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opentelemetry.trace import StatusCode
+from telemetry_testing import Group, run_fake_step
+
+PHASES = ["cast_grads", "inner_step", "restore_grads", "refresh"]
+
+
+def small_group() -> Group:
+    main = torch.linspace(-1, 1, 16)
+    return Group(main, main.to(torch.bfloat16), torch.ones(16, dtype=torch.bfloat16))
+
+
+def by_name(spans):
+    out: dict[str, list] = {}
+    for span in spans:
+        out.setdefault(span.name, []).append(span)
+    return out
+
+
+def test_step_span_tree_and_attributes(otel, make_observer, monkeypatch):
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", "2")
+    observer = make_observer(precision_aware=True)
+    group = small_group()
+    tracer = otel.tracer_provider.get_tracer("training-loop")
+    with tracer.start_as_current_span("train_iteration") as caller:
+        for step in range(3):
+            run_fake_step(observer, [group], [group.main_weight + 0.5 * step], cast_bytes=64 * (step + 1))
+
+    spans = by_name(otel.spans())
+    steps = sorted(spans["fsdp.optimizer.step"], key=lambda s: s.attributes["fsdp.step"])
+    assert [s.attributes["fsdp.step"] for s in steps] == [1, 2, 3]
+    for index, span in enumerate(steps):
+        assert span.parent.span_id == caller.get_span_context().span_id
+        assert dict(span.attributes) == {
+            "fsdp.step": index + 1,
+            "fsdp.rank": 0,
+            "fsdp.world_size": 1,
+            "fsdp.optimizer.class": "SGD",
+            "fsdp.precision_aware": True,
+            "fsdp.params.count": 3,
+            "fsdp.groups.count": 1,
+            "fsdp.cast.bytes": 64 * (index + 1),
+        }
+        assert span.status.status_code is StatusCode.UNSET
+    step_ids = {s.context.span_id: s.attributes["fsdp.step"] for s in steps}
+    for phase in PHASES:
+        children = spans[f"fsdp.optimizer.{phase}"]
+        assert sorted(step_ids[c.parent.span_id] for c in children) == [1, 2, 3]
+    # precision every 2 steps: step 1 (always) and step 2, not step 3
+    precision = spans["fsdp.optimizer.precision"]
+    assert sorted(step_ids[c.parent.span_id] for c in precision) == [1, 2]
+    assert "fsdp.precision.update.lost_ratio" in precision[0].attributes
+    # children nest inside their parent's time range, and in call order
+    for step in steps:
+        kids = sorted((c for c in otel.spans() if c.parent and c.parent.span_id == step.context.span_id),
+                      key=lambda c: c.start_time)  # fmt: skip
+        assert [k.name.rsplit(".", 1)[1] for k in kids][:4] == PHASES
+        assert all(step.start_time <= k.start_time <= k.end_time <= step.end_time for k in kids)
+    assert len(otel.spans()) == 1 + 3 * (1 + len(PHASES)) + 2
+
+
+def test_step_without_caller_span_is_a_root(otel, make_observer):
+    observer = make_observer()
+    run_fake_step(observer, [small_group()])
+    (step,) = by_name(otel.spans())["fsdp.optimizer.step"]
+    assert step.parent is None
+    assert step.attributes["fsdp.precision_aware"] is False
+
+
+def test_spans_opened_inside_inner_step_nest_under_it(otel, make_observer):
+    observer = make_observer()
+    tracer = otel.tracer_provider.get_tracer("optimizer-hook")
+    with observer.step({}):
+        with observer.phase("inner_step"):
+            with tracer.start_as_current_span("user_hook"):
+                pass
+    spans = by_name(otel.spans())
+    assert spans["user_hook"][0].parent.span_id == spans["fsdp.optimizer.inner_step"][0].context.span_id
+
+
+def test_zero_grad_span(otel, make_observer):
+    observer = make_observer()
+    tracer = otel.tracer_provider.get_tracer("training-loop")
+    with tracer.start_as_current_span("iteration") as caller:
+        with observer.zero_grad(set_to_none=False):
+            pass
+    with observer.zero_grad(set_to_none=True):
+        pass
+    first, second = by_name(otel.spans())["fsdp.optimizer.zero_grad"]
+    assert first.parent.span_id == caller.get_span_context().span_id
+    assert first.attributes["fsdp.zero_grad.set_to_none"] is False
+    assert second.attributes["fsdp.zero_grad.set_to_none"] is True
+    assert second.parent is None
+
+
+def test_failing_step_marks_error_records_exception_and_reraises_unchanged(otel, make_observer):
+    observer = make_observer()
+    boom = RuntimeError("inner optimizer exploded")
+    with pytest.raises(RuntimeError) as info:
+        run_fake_step(observer, [small_group()], fail_in_inner_step=boom)
+    assert info.value is boom
+
+    spans = by_name(otel.spans())
+    (step,) = spans["fsdp.optimizer.step"]
+    assert step.status.status_code is StatusCode.ERROR
+    assert "RuntimeError: inner optimizer exploded" in step.status.description
+    (event,) = [e for e in step.events if e.name == "exception"]
+    assert event.attributes["exception.type"] == "RuntimeError"
+    assert event.attributes["exception.message"] == "inner optimizer exploded"
+    (inner,) = spans["fsdp.optimizer.inner_step"]
+    assert inner.status.status_code is StatusCode.ERROR
+    # the adapter restores grads in a finally: that span still ends normally, under the step
+    (restore,) = spans["fsdp.optimizer.restore_grads"]
+    assert restore.status.status_code is StatusCode.UNSET
+    assert restore.parent.span_id == step.context.span_id
+    assert "fsdp.optimizer.refresh" not in spans
+
+    # the observer keeps working, and counts on
+    assert run_fake_step(observer, [small_group()]) == 2
+
+
+def test_ranks_not_selected_emit_no_spans_but_metrics(otel, make_observer, monkeypatch):
+    monkeypatch.setenv("FSDP_PATCH_TRACE_RANKS", "1-3")  # this process is rank 0
+    observer = make_observer()
+    run_fake_step(observer, [small_group()], cast_bytes=10)
+    with observer.zero_grad(True):
+        pass
+    assert otel.spans() == []
+    points = otel.points()
+    assert points["fsdp.optimizer.cast.size"]
+    assert points["fsdp.optimizer.step.duration"][0].count == 1
+
+
+def test_step_numbers_count_per_observer(make_observer):
+    first, second = make_observer(), make_observer()
+    assert [run_fake_step(first, []) for _ in range(3)] == [1, 2, 3]
+    assert run_fake_step(second, []) == 1
+    assert first.step_count == 3
