@@ -1,0 +1,208 @@
+"""Exporter wrappers that keep export failures out of training and out of a flooded log.
+
+An exporter runs on a batch processor's or periodic reader's thread, never on the training
+step itself; these wrappers add the other half of the contract: an exporter that raises or
+fails is reported once with ``logging.warning`` and otherwise ignored. While a wrapped
+exporter runs, warnings that OpenTelemetry's own loggers emit from that thread are held
+back and folded into that single report, so an unreachable collector does not log a retry
+warning every few seconds for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+_logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_capture = threading.local()
+
+
+class _HoldBackInsideGuard(logging.Filter):
+    """Drops WARNING+ records emitted inside a guarded export, remembering the first one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        held = getattr(_capture, "held", None)
+        if held is None or record.levelno < logging.WARNING:
+            return True
+        if not held:
+            held.append(record.getMessage())
+        return False
+
+
+_FILTER = _HoldBackInsideGuard()
+_filter_lock = threading.Lock()
+
+
+def _attach_filter() -> None:
+    # Logger filters do not apply to records of child loggers, so every OpenTelemetry logger
+    # gets the filter. It is inert outside a guarded export (the thread-local is unset).
+    with _filter_lock:
+        names = [n for n in logging.root.manager.loggerDict if n.split(".", 1)[0] == "opentelemetry"]
+        for name in names:
+            logger = logging.getLogger(name)
+            if _FILTER not in logger.filters:
+                logger.addFilter(_FILTER)
+
+
+class _Guard:
+    """Runs exporter calls, turning exceptions into a failure value and reporting the first failure."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._reported = False
+        self._lock = threading.Lock()
+        _attach_filter()
+
+    def call(self, what: str, fn: Callable[[], _T], failed: Callable[[_T], bool], fallback: _T) -> _T:
+        outer = getattr(_capture, "held", None)
+        _capture.held = held = []
+        try:
+            result = fn()
+            reason = held[0] if held else None
+            is_failure = failed(result)
+        except Exception as exc:  # an exporter must never take training down
+            result, is_failure = fallback, True
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            _capture.held = outer
+        if is_failure:
+            self.report(what, reason)
+        return result
+
+    def report(self, what: str, reason: str | None) -> None:
+        """Log the first failure of this exporter; later ones are silent."""
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+        _logger.warning(
+            "fsdp_patch telemetry: %s failed to %s (%s). Training is unaffected; this exporter's "
+            "data may be incomplete and its further failures are not logged.",
+            self.label,
+            what,
+            reason or "the exporter reported a failure",
+        )
+
+
+def _label(exporter: Any) -> str:
+    return type(exporter).__name__
+
+
+class GuardedSpanExporter(SpanExporter):
+    """Wraps a span exporter so that it cannot raise and reports its first failure once.
+
+    Args:
+        inner: The exporter doing the work.
+        label: Name used in the warning; the exporter's class name by default.
+    """
+
+    def __init__(self, inner: SpanExporter, label: str | None = None) -> None:
+        self.inner = inner
+        self._guard = _Guard(label or _label(inner))
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self._guard.call(
+            "export spans",
+            lambda: self.inner.export(spans),
+            lambda r: r is not SpanExportResult.SUCCESS,
+            SpanExportResult.FAILURE,
+        )
+
+    def shutdown(self) -> None:
+        self._guard.call("shut down", self.inner.shutdown, lambda _: False, None)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._guard.call(
+            "flush", lambda: self.inner.force_flush(timeout_millis), lambda r: r is False, False
+        )
+
+
+class GuardedMetricExporter(MetricExporter):
+    """Wraps a push metric exporter so that it cannot raise and reports its first failure once.
+
+    Args:
+        inner: The exporter doing the work; its preferred temporality and aggregation are kept.
+        label: Name used in the warning; the exporter's class name by default.
+    """
+
+    def __init__(self, inner: MetricExporter, label: str | None = None) -> None:
+        super().__init__(
+            preferred_temporality=inner._preferred_temporality,
+            preferred_aggregation=inner._preferred_aggregation,
+        )
+        self.inner = inner
+        self._guard = _Guard(label or _label(inner))
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        return self._guard.call(
+            "export metrics",
+            lambda: self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs),
+            lambda r: r is not MetricExportResult.SUCCESS,
+            MetricExportResult.FAILURE,
+        )
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return self._guard.call(
+            "flush", lambda: self.inner.force_flush(timeout_millis=timeout_millis), lambda r: r is False, False
+        )
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._guard.call("shut down", lambda: self.inner.shutdown(timeout_millis=timeout_millis, **kwargs),
+                         lambda _: False, None)  # fmt: skip
+
+
+class WarnOnce:
+    """Logs a warning the first time a given key is seen, then stays silent for that key."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, msg: str, *args: object) -> None:
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        self._logger.warning(msg, *args)
+
+
+def run_bounded(fn: Callable[[], object], timeout_s: float, what: str, warn: WarnOnce) -> bool:
+    """Run ``fn`` on a helper thread and wait at most ``timeout_s`` for it.
+
+    The SDK's ``force_flush`` exports synchronously on the calling thread with no time limit,
+    so a dead collector could otherwise hold ``destroy_process_group`` or interpreter exit
+    hostage for the exporter's full retry budget.
+
+    Returns:
+        Whether ``fn`` finished in time without raising.
+    """
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as exc:  # reported below, on the caller's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, name=f"fsdp-telemetry-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        warn(f"timeout:{what}", "fsdp_patch telemetry: %s did not finish within %.1fs; continuing without waiting "
+             "(raise FSDP_PATCH_FLUSH_TIMEOUT to wait longer).", what, timeout_s)  # fmt: skip
+        return False
+    if outcome and outcome[0] is not None:
+        exc = outcome[0]
+        warn(f"error:{what}", "fsdp_patch telemetry: %s failed (%s: %s); continuing.", what, type(exc).__name__, exc)
+        return False
+    return True
