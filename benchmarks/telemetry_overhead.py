@@ -1,0 +1,122 @@
+"""Telemetry overhead: training step time with telemetry on (diagnostics off) versus off.
+
+Both configurations run in one process, side by side: two identical sharded models, one
+adapted with torch's step hooks (``FSDP_PATCH_TELEMETRY`` off), one with the wrapt wrapper and
+OpenTelemetry on its embedded default exporter. Steps alternate between them so that drift in
+machine speed hits both alike; medians are compared.
+
+Part 1: a >= 20M-parameter transformer, whole training step (forward, backward, step).
+Part 2: a tiny model, ``optimizer.step()`` alone, giving the fixed per-step cost in microseconds.
+
+Usage::
+
+    python -m benchmarks.telemetry_overhead [--steps 12] [--tiny-steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from examples.launch import run_ranks
+from examples.model import GPT, GPTConfig, lm_loss, shard, synthetic_batches
+
+LARGE = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
+TINY = GPTConfig(vocab=32, dim=16, heads=2, layers=2, seq=8)
+
+
+def _build(config: GPTConfig, telemetry_on: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    torch.manual_seed(0)
+    model = shard(GPT(config).bfloat16())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    os.environ["FSDP_PATCH_TELEMETRY"] = "1" if telemetry_on else "0"
+    fully_shard_optimizer(optimizer)
+    return model, optimizer
+
+
+def _alternate(steps: int, run: Callable[[bool, int], float]) -> dict[bool, list[float]]:
+    """Runs ``run(telemetry_on, step)`` for both settings each step; returns the durations."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for step in range(steps):
+        # Alternate the order too, so neither side always runs on a warmer cache.
+        order = (False, True) if step % 2 == 0 else (True, False)
+        for telemetry_on in order:
+            times[telemetry_on].append(run(telemetry_on, step))
+    return times
+
+
+def bench(steps: int, tiny_steps: int, warmup: int) -> None:
+    rank = dist.get_rank()
+    models = {on: _build(LARGE, on) for on in (False, True)}
+    params = sum(p.numel() for p in models[False][0].parameters())
+    batches = synthetic_batches(LARGE, 4, steps + warmup)
+
+    def train_step(telemetry_on: bool, tokens: torch.Tensor) -> float:
+        model, optimizer = models[telemetry_on]
+        start = time.perf_counter()
+        lm_loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    for tokens in batches[:warmup]:
+        for on in (False, True):
+            train_step(on, tokens)
+    large = _alternate(steps, lambda on, step: train_step(on, batches[warmup + step]))
+    del models
+
+    tiny = {on: _build(TINY, on) for on in (False, True)}
+    tiny_tokens = synthetic_batches(TINY, 2, 1)[0]
+    for on in (False, True):
+        lm_loss(tiny[on][0], tiny_tokens).backward()
+
+    def run_tiny(telemetry_on: bool, step: int = 0) -> float:
+        optimizer = tiny[telemetry_on][1]
+        start = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    for _ in range(warmup * 10):
+        for on in (False, True):
+            run_tiny(on)
+    small = _alternate(tiny_steps, run_tiny)
+
+    if rank == 0:
+        off, on = statistics.median(large[False]), statistics.median(large[True])
+        print(f"large model: {params / 1e6:.1f}M parameters, {dist.get_world_size()} rank(s), {steps} steps each")
+        print(f"  step time, telemetry off: {off * 1e3:9.2f} ms (median)")
+        print(f"  step time, telemetry on : {on * 1e3:9.2f} ms (median)")
+        print(f"  overhead ratio on/off   : {on / off:9.4f}  ({(on / off - 1) * 100:+.2f}%, target < +3%)")
+        toff, ton = statistics.median(small[False]), statistics.median(small[True])
+        tiny_params = sum(p.numel() for p in tiny[False][0].parameters())
+        print(f"tiny model: {tiny_params} parameters, optimizer.step() alone, {tiny_steps} steps each")
+        print(f"  step, telemetry off: {toff * 1e6:9.1f} us (median)")
+        print(f"  step, telemetry on : {ton * 1e6:9.1f} us (median)")
+        print(f"  fixed cost per step: {(ton - toff) * 1e6:9.1f} us")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--tiny-steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("FSDP_PATCH_TRACE_DIR", tmp)
+        os.environ.setdefault("FSDP_PATCH_PRECISION_EVERY", "0")
+        os.environ.setdefault("FSDP_PATCH_SUMMARY", "none")
+        run_ranks(bench, args.world_size, args.steps, args.tiny_steps, args.warmup)
+
+
+if __name__ == "__main__":
+    main()
