@@ -105,7 +105,7 @@ class ParameterGroup:
         self._grad_views: list[DTensor] = (
             self._specs.views(self.main_grad) if self.main_grad is not None else []
         )
-        self._refreshed_version = self.main_weight._version
+        self._refreshed_version = self.weights_version()
 
         # Unsharded state: one padded flat buffer whose storage is freed between uses; the
         # unsharded parameters are persistent leaf views into it, so tensors that autograd
@@ -139,6 +139,15 @@ class ParameterGroup:
     def compute_aliases_main(self) -> bool:
         return self.compute_weight is self.main_weight
 
+    def weights_version(self) -> int:
+        """A counter that changes whenever the main weights are modified in place.
+
+        Updates through the DTensor parameters (an optimizer step, ``load_state_dict``) bump
+        the parameters' own version counters but not the flat buffer's, since DTensor runs
+        the local op below autograd; direct writes to the buffer bump only the buffer's.
+        """
+        return self.main_weight._version + sum(p._version for p in self.params)
+
     def refresh_compute_weight(self) -> int:
         """Refreshes the compute copy from the main weights; one cast for the whole group.
 
@@ -150,13 +159,13 @@ class ParameterGroup:
             with torch.no_grad():
                 self.compute_weight.copy_(self.main_weight)
             written = self.compute_weight.numel() * self.compute_weight.element_size()
-        self._refreshed_version = self.main_weight._version
+        self._refreshed_version = self.weights_version()
         return written
 
     def _ensure_compute_fresh(self) -> None:
         # Main weights changed outside the optimizer adapter (a checkpoint load, a manual
         # edit): the compute copy must follow before anyone gathers it.
-        if self.main_weight._version != self._refreshed_version:
+        if self.weights_version() != self._refreshed_version:
             self.refresh_compute_weight()
 
     @property
@@ -166,7 +175,7 @@ class ParameterGroup:
     def unshard(self) -> None:
         """All-gathers the compute copy into the unsharded parameters (no cast)."""
         self._ensure_compute_fresh()
-        if self._gathered_version == self.main_weight._version:
+        if self._gathered_version == self.weights_version():
             return
         flat = self._unsharded_flat
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
@@ -182,7 +191,7 @@ class ParameterGroup:
                 torch.split_with_sizes_copy(
                     gathered.view(self.world_size, -1), self.layout.slot_sizes, dim=1, out=self._copy_out_views
                 )
-        self._gathered_version = self.main_weight._version
+        self._gathered_version = self.weights_version()
 
     def _free_unsharded(self) -> None:
         self._unsharded_flat.untyped_storage().resize_(0)
