@@ -96,7 +96,7 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     ),
     InstrumentSpec(
         REFRESH_ERROR, GAUGE, "1",
-        "||compute - main||_2 / ||main||_2 after the refresh, over all ranks.",
+        "Relative error of the refresh, ‖compute − main‖₂ / ‖main‖₂, over finite elements of all ranks.",
     ),
     InstrumentSpec(
         LOST_RATIO, GAUGE, "1",
@@ -104,7 +104,7 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     ),
     InstrumentSpec(
         GRAD_AMAX, GAUGE, "1",
-        "Largest absolute main-grad value over all ranks.",
+        "Largest finite absolute main-grad value over all ranks.",
     ),
 )  # fmt: skip
 

@@ -259,10 +259,12 @@ def reduce_stats(local: torch.Tensor, process_group: ProcessGroup | None) -> tor
     world = dist.get_world_size(process_group)
     if world == 1:
         return local
-    gathered = torch.empty((world, _STATS_LEN), dtype=local.dtype, device=local.device)
+    # Flat output (the concatenation form): gloo rejects the stacked (world, n) form.
+    flat = torch.empty(world * _STATS_LEN, dtype=local.dtype, device=local.device)
     # all_gather_single replaces all_gather_into_tensor in recent torch; both are one collective.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, local, group=process_group)
+    gather(flat, local, group=process_group)
+    gathered = flat.view(world, _STATS_LEN)
     reduced = gathered.sum(dim=0)
     reduced[_GRAD_AMAX] = gathered[:, _GRAD_AMAX].max()
     return reduced

@@ -1,0 +1,144 @@
+"""Metric values recorded by OptimizerObserver, and the instrument table itself."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+from telemetry_testing import Group, fake_optimizer, point_value, run_fake_step
+
+from telemetry import instruments
+
+README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
+
+# design.md's metric table, written out independently of telemetry/instruments.py.
+DESIGN_TABLE = {
+    "fsdp.optimizer.cast.size": ("Counter", "By", {"fsdp.cast.kind", "fsdp.dtype.source", "fsdp.dtype.target"}),
+    "fsdp.optimizer.refresh.duration": ("Histogram", "s", set()),
+    "fsdp.optimizer.step.duration": ("Histogram", "s", set()),
+    "fsdp.optimizer.dtype_mismatches": (
+        "Counter", "{parameter}", {"fsdp.dtype.param", "fsdp.dtype.grad", "fsdp.mismatch.action"},
+    ),
+    "fsdp.precision.nonfinite": ("Counter", "{element}", {"fsdp.tensor", "fsdp.nonfinite.kind"}),
+    "fsdp.precision.refresh.overflow": ("Counter", "{element}", set()),
+    "fsdp.precision.refresh.underflow": ("Counter", "{element}", set()),
+    "fsdp.precision.refresh.error": ("Gauge", "1", set()),
+    "fsdp.precision.update.lost_ratio": ("Gauge", "1", set()),
+    "fsdp.precision.grad.amax": ("Gauge", "1", set()),
+}  # fmt: skip
+
+
+def test_instrument_table_matches_the_design_page():
+    table = {s.name: (s.kind, s.unit, set(s.attributes)) for s in instruments.INSTRUMENTS}
+    assert table == DESIGN_TABLE
+    assert all(s.description for s in instruments.INSTRUMENTS)
+
+
+def test_readme_embeds_the_instrument_table():
+    with open(README, encoding="utf-8") as f:
+        assert instruments.markdown_table() in f.read()
+
+
+def test_cast_mismatch_and_duration_values_are_exact(otel, make_observer):
+    observer = make_observer()
+    main = torch.arange(8, dtype=torch.float32)
+    group = Group(main, main.to(torch.float16), torch.zeros(8, dtype=torch.bfloat16))
+    steps = 4
+    started = time.perf_counter()
+    for step in range(steps):
+        run_fake_step(observer, [group], [main + 1], cast_bytes=100 + step)
+    elapsed = time.perf_counter() - started
+    observer.record_mismatches(torch.float32, torch.float16, "rejected", 5)
+    observer.record_mismatches(torch.float32, torch.float16, "rejected", 2)
+
+    points = otel.points()
+    grad = point_value(points, "fsdp.optimizer.cast.size", fsdp__cast__kind="grad")
+    assert grad == sum(100 + s for s in range(steps))
+    refresh = point_value(points, "fsdp.optimizer.cast.size", fsdp__cast__kind="weight_refresh")
+    assert refresh == steps * 8 * 2  # 8 fp16 elements written per refresh
+    (refresh_point,) = [p for p in points["fsdp.optimizer.cast.size"] if p.value == refresh]
+    assert dict(refresh_point.attributes) == {
+        "fsdp.rank": 0,
+        "fsdp.cast.kind": "weight_refresh",
+        "fsdp.dtype.source": "float32",
+        "fsdp.dtype.target": "float16",
+    }
+    assert point_value(points, "fsdp.optimizer.dtype_mismatches", fsdp__mismatch__action="cast") == 2 * steps
+    rejected = [p for p in points["fsdp.optimizer.dtype_mismatches"] if p.attributes["fsdp.mismatch.action"] == "rejected"]
+    assert len(rejected) == 1 and rejected[0].value == 7
+    assert dict(rejected[0].attributes) == {
+        "fsdp.rank": 0, "fsdp.dtype.param": "float32", "fsdp.dtype.grad": "float16", "fsdp.mismatch.action": "rejected",
+    }  # fmt: skip
+
+    for name in ("fsdp.optimizer.step.duration", "fsdp.optimizer.refresh.duration"):
+        (hist,) = points[name]
+        assert dict(hist.attributes) == {"fsdp.rank": 0}
+        assert hist.count == steps
+        assert 0 < hist.min <= hist.max and hist.sum <= elapsed
+        assert list(hist.explicit_bounds) == list(instruments.DURATION_BUCKETS_S)
+    step_hist, refresh_hist = points["fsdp.optimizer.step.duration"][0], points["fsdp.optimizer.refresh.duration"][0]
+    assert refresh_hist.sum < step_hist.sum  # the refresh is part of the step
+
+
+def test_failed_step_still_records_one_duration(otel, make_observer):
+    observer = make_observer()
+    with pytest.raises(ValueError):
+        run_fake_step(observer, [], fail_in_inner_step=ValueError("x"))
+    run_fake_step(observer, [])
+    (hist,) = otel.points()["fsdp.optimizer.step.duration"]
+    assert hist.count == 2
+
+
+def test_step_durations_measure_the_step(otel, make_observer):
+    observer = make_observer()
+    with observer.step({}):
+        time.sleep(0.05)
+    with observer.step({}):
+        pass
+    (hist,) = otel.points()["fsdp.optimizer.step.duration"]
+    assert hist.count == 2
+    assert 0.05 <= hist.max < 1.0
+    assert hist.min < 0.05
+
+
+def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import MeterProvider
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from telemetry import OptimizerObserver
+
+    registry = CollectorRegistry()
+    provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)])
+    try:
+        group = Group(torch.ones(4), torch.ones(4, dtype=torch.float16), torch.ones(4, dtype=torch.bfloat16))
+        observer = OptimizerObserver(
+            fake_optimizer(), precision_aware=False, tracer_provider=otel.tracer_provider, meter_provider=provider
+        )
+        run_fake_step(observer, [group], [torch.full((4,), 2.0)], cast_bytes=8)  # step 1 runs the diagnostics
+        text = generate_latest(registry).decode()
+    finally:
+        provider.shutdown()
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    expected = {
+        "fsdp_optimizer_cast_size_bytes_total": "counter",
+        "fsdp_optimizer_refresh_duration_seconds": "histogram",
+        "fsdp_optimizer_step_duration_seconds": "histogram",
+        "fsdp_optimizer_dtype_mismatches_total": "counter",
+        "fsdp_precision_nonfinite_total": "counter",
+        "fsdp_precision_refresh_overflow_total": "counter",
+        "fsdp_precision_refresh_underflow_total": "counter",
+        "fsdp_precision_refresh_error": "gauge",
+        "fsdp_precision_update_lost_ratio": "gauge",
+        "fsdp_precision_grad_amax": "gauge",
+    }
+    ours = {f for f in families if f.startswith("fsdp_")}
+    # one family per instrument: nothing collided in translation
+    assert len(ours) == len(instruments.INSTRUMENTS)
+    for family, kind in expected.items():
+        base = family.removesuffix("_total")
+        assert re.search(rf"^# TYPE ({family}|{base}) {kind}$", text, re.MULTILINE), family
+    assert re.search(r'^fsdp_optimizer_step_duration_seconds_count\{.*fsdp_rank="0".*\} 1\.0$', text, re.MULTILINE)
