@@ -1,0 +1,448 @@
+"""Provider resolution, the embedded default (trace file + summary), OTEL_* exporters and failure isolation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import urllib.request
+
+import pytest
+import torch
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from telemetry_testing import Group, fake_optimizer, metric_points, run_fake_step
+
+import telemetry
+from telemetry import OptimizerObserver, exporters, providers, trace_files
+from telemetry.isolation import GuardedSpanExporter, WarnOnce, run_bounded
+from telemetry.ranks import RankInfo
+
+STEP_NAMES = {f"fsdp.optimizer.{n}" for n in ("step", "cast_grads", "inner_step", "restore_grads", "refresh")}
+
+
+def group() -> Group:
+    main = torch.linspace(0.5, 1.5, 32)
+    return Group(main, main.to(torch.bfloat16), torch.ones(32, dtype=torch.bfloat16))
+
+
+def run_steps(observer: OptimizerObserver, steps: int = 3) -> None:
+    g = group()
+    for _ in range(steps):
+        run_fake_step(observer, [g], [g.main_weight + 0.25], cast_bytes=64)
+
+
+def telemetry_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def load_trace(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["traceEvents"]
+
+
+# -- the embedded default -----------------------------------------------------------
+
+
+def test_embedded_default_writes_a_valid_chrome_trace_and_prints_a_summary(tmp_path, capsys):
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+    run_steps(observer, 3)
+    with observer.zero_grad(True):
+        pass
+    telemetry.shutdown()
+
+    trace_dir = tmp_path / "traces"
+    events = load_trace(trace_dir / "rank0.trace.json")
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["name"] for e in complete} >= STEP_NAMES | {"fsdp.optimizer.zero_grad", "fsdp.optimizer.precision"}
+    steps = [e for e in complete if e["name"] == "fsdp.optimizer.step"]
+    assert sorted(e["args"]["fsdp.step"] for e in steps) == [1, 2, 3]
+    step_ids = {e["args"]["span_id"] for e in steps}
+    children = [e for e in complete if e["name"] == "fsdp.optimizer.inner_step"]
+    assert {e["args"]["parent_span_id"] for e in children} == step_ids
+    assert all(e["pid"] == 0 and e["dur"] >= 0 for e in complete)
+    process = next(e for e in events if e["ph"] == "M" and e["name"] == "process_name")
+    assert process["args"]["otel.resource"]["fsdp.rank"] == 0
+    assert process["args"]["otel.resource"]["service.name"] == "fsdp_patch"
+
+    jaeger = json.loads((trace_dir / "rank0.jaeger.json").read_text())
+    assert len(jaeger["data"]) == 4  # three steps and one zero_grad, each its own trace
+    step_trace = next(t for t in jaeger["data"] if any(s["operationName"] == "fsdp.optimizer.step" for s in t["spans"]))
+    by_id = {s["spanID"]: s for s in step_trace["spans"]}
+    inner = next(s for s in step_trace["spans"] if s["operationName"] == "fsdp.optimizer.inner_step")
+    assert by_id[inner["references"][0]["spanID"]]["operationName"] == "fsdp.optimizer.step"
+    assert step_trace["processes"]["p0"]["serviceName"] == "fsdp_patch"
+    assert (trace_dir / ".gitignore").read_text().strip().endswith("*")
+
+    err = capsys.readouterr().err
+    assert "fsdp_patch telemetry summary: rank 0 of 1 (service fsdp_patch)" in err
+    assert "fsdp.optimizer.step.duration [s]" in err and "count 3," in err
+    assert "fsdp.cast.kind=grad fsdp.dtype.source=bfloat16 fsdp.dtype.target=float32: 192" in err
+    assert "rank0.trace.json" in err and "rank0.jaeger.json" in err
+
+    telemetry.shutdown()  # idempotent: nothing printed twice
+    assert capsys.readouterr().err == ""
+
+
+def test_trace_file_is_valid_json_before_shutdown(tmp_path, monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+    run_steps(observer, 2)
+    providers.flush()
+    events = load_trace(tmp_path / "traces" / "rank0.trace.json")
+    assert sum(e["name"] == "fsdp.optimizer.step" for e in events) == 2
+    run_steps(observer, 1)
+    providers.flush()
+    events = load_trace(tmp_path / "traces" / "rank0.trace.json")
+    assert sum(e["name"] == "fsdp.optimizer.step" for e in events) == 3
+
+
+def test_summary_only_on_rank0_by_default(capsys, monkeypatch):
+    monkeypatch.setenv("FSDP_PATCH_SUMMARY", "none")
+    run_steps(OptimizerObserver(fake_optimizer(), precision_aware=False), 1)
+    telemetry.shutdown()
+    assert "summary" not in capsys.readouterr().err
+
+
+def test_merge_and_jaeger_command_line(tmp_path):
+    for rank in (0, 1):
+        exporter = trace_files.TraceFileExporter(str(tmp_path), rank, {"service.name": "svc", "fsdp.rank": rank})
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        with provider.get_tracer("t").start_as_current_span(f"outer{rank}"):
+            with provider.get_tracer("t").start_as_current_span("inner") as inner:
+                inner.record_exception(ValueError("bad"))
+        provider.shutdown()
+    inputs = [str(tmp_path / f"rank{r}.trace.json") for r in (0, 1)]
+    assert trace_files.main(["merge", str(tmp_path / "all.json"), *inputs]) == 0
+    merged = load_trace(tmp_path / "all.json")
+    assert {e["pid"] for e in merged if e["ph"] == "X"} == {0, 1}
+    assert trace_files.main(["jaeger", str(tmp_path / "all.jaeger.json"), *inputs]) == 0
+    data = json.loads((tmp_path / "all.jaeger.json").read_text())["data"]
+    assert len(data) == 2
+    inner = next(s for s in data[0]["spans"] if s["operationName"] == "inner")
+    assert inner["logs"][0]["fields"][0] == {"key": "event", "type": "string", "value": "exception"}
+    assert trace_files.main(["bogus"]) == 2
+
+
+# -- providers ----------------------------------------------------------------------
+
+
+def test_application_providers_are_kept(tmp_path):
+    app_spans = InMemorySpanExporter()
+    app_tracer_provider = TracerProvider()
+    app_tracer_provider.add_span_processor(SimpleSpanProcessor(app_spans))
+    app_reader = InMemoryMetricReader()
+    app_meter_provider = MeterProvider(metric_readers=[app_reader])
+    trace.set_tracer_provider(app_tracer_provider)
+    metrics.set_meter_provider(app_meter_provider)
+
+    run_steps(OptimizerObserver(fake_optimizer(), precision_aware=False), 2)
+    telemetry.shutdown()
+
+    assert trace.get_tracer_provider() is app_tracer_provider
+    assert metrics.get_meter_provider() is app_meter_provider
+    assert {s.name for s in app_spans.get_finished_spans()} >= STEP_NAMES
+    assert metric_points(app_reader)["fsdp.optimizer.step.duration"][0].count == 2
+    assert not (tmp_path / "traces").exists()
+    assert providers.written_trace_files() == []
+    # our shutdown left the application's providers running
+    with app_tracer_provider.get_tracer("app").start_as_current_span("after"):
+        pass
+    assert app_spans.get_finished_spans()[-1].name == "after"
+
+
+def test_only_the_missing_signal_is_installed():
+    app_reader = InMemoryMetricReader()
+    app_meter_provider = MeterProvider(metric_readers=[app_reader])
+    metrics.set_meter_provider(app_meter_provider)
+    run_steps(OptimizerObserver(fake_optimizer(), precision_aware=False), 1)
+    assert isinstance(trace.get_tracer_provider(), TracerProvider)  # ours
+    assert metrics.get_meter_provider() is app_meter_provider
+    assert providers.written_trace_files() == []  # not flushed yet
+    providers.flush()
+    assert providers.written_trace_files()[0].endswith("rank0.trace.json")
+
+
+def test_sdk_disabled_yields_no_spans_files_or_providers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+    run_steps(observer, 2)
+    telemetry.shutdown()
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    assert not (tmp_path / "traces").exists()
+    assert capsys.readouterr().err == ""
+
+
+def test_sdk_disabled_with_injected_sdk_providers_records_nothing(monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # reads OTEL_SDK_DISABLED itself
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False, tracer_provider=provider)
+    run_steps(observer, 1)
+    assert exporter.get_finished_spans() == ()
+
+
+def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llm-pretrain")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=lab,team=numerics")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
+    from telemetry.ranks import current_rank_info
+
+    resource = providers.build_resource(current_rank_info())
+    attributes = dict(resource.attributes)
+    assert attributes["service.name"] == "llm-pretrain"
+    assert attributes["deployment.environment"] == "lab" and attributes["team"] == "numerics"
+    assert (attributes["fsdp.rank"], attributes["fsdp.world_size"], attributes["fsdp.local_rank"]) == (5, 8, 1)
+    assert attributes["fsdp.run_id"] == "job-42"
+    monkeypatch.delenv("OTEL_SERVICE_NAME")
+    assert providers.build_resource(current_rank_info()).attributes["service.name"] == "fsdp_patch"
+
+
+def test_destroy_process_group_is_wrapped_once():
+    import torch.distributed as dist
+
+    run_steps(OptimizerObserver(fake_optimizer(), precision_aware=False), 1)
+    wrapper = dist.destroy_process_group
+    assert getattr(wrapper, "_self_fsdp_telemetry_flush", False)
+    assert dist.distributed_c10d.destroy_process_group is wrapper
+    providers._wrap_destroy_process_group()
+    assert dist.destroy_process_group is wrapper
+
+
+# -- exporter selection ---------------------------------------------------------------
+
+RANK0 = RankInfo(rank=0, world_size=1, local_rank=0, run_id=None)
+
+
+def inner_types(exps) -> list[str]:
+    return [type(getattr(e, "inner", e)).__name__ for e in exps]
+
+
+def test_span_exporter_selection(monkeypatch, caplog):
+    resource = providers.build_resource(RANK0)
+    assert inner_types(exporters.build_span_exporters(RANK0, resource)[0]) == ["TraceFileExporter"]
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console, none")
+    assert inner_types(exporters.build_span_exporters(RANK0, resource)[0]) == ["ConsoleSpanExporter"]
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp,trace_file")
+    built = exporters.build_span_exporters(RANK0, resource)[0]
+    assert inner_types(built) == ["OTLPSpanExporter", "TraceFileExporter"]
+    assert "proto.http" in type(built[0].inner).__module__  # the specification's default protocol
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert "proto.grpc" in type(exporters.build_span_exporters(RANK0, resource)[0][0].inner).__module__
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert "proto.http" in type(exporters.build_span_exporters(RANK0, resource)[0][0].inner).__module__
+    for built in exporters.build_span_exporters(RANK0, resource)[0]:
+        built.shutdown()
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkinn")
+    with caplog.at_level(logging.WARNING):
+        assert exporters.build_span_exporters(RANK0, resource)[0] == []
+    (message,) = telemetry_warnings(caplog)
+    assert "OTEL_TRACES_EXPORTER" in message and "'zipkinn'" in message and "trace_file, console, otlp, none" in message
+
+
+def test_unsupported_protocol_and_missing_package_are_explained(monkeypatch, caplog):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with caplog.at_level(logging.WARNING):
+        assert exporters.otlp_protocol("traces") == "http/protobuf"
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in telemetry_warnings(caplog)[0]
+    assert "grpc" in telemetry_warnings(caplog)[0]
+
+    caplog.clear()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setitem(exporters._OTLP_CLASSES, ("traces", "grpc"), ("no_such_module.trace_exporter", "X"))
+    with caplog.at_level(logging.WARNING):
+        assert exporters._otlp_exporter("traces") is None
+    assert "pip install 'fsdp-patch[otlp]'" in telemetry_warnings(caplog)[0]
+
+
+def test_metric_reader_selection(monkeypatch):
+    setup = exporters.build_metric_readers(RANK0, "header")
+    assert setup.summary is not None and setup.readers == [setup.summary.reader]
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console,otlp")
+    setup = exporters.build_metric_readers(RANK0, "header")
+    assert setup.summary is None
+    assert [type(r.__dict__["_exporter"].inner).__name__ for r in setup.readers] == [
+        "ConsoleMetricExporter", "OTLPMetricExporter",
+    ]  # fmt: skip
+    for reader in setup.readers:
+        reader.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_endpoint_serves_rank_labelled_metrics(monkeypatch, otel):
+    from prometheus_client import CollectorRegistry
+
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "0")
+    setup = exporters.build_metric_readers(RANK0, "header", prometheus_registry=CollectorRegistry())
+    provider = MeterProvider(metric_readers=setup.readers)
+    try:
+        observer = OptimizerObserver(
+            fake_optimizer(), precision_aware=False, tracer_provider=otel.tracer_provider, meter_provider=provider
+        )
+        run_steps(observer, 2)
+        (server,) = setup.prometheus_servers
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        provider.shutdown()
+        providers._stop_servers(setup)
+    assert 'fsdp_optimizer_step_duration_seconds_count{fsdp_rank="0"' in body
+    assert "fsdp_optimizer_cast_size_bytes_total" in body
+
+
+def test_prometheus_port_offsets_by_local_rank_and_survives_a_busy_port(monkeypatch, caplog):
+    assert exporters._prometheus_port(local_rank=3) == 9464 + 3
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "12000")
+    assert exporters._prometheus_port(local_rank=2) == 12002
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "http")
+    with caplog.at_level(logging.WARNING):
+        assert exporters._prometheus_port(local_rank=0) == 9464
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT='http'" in telemetry_warnings(caplog)[0]
+
+    caplog.clear()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+        monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
+        monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(busy.getsockname()[1]))
+        from prometheus_client import CollectorRegistry
+
+        with caplog.at_level(logging.WARNING):
+            setup = exporters.build_metric_readers(RANK0, "h", prometheus_registry=CollectorRegistry())
+    assert setup.readers == [] and setup.prometheus_servers == []
+    assert "cannot serve Prometheus metrics" in telemetry_warnings(caplog)[0]
+
+
+# -- failure isolation ----------------------------------------------------------------
+
+
+class RaisingExporter(SpanExporter):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def export(self, spans):
+        self.calls += 1
+        raise ConnectionError("collector is gone")
+
+    def shutdown(self):
+        raise OSError("cannot close")
+
+
+def test_raising_exporter_never_reaches_training_and_warns_once(otel, caplog, tmp_path):
+    raising = RaisingExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(GuardedSpanExporter(raising), schedule_delay_millis=10))
+    observer = OptimizerObserver(
+        fake_optimizer(), precision_aware=False, tracer_provider=provider, meter_provider=otel.meter_provider
+    )
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            run_steps(observer, 2)
+            provider.force_flush()
+        provider.shutdown()
+    assert raising.calls >= 3
+    messages = telemetry_warnings(caplog)
+    assert len(messages) == 1, messages
+    assert "RaisingExporter failed to export spans (ConnectionError: collector is gone)" in messages[0]
+    assert otel.points()["fsdp.optimizer.step.duration"][0].count == 6  # metrics unaffected
+
+
+def closed_port() -> int:
+    port = free_port()  # bound and released: nothing listens there
+    return port
+
+
+def test_unreachable_collector_is_bounded_and_reported_once(monkeypatch, caplog):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    monkeypatch.setenv("FSDP_PATCH_FLUSH_TIMEOUT", "3")
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+    with caplog.at_level(logging.WARNING):
+        started = time.perf_counter()
+        run_steps(observer, 3)
+        steps_took = time.perf_counter() - started
+        providers.flush()
+        run_steps(observer, 3)
+        telemetry.shutdown()
+        total = time.perf_counter() - started
+    assert steps_took < 2.0  # export runs off the training thread
+    assert total < 15.0  # flush and shutdown waits are bounded
+    messages = telemetry_warnings(caplog)
+    span_reports = [m for m in messages if "OTLPSpanExporter failed to export spans" in m]
+    metric_reports = [m for m in messages if "OTLPMetricExporter failed to export metrics" in m]
+    assert len(span_reports) == 1 and len(metric_reports) == 1, messages
+    # OpenTelemetry's own retry warnings were folded into those single reports
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.WARNING]
+
+
+def test_unwritable_trace_dir_warns_once(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("FSDP_PATCH_TRACE_DIR", str(blocker / "traces"))
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            run_steps(observer, 1)
+            providers.flush()
+        telemetry.shutdown()
+    messages = telemetry_warnings(caplog)
+    assert len(messages) == 1, messages
+    assert "TraceFileExporter failed to export spans" in messages[0] and "a_file" in messages[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to simulate a full disk")
+def test_full_disk_warns_once_and_training_continues(tmp_path, caplog, otel):
+    (tmp_path / "rank0.trace.json").symlink_to("/dev/full")
+    exporter = GuardedSpanExporter(trace_files.TraceFileExporter(str(tmp_path), 0, {}))
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=10))
+    observer = OptimizerObserver(
+        fake_optimizer(), precision_aware=False, tracer_provider=provider, meter_provider=otel.meter_provider
+    )
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            run_steps(observer, 1)
+            provider.force_flush()
+        provider.shutdown()
+    messages = telemetry_warnings(caplog)
+    assert len(messages) == 1, messages
+    assert "No space left on device" in messages[0]
+
+
+def test_run_bounded_gives_up_waiting_and_warns_once(caplog):
+    warn = WarnOnce(logging.getLogger("telemetry.test"))
+    with caplog.at_level(logging.WARNING):
+        started = time.perf_counter()
+        assert run_bounded(lambda: time.sleep(2), 0.2, "slow flush", warn) is False
+        assert run_bounded(lambda: time.sleep(2), 0.2, "slow flush", warn) is False
+        assert time.perf_counter() - started < 1.5
+        assert run_bounded(lambda: 1 / 0, 1.0, "bad flush", warn) is False
+        assert run_bounded(lambda: None, 1.0, "good flush", warn) is True
+    messages = telemetry_warnings(caplog)
+    assert len(messages) == 2
+    assert "slow flush did not finish within 0.2s" in messages[0]
+    assert "ZeroDivisionError" in messages[1]
