@@ -159,6 +159,33 @@ class GuardedMetricExporter(MetricExporter):
                          lambda _: False, None)  # fmt: skip
 
 
+class _OncePerMessage(logging.Filter):
+    """Lets each distinct message template of a logger through once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[object] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.msg)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
+
+
+# The batch processor warns "Queue full, dropping Span." on the training thread, outside any
+# export, whenever an exporter falls behind; the SDK repeats it every 20 s for a whole run.
+BATCH_PROCESSOR_LOGGER = "opentelemetry.sdk._shared_internal"
+
+
+def report_batch_processor_warnings_once() -> None:
+    """Make the batch processors' warnings (queue full, ...) appear once per kind. Idempotent."""
+    logger = logging.getLogger(BATCH_PROCESSOR_LOGGER)
+    if not any(isinstance(f, _OncePerMessage) for f in logger.filters):
+        logger.addFilter(_OncePerMessage())
+
+
 class WarnOnce:
     """Logs a warning the first time a given key is seen, then stays silent for that key."""
 

@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from telemetry import env
 from telemetry.exporters import MetricSetup, build_metric_readers, build_span_exporters
-from telemetry.isolation import WarnOnce, run_bounded
+from telemetry.isolation import WarnOnce, report_batch_processor_warnings_once, run_bounded
 from telemetry.ranks import RankInfo, current_rank_info
 from telemetry.trace_files import TraceFileExporter
 
@@ -103,6 +103,7 @@ def _install() -> _Installed:
         resource = build_resource(info)
         exporters, files = build_span_exporters(info, resource)
         provider = SdkTracerProvider(resource=resource, shutdown_on_exit=False)
+        report_batch_processor_warnings_once()
         for exporter in exporters:
             # Batch processing keeps exporting off the training thread; on_end only enqueues.
             provider.add_span_processor(BatchSpanProcessor(exporter))

@@ -15,7 +15,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from telemetry_testing import Group, fake_optimizer, metric_points, run_fake_step
 
@@ -446,3 +446,59 @@ def test_run_bounded_gives_up_waiting_and_warns_once(caplog):
     assert len(messages) == 2
     assert "slow flush did not finish within 0.2s" in messages[0]
     assert "ZeroDivisionError" in messages[1]
+
+
+class BlockingExporter(SpanExporter):
+    """A collector that hangs: export waits until released."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.exported_batches = 0
+
+    def export(self, spans):
+        self.exported_batches += 1
+        self.release.wait(10)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        self.release.set()
+
+
+def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_once(monkeypatch, caplog):
+    from telemetry.isolation import BATCH_PROCESSOR_LOGGER, _OncePerMessage
+
+    sdk_logger = logging.getLogger(BATCH_PROCESSOR_LOGGER)
+    for stale in [f for f in sdk_logger.filters if isinstance(f, _OncePerMessage)]:
+        sdk_logger.removeFilter(stale)  # a fresh "once" for this test
+    blocking = BlockingExporter()
+    monkeypatch.setattr(providers, "build_span_exporters", lambda info, resource: ([GuardedSpanExporter(blocking)], []))
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    monkeypatch.setenv("FSDP_PATCH_FLUSH_TIMEOUT", "1")
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+    with caplog.at_level(logging.WARNING):
+        started = time.perf_counter()
+        run_steps(observer, 20)  # 100+ spans into a queue of 8 behind a hung export
+        assert time.perf_counter() - started < 5.0
+        blocking.release.set()
+        telemetry.shutdown()
+    queue_full = [m for m in telemetry_warnings(caplog) if "Queue full" in m]
+    assert len(queue_full) == 1
+    assert blocking.exported_batches >= 1
+
+
+def test_batch_processor_warnings_stay_once_beyond_the_sdk_20s_window(monkeypatch, caplog):
+    from telemetry.isolation import BATCH_PROCESSOR_LOGGER, report_batch_processor_warnings_once
+
+    report_batch_processor_warnings_once()
+    report_batch_processor_warnings_once()  # idempotent: one filter, not two
+    logger = logging.getLogger(BATCH_PROCESSOR_LOGGER)
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])  # the SDK's own filter forgets after 20 s
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            logger.warning("Queue full, dropping %s (from this test).", "Span")
+            now[0] += 40
+    assert [r.getMessage() for r in caplog.records] == ["Queue full, dropping Span (from this test)."]
