@@ -170,6 +170,7 @@ def _group_stats(
             overflow = underflow = lost = torch.zeros((), dtype=torch.int64, device=device)
             diff_sq = torch.zeros((), dtype=torch.float64, device=device)
             changed = (_bits(m) != _bits(main_before.narrow(0, start, length))).sum()
+            finite = torch.isfinite(m)
         else:
             c = compute.narrow(0, start, length)
             c_nan, c_inf = _nan_inf(c)
@@ -183,8 +184,6 @@ def _group_stats(
             compute_kept = _bits(c) == _bits(compute_before.narrow(0, start, length))
             changed = main_changed.sum()
             lost = (main_changed & compute_kept).sum()
-        if shared:
-            finite = torch.isfinite(m)
         main_sq = torch.linalg.vector_norm(torch.where(finite, m.to(work_dtype), 0.0)).double().square()
         if grad is not None:
             g = grad.narrow(0, start, length)
