@@ -116,7 +116,9 @@ class _UnitState:
             self.lazy_init_as_root()
         self.unshard()
         self._swap(unsharded=True)
-        if torch.is_grad_enabled() and any(g.requires_grad for g in self.groups):
+        if torch.is_grad_enabled():
+            # Also for a frozen unit: backward through it re-gathers its weights to compute its
+            # inputs' grads, and its post-backward is what frees them again.
             self.pending_post_backward += 1
             args, kwargs = _register_post_backward(self, args, kwargs)
         return args, kwargs
