@@ -247,8 +247,8 @@ def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str
                 )
             if param in _CONSUMED:
                 raise ValueError(
-                    f"parameter '{fqn}' is tied to a parameter of an already fully_shard-ed submodule "
-                    f"('{_CONSUMED[param]}'); tied parameters must belong to one unit: apply "
+                    f"parameter '{fqn}' is tied to {_CONSUMED[param]}; tied parameters must belong "
+                    "to one unit (sharding them in two would silently duplicate them): apply "
                     "fully_shard to a module that contains every use of the parameter"
                 )
             if id(param) in locations:
@@ -336,7 +336,7 @@ def fully_shard(
     for group in groups:
         group.register()
     for param, name in zip(params, names):
-        _CONSUMED[param] = name
+        _CONSUMED[param] = f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}"
     for _, owner in _owned_modules(module):
         for name, buffer in owner._buffers.items():
             if buffer is not None and buffer.device != device:
