@@ -104,20 +104,27 @@ def _main_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [g.main_weight.detach().clone() for g in parameter_groups(model)]
 
 
-def traced_training() -> dict[str, Any]:
-    """Trains STEPS steps with telemetry on; returns spans, metric points and expected sizes."""
-    from fsdp_patch import parameter_groups
+def _adamw_training() -> torch.nn.Module:
+    """Trains the bf16 model STEPS steps with an adapted AdamW; returns the model."""
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _bf16_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fully_shard_optimizer(optimizer)
+    for tokens in models.make_batches(STEPS):
+        models.lm_loss(model, models.rank_slice(tokens, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def traced_training() -> dict[str, Any]:
+    """Trains STEPS steps with telemetry on; returns spans, metric points and expected sizes."""
+    from fsdp_patch import parameter_groups
+
     with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="0"), in_memory_otel() as (spans, reader):
-        model = _bf16_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        fully_shard_optimizer(optimizer)
-        for tokens in models.make_batches(STEPS):
-            models.lm_loss(model, models.rank_slice(tokens, rank, world_size)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        model = _adamw_training()
         finished = [
             {
                 "name": s.name,
@@ -227,9 +234,7 @@ def silent_training(patched: bool) -> list[torch.Tensor]:
     """Trains with FSDP_PATCH_TELEMETRY unset; with ``patched`` every OpenTelemetry entry point raises."""
     from unittest import mock
 
-    from fsdp_patch.optimizer import fully_shard_optimizer
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("OpenTelemetry was called with FSDP_PATCH_TELEMETRY unset")
@@ -251,23 +256,15 @@ def silent_training(patched: bool) -> list[torch.Tensor]:
         if patched:
             for target in targets:
                 stack.enter_context(mock.patch(target, forbidden))
-        model = _bf16_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        fully_shard_optimizer(optimizer)
-        for tokens in models.make_batches(STEPS):
-            models.lm_loss(model, models.rank_slice(tokens, rank, world_size)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        model = _adamw_training()
     return _main_weights(model)
 
 
 def unreachable_collector(protocol: str) -> list[torch.Tensor]:
     """Trains with telemetry exporting over OTLP to a closed loopback port."""
-    from fsdp_patch.optimizer import fully_shard_optimizer
 
     import telemetry
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     endpoint = "http://127.0.0.1:9" if protocol == "http/protobuf" else "127.0.0.1:9"
     _reset_otel()
     with environment(
@@ -283,13 +280,7 @@ def unreachable_collector(protocol: str) -> list[torch.Tensor]:
         OTEL_BSP_SCHEDULE_DELAY="50",
         OTEL_METRIC_EXPORT_INTERVAL="100",
     ):
-        model = _bf16_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        fully_shard_optimizer(optimizer)
-        for tokens in models.make_batches(STEPS):
-            models.lm_loss(model, models.rank_slice(tokens, rank, world_size)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        model = _adamw_training()
         telemetry.shutdown()
     _reset_otel()
     return _main_weights(model)
