@@ -128,6 +128,7 @@ class ParameterGroup:
         self._overwrite_main_grad = False
         self._cast_saved: list[torch.Tensor | None] | None = None
         self._cast_buffer: torch.Tensor | None = None
+        self._cast_views: list[DTensor] = []
 
     def register(self) -> None:
         """Makes :func:`parameter_group_of` find this group's parameters."""
@@ -313,21 +314,36 @@ class ParameterGroup:
         cast = self.main_grad.to(dtype)
         self._cast_saved = [p.grad for p in self.params]
         self._cast_buffer = cast
-        for param, view in zip(self.params, self._specs.views(cast)):
+        self._cast_views = self._specs.views(cast)
+        for param, view in zip(self.params, self._cast_views):
             _install_grad(param, view)
         return cast.numel() * cast.element_size()
 
-    def restore_grads(self) -> None:
-        """Puts the original grads back after :meth:`cast_grads`; a no-op otherwise."""
+    def restore_grads(self, carry_back: bool = True) -> None:
+        """Puts the original grads back after :meth:`cast_grads`; a no-op otherwise.
+
+        What was done to a parameter's grad while it was cast is kept: a grad set to ``None``
+        (``zero_grad()`` after a failed step) stays ``None``; a tensor assigned in place of the
+        cast copy, and with ``carry_back`` the cast copy's current values (changed in place,
+        e.g. by ``zero_grad(set_to_none=False)``), are written back into ``main_grad``.
+        ``carry_back=False`` is for the end of a step whose update does not write grads.
+        """
         saved = self._cast_saved
         if saved is None:
             return
-        for param, grad in zip(self.params, saved):
-            param.grad = None
-            param.grad_dtype = self.grads_dtype
-            param.grad = grad
+        with torch.no_grad():
+            for param, layout, grad, view in zip(self.params, self.layout.params, saved, self._cast_views):
+                current = param.grad
+                param.grad = None
+                param.grad_dtype = self.grads_dtype
+                if current is None:
+                    continue
+                if current is not view or carry_back:
+                    layout.local_view(self.main_grad).copy_(_local(current))
+                param.grad = grad
         self._cast_saved = None
         self._cast_buffer = None
+        self._cast_views = []
 
     def _absorb_foreign_grads(self) -> None:
         assert self.main_grad is not None

@@ -13,15 +13,18 @@ __all__ = ["CastingClosure"]
 class CastingClosure:
     """Wraps a step closure so that every call sees original grads and leaves cast ones.
 
-    Optimizers such as LBFGS call the closure several times per step; each call re-runs
-    backward, so each call first puts the original grads back (backward accumulates into
-    them), then validates and casts the new ones.
+    Optimizers such as LBFGS call the closure several times per step and move the weights in
+    between; each call first puts the original grads back (backward accumulates into them),
+    refreshes the compute weights if an earlier call already ran (so that forward gathers the
+    weights the optimizer is evaluating), then validates and casts the new grads.
 
     Args:
         closure: The user's closure.
         core: The adapter core.
         on_plan: Called with each new plan (the attachment keeps the latest for refresh).
         cast: Performs the cast of a plan (lets the wrapt attachment trace it).
+        refresh: Refreshes the compute weights of a plan's groups (lets the wrapt attachment
+            trace it).
     """
 
     def __init__(
@@ -30,16 +33,22 @@ class CastingClosure:
         core: StepCore,
         on_plan: Callable[[StepPlan], None],
         cast: Callable[[StepPlan], int] | None = None,
+        refresh: Callable[[StepPlan], int] | None = None,
     ) -> None:
         self._closure = closure
         self._core = core
         self._on_plan = on_plan
         self._cast = cast or core.cast
+        self._refresh = refresh or core.refresh
+        self._last_plan: StepPlan | None = None
 
     def __call__(self) -> Any:
-        self._core.restore()
+        self._core.restore(carry_back=False)
+        if self._last_plan is not None:
+            self._refresh(self._last_plan)
         loss = self._closure()
         plan = self._core.plan()
+        self._last_plan = plan
         self._on_plan(plan)
         self._cast(plan)
         return loss

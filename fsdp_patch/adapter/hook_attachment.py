@@ -3,10 +3,21 @@
 No OpenTelemetry call is made on this path.
 
 Exception safety: a pre-hook cannot wrap the optimizer's own step in ``try/finally``. Errors
-from validation leave nothing cast (validation precedes casting), errors raised by a closure
-are caught by the closure wrapper, and an error raised by the optimizer's own update leaves
-the cast grads in place until the next ``step`` or the next backward, which put the
-original grads back first. The wrapt attachment restores them at once.
+from validation leave nothing cast (validation precedes casting); an error raised by a
+closure leaves nothing cast (each closure call restores before it runs the user's closure,
+and casts only after it returned); an error raised by the optimizer's own update (or by a
+step hook after ours) leaves the cast grads on the parameters until the next ``step``, the
+next backward or ``remove_fully_shard_optimizer``, which put the original grads back first,
+keeping what the user did meanwhile: ``zero_grad()`` then backward gives fresh grads, and no
+``zero_grad`` accumulates onto the original ones, as without the adapter. The wrapt
+attachment restores them at once.
+
+Order with the user's own step hooks: torch runs global pre-hooks, then instance pre-hooks
+in registration order, the update, instance post-hooks in registration order, then global
+post-hooks. Pre-hooks registered after the adaptation see the cast fp32 grads; global
+pre-hooks and instance pre-hooks registered before it see the original grads. Instance
+post-hooks registered after the adaptation and global post-hooks see the original grads and
+refreshed compute weights; instance post-hooks registered before it see the cast grads.
 """
 
 from __future__ import annotations
@@ -28,10 +39,13 @@ class HookAttachment:
     def __init__(self, optimizer: torch.optim.Optimizer, core: StepCore) -> None:
         self._core = core
         self._plan: StepPlan | None = None
-        self._handles: list[RemovableHandle] = [
-            optimizer.register_step_pre_hook(self._pre_hook),
-            optimizer.register_step_post_hook(self._post_hook),
-        ]
+        self._handles: list[RemovableHandle] = []
+        try:
+            self._handles.append(optimizer.register_step_pre_hook(self._pre_hook))
+            self._handles.append(optimizer.register_step_post_hook(self._post_hook))
+        except BaseException:
+            self.detach(optimizer)
+            raise
 
     def _set_plan(self, plan: StepPlan) -> None:
         self._plan = plan
@@ -39,7 +53,7 @@ class HookAttachment:
     def _pre_hook(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        self._core.restore()
+        self._core.restore(carry_back=True)
         closure, positional = find_closure(args[1:], kwargs)
         if closure is None:
             plan = self._core.plan()
@@ -52,13 +66,13 @@ class HookAttachment:
         return (args[0], *new_args), new_kwargs
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._core.restore()
+        self._core.restore(carry_back=False)
         plan, self._plan = self._plan, None
         if plan is not None:
             self._core.refresh(plan)
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
-        self._core.restore()
+        self._core.restore(carry_back=True)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

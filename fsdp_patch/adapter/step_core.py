@@ -7,6 +7,7 @@ calls :meth:`StepCore.plan`, :meth:`StepCore.cast`, :meth:`StepCore.restore` and
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,9 +54,18 @@ class StepCore:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, precision_aware: bool) -> None:
-        self.optimizer = optimizer
+        # Weakly: the adaptation registry holds the core strongly and must not keep the
+        # optimizer (and its state) alive.
+        self._optimizer_ref = weakref.ref(optimizer)
         self.precision_aware = precision_aware
         self._cast_in_flight: list[ParameterGroup] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self._optimizer_ref()
+        if optimizer is None:
+            raise ReferenceError("the adapted optimizer no longer exists")
+        return optimizer
 
     def plan(self, check_grads: bool = True) -> StepPlan:
         """Validates the optimizer's parameters and grads; changes nothing.
@@ -126,15 +136,22 @@ class StepCore:
                 self._cast_in_flight.append(fsdp_group)
                 plan.cast_records.append((fsdp_group, fsdp_group.cast_grads(fsdp_group.main_dtype)))
         except BaseException:
-            self.restore()
+            self.restore(carry_back=False)
             raise
         plan.cast_bytes = sum(nbytes for _, nbytes in plan.cast_records)
         return plan.cast_bytes
 
-    def restore(self) -> None:
-        """Puts every cast group's original grads back; safe to call at any time."""
+    def restore(self, carry_back: bool = True) -> None:
+        """Puts every cast group's original grads back; safe to call at any time.
+
+        Args:
+            carry_back: Write the cast copies' current values back into the main grads (see
+                :meth:`ParameterGroup.restore_grads`). ``False`` right after an update, which
+                reads grads only; ``True`` when repairing a step that raised, after which the
+                user may have zeroed or replaced the grads.
+        """
         while self._cast_in_flight:
-            self._cast_in_flight.pop().restore_grads()
+            self._cast_in_flight.pop().restore_grads(carry_back=carry_back)
 
     def refresh(self, plan: StepPlan) -> int:
         """Refreshes the compute copy of every group the optimizer touched; returns bytes."""

@@ -14,6 +14,7 @@ visible through the proxy.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -58,79 +59,96 @@ class WraptAttachment:
         self._observer = observer
         self._active = True
         self._saved: dict[str, Any] = {}
-        self._installed: dict[str, Any] = {}
+        # Weakly: a bound wrapper holds the optimizer, and the adaptation registry holds us.
+        self._installed: dict[str, weakref.ref[Any]] = {}
+        bound_wrappers: dict[str, Any] = {}
         for name, wrapper in (("step", self._step), ("zero_grad", self._zero_grad)):
             previous = optimizer.__dict__.get(name, _MISSING)
-            self._saved[name] = previous
             if previous is _MISSING:
                 # Wrap the class's function and bind it, so __func__ re-binding keeps us.
                 bound = _MethodWrapper(getattr(type(optimizer), name), wrapper).__get__(optimizer, type(optimizer))
             else:
                 # Something (an LR scheduler) already replaced the method on the instance.
                 bound = _MethodWrapper(previous, wrapper)
-            self._installed[name] = bound
-            optimizer.__dict__[name] = bound
+            self._saved[name] = previous
+            self._installed[name] = weakref.ref(bound)
+            bound_wrappers[name] = bound
+        optimizer.__dict__.update(bound_wrappers)
 
     # ------------------------------------------------------------------ step
     def _step(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._active:
             return wrapped(*args, **kwargs)
         core, observer = self._core, self._observer
-        state: dict[str, StepPlan] = {}
+        state: dict[str, Any] = {"cast_bytes": 0}
         with observer.step({"fsdp.precision_aware": core.precision_aware}) as scope:
-            core.restore()
+            core.restore(carry_back=True)
             closure, positional = find_closure(args, kwargs)
+
+            def remember(plan: StepPlan) -> None:
+                # A closure may run several times per step (LBFGS): the first plan's mismatches
+                # are this step's; every cast is counted.
+                if "plan" not in state:
+                    self._record_mismatches(plan)
+                    scope.set_attribute("fsdp.params.count", plan.params_count)
+                    scope.set_attribute("fsdp.groups.count", plan.groups_count)
+                state["plan"] = plan
 
             def traced_cast(plan: StepPlan) -> int:
                 with observer.phase("cast_grads"):
                     nbytes = core.cast(plan)
-                self._record_plan(plan)
-                scope.set_attribute("fsdp.cast.bytes", plan.cast_bytes)
+                for group, written in plan.cast_records:
+                    if written:
+                        observer.record_cast("grad", group.grads_dtype, group.main_dtype, written)
+                state["cast_bytes"] += nbytes
+                scope.set_attribute("fsdp.cast.bytes", state["cast_bytes"])
                 return nbytes
 
-            def remember(plan: StepPlan) -> None:
-                state["plan"] = plan
-                scope.set_attribute("fsdp.params.count", plan.params_count)
-                scope.set_attribute("fsdp.groups.count", plan.groups_count)
+            def traced_refresh(plan: StepPlan) -> int:
+                return self._refresh(plan.groups)
 
-            if closure is None:
-                try:
-                    plan = core.plan()
-                except _MismatchError as error:
-                    self._record_plan(error.plan)
-                    raise
-                remember(plan)
-                traced_cast(plan)
-            else:
-                casting = CastingClosure(closure, core, remember, traced_cast)
-                args, kwargs = replace_closure(args, kwargs, casting, positional)
-            # With a closure the grads do not exist yet; the groups are known all the same.
-            groups = state["plan"].groups if "plan" in state else core.plan(check_grads=False).groups
-            snapshot = None
-            if observer.precision_due(scope.step_number):
-                snapshot = observer.precision_begin(groups)
             try:
-                with observer.phase("inner_step"):
-                    out = wrapped(*args, **kwargs)
-            finally:
-                with observer.phase("restore_grads"):
-                    core.restore()
-            with observer.phase("refresh"):
-                for group in groups:
-                    nbytes = group.refresh_compute_weight()
-                    if nbytes:
-                        observer.record_cast("weight_refresh", group.main_dtype, group.compute_dtype, nbytes)
+                if closure is None:
+                    plan = core.plan()
+                    remember(plan)
+                    traced_cast(plan)
+                else:
+                    casting = CastingClosure(closure, core, remember, traced_cast, traced_refresh)
+                    args, kwargs = replace_closure(args, kwargs, casting, positional)
+                # With a closure the grads do not exist yet; the groups are known all the same.
+                groups = state["plan"].groups if "plan" in state else core.plan(check_grads=False).groups
+                snapshot = None
+                if observer.precision_due(scope.step_number):
+                    snapshot = observer.precision_begin(groups)
+                try:
+                    with observer.phase("inner_step"):
+                        out = wrapped(*args, **kwargs)
+                finally:
+                    with observer.phase("restore_grads"):
+                        core.restore(carry_back=False)
+            except _MismatchError as error:
+                if "plan" not in state:
+                    self._record_mismatches(error.plan)
+                raise
+            self._refresh(groups)
             if snapshot is not None:
                 with observer.phase("precision"):
                     observer.precision_end(snapshot, groups)
         return out
 
-    def _record_plan(self, plan: StepPlan) -> None:
+    def _refresh(self, groups: Any) -> int:
+        total = 0
+        with self._observer.phase("refresh"):
+            for group in groups:
+                nbytes = group.refresh_compute_weight()
+                if nbytes:
+                    self._observer.record_cast("weight_refresh", group.main_dtype, group.compute_dtype, nbytes)
+                total += nbytes
+        return total
+
+    def _record_mismatches(self, plan: StepPlan) -> None:
         for (param_dtype, grad_dtype, action), count in plan.mismatches.items():
             self._observer.record_mismatches(param_dtype, grad_dtype, action, count)
-        for group, nbytes in plan.cast_records:
-            if nbytes:
-                self._observer.record_cast("grad", group.grads_dtype, group.main_dtype, nbytes)
 
     # ------------------------------------------------------------------ zero_grad
     def _zero_grad(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -141,10 +159,11 @@ class WraptAttachment:
             return wrapped(*args, **kwargs)
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
-        self._core.restore()
+        self._core.restore(carry_back=True)
         self._active = False
         for name, previous in self._saved.items():
-            if optimizer.__dict__.get(name) is not self._installed[name]:
+            installed = self._installed[name]()
+            if installed is None or optimizer.__dict__.get(name) is not installed:
                 # Someone wrapped our wrapper since (a scheduler): it stays, and ours passes through.
                 continue
             if previous is _MISSING:
