@@ -45,8 +45,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
             temporary casting. Compute weights are refreshed either way.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or ``precision_aware`` is
-            not a bool.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``precision_aware`` is
+            not a bool, or a param group holds something that is not an ``nn.Parameter``.
+            Nothing is changed then.
         ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, or the optimizer is
             already adapted with other settings.
     """

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from .copying import CopySupport
 from .hook_attachment import HookAttachment
 from .state_init import init_optimizer_state
 from .step_core import StepCore
@@ -22,7 +23,12 @@ __all__ = [
 
 
 class Adaptation:
-    """An optimizer's adaptation: its core and how the core is attached."""
+    """An optimizer's adaptation: its core, how the core is attached, and copy support.
+
+    Everything that can fail (validation of the param groups, the observer factory) runs
+    before the optimizer instance is touched; a failure while attaching undoes what was
+    attached, so an error never leaves the optimizer half-adapted.
+    """
 
     def __init__(
         self,
@@ -31,25 +37,37 @@ class Adaptation:
         attachment: str,
         observer_factory: Callable[[], StepObserver] | None = None,
     ) -> None:
+        if attachment not in ("hooks", "wrapt"):
+            raise ValueError(f"attachment must be 'hooks' or 'wrapt', got {attachment!r}")
+        if attachment == "wrapt" and observer_factory is None:
+            raise ValueError("the wrapt attachment needs an observer factory")
         self.precision_aware = precision_aware
         self.core = StepCore(optimizer, precision_aware)
-        if attachment == "hooks":
-            self.attachment: HookAttachment | WraptAttachment = HookAttachment(optimizer, self.core)
-        elif attachment == "wrapt":
-            if observer_factory is None:
-                raise ValueError("the wrapt attachment needs an observer factory")
-            self.attachment = WraptAttachment(optimizer, self.core, observer_factory())
-        else:
-            raise ValueError(f"attachment must be 'hooks' or 'wrapt', got {attachment!r}")
+        self.core.plan(check_grads=False)  # TypeError for a non-Parameter, before any change
+        observer = observer_factory() if attachment == "wrapt" else None  # type: ignore[misc]
+        self.copy_support = CopySupport(optimizer)
+        try:
+            if attachment == "hooks":
+                self.attachment: HookAttachment | WraptAttachment = HookAttachment(optimizer, self.core)
+            else:
+                self.attachment = WraptAttachment(optimizer, self.core, observer)  # type: ignore[arg-type]
+        except BaseException:
+            self.copy_support.detach(optimizer)
+            raise
 
     @property
     def kind(self) -> str:
         return self.attachment.kind
 
+    def detach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.attachment.detach(optimizer)
+        self.copy_support.detach(optimizer)
 
-# Keyed by identity and held weakly: the optimizer carries no attribute of ours, and a copy or
-# an unpickled optimizer (whose __getstate__ keeps only defaults, state and param_groups) is a
-# plain optimizer again.
+
+# Keyed by identity and held weakly (nothing in an adaptation holds its optimizer strongly), so
+# an adapted optimizer is freed like any other. A copy or an unpickled optimizer (whose
+# __getstate__ keeps only defaults, state and param_groups) is a plain optimizer again: see
+# .copying.
 _ADAPTATIONS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
 
 
@@ -68,7 +86,9 @@ def adapt_optimizer(
     """Adapts ``optimizer`` in place with the given attachment; idempotent for equal settings.
 
     Raises:
-        TypeError: ``optimizer`` is not an Optimizer, or ``precision_aware`` not a bool.
+        TypeError: ``optimizer`` is not an Optimizer, ``precision_aware`` not a bool, or a
+            param group holds something that is not an ``nn.Parameter`` (the message names
+            the group and the index).
         ValueError: ``optimizer`` is already adapted with other settings.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -93,9 +113,11 @@ def adapt_optimizer(
 def remove_fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Undoes ``fully_shard_optimizer``: hooks removed, instance attributes restored.
 
-    Grads still cast by a failed step are put back first. A no-op on an optimizer that is not
-    adapted.
+    Grads still cast by a failed step are put back first. Afterwards the instance's
+    ``__dict__`` holds the same keys and values as before the adaptation, unless an LR
+    scheduler created after the adaptation has wrapped ``step`` (its wrapper stays, and ours
+    inside it passes calls through). A no-op on an optimizer that is not adapted.
     """
     adaptation = _ADAPTATIONS.pop(optimizer, None)
     if adaptation is not None:
-        adaptation.attachment.detach(optimizer)
+        adaptation.detach(optimizer)
