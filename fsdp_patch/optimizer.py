@@ -38,6 +38,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
 
     The adapted optimizer keeps its class, parameter groups and state. Calling this again with
     the same arguments does nothing; ``fsdp_patch.remove_fully_shard_optimizer`` undoes it.
+    A copy (``copy.deepcopy``, pickling) is a plain, unadapted optimizer of the same class
+    over copies of the parameters, which no FSDP group manages; ``copy.copy`` shares them.
 
     Args:
         optimizer: Optimizer instance to adapt in place.
@@ -73,8 +75,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     a sharded parameter advertising a different ``grad_dtype`` rejects, and takes a real step
     that advances step counters and applies weight decay. This initializes the state with
     ``grad_dtype``-matched zero grads instead and undoes every side effect: parameters are
-    bitwise unchanged and the next real step equals that of a never-initialized optimizer.
-    A no-op once the state exists.
+    bitwise unchanged and the next real step equals that of a never-initialized optimizer
+    (state that no value makes neutral, such as SGD's momentum buffer under dampening, is
+    dropped at that step if no load filled it in the meantime). A no-op once the state
+    exists. A stateless optimizer (plain SGD) gets zero grads instead, so that torch's
+    ``get_optimizer_state_dict`` finds grads and leaves the parameters alone.
 
     Args:
         optimizer: Optimizer whose (possibly empty) state should be materialized.

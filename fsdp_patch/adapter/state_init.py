@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..parameter_group import ParameterGroup, parameter_group_of
 
@@ -42,6 +43,15 @@ def _reset_adamax(state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_inf"].zero_()
 
 
+def _reset_rprop(state: dict[str, Any], group: dict[str, Any]) -> None:
+    # A fresh optimizer fills step sizes with lr; the synthetic step clamps them into
+    # [step_size_min, step_size_max] (torch's own _init_optim_state, stepping with lr=0,
+    # even leaves them all at 0).
+    if "step_size" in state:
+        lr = group["lr"]
+        state["step_size"].fill_(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
 def _reset_asgd(state: dict[str, Any], group: dict[str, Any]) -> None:
     if "eta" in state:
         lr = group["lr"]
@@ -55,6 +65,7 @@ def _reset_asgd(state: dict[str, Any], group: dict[str, Any]) -> None:
 _FRESH_STATE: list[tuple[type[torch.optim.Optimizer], Callable[[dict[str, Any], dict[str, Any]], None]]] = [
     (torch.optim.NAdam, _reset_nadam),
     (torch.optim.Adamax, _reset_adamax),
+    (torch.optim.Rprop, _reset_rprop),
     (torch.optim.ASGD, _reset_asgd),
 ]
 
@@ -116,7 +127,14 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     saved_grads = [(p, p.grad, p.grad_dtype) for p in trainable]
     saved_decay = [(group, group["weight_decay"]) for group in optimizer.param_groups if "weight_decay" in group]
 
+    # The synthetic step bypasses the step hooks (the adapter's among them): with the raw
+    # step for most optimizers, and for a subclass whose step calls super().step() (which
+    # runs the hooks) by emptying the instance's hook dicts for the duration.
+    hook_dicts = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
+    saved_hooks = [list(hooks.items()) for hooks in hook_dicts]
     try:
+        for hooks in hook_dicts:
+            hooks.clear()
         for param in trainable:
             _set_grad(param, torch.zeros_like(param), param.dtype)
         for group, _ in saved_decay:
@@ -124,6 +142,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             _raw_step(optimizer)(optimizer)
     finally:
+        for hooks, items in zip(hook_dicts, saved_hooks):
+            hooks.update(items)
         with torch.no_grad():
             for key, group in fsdp_groups.items():
                 group.main_weight.copy_(saved_main[key])
@@ -147,6 +167,60 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     if not optimizer.state:
         _leave_zero_grads(trainable)
+        return
+    _ForgetUntouchedState.register(optimizer)
+
+
+def _versions(value: torch.Tensor) -> tuple[int, int]:
+    # DTensor ops bump the wrapper's counter; a DCP load writes through to_local(), which
+    # bumps only the local tensor's.
+    inner = value._local_tensor if isinstance(value, DTensor) else value
+    return value._version, inner._version
+
+
+class _ForgetUntouchedState:
+    """One-shot step pre-hook: drops the state ``init_optimizer_state`` made if nothing filled it.
+
+    Some state cannot be made neutral by resetting values: SGD's first step with momentum
+    sets the buffer to the grad, a later one to ``momentum * buf + (1 - dampening) * grad``,
+    so a zero buffer from the synthetic step changes the first update when dampening != 0.
+    A checkpoint load replaces the state (``load_state_dict``) or writes into it (``dcp.load``);
+    if neither happened before the first step, that step starts from empty state, exactly as
+    on an optimizer that was never initialized.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._entries = [
+            (param, state, {key: (value, _versions(value) if isinstance(value, torch.Tensor) else None)
+                            for key, value in state.items()})
+            for param, state in optimizer.state.items()
+        ]
+        self._handle: Any = None
+
+    @classmethod
+    def register(cls, optimizer: torch.optim.Optimizer) -> None:
+        hook = cls(optimizer)
+        hook._handle = optimizer.register_step_pre_hook(hook)
+
+    def _untouched(self, optimizer: torch.optim.Optimizer) -> bool:
+        if len(optimizer.state) != len(self._entries):
+            return False
+        for param, state, values in self._entries:
+            if optimizer.state.get(param) is not state or state.keys() != values.keys():
+                return False
+            for key, (value, versions) in values.items():
+                current = state[key]
+                if current is not value:
+                    return False
+                if versions is not None and _versions(current) != versions:
+                    return False
+        return True
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._handle.remove()
+        if self._untouched(optimizer):
+            optimizer.state.clear()
+        self._entries = []
 
 
 def _leave_zero_grads(params: list[nn.Parameter]) -> None:
