@@ -1,0 +1,16 @@
+"""Tests of the optimizer adapter (issue #3), on gloo pools of 1, 2 and 4 CPU ranks.
+
+- ``test_step_equivalence``: every optimizer of the list, both attachments, bitwise equal to
+  a hand-cast fp32 reference; compute copy refreshed; LBFGS with a closure on 2 ranks.
+- ``test_schedulers``: every LR scheduler, created before or after the adaptation.
+- ``test_composition``: step hooks, GradScaler, state_dict, deepcopy/pickle, idempotence,
+  undo, the public path with telemetry on, lifetime.
+- ``test_exception_safety``: failing updates and closures, and every way of carrying on.
+- ``test_bad_input``: refused input changes nothing; no half-adapted optimizer.
+- ``test_init_state``: ``init_optimizer_state`` neutrality, and why torch's path needs it.
+- ``test_dcp``: DCP save on 2 ranks, load on 1, 2 and 4, resume bitwise.
+- ``test_precision_aware``: no cast, bf16 grads reach the update, refresh still happens.
+
+Rank-side helpers (models, the recording observer, the hand-cast reference, bitwise
+comparisons) are in ``support``.
+"""

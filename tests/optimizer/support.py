@@ -1,0 +1,356 @@
+"""Rank-side helpers of the optimizer adapter tests.
+
+Everything here runs inside the gloo pool workers (``tests.distributed_pool``): build the
+bf16 FSDP model, adapt an optimizer through either attachment, step a hand-cast reference,
+and compare tensors bit for bit. Worker functions return plain data (dicts of bools and
+strings, detached CPU tensors); the test process asserts on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_patch import parameter_group_of, parameter_groups
+from fsdp_patch.adapter import adapt_optimizer
+from fsdp_patch.optimizer import fully_shard_optimizer
+from tests.models import lm_loss, make_batches, make_model, rank_slice, shard_model
+
+O = torch.optim
+BF16, FP32 = torch.bfloat16, torch.float32
+
+# Issue #3's list. Hyperparameters switch on the branches that touch state or grads
+# (weight decay, momentum, nesterov, centered, decoupled decay) so that a wrong grad dtype or
+# a stale state shows up in the bits.
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd_momentum": lambda p: O.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "sgd_nesterov": lambda p: O.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda p: O.Adam(p, lr=1e-2, weight_decay=0.01, amsgrad=True),
+    "adamw": lambda p: O.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adamw_foreach": lambda p: O.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adagrad": lambda p: O.Adagrad(p, lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
+    "rmsprop": lambda p: O.RMSprop(p, lr=1e-3, momentum=0.5, centered=True, weight_decay=0.01),
+    "adamax": lambda p: O.Adamax(p, lr=1e-2, weight_decay=0.01),
+    "nadam": lambda p: O.NAdam(p, lr=1e-2, weight_decay=0.01),
+    "radam": lambda p: O.RAdam(p, lr=1e-2, weight_decay=0.01, decoupled_weight_decay=True),
+    "adadelta": lambda p: O.Adadelta(p, lr=1.0, weight_decay=0.01),
+    "lbfgs": lambda p: O.LBFGS(p, lr=0.5, max_iter=3, history_size=3),
+}
+CLOSURE_OPTIMIZERS = {"lbfgs"}
+ATTACHMENTS = ("hooks", "wrapt")
+
+
+# ----------------------------------------------------------------------------- environment
+@contextlib.contextmanager
+def env(**values: str | None) -> Iterator[None]:
+    """Sets (or with ``None`` unsets) environment variables in this worker, then restores them."""
+    old = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# ----------------------------------------------------------------------------- observer
+class StepRecord:
+    """What a :class:`RecordingObserver` saw of one step (the object ``step()`` yields)."""
+
+    def __init__(self, step_number: int, attributes: dict[str, Any]) -> None:
+        self.step_number = step_number
+        self.attributes = dict(attributes)
+        self.phases: list[str] = []
+        self.error: str | None = None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+
+class RecordingObserver:
+    """A StepObserver (``fsdp_patch.adapter.StepObserver``) that only records.
+
+    Args:
+        precision_every: Steps on which ``precision_due`` answers True (0: never).
+    """
+
+    def __init__(self, precision_every: int = 0) -> None:
+        self.precision_every = precision_every
+        self.steps: list[StepRecord] = []
+        self.current: StepRecord | None = None
+        self.zero_grads: list[bool] = []
+        self.casts: list[tuple[str, torch.dtype, torch.dtype, int]] = []
+        self.mismatches: list[tuple[torch.dtype, torch.dtype, str, int]] = []
+        self.precision: list[tuple[int, bool]] = []
+        # Grad dtypes when the inner step begins (non-closure steps: what the update sees).
+        self.grad_dtypes_in_inner_step: list[set[torch.dtype]] = []
+        self.optimizer_ref: Callable[[], torch.optim.Optimizer | None] = lambda: None
+
+    @contextlib.contextmanager
+    def step(self, attributes: dict[str, Any]) -> Iterator[StepRecord]:
+        record = StepRecord(len(self.steps) + 1, attributes)
+        self.steps.append(record)
+        self.current = record
+        try:
+            yield record
+        except BaseException as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.current = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.current is not None:
+            self.current.phases.append(name)
+        optimizer = self.optimizer_ref()
+        if name == "inner_step" and optimizer is not None:
+            self.grad_dtypes_in_inner_step.append(grad_dtypes(optimizer))
+        yield
+
+    @contextlib.contextmanager
+    def zero_grad(self, set_to_none: bool) -> Iterator[None]:
+        self.zero_grads.append(set_to_none)
+        yield
+
+    def record_cast(self, kind: str, source: torch.dtype, target: torch.dtype, nbytes: int) -> None:
+        self.casts.append((kind, source, target, nbytes))
+
+    def record_mismatches(self, param_dtype: torch.dtype, grad_dtype: torch.dtype, action: str, count: int) -> None:
+        self.mismatches.append((param_dtype, grad_dtype, action, count))
+
+    def precision_due(self, step_number: int) -> bool:
+        return bool(self.precision_every) and step_number % self.precision_every == 0
+
+    def precision_begin(self, groups: Any) -> Any:
+        return [g.main_weight.clone() for g in groups]
+
+    def precision_end(self, snapshot: Any, groups: Any) -> None:
+        changed = any(not torch.equal(s, g.main_weight) for s, g in zip(snapshot, groups))
+        self.precision.append((len(self.steps), changed))
+
+
+def adapt(
+    optimizer: torch.optim.Optimizer, attachment: str, *, precision_aware: bool = False
+) -> RecordingObserver | None:
+    """Adapts ``optimizer``: ``hooks`` through the public entry point (telemetry off),
+    ``wrapt`` through ``adapt_optimizer`` with a :class:`RecordingObserver`."""
+    if attachment == "hooks":
+        with env(FSDP_PATCH_TELEMETRY=None):
+            fully_shard_optimizer(optimizer, precision_aware=precision_aware)
+        return None
+    if attachment == "wrapt":
+        observer = RecordingObserver()
+        observer.optimizer_ref = weakref.ref(optimizer)  # weakly, like telemetry's observer
+        adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=lambda: observer)
+        return observer
+    raise ValueError(attachment)
+
+
+def grad_dtypes(optimizer: torch.optim.Optimizer) -> set[torch.dtype]:
+    return {p.grad.dtype for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+
+
+# ----------------------------------------------------------------------------- model
+def build_model(seed: int = 0, **kwargs: Any) -> nn.Module:
+    """The bf16 TinyTransformer, sharded bottom-up over all ranks (fp32 main, bf16 grads)."""
+    return shard_model(make_model(seed, **kwargs).bfloat16())
+
+
+def batches(steps: int, seed: int = 1, vocab: int = 37, seq: int = 7) -> list[torch.Tensor]:
+    return make_batches(steps, batch=8, seq=seq, vocab=vocab, seed=seed)
+
+
+# LBFGS flattens every grad (``p.grad.view(-1)``), which DTensor refuses for an unevenly
+# sharded dim 0; this size of the model shards evenly on 1, 2 and 4 ranks.
+EVEN = {"vocab": 40, "seq": 8}
+
+
+def local_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    return rank_slice(tokens, dist.get_rank(), dist.get_world_size())
+
+
+def backward(model: nn.Module, tokens: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    loss = lm_loss(model, local_tokens(tokens))
+    (loss * scale).backward()
+    return loss.detach()
+
+
+def make_closure(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        return backward(model, tokens)
+
+    return closure
+
+
+# ----------------------------------------------------------------------------- reference
+def fsdp_params(model_or_optimizer: Any) -> list[nn.Parameter]:
+    if isinstance(model_or_optimizer, torch.optim.Optimizer):
+        params = [p for g in model_or_optimizer.param_groups for p in g["params"]]
+    else:
+        params = list(model_or_optimizer.parameters())
+    return [p for p in params if parameter_group_of(p) is not None]
+
+
+class HandCast:
+    """The reference: an unadapted optimizer whose FSDP grads are cast to fp32 by hand."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.saved: list[tuple[nn.Parameter, torch.Tensor, torch.dtype | None]] = []
+
+    def cast(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            grad, grad_dtype = p.grad, p.grad_dtype
+            self.saved.append((p, grad, grad_dtype))
+            p.grad = None
+            p.grad_dtype = p.dtype
+            p.grad = grad.to(p.dtype)
+
+    def restore(self) -> None:
+        for p, grad, grad_dtype in self.saved:
+            p.grad = None
+            p.grad_dtype = grad_dtype
+            p.grad = grad
+        self.saved.clear()
+
+    def refresh(self) -> None:
+        """Refreshes every group's compute copy by hand, as the adapter would."""
+        groups = {id(g): g for g in map(parameter_group_of, self.params)}
+        with torch.no_grad():
+            for group in groups.values():
+                group.compute_weight.copy_(group.main_weight)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.cast()
+        try:
+            optimizer.step()
+        finally:
+            self.restore()
+        self.refresh()
+
+    def step_with_closure(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
+        def casting_closure() -> Any:
+            self.restore()
+            loss = closure()
+            self.cast()
+            return loss
+
+        try:
+            return optimizer.step(casting_closure)
+        finally:
+            self.restore()
+            self.refresh()
+
+
+# ----------------------------------------------------------------------------- comparisons
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = local(t).detach().contiguous()
+    return t.view(_INT[t.element_size()])
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equality of tensors (DTensors compared by local shard), or ``==`` otherwise."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if isinstance(a, DTensor) != isinstance(b, DTensor):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(bits(a), bits(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def main_weights(model: nn.Module) -> list[torch.Tensor]:
+    return [g.main_weight.detach().clone() for g in parameter_groups(model)]
+
+
+def compute_is_fresh(model: nn.Module) -> bool:
+    """Every group's compute copy equals its main weights cast to the compute dtype."""
+    return all(
+        same(g.compute_weight, g.main_weight.to(g.compute_dtype)) for g in parameter_groups(model)
+    )
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The per-parameter state in param-group order (tensors cloned)."""
+    out = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            state = optimizer.state.get(p, {})
+            out.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+    return out
+
+
+def lbfgs_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    return {k: v for k, v in state.items() if k in ("d", "t", "n_iter", "func_evals", "prev_flat_grad", "old_dirs")}
+
+
+def grads_are_original(optimizer: torch.optim.Optimizer) -> str | None:
+    """``None`` when every FSDP param's grad is a bf16 DTensor view of its group's main-grad
+    buffer with ``grad_dtype`` bf16 and no group holds a cast copy; else what is wrong."""
+    for p in fsdp_params(optimizer):
+        group = parameter_group_of(p)
+        if group.grads_cast:
+            return "a group still holds cast grads"
+        if p.grad_dtype != group.grads_dtype:
+            return f"grad_dtype {p.grad_dtype}, expected {group.grads_dtype}"
+        if p.grad is None:
+            continue
+        if not isinstance(p.grad, DTensor) or p.grad.dtype != group.grads_dtype:
+            return f"grad is {type(p.grad).__name__} {p.grad.dtype}"
+        if local(p.grad).untyped_storage().data_ptr() != group.main_grad.untyped_storage().data_ptr():
+            return "grad is not a view of the group's main-grad buffer"
+    return None
+
+
+def grads_snapshot(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else local(p.grad).detach().clone() for p in model.parameters()]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (DTensors gathered), detached on CPU."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def failures(checks: dict[str, bool]) -> list[str]:
+    return [name for name, ok in checks.items() if not ok]
+
+
+def assert_all(results: list[dict[str, bool]]) -> None:
+    """Test-process side: asserts every check of every rank, naming the failing ones per rank."""
+    assert results and all(results), "a rank returned no checks"
+    bad = {rank: failures(checks) for rank, checks in enumerate(results)}
+    bad = {rank: names for rank, names in bad.items() if names}
+    assert not bad, f"failed checks per rank: {bad}"
