@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,6 +28,8 @@ class ParamLayout:
         rank: The rank this layout describes.
         offset: Start of this parameter's slot in the flat sharded buffer.
         unsharded_offset: Start of this parameter's padded region in the flat unsharded buffer.
+    Geometry is derived once and cached: views of fresh buffers (a grad cast) are built on
+    every optimizer step.
     """
 
     global_shape: torch.Size
@@ -35,35 +38,35 @@ class ParamLayout:
     offset: int
     unsharded_offset: int
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         return math.prod(self.global_shape[1:])
 
-    @property
+    @cached_property
     def chunk_rows(self) -> int:
         return -(-self.global_shape[0] // self.world_size)
 
-    @property
+    @cached_property
     def slot_numel(self) -> int:
         return self.chunk_rows * self.row_numel
 
-    @property
+    @cached_property
     def local_rows(self) -> int:
         return max(0, min(self.chunk_rows, self.global_shape[0] - self.rank * self.chunk_rows))
 
-    @property
+    @cached_property
     def local_shape(self) -> torch.Size:
         return torch.Size((self.local_rows, *self.global_shape[1:]))
 
-    @property
+    @cached_property
     def local_numel(self) -> int:
         return self.local_rows * self.row_numel
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.global_shape)
 
-    @property
+    @cached_property
     def global_stride(self) -> tuple[int, ...]:
         stride, acc = [], 1
         for size in reversed(self.global_shape):
