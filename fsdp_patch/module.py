@@ -45,16 +45,21 @@ _Location = tuple[nn.Module, str]
 
 
 class _RootContext:
-    """State shared by all units under one root for the current backward."""
+    """State shared by all units under one root for the current iteration."""
 
-    def __init__(self, states: list["_UnitState"]) -> None:
+    def __init__(self, root: "_UnitState", states: list["_UnitState"]) -> None:
+        self.root = root
         self.states = states
-        self.callback_queued = False
+        # The autograd graph task the final callback is queued for. Per task rather than a
+        # flag: autograd drops queued callbacks when a backward raises, and a flag left set
+        # would keep every later backward from queuing one (no grads installed, ever).
+        self.callback_task: int | None = None
 
     def queue_final_callback(self) -> None:
-        if self.callback_queued:
+        task = torch._C._current_graph_task_id()
+        if self.callback_task == task:
             return
-        self.callback_queued = True
+        self.callback_task = task
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
@@ -65,7 +70,17 @@ class _RootContext:
                 for group in state.groups:
                     group.finalize_grads()
         finally:
-            self.callback_queued = False
+            self.callback_task = None
+
+    def interrupted(self) -> bool:
+        """Whether an exception aborted a forward or backward of this root's units."""
+        backward_aborted = self.callback_task is not None and self.callback_task != torch._C._current_graph_task_id()
+        return backward_aborted or any(state.in_forward for state in self.states)
+
+    def reset(self) -> None:
+        self.callback_task = None
+        for state in self.states:
+            state.reset()
 
 
 class _UnitState:
@@ -89,6 +104,8 @@ class _UnitState:
         self.requires_gradient_sync = True
         self.context: _RootContext | None = None
         self.pending_post_backward = 0
+        self.in_forward = False  # between pre- and post-forward: the unsharded params are swapped in
+        self.forward_registered_backward = False  # this forward counted a pending post-backward
 
     def _swap(self, unsharded: bool) -> None:
         for group, group_locations in zip(self.groups, self.locations):
@@ -99,7 +116,7 @@ class _UnitState:
 
     def lazy_init_as_root(self) -> None:
         states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
-        context = _RootContext(states)
+        context = _RootContext(self, states)
         for state in states:
             state.context = context
 
@@ -111,20 +128,48 @@ class _UnitState:
         for group in self.groups:
             group.reshard()
 
+    def reset(self) -> None:
+        """Forgets an iteration an exception aborted: sharded params back in the module,
+        unsharded storage and grads dropped, grads the aborted backward had partly reduced
+        discarded (see :meth:`ParameterGroup.reset_iter_state`)."""
+        self.pending_post_backward = 0
+        self.in_forward = False
+        self.forward_registered_backward = False
+        self._swap(unsharded=False)
+        for group in self.groups:
+            group.reset_iter_state()
+
+    def abort_forward(self) -> None:
+        """Undoes the pre-forward of a forward that raised (the post-forward never ran)."""
+        if not self.in_forward:
+            return
+        self.in_forward = False
+        self._swap(unsharded=False)
+        self.reshard()
+        if self.forward_registered_backward:
+            self.forward_registered_backward = False
+            self.pending_post_backward -= 1  # its autograd graph went with the exception
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.context is None:
             self.lazy_init_as_root()
+        elif self.context.root is self and self.context.interrupted():
+            self.context.reset()
         self.unshard()
         self._swap(unsharded=True)
+        self.in_forward = True
         if torch.is_grad_enabled():
             # Also for a frozen unit: backward through it re-gathers its weights to compute its
             # inputs' grads, and its post-backward is what frees them again.
             self.pending_post_backward += 1
+            self.forward_registered_backward = True
             args, kwargs = _register_post_backward(self, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         self._swap(unsharded=False)
+        self.in_forward = False
+        self.forward_registered_backward = False
         grad_enabled = torch.is_grad_enabled()
         if self.reshard_after_forward or not grad_enabled:
             self.reshard()
@@ -180,6 +225,16 @@ class FSDPModule:
 
     _fsdp_state: _UnitState
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Forward hooks do not run when forward raises: undo the pre-forward here, so that a
+        # failed forward (say, out of memory on a long batch) leaves the sharded parameters in
+        # the module and nothing gathered.
+        try:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            self._fsdp_state.abort_forward()
+            raise
+
     def unshard(self) -> None:
         """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
         self._fsdp_state.unshard()
@@ -200,6 +255,22 @@ class FSDPModule:
         for module in modules:
             if isinstance(module, FSDPModule):
                 module._fsdp_state.requires_gradient_sync = requires_gradient_sync
+
+    def reset_iter_state(self) -> None:
+        """Recovers from an exception that aborted a forward or backward, like FSDP2's method.
+
+        Puts the sharded parameters back into the modules, frees unsharded storage and drops
+        the aborted iteration's gradients: unsharded grads, grads accumulated with gradient
+        sync off, and the ``.grad`` of groups the aborted backward had partly reduced into
+        (those become ``None``). Applies to every unit under this unit's root. The root's next
+        forward does this by itself when it finds an aborted iteration; call it to inspect or
+        checkpoint the module in between.
+        """
+        context = self._fsdp_state.context
+        if context is None:
+            self._fsdp_state.reset()
+        else:
+            context.reset()
 
     @property
     def fsdp_parameter_groups(self) -> list[ParameterGroup]:

@@ -283,6 +283,24 @@ class ParameterGroup:
                     layout.local_view(self.main_grad).zero_()
                     param.grad = view
 
+    def reset_iter_state(self) -> None:
+        """Forgets an iteration an exception aborted (see ``FSDPModule.reset_iter_state``).
+
+        Frees the unsharded storage and drops the unsharded grads (including those accumulated
+        with gradient sync off). If the aborted backward had already reduced into
+        ``main_grad``, the buffer no longer holds what the parameters' ``.grad`` held before,
+        so their grads become ``None``: the next backward then overwrites the buffer.
+        """
+        self.restore_grads()
+        for param in self.unsharded_params:
+            param.grad = None
+        if self._reduced_since_finalize:
+            for param in self.params:
+                param.grad = None
+        self._reduced_since_finalize = False
+        self._overwrite_main_grad = False
+        self.reshard()
+
     def zero_main_grad(self) -> None:
         """Zeroes all main grads of the group in one operation."""
         if self.main_grad is not None:
