@@ -1,0 +1,208 @@
+"""fp32 training parity: fully_shard vs a single-process reference and vs torch's FSDP2.
+
+One distributed run per world size trains every configuration below for ``STEPS`` steps (each
+rank on its slice of every microbatch); the reference trains the unwrapped model on the full
+microbatches in this process. Covered: SGD, SGD with momentum and AdamW (with weight decay),
+1 and 3 microbatches, reduce-scatter on every microbatch or only on the last
+(``set_requires_gradient_sync(False)`` on the others), ``zero_grad(set_to_none=False)``, tied
+embedding/head weights within one unit, a frozen block, and unused parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fsdp import rank_fns
+from tests.fsdp.conftest import max_abs_diff
+
+WORLD_SIZES = (1, 2, 4)
+TOL = 1e-6
+# AdamW with eps=1e-4: torch's default eps=1e-8 makes the update g / (|g| + eps) amplify fp32
+# rounding differences of near-zero gradients up to 1e6-fold (to ~1e-3 after a few steps, for
+# torch's FSDP2 as for us); eps=1e-4 keeps that amplification below 1e2, so 1e-6 is a meaningful
+# bound. The default eps runs too, compared tightly with FSDP2 and loosely with the reference.
+ADAMW = "adamw:1e-4"
+LOOSE_TOL = 1e-3
+
+
+def _config(name: str, **overrides: Any) -> dict[str, Any]:
+    config = dict(name=name, impl="ours", model="plain", opt="sgd", mb=1, sync="all", set_to_none=True)
+    config.update(overrides)
+    return config
+
+
+OURS = [
+    _config("sgd_mb1"),
+    _config("adamw_mb1", opt=ADAMW),
+    _config("sgd_mb3_sync_last", mb=3, sync="last"),
+    _config("adamw_mb3_sync_last", opt=ADAMW, mb=3, sync="last"),
+    _config("adamw_mb3_sync_all", opt=ADAMW, mb=3, sync="all"),
+    _config("momentum_mb3_keep_grads", opt="sgd_momentum", mb=3, set_to_none=False),
+    _config("adamw_mb3_sync_last_keep_grads", opt=ADAMW, mb=3, sync="last", set_to_none=False),
+    _config("tied_adamw_mb1", model="tied", opt=ADAMW),
+    _config("frozen_momentum_mb1", model="frozen", opt="sgd_momentum"),
+    _config("unused_sgd_mb3", model="unused", mb=3, sync="last"),
+    _config("adamw_default_eps_mb3_sync_last", opt="adamw", mb=3, sync="last"),
+]
+FSDP2 = [
+    _config("fsdp2_sgd_mb1", impl="fsdp2"),
+    _config("fsdp2_adamw_mb1", impl="fsdp2", opt=ADAMW),
+    _config("fsdp2_adamw_mb3_sync_last", impl="fsdp2", opt=ADAMW, mb=3, sync="last"),
+    _config("fsdp2_tied_adamw_mb1", impl="fsdp2", model="tied", opt=ADAMW),
+    _config("fsdp2_adamw_default_eps_mb3_sync_last", impl="fsdp2", opt="adamw", mb=3, sync="last"),
+]
+
+
+def tolerance(config: dict[str, Any]) -> float:
+    return LOOSE_TOL if config["opt"] == "adamw" else TOL
+
+
+BY_NAME = {c["name"]: c for c in OURS + FSDP2}
+
+
+def _reference_key(config: dict[str, Any], slices: int) -> tuple:
+    return (slices, *sorted((k, v) for k, v in config.items() if k not in ("name", "impl")))
+
+
+_REFERENCES: dict[tuple, dict[str, Any]] = {}
+
+
+def reference(config: dict[str, Any], slices: int) -> dict[str, Any]:
+    """Single-process training of the unwrapped model on the same microbatches, each run as
+    ``slices`` pieces (see :func:`rank_fns.train`); ``slices=1`` runs it in one piece."""
+    key = _reference_key(config, slices)
+    if key not in _REFERENCES:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as on the ranks
+        try:
+            _REFERENCES[key] = rank_fns.train(config, sharded=False, slices=slices)
+        finally:
+            torch.set_num_threads(threads)
+    return _REFERENCES[key]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"ws{w}")
+def runs(request: pytest.FixtureRequest, run_once) -> tuple[int, dict[str, Any], list[list[float]]]:
+    world_size = request.param
+    per_rank = run_once(world_size, rank_fns.parity_run, OURS + FSDP2)
+    results = per_rank[0]["results"]
+    # Global loss of a step: the mean of the ranks' slice means (equal slices).
+    losses = {
+        name: [sum(r["losses"][name][s] for r in per_rank) / world_size for s in range(rank_fns.STEPS)]
+        for name in results
+    }
+    return world_size, results, losses
+
+
+def _compare(ours: dict[str, Any], ref: dict[str, Any], what: str) -> dict[str, float]:
+    assert list(ours) == list(ref), f"{what}: names differ"
+    diffs = {}
+    for name, value in ours.items():
+        expected = ref[name]
+        if expected is None:  # the reference had no grad (frozen or unused parameter)
+            if value is None:
+                continue
+            expected = torch.zeros_like(value)
+        assert value is not None, f"{what}: {name} is None, reference is not"
+        diffs[name] = max_abs_diff(value, expected)
+    return diffs
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in OURS])
+def test_fp32_training_matches_single_process_reference(runs, name: str) -> None:
+    world_size, results, losses = runs
+    config, result = BY_NAME[name], results[name]
+    ref = reference(config, slices=world_size)
+    tol = tolerance(config)
+    param_diffs = _compare(result["params"], ref["params"], "params")
+    grad_diffs = _compare(result["grads"], ref["grads"], "last grads")
+    worst = max(param_diffs, key=param_diffs.get)
+    assert param_diffs[worst] <= tol, f"ws{world_size} {name}: {worst} differs by {param_diffs[worst]:.3g}"
+    worst = max(grad_diffs, key=grad_diffs.get)
+    assert grad_diffs[worst] <= tol, f"ws{world_size} {name}: grad of {worst} differs by {grad_diffs[worst]:.3g}"
+    for step, (got, want) in enumerate(zip(losses[name], ref["losses"])):
+        assert abs(got - want) <= tol * max(1.0, abs(want)), f"ws{world_size} {name}: step {step} loss {got} vs {want}"
+    # The parameters really moved (a no-op training would match a no-op reference).
+    initial = dict(rank_fns.build_model(config["model"]).named_parameters())
+    moved = [n for n, p in result["params"].items() if not torch.equal(p, initial[n].detach())]
+    assert moved, "no parameter changed"
+    if config["set_to_none"]:
+        # After each zero_grad(set_to_none=True) the main-grad buffers were filled with NaN: the
+        # next backward must overwrite them, not add to them (checked by the comparison above).
+        assert result["poisoned"] > 0
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in OURS])
+def test_fp32_training_matches_full_batch_reference(runs, name: str) -> None:
+    """Against the reference that runs every microbatch in one piece: within 1e-6 for the SGD
+    family; AdamW normalizes each update by the gradient's magnitude, so where a gradient is
+    near zero the fp32 rounding of a differently summed gradient shows (torch's FSDP2 differs
+    from this reference by as much), hence a looser bound for it."""
+    world_size, results, losses = runs
+    config, result = BY_NAME[name], results[name]
+    ref = reference(config, slices=1)
+    tol = tolerance(config)
+    diffs = _compare(result["params"], ref["params"], "params")
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= tol, f"ws{world_size} {name}: {worst} differs by {diffs[worst]:.3g}"
+    for got, want in zip(losses[name], ref["losses"]):
+        assert abs(got - want) <= tol * max(1.0, abs(want))  # relative: the tied model's loss is ~21
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in FSDP2])
+def test_fp32_training_matches_torch_fsdp2(runs, name: str) -> None:
+    world_size, results, losses = runs
+    ours_name = name.removeprefix("fsdp2_")
+    torch_result, ours = results[name], results[ours_name]
+    diffs = _compare(ours["params"], torch_result["params"], "params vs FSDP2")
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= TOL, f"ws{world_size} {ours_name}: {worst} differs from FSDP2 by {diffs[worst]:.3g}"
+    diffs = _compare(ours["grads"], torch_result["grads"], "grads vs FSDP2")
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= TOL, f"ws{world_size} {ours_name}: grad {worst} differs from FSDP2 by {diffs[worst]:.3g}"
+    for got, want in zip(losses[ours_name], losses[name]):
+        assert abs(got - want) <= TOL * max(1.0, abs(want))
+    # And torch's FSDP2 itself agrees with the reference, so the three agree.
+    diffs = _compare(torch_result["params"], reference(BY_NAME[name], world_size)["params"], "FSDP2 vs reference")
+    assert max(diffs.values()) <= tolerance(BY_NAME[name])
+
+
+def test_zero_grad_set_to_none_false_zeroes_in_place(runs) -> None:
+    _, results, _ = runs
+    for name in ("momentum_mb3_keep_grads", "adamw_mb3_sync_last_keep_grads"):
+        result = results[name]
+        assert result["grads_after_zero_are_views"], f"{name}: .grad no longer views of the main-grad buffer"
+        assert result["main_grads_zeroed"], f"{name}: main-grad buffer not zeroed"
+
+
+def test_tied_embedding_and_head_stay_one_parameter(runs) -> None:
+    _, results, _ = runs
+    params = results["tied_adamw_mb1"]["params"]
+    # named_parameters() deduplicates the tied weight exactly as on the unwrapped model.
+    assert "head.weight" not in params and "embed.weight" in params
+    assert list(params) == list(reference(BY_NAME["tied_adamw_mb1"], 1)["params"])
+
+
+def test_frozen_parameters_get_no_grad_and_do_not_move(runs) -> None:
+    _, results, _ = runs
+    result = results["frozen_momentum_mb1"]
+    initial = dict(rank_fns.build_model("frozen").named_parameters())
+    frozen = [n for n, p in initial.items() if not p.requires_grad]
+    assert frozen
+    for name in frozen:
+        assert result["grads"][name] is None, name
+        assert torch.equal(result["params"][name], initial[name].detach()), name
+
+
+def test_unused_parameters_get_zero_grads_and_do_not_move_under_sgd(runs) -> None:
+    """Main grads are dense per group: a parameter no rank used gets an all-zero grad (the
+    reference leaves it ``None``); plain SGD then leaves it unchanged, as in the reference."""
+    _, results, _ = runs
+    result = results["unused_sgd_mb3"]
+    initial = dict(rank_fns.build_model("unused").named_parameters())
+    for name in ("unused", "blocks.1.unused"):
+        assert result["grads"][name] is not None and bool((result["grads"][name] == 0).all()), name
+        assert torch.equal(result["params"][name], initial[name].detach()), name
