@@ -23,7 +23,6 @@ Alternatives considered:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
