@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import pickle
 import os
 import queue
 import tempfile
@@ -39,7 +40,10 @@ def _worker(rank: int, world_size: int, init_file: str, inbox: mp.Queue, outbox:
             break
         fn, args, kwargs = job
         try:
-            outbox.put((rank, "ok", fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            # Pickled here, not in the queue's feeder thread, so that an unpicklable result
+            # is an error of this call rather than a hang.
+            outbox.put((rank, "ok", pickle.dumps(result)))
         except BaseException as exc:  # noqa: BLE001 - reported to the test process
             outbox.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
@@ -82,6 +86,8 @@ class DistributedPool:
                 errors[rank] = payload
                 # A rank that failed inside a collective leaves its peers waiting for the gloo
                 # timeout; they report too, then the pool is rebuilt.
+            elif status == "ok":
+                results[rank] = pickle.loads(payload)
             else:
                 results[rank] = payload
         if errors:
