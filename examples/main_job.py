@@ -107,7 +107,8 @@ def train(scenario_name: str, steps: int, batch: int) -> None:
         if trace_dir and os.path.isdir(trace_dir):
             print(f"\ntraces in {trace_dir}/ :", flush=True)
             for name in sorted(os.listdir(trace_dir)):
-                print(f"  {os.path.join(trace_dir, name)}", flush=True)
+                if name.endswith(".json"):
+                    print(f"  {os.path.join(trace_dir, name)}", flush=True)
             print("open a *.json trace in https://ui.perfetto.dev or chrome://tracing; see dashboards/README.md", flush=True)
 
 
