@@ -300,6 +300,14 @@ def _owned_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
         yield from _owned_modules(child, f"{prefix}{name}.")
 
 
+def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The FSDP units directly below ``module`` (not inside another unit), with their paths."""
+    for prefix, owner in _owned_modules(module):
+        for name, child in owner._modules.items():
+            if isinstance(child, FSDPModule):
+                yield f"{prefix}{name}.", child
+
+
 def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str], dict[int, list[_Location]]]:
     params: list[nn.Parameter] = []
     names: list[str] = []
@@ -407,6 +415,11 @@ def fully_shard(
         group.register()
     for param, name in zip(params, names):
         _CONSUMED[param] = f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}"
+    # Units are built bottom-up, each naming its parameters from itself; a parent prefixes its
+    # children's names, so error messages name parameters from the outermost unit.
+    for prefix, child in _fsdp_children(module):
+        for group in parameter_groups(child):
+            group.names = [prefix + name for name in group.names]
     for _, owner in _owned_modules(module):
         for name, buffer in owner._buffers.items():
             if buffer is not None and buffer.device != device:
