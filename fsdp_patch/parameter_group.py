@@ -126,8 +126,8 @@ class ParameterGroup:
 
         self._reduced_since_finalize = False
         self._overwrite_main_grad = False
-        self._cast_saved: list[torch.Tensor | None] | None = None
-        self._cast_buffer: torch.Tensor | None = None
+        # DTensor views of the temporary cast buffer while grads are cast (they keep it alive);
+        # empty otherwise. The grads they stand in for are always self._grad_views.
         self._cast_views: list[DTensor] = []
 
     def register(self) -> None:
@@ -301,15 +301,10 @@ class ParameterGroup:
         self._overwrite_main_grad = False
         self.reshard()
 
-    def zero_main_grad(self) -> None:
-        """Zeroes all main grads of the group in one operation."""
-        if self.main_grad is not None:
-            self.main_grad.zero_()
-
     # ------------------------------------------------------------------ temporary cast
     @property
     def grads_cast(self) -> bool:
-        return self._cast_saved is not None
+        return bool(self._cast_views)
 
     def cast_grads(self, dtype: torch.dtype) -> int:
         """Temporarily replaces the group's grads by ``dtype`` copies; one cast per group.
@@ -330,8 +325,6 @@ class ParameterGroup:
             raise RuntimeError(self.partial_grads_message())
         self._absorb_foreign_grads()
         cast = self.main_grad.to(dtype)
-        self._cast_saved = [p.grad for p in self.params]
-        self._cast_buffer = cast
         self._cast_views = self._specs.views(cast)
         for param, view in zip(self.params, self._cast_views):
             _install_grad(param, view)
@@ -346,11 +339,10 @@ class ParameterGroup:
         e.g. by ``zero_grad(set_to_none=False)``), are written back into ``main_grad``.
         ``carry_back=False`` is for the end of a step whose update does not write grads.
         """
-        saved = self._cast_saved
-        if saved is None:
+        if not self._cast_views:
             return
         with torch.no_grad():
-            for param, layout, grad, view in zip(self.params, self.layout.params, saved, self._cast_views):
+            for param, layout, grad, view in zip(self.params, self.layout.params, self._grad_views, self._cast_views):
                 current = param.grad
                 param.grad = None
                 param.grad_dtype = self.grads_dtype
@@ -359,8 +351,6 @@ class ParameterGroup:
                 if current is not view or carry_back:
                     layout.local_view(self.main_grad).copy_(_local(current))
                 param.grad = grad
-        self._cast_saved = None
-        self._cast_buffer = None
         self._cast_views = []
 
     def _absorb_foreign_grads(self) -> None:
