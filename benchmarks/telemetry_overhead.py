@@ -74,12 +74,9 @@ def _paired_ratio(times: dict[bool, list[float]]) -> float:
     return statistics.median(on / off for on, off in zip(times[True], times[False]))
 
 
-def bench(steps: int, tiny_steps: int, warmup: int) -> None:
-    rank = dist.get_rank()
+def _large_model(steps: int, warmup: int) -> None:
     model, optimizers = _build(LARGE, torch.optim.AdamW)
-    params = sum(p.numel() for p in model.parameters())
     batches = synthetic_batches(LARGE, 4, steps + warmup)
-
     optimizer_times: dict[bool, list[float]] = {False: [], True: []}
 
     def train_step(telemetry_on: bool, tokens: torch.Tensor) -> float:
@@ -98,23 +95,9 @@ def bench(steps: int, tiny_steps: int, warmup: int) -> None:
     for times in optimizer_times.values():
         times.clear()
     large = _alternate(steps, lambda on, step: train_step(on, batches[warmup + step]))
-    del model, optimizers
 
-    tiny_model, tiny_optimizers = _build(TINY, torch.optim.SGD)
-    lm_loss(tiny_model, synthetic_batches(TINY, 2, 1)[0]).backward()
-
-    def run_tiny(telemetry_on: bool, step: int = 0) -> float:
-        optimizer = tiny_optimizers[telemetry_on]
-        start = time.perf_counter()
-        optimizer.step()
-        return time.perf_counter() - start
-
-    for _ in range(warmup * 10):
-        for on in (False, True):
-            run_tiny(on)
-    small = _alternate(tiny_steps, run_tiny)
-
-    if rank == 0:
+    if dist.get_rank() == 0:
+        params = sum(p.numel() for p in model.parameters())
         off, on = statistics.median(large[False]), statistics.median(large[True])
         ratio = _paired_ratio(large)
         print(f"large model: {params / 1e6:.1f}M parameters, {dist.get_world_size()} rank(s), {steps} steps each")
@@ -126,12 +109,35 @@ def bench(steps: int, tiny_steps: int, warmup: int) -> None:
             f"  of which optimizer.step(): off {soff * 1e3:.2f} ms, on {son * 1e3:.2f} ms, "
             f"ratio {_paired_ratio(optimizer_times):.4f}"
         )
-        toff, ton = statistics.median(small[False]), statistics.median(small[True])
-        tiny_params = sum(p.numel() for p in tiny_model.parameters())
-        print(f"tiny model: {tiny_params} parameters, SGD optimizer.step() alone, {tiny_steps} steps each")
-        print(f"  step, telemetry off: {toff * 1e6:9.1f} us (median)")
-        print(f"  step, telemetry on : {ton * 1e6:9.1f} us (median)")
-        print(f"  fixed cost per step: {(ton - toff) * 1e6:9.1f} us")
+
+
+def _tiny_model(steps: int, warmup: int) -> None:
+    model, optimizers = _build(TINY, torch.optim.SGD)
+    lm_loss(model, synthetic_batches(TINY, 2, 1)[0]).backward()
+
+    def run(telemetry_on: bool, step: int = 0) -> float:
+        optimizer = optimizers[telemetry_on]
+        start = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    for _ in range(warmup * 10):
+        for on in (False, True):
+            run(on)
+    small = _alternate(steps, run)
+
+    if dist.get_rank() == 0:
+        off, on = statistics.median(small[False]), statistics.median(small[True])
+        params = sum(p.numel() for p in model.parameters())
+        print(f"tiny model: {params} parameters, SGD optimizer.step() alone, {steps} steps each")
+        print(f"  step, telemetry off: {off * 1e6:9.1f} us (median)")
+        print(f"  step, telemetry on : {on * 1e6:9.1f} us (median)")
+        print(f"  fixed cost per step: {(on - off) * 1e6:9.1f} us")
+
+
+def bench(steps: int, tiny_steps: int, warmup: int) -> None:
+    _large_model(steps, warmup)
+    _tiny_model(tiny_steps, warmup)
 
 
 def main(argv: list[str] | None = None) -> None:
