@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests import models
+from tests.telemetry.telemetry_testing import in_memory_telemetry, reset_otel_globals
 
 STEPS = 3
 
@@ -39,44 +40,26 @@ def environment(**values: str | None) -> Iterator[None]:
 
 
 def _reset_otel() -> None:
-    from opentelemetry import trace
-    from opentelemetry.metrics import _internal as metrics_internal
-    from opentelemetry.util._once import Once
-
     from telemetry import providers
 
     providers.reset()
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    trace._TRACER_PROVIDER = None
-    trace._PROXY_TRACER_PROVIDER = trace.ProxyTracerProvider()
-    metrics_internal._METER_PROVIDER_SET_ONCE = Once()
-    metrics_internal._METER_PROVIDER = None
-    metrics_internal._PROXY_METER_PROVIDER = metrics_internal._ProxyMeterProvider()
+    reset_otel_globals()
 
 
 @contextlib.contextmanager
 def in_memory_otel() -> Iterator[tuple[Any, Any]]:
     """Installs in-memory providers globally, as an application would; yields (spans, reader)."""
     from opentelemetry import metrics, trace
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     _reset_otel()
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
-    trace.set_tracer_provider(tracer_provider)
-    metrics.set_meter_provider(meter_provider)
+    otel = in_memory_telemetry()
+    trace.set_tracer_provider(otel.tracer_provider)
+    metrics.set_meter_provider(otel.meter_provider)
     try:
-        yield exporter, reader
+        yield otel.span_exporter, otel.metric_reader
     finally:
-        tracer_provider.shutdown()
-        meter_provider.shutdown()
+        otel.tracer_provider.shutdown()
+        otel.meter_provider.shutdown()
         _reset_otel()
 
 

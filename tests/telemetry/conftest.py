@@ -13,21 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from telemetry_testing import InMemoryTelemetry, fake_optimizer, in_memory_telemetry
-
-
-def reset_otel_globals() -> None:
-    """Forget the global tracer and meter providers (as opentelemetry-test-utils does)."""
-    from opentelemetry import trace
-    from opentelemetry.metrics import _internal as metrics_internal
-    from opentelemetry.util._once import Once
-
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    trace._TRACER_PROVIDER = None
-    trace._PROXY_TRACER_PROVIDER = trace.ProxyTracerProvider()
-    metrics_internal._METER_PROVIDER_SET_ONCE = Once()
-    metrics_internal._METER_PROVIDER = None
-    metrics_internal._PROXY_METER_PROVIDER = metrics_internal._ProxyMeterProvider()
+from telemetry_testing import InMemoryTelemetry, fake_optimizer, in_memory_telemetry, reset_otel_globals
 
 
 @pytest.fixture(autouse=True)

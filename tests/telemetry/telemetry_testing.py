@@ -19,6 +19,20 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 
+def reset_otel_globals() -> None:
+    """Forget the global tracer and meter providers (as opentelemetry-test-utils does)."""
+    from opentelemetry import trace
+    from opentelemetry.metrics import _internal as metrics_internal
+    from opentelemetry.util._once import Once
+
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
+    trace._PROXY_TRACER_PROVIDER = trace.ProxyTracerProvider()
+    metrics_internal._METER_PROVIDER_SET_ONCE = Once()
+    metrics_internal._METER_PROVIDER = None
+    metrics_internal._PROXY_METER_PROVIDER = metrics_internal._ProxyMeterProvider()
+
+
 @dataclass
 class Group:
     """A stand-in for fsdp_patch's ParameterGroup (satisfies telemetry.PrecisionView)."""
