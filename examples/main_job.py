@@ -98,7 +98,7 @@ def train(scenario_name: str, steps: int, batch: int) -> None:
         if rank == 0 and (step == 1 or step % 5 == 0 or step == steps):
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
 
-    import telemetry
+    import fsdp_patch.telemetry as telemetry
 
     telemetry.shutdown()
     dist.barrier()

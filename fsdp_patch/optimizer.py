@@ -53,14 +53,14 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
         ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, or the optimizer is
             already adapted with other settings.
     """
-    from telemetry import telemetry_enabled
+    from fsdp_patch.telemetry import telemetry_enabled
 
     if not telemetry_enabled():
         adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="hooks")
         return
 
     def observer() -> "StepObserver":
-        from telemetry import OptimizerObserver
+        from fsdp_patch.telemetry import OptimizerObserver
 
         return OptimizerObserver(optimizer, precision_aware=precision_aware)
 

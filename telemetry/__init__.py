@@ -11,19 +11,19 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from telemetry.env import telemetry_enabled
+from .env import telemetry_enabled
 
 if TYPE_CHECKING:
-    from telemetry.observer import OptimizerObserver, StepScope
-    from telemetry.precision import PrecisionSnapshot, PrecisionView
+    from .observer import OptimizerObserver, StepScope
+    from .precision import PrecisionSnapshot, PrecisionView
 
 __all__ = ["OptimizerObserver", "PrecisionView", "shutdown", "telemetry_enabled"]
 
 _LAZY = {
-    "OptimizerObserver": "telemetry.observer",
-    "StepScope": "telemetry.observer",
-    "PrecisionView": "telemetry.precision",
-    "PrecisionSnapshot": "telemetry.precision",
+    "OptimizerObserver": f"{__name__}.observer",
+    "StepScope": f"{__name__}.observer",
+    "PrecisionView": f"{__name__}.precision",
+    "PrecisionSnapshot": f"{__name__}.precision",
 }
 
 
@@ -40,6 +40,6 @@ def __getattr__(name: str) -> Any:
 
 def shutdown() -> None:
     """Flush and shut down the providers this package installed; idempotent, and free when none were."""
-    providers = sys.modules.get("telemetry.providers")
+    providers = sys.modules.get(f"{__name__}.providers")
     if providers is not None:
         providers.shutdown()

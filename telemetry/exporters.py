@@ -3,7 +3,7 @@
 ``OTEL_TRACES_EXPORTER`` and ``OTEL_METRICS_EXPORTER`` take comma-separated names. When a
 variable is unset or empty its signal gets this package's embedded default, which needs no
 server: trace files for spans (``trace_file``) and an exit summary for metrics
-(``summary``). Every exporter is wrapped by :mod:`telemetry.isolation`.
+(``summary``). Every exporter is wrapped by :mod:`fsdp_patch.telemetry.isolation`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
-from telemetry import env
-from telemetry.isolation import GuardedMetricExporter, GuardedSpanExporter
-from telemetry.ranks import RankInfo
-from telemetry.summary import MetricSummary
-from telemetry.trace_files import TraceFileExporter
+from . import env
+from .isolation import GuardedMetricExporter, GuardedSpanExporter
+from .ranks import RankInfo
+from .summary import MetricSummary
+from .trace_files import TraceFileExporter
 
 _logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from telemetry import env, instruments, precision, providers
-from telemetry.isolation import WarnOnce
-from telemetry.ranks import distributed_rank
-from telemetry.timing import DurationRecorder, duration_recorder_for
+from . import env, instruments, precision, providers
+from .isolation import WarnOnce
+from .ranks import distributed_rank
+from .timing import DurationRecorder, duration_recorder_for
 
 _logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Precision diagnostics on the flat shard buffers of mixed-precision parameter groups.
 
-No OpenTelemetry here: this module computes numbers, :mod:`telemetry.observer` records
+No OpenTelemetry here: this module computes numbers, :mod:`fsdp_patch.telemetry.observer` records
 them. All work is whole-buffer tensor operations on the group's flat buffers, processed
 in bounded chunks so temporaries stay small; never a loop over parameters. Every rank
 contributes one small stats vector to a single all-gather and then reduces it locally,

@@ -2,7 +2,7 @@
 
 On first use, per signal: if the application (or ``opentelemetry-instrument``) already
 installed a global provider, it is used and nothing is installed. Otherwise this module
-builds an SDK provider from the ``OTEL_*`` variables (:mod:`telemetry.exporters`), with the
+builds an SDK provider from the ``OTEL_*`` variables (:mod:`fsdp_patch.telemetry.exporters`), with the
 rank identity as resource attributes, and installs it globally. With
 ``OTEL_SDK_DISABLED=true`` nothing is installed and no-op providers are used.
 
@@ -26,11 +26,11 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from telemetry import env
-from telemetry.exporters import MetricSetup, build_metric_readers, build_span_exporters
-from telemetry.isolation import WarnOnce, report_batch_processor_warnings_once, run_bounded
-from telemetry.ranks import RankInfo, current_rank_info
-from telemetry.trace_files import TraceFileExporter
+from . import env
+from .exporters import MetricSetup, build_metric_readers, build_span_exporters
+from .isolation import WarnOnce, report_batch_processor_warnings_once, run_bounded
+from .ranks import RankInfo, current_rank_info
+from .trace_files import TraceFileExporter
 
 _logger = logging.getLogger(__name__)
 _warn = WarnOnce(_logger)

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from telemetry.instruments import RANK_ATTRIBUTE
+from .instruments import RANK_ATTRIBUTE
 
 
 def _number(value: float) -> str:

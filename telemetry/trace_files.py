@@ -13,8 +13,8 @@ Each rank writes, in the trace directory:
 
 Offline, for a crashed run or to combine ranks::
 
-    python -m telemetry.trace_files merge  all.trace.json   fsdp_patch_traces/rank*.trace.json
-    python -m telemetry.trace_files jaeger all.jaeger.json  fsdp_patch_traces/rank*.trace.json
+    python -m fsdp_patch.telemetry.trace_files merge  all.trace.json   fsdp_patch_traces/rank*.trace.json
+    python -m fsdp_patch.telemetry.trace_files jaeger all.jaeger.json  fsdp_patch_traces/rank*.trace.json
 
 ``merge`` puts every rank in one Perfetto view (one process row per rank).
 """
@@ -220,7 +220,7 @@ class TraceFileExporter(SpanExporter):
         if self.jaeger_path is None or not self.file.written or self._jaeger_written:
             return
         if os.path.getsize(chrome) > JAEGER_AT_EXIT_MAX_BYTES:
-            _logger.info("%s is too large to convert at exit; run `python -m telemetry.trace_files jaeger`.", chrome)
+            _logger.info("%s is too large to convert at exit; run `python -m fsdp_patch.telemetry.trace_files jaeger`.", chrome)
             return
         # Written aside and renamed, so an exit that cuts the conversion short leaves no torn file.
         partial = f"{self.jaeger_path}.partial"
@@ -337,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``merge|jaeger OUTPUT INPUT [INPUT ...]``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 3 or args[0] not in ("merge", "jaeger"):
-        print("usage: python -m telemetry.trace_files {merge|jaeger} OUTPUT INPUT [INPUT ...]", file=sys.stderr)
+        print("usage: python -m fsdp_patch.telemetry.trace_files {merge|jaeger} OUTPUT INPUT [INPUT ...]", file=sys.stderr)
         return 2
     command, output, inputs = args[0], args[1], args[2:]
     if command == "merge":

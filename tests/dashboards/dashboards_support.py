@@ -51,7 +51,7 @@ class Metric:
 
 
 def instrument_table() -> list[Metric]:
-    from telemetry.instruments import INSTRUMENTS
+    from fsdp_patch.telemetry.instruments import INSTRUMENTS
 
     return [Metric(spec.name, spec.kind, spec.unit,
                    {key: ATTRIBUTE_VALUES[key] for key in spec.attributes})
@@ -80,7 +80,7 @@ def exposition_for_rank(rank: str) -> str:
                                   "fsdp.world_size": WORLD_SIZE}),
     )
     try:
-        from telemetry.instruments import RANK_ATTRIBUTE, create_instruments
+        from fsdp_patch.telemetry.instruments import RANK_ATTRIBUTE, create_instruments
 
         instruments = create_instruments(provider.get_meter("fsdp_patch"))
         for metric in instrument_table():

@@ -40,7 +40,7 @@ def environment(**values: str | None) -> Iterator[None]:
 
 
 def _reset_otel() -> None:
-    from telemetry import providers
+    from fsdp_patch.telemetry import providers
 
     providers.reset()
     reset_otel_globals()
@@ -233,7 +233,7 @@ def silent_training(patched: bool) -> list[torch.Tensor]:
         "opentelemetry.context.get_current",
         "opentelemetry.sdk.trace.Tracer.start_span",
         "opentelemetry.sdk.trace.Tracer.start_as_current_span",
-        "telemetry.observer.OptimizerObserver.__init__",
+        "fsdp_patch.telemetry.observer.OptimizerObserver.__init__",
     ]
     with contextlib.ExitStack() as stack, environment(FSDP_PATCH_TELEMETRY=None):
         if patched:
@@ -246,7 +246,7 @@ def silent_training(patched: bool) -> list[torch.Tensor]:
 def unreachable_collector(protocol: str) -> list[torch.Tensor]:
     """Trains with telemetry exporting over OTLP to a closed loopback port."""
 
-    import telemetry
+    import fsdp_patch.telemetry as telemetry
 
     endpoint = "http://127.0.0.1:9" if protocol == "http/protobuf" else "127.0.0.1:9"
     _reset_otel()

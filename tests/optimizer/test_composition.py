@@ -396,7 +396,7 @@ def test_remove_fully_shard_optimizer_restores_the_instance(pool1: Any, attachme
 
 # ----------------------------------------------------------------------------- telemetry on
 def _telemetry_public_path() -> dict[str, bool]:
-    import telemetry
+    import fsdp_patch.telemetry as telemetry
 
     checks: dict[str, bool] = {}
     default_model = build_model()
@@ -435,7 +435,7 @@ def test_public_path_with_telemetry_on(pool2: Any) -> None:
 
 def test_public_path_with_telemetry_env_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     # Plain parameters need no process group; the entry point picks the attachment from the env.
-    import telemetry
+    import fsdp_patch.telemetry as telemetry
 
     monkeypatch.setenv("FSDP_PATCH_TELEMETRY", "true")
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")

@@ -25,7 +25,7 @@ def clean_telemetry_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Ite
         ):  # fmt: skip
             monkeypatch.delenv(name)
     monkeypatch.setenv("FSDP_PATCH_TRACE_DIR", str(tmp_path / "traces"))
-    from telemetry import providers
+    from fsdp_patch.telemetry import providers
 
     providers.reset()
     reset_otel_globals()
@@ -46,7 +46,7 @@ def otel() -> Iterator[InMemoryTelemetry]:
 @pytest.fixture
 def make_observer(otel: InMemoryTelemetry) -> Callable[..., Any]:
     """Factory of observers wired to the ``otel`` providers."""
-    from telemetry import OptimizerObserver
+    from fsdp_patch.telemetry import OptimizerObserver
 
     def make(optimizer: Any = None, precision_aware: bool = False) -> Any:
         return OptimizerObserver(

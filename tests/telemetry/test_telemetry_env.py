@@ -9,7 +9,7 @@ import sys
 import pytest
 from telemetry_testing import fake_optimizer
 
-from telemetry import env, telemetry_enabled
+from fsdp_patch.telemetry import env, telemetry_enabled
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,7 +91,7 @@ def test_trace_dir_default_is_relative(monkeypatch):
 
 
 def test_observer_fails_fast_on_a_malformed_variable(monkeypatch):
-    from telemetry import OptimizerObserver
+    from fsdp_patch.telemetry import OptimizerObserver
 
     monkeypatch.setenv("FSDP_PATCH_TRACE_RANKS", "first")
     with pytest.raises(ValueError, match="FSDP_PATCH_TRACE_RANKS"):
@@ -100,7 +100,7 @@ def test_observer_fails_fast_on_a_malformed_variable(monkeypatch):
 
 def test_telemetry_off_path_imports_no_opentelemetry():
     code = (
-        "import sys, telemetry\n"
+        "import sys\nimport fsdp_patch.telemetry as telemetry\n"
         "assert telemetry.telemetry_enabled() is False\n"
         "telemetry.PrecisionView\n"
         "telemetry.shutdown()\n"

@@ -19,10 +19,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from telemetry_testing import Group, fake_optimizer, metric_points, run_fake_step
 
-import telemetry
-from telemetry import OptimizerObserver, exporters, providers, trace_files
-from telemetry.isolation import GuardedSpanExporter, WarnOnce, run_bounded
-from telemetry.ranks import RankInfo
+import fsdp_patch.telemetry as telemetry
+from fsdp_patch.telemetry import OptimizerObserver, exporters, providers, trace_files
+from fsdp_patch.telemetry.isolation import GuardedSpanExporter, WarnOnce, run_bounded
+from fsdp_patch.telemetry.ranks import RankInfo
 
 STEP_NAMES = {f"fsdp.optimizer.{n}" for n in ("step", "cast_grads", "inner_step", "restore_grads", "refresh")}
 
@@ -197,7 +197,7 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
-    from telemetry.ranks import current_rank_info
+    from fsdp_patch.telemetry.ranks import current_rank_info
 
     resource = providers.build_resource(current_rank_info())
     attributes = dict(resource.attributes)
@@ -467,7 +467,7 @@ class BlockingExporter(SpanExporter):
 
 
 def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_once(monkeypatch, caplog):
-    from telemetry.isolation import BATCH_PROCESSOR_LOGGER, _OncePerMessage
+    from fsdp_patch.telemetry.isolation import BATCH_PROCESSOR_LOGGER, _OncePerMessage
 
     sdk_logger = logging.getLogger(BATCH_PROCESSOR_LOGGER)
     for stale in [f for f in sdk_logger.filters if isinstance(f, _OncePerMessage)]:
@@ -490,7 +490,7 @@ def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_on
 
 
 def test_batch_processor_warnings_stay_once_beyond_the_sdk_20s_window(monkeypatch, caplog):
-    from telemetry.isolation import BATCH_PROCESSOR_LOGGER, report_batch_processor_warnings_once
+    from fsdp_patch.telemetry.isolation import BATCH_PROCESSOR_LOGGER, report_batch_processor_warnings_once
 
     report_batch_processor_warnings_once()
     report_batch_processor_warnings_once()  # idempotent: one filter, not two

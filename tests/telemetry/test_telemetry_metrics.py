@@ -10,7 +10,7 @@ import pytest
 import torch
 from telemetry_testing import Group, fake_optimizer, point_value, run_fake_step
 
-from telemetry import instruments
+from fsdp_patch.telemetry import instruments
 
 README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
 
@@ -109,7 +109,7 @@ def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
     from opentelemetry.sdk.metrics import MeterProvider
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from telemetry import OptimizerObserver
+    from fsdp_patch.telemetry import OptimizerObserver
 
     registry = CollectorRegistry()
     provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
 
-from telemetry import precision
+from fsdp_patch.telemetry import precision
 
 NAN, INF = math.nan, math.inf
 

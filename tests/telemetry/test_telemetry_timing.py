@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from telemetry_testing import fake_optimizer, run_fake_step
 
-from telemetry import timing
+from fsdp_patch.telemetry import timing
 
 
 class FakeClock:
