@@ -55,6 +55,12 @@ class ParamLayout:
         return max(0, min(self.chunk_rows, self.global_shape[0] - self.rank * self.chunk_rows))
 
     @cached_property
+    def local_rows_slice(self) -> slice:
+        """The rows of the unsharded parameter that this rank's shard holds."""
+        start = min(self.rank * self.chunk_rows, self.global_shape[0])
+        return slice(start, start + self.local_rows)
+
+    @cached_property
     def local_shape(self) -> torch.Size:
         return torch.Size((self.local_rows, *self.global_shape[1:]))
 

@@ -1,16 +1,9 @@
 """``fully_shard``: turns a module into an FSDP unit over a 1-D device mesh.
 
-Lifecycle of a unit's parameters within one training iteration:
-
-1. pre-forward: all-gather the compute copy of each group into the unsharded parameters and
-   swap them into the module;
-2. post-forward: swap the sharded parameters back, free the unsharded storage when
-   ``reshard_after_forward`` (or when no backward can follow);
-3. pre-backward (first grad reaching the unit's outputs): all-gather again if freed;
-4. post-backward (grads of the unit's inputs computed, or the root's final callback):
-   reduce-scatter the unsharded grads into the main-grad buffers, free the unsharded storage;
-5. end of backward (root's final callback): install DTensor views of the main grads as the
-   sharded parameters' ``.grad``.
+What a unit does in forward and backward is in :mod:`fsdp_patch.unit`; at the end of each
+backward the root's final callback installs DTensor views of the main grads as the sharded
+parameters' ``.grad``. Between iterations the module holds its sharded parameters, and stays
+an ordinary module for everything that reads them: ``state_dict``, optimizers, DCP.
 
 Alternatives considered:
     - Wrapping the module in a new object (FSDP1): changes parameter names; we swap the
@@ -19,210 +12,36 @@ Alternatives considered:
       persistent compute copy costs memory and a refresh per optimizer step instead.
     - Counting ``post_accumulate_grad`` hooks to detect the end of a unit's backward: breaks
       when a weight is used more than once; the input-side autograd function does not.
+    - Converting the sharded parameters in ``Module._apply`` (``.to()``, ``.float()``) as FSDP2
+      does: the main-weight dtype is the policy's and the compute dtype is fixed when the flat
+      buffers are built, so a conversion that would change them is refused and one that would
+      not leaves them alone (buffers are converted as usual).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .mixed_precision import MixedPrecisionPolicy
 from .parameter_group import ParameterGroup, parameter_group_of
 from .placement import mesh_device, resolve_mesh
+from .unit import Location, UnitState
 
 __all__ = ["fully_shard", "FSDPModule", "parameter_groups"]
-
-_Location = tuple[nn.Module, str]
-
-
-class _RootContext:
-    """State shared by all units under one root for the current iteration."""
-
-    def __init__(self, root: "_UnitState", states: list["_UnitState"]) -> None:
-        self.root = root
-        self.states = states
-        # The autograd graph task the final callback is queued for. Per task rather than a
-        # flag: autograd drops queued callbacks when a backward raises, and a flag left set
-        # would keep every later backward from queuing one (no grads installed, ever).
-        self.callback_task: int | None = None
-
-    def queue_final_callback(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if self.callback_task == task:
-            return
-        self.callback_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
-
-    def _final_callback(self) -> None:
-        try:
-            for state in reversed(self.states):
-                state.post_backward(final=True)
-            for state in self.states:
-                for group in state.groups:
-                    group.finalize_grads()
-        finally:
-            self.callback_task = None
-
-    def interrupted(self) -> bool:
-        """Whether an exception aborted a forward or backward of this root's units."""
-        backward_aborted = self.callback_task is not None and self.callback_task != torch._C._current_graph_task_id()
-        return backward_aborted or any(state.in_forward for state in self.states)
-
-    def reset(self) -> None:
-        self.callback_task = None
-        for state in self.states:
-            state.reset()
-
-
-class _UnitState:
-    """Per-unit state: groups, where their parameters live in the module tree, hook logic."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        mesh: DeviceMesh,
-        policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool,
-        groups: list[ParameterGroup],
-        locations: list[list[list[_Location]]],
-    ) -> None:
-        self.module = module
-        self.mesh = mesh
-        self.policy = policy
-        self.reshard_after_forward = reshard_after_forward
-        self.groups = groups
-        self.locations = locations
-        self.requires_gradient_sync = True
-        self.context: _RootContext | None = None
-        self.pending_post_backward = 0
-        self.in_forward = False  # between pre- and post-forward: the unsharded params are swapped in
-        self.forward_registered_backward = False  # this forward counted a pending post-backward
-
-    def _swap(self, unsharded: bool) -> None:
-        for group, group_locations in zip(self.groups, self.locations):
-            params = group.unsharded_params if unsharded else group.params
-            for param, places in zip(params, group_locations):
-                for owner, name in places:
-                    owner._parameters[name] = param
-
-    def lazy_init_as_root(self) -> None:
-        states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
-        context = _RootContext(self, states)
-        for state in states:
-            state.context = context
-
-    def unshard(self) -> None:
-        for group in self.groups:
-            group.unshard()
-
-    def reshard(self) -> None:
-        for group in self.groups:
-            group.reshard()
-
-    def reset(self) -> None:
-        """Forgets an iteration an exception aborted: sharded params back in the module,
-        unsharded storage and grads dropped, grads the aborted backward had partly reduced
-        discarded (see :meth:`ParameterGroup.reset_iter_state`)."""
-        self.pending_post_backward = 0
-        self.in_forward = False
-        self.forward_registered_backward = False
-        self._swap(unsharded=False)
-        for group in self.groups:
-            group.reset_iter_state()
-
-    def abort_forward(self) -> None:
-        """Undoes the pre-forward of a forward that raised (the post-forward never ran)."""
-        if not self.in_forward:
-            return
-        self.in_forward = False
-        self._swap(unsharded=False)
-        self.reshard()
-        if self.forward_registered_backward:
-            self.forward_registered_backward = False
-            self.pending_post_backward -= 1  # its autograd graph went with the exception
-
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.context is None:
-            self.lazy_init_as_root()
-        elif self.context.root is self and self.context.interrupted():
-            self.context.reset()
-        self.unshard()
-        self._swap(unsharded=True)
-        self.in_forward = True
-        if torch.is_grad_enabled():
-            # Also for a frozen unit: backward through it re-gathers its weights to compute its
-            # inputs' grads, and its post-backward is what frees them again.
-            self.pending_post_backward += 1
-            self.forward_registered_backward = True
-            args, kwargs = _register_post_backward(self, args, kwargs)
-        return args, kwargs
-
-    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self._swap(unsharded=False)
-        self.in_forward = False
-        self.forward_registered_backward = False
-        grad_enabled = torch.is_grad_enabled()
-        if self.reshard_after_forward or not grad_enabled:
-            self.reshard()
-        if grad_enabled:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        return output
-
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.context is not None:
-            self.context.queue_final_callback()
-        self.unshard()
-
-    def post_backward(self, final: bool = False) -> None:
-        if self.pending_post_backward <= 0:
-            return
-        self.pending_post_backward = 0 if final else self.pending_post_backward - 1
-        if self.requires_gradient_sync:
-            for group in self.groups:
-                if group.requires_grad:
-                    group.reduce_grads()
-        self.reshard()
-
-
-class _RegisterPostBackward(torch.autograd.Function):
-    """Identity on the unit's inputs whose backward marks the end of the unit's backward."""
-
-    @staticmethod
-    def forward(ctx: Any, state: _UnitState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
-
-
-def _register_post_backward(state: _UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    flat, spec = tree_flatten((args, kwargs))
-    indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not indices:
-        return args, kwargs
-    outputs = _RegisterPostBackward.apply(state, *(flat[i] for i in indices))
-    for i, out in zip(indices, outputs):
-        flat[i] = out
-    return tree_unflatten(flat, spec)
-
 
 class FSDPModule:
     """Mixin added to the class of every module ``fully_shard`` was applied to."""
 
-    _fsdp_state: _UnitState
+    _fsdp_state: UnitState
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Forward hooks do not run when forward raises: undo the pre-forward here, so that a
@@ -271,10 +90,100 @@ class FSDPModule:
         else:
             context.reset()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``Module.zero_grad``, after recovering from an aborted backward if there was one.
+
+        A backward that raised leaves units in mid-backward with their unsharded parameters in
+        the modules; resetting first makes ``zero_grad`` reach the sharded parameters, as it
+        would have without the exception.
+        """
+        context = self._fsdp_state.context
+        if context is not None and torch._C._current_graph_task_id() == -1 and context.interrupted():
+            context.reset()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
     @property
     def fsdp_parameter_groups(self) -> list[ParameterGroup]:
         """This unit's own parameter groups (not those of FSDP children)."""
         return list(self._fsdp_state.groups)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FSDPModule":
+        """``Module.to``/``.float()``/``.cpu()``/``.to_empty`` and the rest, for a sharded module.
+
+        A conversion that keeps every sharded parameter's dtype and device converts the
+        buffers as usual and leaves the sharded parameters (the main weights in their flat
+        buffers) as they are; ``to_empty`` thus keeps their values, which its contract allows.
+        A conversion that would change one is refused before anything is converted.
+
+        Raises:
+            ValueError: The conversion would change a sharded parameter's dtype or device.
+        """
+        if _APPLYING.depth:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        units = [m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self._fsdp_state]  # type: ignore[attr-defined]
+        for unit in units:
+            for group in unit.groups:
+                _check_conversion(fn, group)
+        with _sharded_parameters_hidden(units):
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise TypeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(_NO_COPY)
+
+
+_NO_COPY = (
+    "fully_shard: an FSDP module cannot be deep-copied or pickled: its parameters are shards in "
+    "flat buffers tied to a process group (FSDP2 refuses deepcopy too). To copy the weights, read "
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model) (full_state_dict=True for "
+    "unsharded tensors) and load them into a new model, or save with torch.distributed.checkpoint. "
+    "For an average of the weights (torch.optim.swa_utils.AveragedModel deep-copies its model), "
+    "build the averaged model before fully_shard and shard its .module the same way."
+)
+
+
+class _ApplyDepth(threading.local):
+    depth = 0
+
+
+# Set while an outer FSDP unit runs Module._apply: the units inside it were checked already.
+_APPLYING = _ApplyDepth()
+
+
+def _check_conversion(fn: Callable[[torch.Tensor], torch.Tensor], group: ParameterGroup) -> None:
+    # What fn does to a tensor of the sharded parameters' dtype and device: an empty probe
+    # costs nothing and tells, without converting the (possibly large) main weights.
+    probe = torch.empty(0, dtype=group.main_dtype, device=group.main_weight.device)
+    converted = fn(probe)
+    if converted.dtype == probe.dtype and converted.device == probe.device:
+        return
+    raise ValueError(
+        f"fully_shard: this conversion would change sharded parameter '{group.names[0]}' from "
+        f"{probe.dtype} on {probe.device} to {converted.dtype} on {converted.device}; nothing was converted. "
+        "The sharded parameters are the main weights, whose dtype MixedPrecisionPolicy(main_params_dtype=...) "
+        f"sets, and the compute dtype ({group.compute_dtype} here) is the module's dtype when fully_shard was "
+        "applied: convert the module (model.to(dtype), model.to(device)) before fully_shard, and shard it on the "
+        "device it trains on"
+    )
+
+
+@contextmanager
+def _sharded_parameters_hidden(units: list[UnitState]) -> Iterator[None]:
+    """Takes the sharded parameters out of their modules (``Module._apply`` skips ``None``)."""
+    _APPLYING.depth += 1
+    for unit in units:
+        for group_locations in unit.locations:
+            for places in group_locations:
+                for owner, name in places:
+                    owner._parameters[name] = None
+    try:
+        yield
+    finally:
+        _APPLYING.depth -= 1
+        for unit in units:
+            unit.swap(unsharded=False)
 
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -308,10 +217,10 @@ def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 yield f"{prefix}{name}.", child
 
 
-def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str], dict[int, list[_Location]]]:
+def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]]]:
     params: list[nn.Parameter] = []
     names: list[str] = []
-    locations: dict[int, list[_Location]] = {}
+    locations: dict[int, list[Location]] = {}
     for prefix, owner in _owned_modules(module):
         for name, param in owner._parameters.items():
             if param is None:
@@ -402,15 +311,15 @@ def fully_shard(
 
     # Everything that can fail happens before the module is touched.
     groups: list[ParameterGroup] = []
-    group_locations: list[list[list[_Location]]] = []
+    group_locations: list[list[list[Location]]] = []
     for indices in by_key.values():
         groups.append(
             ParameterGroup([params[i] for i in indices], [names[i] for i in indices], mesh, mp_policy, device)
         )
         group_locations.append([locations[id(params[i])] for i in indices])
 
-    state = _UnitState(module, mesh, mp_policy, reshard_after_forward, groups, group_locations)
-    state._swap(unsharded=False)
+    state = UnitState(module, mesh, mp_policy, reshard_after_forward, groups, group_locations)
+    state.swap(unsharded=False)
     for group in groups:
         group.register()
     for param, name in zip(params, names):
@@ -427,5 +336,8 @@ def fully_shard(
     module._fsdp_state = state  # type: ignore[assignment]
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward)
+    # load_state_dict(assign=True) registers the loaded tensors in place of the sharded
+    # parameters: take their values over at once (the next forward would, too).
+    module.register_load_state_dict_post_hook(lambda module, incompatible: state.adopt_replaced_parameters())
     module.__class__ = _fsdp_class(type(module))
     return module

@@ -9,8 +9,11 @@ A group owns, for this rank, three flat buffers in one layout (see :mod:`.layout
   and backward without a cast, refreshed from the main weights once per optimizer step (the
   same tensor as ``main_weight`` when the two dtypes agree);
 - ``main_grad``: the sharded main gradients (``main_grads_dtype``), which backward
-  reduce-scatters into and whose DTensor views become the parameters' ``.grad``; ``None`` for a
-  frozen group.
+  reduce-scatters into and whose DTensor views become the parameters' ``.grad``; allocated when a
+  parameter of the group first needs a grad (``None`` while every parameter is frozen).
+
+Whether a parameter trains is read from its sharded parameter's ``requires_grad`` at every
+forward, so ``requires_grad_`` after ``fully_shard`` is honoured: a frozen parameter gets no grad.
 
 Every cast, refresh and zeroing is one operation on a whole buffer, never one per tensor.
 """
@@ -18,13 +21,11 @@ Every cast, refresh and zeroing is one operation on a whole buffer, never one pe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .dtensor_views import ShardSpecs
@@ -38,8 +39,6 @@ __all__ = ["ParameterGroup", "parameter_group_of", "contained_in_parameter_group
 # FSDP-managed ones and do not drag the group's buffers along.
 _GROUP_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-GradPresence = Literal["none", "all", "partial"]
-
 
 def parameter_group_of(parameter: torch.Tensor) -> "ParameterGroup | None":
     """The group that manages ``parameter``, or ``None`` for a parameter FSDP does not own."""
@@ -52,10 +51,12 @@ def contained_in_parameter_group(parameter: torch.Tensor) -> bool:
 
 
 class ParameterGroup:
-    """Sharded parameters of one (dtype, requires_grad) group and their flat buffers.
+    """Sharded parameters of one compute dtype and their flat buffers.
 
     Args:
-        params: Original (unsharded) parameters, all of one dtype and ``requires_grad``.
+        params: Original (unsharded) parameters, all of one dtype. ``fully_shard`` also splits
+            groups by ``requires_grad`` at sharding time, so that a group frozen then holds no
+            main-grad buffer; toggling ``requires_grad`` later works per parameter.
         names: Their fully qualified names, for error messages.
         mesh: 1-D device mesh to shard over.
         policy: Mixed-precision policy.
@@ -77,8 +78,11 @@ class ParameterGroup:
         self.rank = mesh.get_local_rank()
         self.compute_dtype = params[0].dtype
         self.main_dtype = policy.main_params_dtype
-        self.requires_grad = params[0].requires_grad
-        self.grads_dtype = policy.grads_dtype_for(self.compute_dtype) if self.requires_grad else None
+        self.grads_dtype = policy.grads_dtype_for(self.compute_dtype)
+        # Accumulating microbatches with gradient sync off happens in the main-grad dtype when it
+        # is wider than the compute dtype (FSDP2 accumulates in its reduce dtype likewise).
+        self._accumulate_wide = torch.finfo(self.grads_dtype).bits > torch.finfo(self.compute_dtype).bits
+        self._device = device
         self.layout = GroupLayout.build([p.shape for p in params], self.world_size, self.rank)
         self._specs = ShardSpecs(mesh, self.layout.params)
 
@@ -86,25 +90,22 @@ class ParameterGroup:
         with torch.no_grad():
             self.main_weight = torch.zeros(numel, dtype=self.main_dtype, device=device)
             for param, layout in zip(params, self.layout.params):
-                rows = slice(layout.rank * layout.chunk_rows, layout.rank * layout.chunk_rows + layout.local_rows)
-                layout.local_view(self.main_weight).copy_(param.detach()[rows])
+                layout.local_view(self.main_weight).copy_(param.detach()[layout.local_rows_slice])
             if self.compute_dtype == self.main_dtype:
                 self.compute_weight = self.main_weight
             else:
                 self.compute_weight = self.main_weight.to(self.compute_dtype)
-        self.main_grad = (
-            torch.zeros(numel, dtype=self.grads_dtype, device=device) if self.requires_grad else None
-        )
+        self.main_grad: torch.Tensor | None = None
+        self._grad_views: list[DTensor] = []
 
         self.params: list[nn.Parameter] = []
-        for view in self._specs.views(self.main_weight):
-            sharded = nn.Parameter(view, requires_grad=self.requires_grad)
-            if self.requires_grad:
-                sharded.grad_dtype = self.grads_dtype
+        for param, view in zip(params, self._specs.views(self.main_weight)):
+            sharded = nn.Parameter(view, requires_grad=param.requires_grad)
+            sharded.grad_dtype = self.grads_dtype
             self.params.append(sharded)
-        self._grad_views: list[DTensor] = (
-            self._specs.views(self.main_grad) if self.main_grad is not None else []
-        )
+        self._index_of = {id(param): index for index, param in enumerate(self.params)}
+        if self.requires_grad:
+            self._ensure_main_grad()
         self._refreshed_version = self.weights_version()
 
         # Unsharded state: one padded flat buffer whose storage is freed between uses; the
@@ -112,9 +113,11 @@ class ParameterGroup:
         # saved in forward stay valid once backward re-gathers into the same storage.
         self._unsharded_flat = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
         self.unsharded_params: list[nn.Parameter] = [
-            nn.Parameter(layout.unsharded_view(self._unsharded_flat), requires_grad=self.requires_grad)
-            for layout in self.layout.params
+            nn.Parameter(layout.unsharded_view(self._unsharded_flat), requires_grad=param.requires_grad)
+            for layout, param in zip(self.layout.params, params)
         ]
+        # Zero-size parameters own no slot; torch._chunk_cat refuses empty inputs.
+        self._packed_indices = [i for i, layout in enumerate(self.layout.params) if layout.slot_numel]
         self._copy_out_views = [
             self._unsharded_flat[layout.unsharded_offset : layout.unsharded_offset + layout.slot_numel * self.world_size].view(
                 self.world_size, layout.slot_numel
@@ -126,14 +129,39 @@ class ParameterGroup:
 
         self._reduced_since_finalize = False
         self._overwrite_main_grad = False
-        # DTensor views of the temporary cast buffer while grads are cast (they keep it alive);
-        # empty otherwise. The grads they stand in for are always self._grad_views.
-        self._cast_views: list[DTensor] = []
+        # Unsharded grads of microbatches accumulated with gradient sync off, packed as the
+        # reduce-scatter reads them, in the main-grad dtype; only when that is wider.
+        self._accumulated: torch.Tensor | None = None
+        # Parameter index -> DTensor view of the temporary cast buffer, while grads are cast
+        # (the views keep the buffer alive); empty otherwise. The grads they stand in for are
+        # always self._grad_views.
+        self._cast_views: dict[int, DTensor] = {}
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any parameter of the group trains (its sharded parameter requires grad)."""
+        return any(param.requires_grad for param in self.params)
+
+    def _ensure_main_grad(self) -> torch.Tensor:
+        if self.main_grad is None:
+            self.main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
+            self._grad_views = self._specs.views(self.main_grad)
+        return self.main_grad
+
+    def sync_requires_grad(self) -> None:
+        """Makes the unsharded parameters train exactly when their sharded ones do."""
+        for sharded, unsharded in zip(self.params, self.unsharded_params):
+            if unsharded.requires_grad != sharded.requires_grad:
+                unsharded.requires_grad_(sharded.requires_grad)
 
     def register(self) -> None:
         """Makes :func:`parameter_group_of` find this group's parameters."""
         for param in self.params:
             _GROUP_OF[param] = self
+
+    def index_of(self, param: torch.Tensor) -> int:
+        """Position of one of this group's sharded parameters in :attr:`params`."""
+        return self._index_of[id(param)]
 
     # ------------------------------------------------------------------ weights
     @property
@@ -168,6 +196,55 @@ class ParameterGroup:
         # edit): the compute copy must follow before anyone gathers it.
         if self.weights_version() != self._refreshed_version:
             self.refresh_compute_weight()
+
+    def check_replacement(self, index: int, replacement: object) -> None:
+        """Raises if ``replacement`` cannot stand in for ``params[index]`` (see :meth:`adopt`).
+
+        Raises:
+            TypeError: ``replacement`` is not a floating-point tensor.
+            ValueError: Its shape differs from the parameter's, or it is a DTensor on another mesh.
+        """
+        name = self.names[index]
+        layout = self.layout.params[index]
+        if not isinstance(replacement, torch.Tensor) or not replacement.is_floating_point():
+            raise TypeError(
+                f"fully_shard: parameter '{name}' was replaced by {type(replacement).__name__}"
+                f"{'' if not isinstance(replacement, torch.Tensor) else f' of dtype {replacement.dtype}'}; "
+                "expected a floating-point tensor"
+            )
+        if tuple(replacement.shape) != tuple(layout.global_shape):
+            raise ValueError(
+                f"fully_shard: parameter '{name}' was replaced by a tensor of shape {tuple(replacement.shape)}; "
+                f"expected its global shape {tuple(layout.global_shape)}"
+            )
+        if isinstance(replacement, DTensor) and replacement.device_mesh != self.mesh:
+            raise ValueError(
+                f"fully_shard: parameter '{name}' was replaced by a DTensor on {replacement.device_mesh}; "
+                f"expected one on the unit's mesh {self.mesh}"
+            )
+
+    def adopt(self, index: int, replacement: torch.Tensor) -> None:
+        """Copies the values of a tensor that replaced ``params[index]`` in its module
+        (``load_state_dict(assign=True)``, a plain attribute assignment) into the main weights.
+
+        The group's own sharded parameter stays the module's parameter, so optimizers built
+        earlier keep stepping it; ``requires_grad`` follows the replacement. A ``Shard(0)``
+        DTensor gives its local shard; another DTensor is gathered first (a collective: every
+        rank adopts at the same forward); a plain tensor is the full value. Call
+        :meth:`check_replacement` first.
+        """
+        layout = self.layout.params[index]
+        with torch.no_grad():
+            if isinstance(replacement, DTensor):
+                local = (
+                    replacement.to_local()
+                    if tuple(replacement.placements) == (Shard(0),)
+                    else replacement.full_tensor()[layout.local_rows_slice]
+                )
+            else:
+                local = replacement.detach()[layout.local_rows_slice]
+            layout.local_view(self.main_weight).copy_(local)
+        self.params[index].requires_grad_(replacement.requires_grad)
 
     @property
     def is_unsharded(self) -> bool:
@@ -207,49 +284,73 @@ class ParameterGroup:
         return self._unsharded_flat.untyped_storage().nbytes()
 
     # ------------------------------------------------------------------ grads
-    def grad_presence(self) -> GradPresence:
-        present = sum(param.grad is not None for param in self.params)
-        if present == 0:
-            return "none"
-        return "all" if present == len(self.params) else "partial"
+    def has_unsharded_grads(self) -> bool:
+        """Whether backward left grads on the unsharded parameters (or accumulated some)."""
+        return self._accumulated is not None or any(p.grad is not None for p in self.unsharded_params)
 
-    def reduce_grads(self) -> None:
-        """Reduce-scatters (averages) the unsharded grads into ``main_grad``, then drops them.
+    def post_backward(self, sync: bool) -> None:
+        """Reduce-scatters the unsharded grads into ``main_grad`` (``sync``), or keeps them for
+        the next synced backward; a no-op when backward produced no grads for this group.
 
-        Parameters that received no gradient contribute zeros, so every rank takes part in the
-        same collectives whatever its control flow.
+        Skipping when there are no grads leaves ``torch.autograd.grad`` (which fills no
+        ``.grad``) alone; within a group, a parameter without a grad contributes zeros, so
+        every rank takes part in the same collectives whatever its control flow inside the group.
         """
-        assert self.main_grad is not None
-        unsharded_grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
-        ]
+        if not self.has_unsharded_grads():
+            return
+        if not sync:
+            if self._accumulate_wide:
+                # Autograd would accumulate the next microbatch into the compute-dtype grads.
+                with torch.no_grad():
+                    packed = self._pack_unsharded_grads()
+                    if self._accumulated is None:
+                        self._accumulated = packed
+                    else:
+                        self._accumulated.add_(packed)
+                self._drop_unsharded_grads()
+            return
+        main_grad = self._ensure_main_grad()
         with torch.no_grad():
             if not self._reduced_since_finalize:
                 self._begin_accumulation()
-            packed = torch.empty(
-                self.world_size, self.layout.shard_numel, dtype=self.grads_dtype, device=self.main_grad.device
-            )
-            torch._chunk_cat(unsharded_grads, dim=0, num_chunks=self.world_size, out=packed)
+            packed = self._pack_unsharded_grads()
+            if self._accumulated is not None:
+                packed.add_(self._accumulated)
+                self._accumulated = None
             if self.world_size == 1:
                 reduced = packed.view(-1)
             else:
-                reduced = torch.empty_like(self.main_grad)
+                reduced = torch.empty_like(main_grad)
                 dist.reduce_scatter_single(reduced, packed.view(-1), op=dist.ReduceOp.AVG, group=self.process_group)
             if self._overwrite_main_grad:
-                self.main_grad.copy_(reduced)
+                main_grad.copy_(reduced)
                 self._overwrite_main_grad = False
             else:
-                self.main_grad.add_(reduced)
+                main_grad.add_(reduced)
+        self._drop_unsharded_grads()
+        self._reduced_since_finalize = True
+
+    def _pack_unsharded_grads(self) -> torch.Tensor:
+        """The unsharded grads (zeros for missing ones) as ``(world_size, shard_numel)`` rows in
+        the main-grad dtype: row ``r`` is what rank ``r`` receives."""
+        packed = torch.empty(self.world_size, self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
+        grads = []
+        for index in self._packed_indices:
+            param = self.unsharded_params[index]
+            grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
+        if grads:
+            torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=packed)
+        return packed
+
+    def _drop_unsharded_grads(self) -> None:
         for param in self.unsharded_params:
             param.grad = None
-        self._reduced_since_finalize = True
 
     def _begin_accumulation(self) -> None:
         # Whatever the sharded parameters' .grad hold now is what the new gradient adds to:
         # nothing (after zero_grad(set_to_none=True)), our own views, or tensors a user assigned.
         self.restore_grads()
-        presence = self.grad_presence()
-        if presence == "none":
+        if all(p.grad is None for p in self.params):
             self._overwrite_main_grad = True
             return
         self._overwrite_main_grad = False
@@ -264,22 +365,24 @@ class ParameterGroup:
                 region.copy_(_local(param.grad))
 
     def finalize_grads(self) -> None:
-        """Installs DTensor views of ``main_grad`` as the sharded parameters' ``.grad``."""
+        """Installs DTensor views of ``main_grad`` as the ``.grad`` of every trainable sharded
+        parameter; a frozen one keeps what it has (``None`` unless a user assigned a grad)."""
         if not self._reduced_since_finalize:
             return
         for param, view in zip(self.params, self._grad_views):
-            if param.grad is not view:
+            if param.requires_grad and param.grad is not view:
                 param.grad = view
         self._reduced_since_finalize = False
 
     def install_zero_grads(self) -> None:
-        """Gives parameters without a grad a zeroed main-grad view as ``.grad``."""
-        if self.main_grad is None:
+        """Gives trainable parameters without a grad a zeroed main-grad view as ``.grad``."""
+        if not self.requires_grad:
             return
+        self._ensure_main_grad()
         self.restore_grads()
         with torch.no_grad():
             for param, layout, view in zip(self.params, self.layout.params, self._grad_views):
-                if param.grad is None:
+                if param.grad is None and param.requires_grad:
                     layout.local_view(self.main_grad).zero_()
                     param.grad = view
 
@@ -292,8 +395,8 @@ class ParameterGroup:
         so their grads become ``None``: the next backward then overwrites the buffer.
         """
         self.restore_grads()
-        for param in self.unsharded_params:
-            param.grad = None
+        self._drop_unsharded_grads()
+        self._accumulated = None
         if self._reduced_since_finalize:
             for param in self.params:
                 param.grad = None
@@ -306,28 +409,24 @@ class ParameterGroup:
     def grads_cast(self) -> bool:
         return bool(self._cast_views)
 
-    def cast_grads(self, dtype: torch.dtype) -> int:
-        """Temporarily replaces the group's grads by ``dtype`` copies; one cast per group.
+    def cast_grads(self, dtype: torch.dtype, indices: Sequence[int]) -> int:
+        """Temporarily replaces the grads of ``params[i]`` for ``i`` in ``indices`` (parameters
+        that have one) by ``dtype`` copies; one cast of the whole buffer.
 
         Foreign grads a user assigned are first folded into ``main_grad`` so that the cast
         reads exactly what the parameters' ``.grad`` held.
 
         Returns:
             Bytes written by the cast.
-
-        Raises:
-            RuntimeError: Some but not all of the group's grads are ``None``.
         """
-        presence = self.grad_presence()
-        if presence == "none" or self.main_grad is None:
+        if not indices or self.main_grad is None:
             return 0
-        if presence == "partial":
-            raise RuntimeError(self.partial_grads_message())
-        self._absorb_foreign_grads()
+        self._absorb_foreign_grads(indices)
         cast = self.main_grad.to(dtype)
-        self._cast_views = self._specs.views(cast)
-        for param, view in zip(self.params, self._cast_views):
-            _install_grad(param, view)
+        views = self._specs.views(cast)
+        self._cast_views = {i: views[i] for i in indices}
+        for index, view in self._cast_views.items():
+            _install_grad(self.params[index], view)
         return cast.numel() * cast.element_size()
 
     def restore_grads(self, carry_back: bool = True) -> None:
@@ -341,34 +440,28 @@ class ParameterGroup:
         """
         if not self._cast_views:
             return
+        assert self.main_grad is not None
         with torch.no_grad():
-            for param, layout, grad, view in zip(self.params, self.layout.params, self._grad_views, self._cast_views):
+            for index, view in self._cast_views.items():
+                param = self.params[index]
                 current = param.grad
                 param.grad = None
                 param.grad_dtype = self.grads_dtype
                 if current is None:
                     continue
                 if current is not view or carry_back:
-                    layout.local_view(self.main_grad).copy_(_local(current))
-                param.grad = grad
-        self._cast_views = []
+                    self.layout.params[index].local_view(self.main_grad).copy_(_local(current))
+                param.grad = self._grad_views[index]
+        self._cast_views = {}
 
-    def _absorb_foreign_grads(self) -> None:
+    def _absorb_foreign_grads(self, indices: Sequence[int]) -> None:
         assert self.main_grad is not None
         with torch.no_grad():
-            for param, layout, view in zip(self.params, self.layout.params, self._grad_views):
+            for index in indices:
+                param, view = self.params[index], self._grad_views[index]
                 if param.grad is not view:
-                    layout.local_view(self.main_grad).copy_(_local(param.grad))
+                    self.layout.params[index].local_view(self.main_grad).copy_(_local(param.grad))
                     param.grad = view
-
-    def partial_grads_message(self) -> str:
-        missing = [n for n, p in zip(self.names, self.params) if p.grad is None]
-        present = [n for n, p in zip(self.names, self.params) if p.grad is not None]
-        return (
-            f"FSDP parameter group ({self.compute_dtype}, main {self.main_dtype}) has grads for "
-            f"{len(present)} of {len(self.params)} parameters; expected all or none. "
-            f"Missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-        )
 
     def __repr__(self) -> str:
         return (

@@ -28,7 +28,10 @@ class StepPlan:
 
     Attributes:
         groups: FSDP groups with at least one parameter in the optimizer, in first-seen order.
-        cast_groups: Groups whose grads get cast to the main-weight dtype this step.
+        cast_groups: Groups whose grads get cast to the main-weight dtype this step, with the
+            indices (in the group) of the parameters to cast: those the optimizer holds that
+            have a grad. Grad presence is per parameter: several optimizers may each hold some
+            of a group's parameters and zero only their own.
         mismatches: Mismatched parameters per (param dtype, grad dtype, action).
         params_count: Parameters in the optimizer's param groups.
         groups_count: The optimizer's param groups.
@@ -37,7 +40,7 @@ class StepPlan:
     """
 
     groups: list[ParameterGroup]
-    cast_groups: list[ParameterGroup]
+    cast_groups: list[tuple[ParameterGroup, list[int]]]
     mismatches: Counter[MismatchKey] = field(default_factory=Counter)
     params_count: int = 0
     groups_count: int = 0
@@ -77,9 +80,9 @@ class StepCore:
         Raises:
             TypeError: A param group holds something that is not an ``nn.Parameter``, or a
                 plain parameter's grad dtype differs from its dtype (unless precision aware).
-            RuntimeError: An FSDP group has grads for some but not all of its parameters.
         """
         groups: dict[int, ParameterGroup] = {}
+        with_grads: dict[int, list[int]] = {}
         mismatches: Counter[MismatchKey] = Counter()
         rejected: list[str] = []
         params_count = 0
@@ -94,6 +97,8 @@ class StepCore:
                 fsdp_group = parameter_group_of(param)
                 if fsdp_group is not None:
                     groups.setdefault(id(fsdp_group), fsdp_group)
+                    if param.grad is not None:
+                        with_grads.setdefault(id(fsdp_group), []).append(fsdp_group.index_of(param))
                     continue
                 grad = param.grad
                 if grad is not None and grad.dtype != param.dtype:
@@ -117,24 +122,22 @@ class StepCore:
                 plan,
             )
         for fsdp_group in plan.groups:
-            presence = fsdp_group.grad_presence()
-            if presence == "partial":
-                raise RuntimeError(fsdp_group.partial_grads_message())
-            if presence == "none" or fsdp_group.grads_dtype == fsdp_group.main_dtype:
+            indices = with_grads.get(id(fsdp_group))
+            if not indices or fsdp_group.grads_dtype == fsdp_group.main_dtype:
                 continue
             action = "passthrough" if self.precision_aware else "cast"
-            mismatches[(fsdp_group.main_dtype, fsdp_group.grads_dtype, action)] += len(fsdp_group.params)
+            mismatches[(fsdp_group.main_dtype, fsdp_group.grads_dtype, action)] += len(indices)
             if not self.precision_aware:
-                plan.cast_groups.append(fsdp_group)
+                plan.cast_groups.append((fsdp_group, indices))
         return plan
 
     def cast(self, plan: StepPlan) -> int:
         """Casts the planned groups' grads to their main-weight dtype; returns bytes written."""
         plan.cast_records = []
         try:
-            for fsdp_group in plan.cast_groups:
+            for fsdp_group, indices in plan.cast_groups:
                 self._cast_in_flight.append(fsdp_group)
-                plan.cast_records.append((fsdp_group, fsdp_group.cast_grads(fsdp_group.main_dtype)))
+                plan.cast_records.append((fsdp_group, fsdp_group.cast_grads(fsdp_group.main_dtype, indices)))
         except BaseException:
             self.restore(carry_back=False)
             raise

@@ -74,8 +74,9 @@ def test_no_grad_forward_reshards(memory) -> None:
 def test_frozen_unit_is_freed_after_backward(memory) -> None:
     for facts in memory:
         assert _all_zero(facts["frozen_after_backward"]), facts["frozen_after_backward"]
-        # (requires_grad, no main-grad buffer, grads_dtype, every .grad None)
-        trainable, frozen = (True, False, torch.float32, False), (False, True, None, True)
+        # (requires_grad, no main-grad buffer, grads_dtype, every .grad None): a frozen group
+        # allocates no main-grad buffer, though its grads dtype is resolved for a later unfreeze.
+        trainable, frozen = (True, False, torch.float32, False), (False, True, torch.float32, True)
         assert sorted(facts["frozen_groups"], key=repr) == sorted([trainable, trainable, frozen, frozen], key=repr)
 
 

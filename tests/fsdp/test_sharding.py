@@ -94,7 +94,8 @@ def test_groups_split_by_dtype_and_requires_grad(geometry) -> None:
     expected = [
         ("torch.bfloat16", True, "torch.float32", "torch.bfloat16", "torch.float32", "torch.float32",
          ["bf16.bias", "bf16.weight"], False),
-        ("torch.float32", False, "torch.float32", "torch.float32", None, None, ["frozen.bias", "frozen.weight"], True),
+        ("torch.float32", False, "torch.float32", "torch.float32", None, "torch.float32",
+         ["frozen.bias", "frozen.weight"], True),
         ("torch.float32", True, "torch.float32", "torch.float32", "torch.float32", "torch.float32",
          ["f32.bias", "f32.weight"], True),
     ]  # fmt: skip
