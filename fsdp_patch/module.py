@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .grad_scaler_hint import track_fp16_main_grads
 from .mixed_precision import MixedPrecisionPolicy
 from .parameter_group import ParameterGroup, parameter_group_of
 from .placement import mesh_device, resolve_mesh
@@ -322,6 +323,8 @@ def fully_shard(
     state.swap(unsharded=False)
     for group in groups:
         group.register()
+        if group.grads_dtype == torch.float16:
+            track_fp16_main_grads(group)
     for param, name in zip(params, names):
         _CONSUMED[param] = f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}"
     # Units are built bottom-up, each naming its parameters from itself; a parent prefixes its

@@ -20,6 +20,7 @@ Every cast, refresh and zeroing is one operation on a whole buffer, never one pe
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 import torch
 import torch.distributed as dist
@@ -34,20 +35,22 @@ from .mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["ParameterGroup", "parameter_group_of", "contained_in_parameter_group"]
 
-# Sharded parameter -> its group. A registry rather than an attribute on the parameter, so
-# that copies of a parameter (deepcopy, pickling of an optimizer) are not mistaken for
-# FSDP-managed ones and do not drag the group's buffers along.
+# Sharded parameter -> weak reference to its group. A registry rather than an attribute on the
+# parameter, so that copies of a parameter (deepcopy, pickling of an optimizer) are not mistaken
+# for FSDP-managed ones and do not drag the group's buffers along. Weak both ways: the group
+# holds its parameters, so a strong value would keep the keys, and every sharded model, alive.
 _GROUP_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def parameter_group_of(parameter: torch.Tensor) -> "ParameterGroup | None":
     """The group that manages ``parameter``, or ``None`` for a parameter FSDP does not own."""
-    return _GROUP_OF.get(parameter)
+    ref = _GROUP_OF.get(parameter)
+    return None if ref is None else ref()
 
 
 def contained_in_parameter_group(parameter: torch.Tensor) -> bool:
     """Whether ``parameter`` is a sharded parameter managed by ``fully_shard``."""
-    return parameter in _GROUP_OF
+    return parameter_group_of(parameter) is not None
 
 
 class ParameterGroup:
@@ -157,7 +160,7 @@ class ParameterGroup:
     def register(self) -> None:
         """Makes :func:`parameter_group_of` find this group's parameters."""
         for param in self.params:
-            _GROUP_OF[param] = self
+            _GROUP_OF[param] = weakref.ref(self)
 
     def index_of(self, param: torch.Tensor) -> int:
         """Position of one of this group's sharded parameters in :attr:`params`."""

@@ -342,3 +342,122 @@ def mixed_run(pattern: str) -> dict[str, Any]:
         out["ours_telemetry"] = train_mixed("ours_telemetry", pattern)
         out["ours_telemetry"]["step_spans"] = sum(s.name == "fsdp.optimizer.step" for s in spans.get_finished_spans())
     return rank0(out)
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def _raises(fn: Callable[[], Any]) -> str | None:
+    """``"Type: message"`` (with notes) of what ``fn`` raised, or None."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        notes = " ".join(getattr(exc, "__notes__", []))
+        return f"{type(exc).__name__}: {exc} {notes}".strip()
+    return None
+
+
+def refusals_run() -> dict[str, Any]:
+    """What ``fully_shard`` refuses, with FSDP2's answer to the same call as the control."""
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel
+
+    out: dict[str, Any] = {}
+    for impl in ("ours", "fsdp2"):
+        model = build(impl)
+        objects = {n: p for n, p in model.named_parameters()}
+        values = full_params(model)
+        facts = {
+            "to_bf16": _raises(lambda: model.to(torch.bfloat16)),
+            "half": _raises(lambda: model.half()),
+            "deepcopy": _raises(lambda: copy.deepcopy(model)),
+            "averaged_model": _raises(lambda: AveragedModel(model)),
+            "pickle": _raises(lambda: pickle.dumps(model)),
+        }
+        if impl == "ours":
+            facts["untouched"] = objects == dict(model.named_parameters()) and all(
+                torch.equal(values[n], v) for n, v in full_params(model).items()
+            )
+            facts["dtypes_after"] = sorted({str(p.dtype) for p in model.parameters()})
+            # A replacement of the wrong shape: refused at the next forward, the module keeps
+            # its sharded parameter, and the forward after that works.
+            head_weight = model.head.weight
+            model.head.weight = nn.Parameter(torch.zeros(2, 2))
+            x = data()[0][0][:2]
+            facts["bad_replacement"] = _raises(lambda: model(x))
+            facts["bad_replacement_reverted"] = model.head.weight is head_weight
+            facts["forward_after"] = _raises(lambda: model(x)) is None
+        out[impl] = facts
+    return rank0(out)
+
+
+def grad_scaler_run() -> dict[str, Any]:
+    """fp16 compute with GradScaler: fp32 main grads (supported) against FSDP2 (fp16 params,
+    fp32 reduce); fp16 main grads get torch's error with the advice."""
+    import gc
+
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world_size = world()
+    f16 = torch.float16
+    original = torch.amp.GradScaler.__dict__["_unscale_grads_"]
+    out: dict[str, Any] = {}
+    for impl in ("ours", "fsdp2", "ours_fp16_grads"):
+        if impl == "fsdp2":
+            model = build(impl, dtype=f16, reduce_dtype=torch.float32)
+        else:
+            model = build("ours", dtype=f16, main_grads_dtype=f16 if impl == "ours_fp16_grads" else torch.float32)
+        optimizer = sgd(model.parameters())
+        if impl != "fsdp2":
+            fully_shard_optimizer(optimizer)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        facts: dict[str, Any] = {"losses": [], "scales": [], "error": None}
+        for step, (x, y) in enumerate(data()):
+            x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+            if impl != "fsdp2":
+                x = x.to(f16)
+            loss = mse(model(x), y)
+            # Step 1 overflows fp16 grads: GradScaler skips it and halves the scale.
+            scaler.scale(loss * (1e6 if step == 1 else 1.0)).backward()
+            try:
+                scaler.unscale_(optimizer)  # as before gradient clipping
+            except ValueError:
+                facts["error"] = _raises(lambda: scaler.unscale_(optimizer))
+                break
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            facts["losses"].append(loss.item())
+            facts["scales"].append(scaler.get_scale())
+        facts["params"] = full_params(model)
+        out[impl] = facts
+        if impl == "ours_fp16_grads":
+            facts["hint_installed"] = torch.amp.GradScaler.__dict__["_unscale_grads_"] is not original
+            del model, optimizer, loss, scaler
+            gc.collect()
+            facts["hint_removed_exactly"] = torch.amp.GradScaler.__dict__["_unscale_grads_"] is original
+    return rank0(out)
+
+
+def freed_run() -> dict[str, Any]:
+    """Whether a trained sharded model, its groups and its adapted optimizer are freed once the
+    script drops them (the group registry once kept every sharded model alive)."""
+    import gc
+    import weakref
+
+    from fsdp_patch import parameter_groups
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world_size = world()
+    model = build("ours", dtype=BF16)
+    optimizer = sgd(model.parameters())
+    fully_shard_optimizer(optimizer)
+    x, y = data()[0]
+    mse(model(rows(x, rank, world_size).to(BF16)), rows(y, rank, world_size)).backward()
+    optimizer.step()
+    refs = {"model": weakref.ref(model), "optimizer": weakref.ref(optimizer)}
+    refs.update({f"group{i}": weakref.ref(g) for i, g in enumerate(parameter_groups(model))})
+    del model, optimizer
+    gc.collect()
+    return {name: ref() is None for name, ref in refs.items()}

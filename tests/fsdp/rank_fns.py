@@ -1049,6 +1049,10 @@ def recovery_run() -> dict[str, Any]:
         if explicit:
             model.reset_iter_state()
             facts["after_reset"] = unsharded_bytes(model)
+            # blocks.1 had reduced before blocks.0's backward raised: its main grads hold part
+            # of the aborted iteration, so its .grad must be None (the next backward overwrites);
+            # the others still hold the completed iteration's grads.
+            facts["grads_none_after_reset"] = sorted(n for n, p in model.named_parameters() if p.grad is None)
             facts["params_sharded_after_reset"] = all(
                 isinstance(p, DTensor) for p in model.parameters()
             ) and all(isinstance(m.weight, DTensor) for m in model.modules() if isinstance(m, nn.Linear))
@@ -1056,6 +1060,7 @@ def recovery_run() -> dict[str, Any]:
         facts["max_abs_err"] = clean_step_error(model)
         facts["after_backward"] = unsharded_bytes(model)
         facts["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+        facts["param_names"] = [n for n, _ in model.named_parameters()]
         facts["groups"] = len(parameter_groups(model))
         out[f"{where}_{'explicit' if explicit else 'auto'}"] = facts
     return out

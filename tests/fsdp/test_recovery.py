@@ -26,3 +26,8 @@ def test_iteration_after_an_exception_matches_a_clean_one(run_once, case: str) -
         if case.endswith("explicit"):
             assert set(outcome["after_reset"].values()) == {0}
             assert outcome["params_sharded_after_reset"]
+        if case == "backward_explicit":
+            got = outcome["grads_none_after_reset"]
+            assert got and all(n.startswith("blocks.1.") for n in got), f"grads None after reset: {got}"
+            want = sum(n.startswith("blocks.1.") for n in outcome["param_names"])
+            assert len(got) == want, f"{len(got)} of blocks.1's {want} grads are None after reset: {got}"

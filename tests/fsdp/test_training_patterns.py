@@ -160,3 +160,50 @@ def test_sync_off_accumulates_in_fp32_and_frees_the_buffer(run_once: Any) -> Non
             dtypes = {g[0] if g else None for g in groups}
             assert dtypes == {"torch.float32"}, f"step {step} microbatch {k}: accumulation buffers {groups}"
         assert synced == [None] * len(synced), f"step {step}: buffers left after the synced microbatch: {synced}"
+
+
+def test_refusals_name_the_parameter_and_the_alternative(run_once: Any) -> None:
+    """Conversions that would change the sharded parameters, deep copies (``AveragedModel``
+    makes one) and pickling are refused before anything changes; FSDP2 refuses deepcopy too."""
+    results = run_once(WORLD_SIZE, pattern_fns.refusals_run)[0]
+    ours, control = results["ours"], results["fsdp2"]
+    for call in ("to_bf16", "half"):
+        message = ours[call] or ""
+        for needle in ("ValueError", "inp.weight", "torch.float32", "MixedPrecisionPolicy", "before fully_shard"):
+            assert needle in message, f"{call}: {needle!r} missing from {message!r}"
+    assert ours["untouched"], "a refused conversion changed the parameters"
+    assert ours["dtypes_after"] == ["torch.float32"], ours["dtypes_after"]
+    for call in ("deepcopy", "averaged_model", "pickle"):
+        message = ours[call] or ""
+        for needle in ("TypeError", "fully_shard", "get_model_state_dict", "AveragedModel"):
+            assert needle in message, f"{call}: {needle!r} missing from {message!r}"
+    assert "deepcopy" in (control["deepcopy"] or ""), f"FSDP2's deepcopy: {control['deepcopy']!r}"
+    bad = ours["bad_replacement"] or ""
+    for needle in ("ValueError", "head.weight", "(2, 2)", "(5, 12)"):
+        assert needle in bad, f"bad replacement: {needle!r} missing from {bad!r}"
+    assert ours["bad_replacement_reverted"], "the refused replacement stayed in the module"
+    assert ours["forward_after"], "the forward after a refused replacement failed"
+
+
+def test_grad_scaler_with_fp32_main_grads_equals_fsdp2_and_fp16_main_grads_get_advice(run_once: Any) -> None:
+    """The supported fp16 combination: ``main_grads_dtype=torch.float32``, which GradScaler
+    unscales (bitwise FSDP2's training, overflowed step skipped by both); with fp16 main grads
+    torch's refusal carries what to set, and the hint is removed with the last fp16 group."""
+    results = run_once(WORLD_SIZE, pattern_fns.grad_scaler_run)[0]
+    ours, want = results["ours"], results["fsdp2"]
+    assert want["error"] is None and ours["error"] is None, (want["error"], ours["error"])
+    assert ours["losses"] == want["losses"], f"losses {ours['losses']}, FSDP2 {want['losses']}"
+    assert ours["scales"] == want["scales"] == [1024.0, 512.0, 512.0], f"scales {ours['scales']}, FSDP2 {want['scales']}"
+    differ = [n for n in want["params"] if not torch.equal(ours["params"][n], want["params"][n])]
+    assert not differ, f"final weights differ from FSDP2's in {differ}"
+    fp16 = results["ours_fp16_grads"]
+    message = fp16["error"] or ""
+    for needle in ("Attempting to unscale FP16 gradients", "main_grads_dtype=torch.float32"):
+        assert needle in message, f"{needle!r} missing from {message!r}"
+    assert fp16["hint_installed"] and fp16["hint_removed_exactly"], fp16
+
+
+def test_sharded_model_and_adapted_optimizer_are_freed(run_once: Any) -> None:
+    for facts in run_once(WORLD_SIZE, pattern_fns.freed_run):
+        alive = [name for name, freed in facts.items() if not freed]
+        assert not alive, f"still alive after the last reference went: {alive}"
