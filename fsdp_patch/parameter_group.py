@@ -151,12 +151,6 @@ class ParameterGroup:
             self._grad_views = self._specs.views(self.main_grad)
         return self.main_grad
 
-    def sync_requires_grad(self) -> None:
-        """Makes the unsharded parameters train exactly when their sharded ones do."""
-        for sharded, unsharded in zip(self.params, self.unsharded_params):
-            if unsharded.requires_grad != sharded.requires_grad:
-                unsharded.requires_grad_(sharded.requires_grad)
-
     def register(self) -> None:
         """Makes :func:`parameter_group_of` find this group's parameters."""
         for param in self.params:
@@ -193,12 +187,6 @@ class ParameterGroup:
             written = self.compute_weight.numel() * self.compute_weight.element_size()
         self._refreshed_version = self.weights_version()
         return written
-
-    def _ensure_compute_fresh(self) -> None:
-        # Main weights changed outside the optimizer adapter (a checkpoint load, a manual
-        # edit): the compute copy must follow before anyone gathers it.
-        if self.weights_version() != self._refreshed_version:
-            self.refresh_compute_weight()
 
     def check_replacement(self, index: int, replacement: object) -> None:
         """Raises if ``replacement`` cannot stand in for ``params[index]`` (see :meth:`adopt`).
@@ -255,8 +243,12 @@ class ParameterGroup:
 
     def unshard(self) -> None:
         """All-gathers the compute copy into the unsharded parameters (no cast)."""
-        self._ensure_compute_fresh()
-        if self._gathered_version == self.weights_version():
+        version = self.weights_version()
+        if version != self._refreshed_version:
+            # Main weights changed outside the optimizer adapter (a checkpoint load, a manual
+            # edit): the compute copy must follow before anyone gathers it.
+            self.refresh_compute_weight()
+        if self._gathered_version == version:
             return
         flat = self._unsharded_flat
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
@@ -272,7 +264,7 @@ class ParameterGroup:
                 torch.split_with_sizes_copy(
                     gathered.view(self.world_size, -1), self.layout.slot_sizes, dim=1, out=self._copy_out_views
                 )
-        self._gathered_version = self.weights_version()
+        self._gathered_version = version
 
     def _free_unsharded(self) -> None:
         self._unsharded_flat.untyped_storage().resize_(0)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["RootContext", "TrainingState", "UnitState"]
 
 Location = tuple[nn.Module, str]
+Replacement = tuple[ParameterGroup, int, Any]  # (group, index in the group, what stood there)
 
 
 class TrainingState(enum.Enum):
@@ -123,41 +124,63 @@ class UnitState:
         self._awaiting_final: list[RemovableHandle] | None = None
 
     # ------------------------------------------------------------------ parameters in the module
-    def swap(self, unsharded: bool) -> None:
+    def swap(self, unsharded: bool, sync_requires_grad: bool = False) -> list[Replacement]:
+        """Registers the unsharded (or sharded) parameters in the modules.
+
+        With ``sync_requires_grad`` an unsharded parameter trains exactly when its sharded one
+        does (``requires_grad_`` after ``fully_shard`` is honoured from the next forward on).
+
+        Returns:
+            What stood where a sharded parameter was expected when swapping the unsharded
+            ones in: tensors that replaced sharded parameters (see :meth:`adopt`).
+        """
+        replaced: list[Replacement] = []
         for group, group_locations in zip(self.groups, self.locations):
             params = group.unsharded_params if unsharded else group.params
-            for param, places in zip(params, group_locations):
+            for index, (param, places) in enumerate(zip(params, group_locations)):
+                if sync_requires_grad:
+                    wanted = group.params[index].requires_grad
+                    if param.requires_grad is not wanted:
+                        param.requires_grad_(wanted)
                 for owner, name in places:
+                    if unsharded and owner._parameters.get(name) is not group.params[index]:
+                        replaced.append((group, index, owner._parameters.get(name)))
                     owner._parameters[name] = param
+        return replaced
 
     def adopt_replaced_parameters(self) -> None:
-        """Takes over the values of tensors that replaced sharded parameters in the module.
-
-        ``load_state_dict(assign=True)`` and attribute assignment put new tensors where the
-        sharded parameters were; their values go into the group buffers and the groups' own
-        parameters go back into the module. If any replacement is unusable, every replaced
-        location gets its sharded parameter back and nothing is adopted.
-
-        Raises:
-            TypeError, ValueError: A replacement is not a floating-point tensor of the
-                parameter's global shape (see :meth:`ParameterGroup.check_replacement`).
-        """
-        replaced: list[tuple[ParameterGroup, int, Any]] = []
+        """:meth:`adopt` for whatever replaced sharded parameters in the modules now."""
+        replaced: list[Replacement] = []
         for group, group_locations in zip(self.groups, self.locations):
             for index, (param, places) in enumerate(zip(group.params, group_locations)):
                 for owner, name in places:
                     current = owner._parameters.get(name)
                     if current is not param:
                         replaced.append((group, index, current))
-        if not replaced:
-            return
+        if replaced:
+            self.adopt(replaced)
+            self.swap(unsharded=False)
+
+    def adopt(self, replaced: list[Replacement]) -> None:
+        """Takes over the values of tensors that replaced sharded parameters in the module.
+
+        ``load_state_dict(assign=True)`` and attribute assignment put new tensors where the
+        sharded parameters were; their values go into the group buffers and the groups' own
+        parameters stay the modules' parameters. If any replacement is unusable, the modules
+        get the sharded parameters back and nothing is adopted.
+
+        Raises:
+            TypeError, ValueError: A replacement is not a floating-point tensor of the
+                parameter's global shape (see :meth:`ParameterGroup.check_replacement`).
+        """
         try:
             for group, index, current in replaced:
                 group.check_replacement(index, current)
-            for group, index, current in replaced:
-                group.adopt(index, current)
-        finally:
+        except BaseException:
             self.swap(unsharded=False)
+            raise
+        for group, index, current in replaced:
+            group.adopt(index, current)
 
     # ------------------------------------------------------------------ gather / free
     def lazy_init_as_root(self) -> None:
@@ -203,11 +226,10 @@ class UnitState:
             self.lazy_init_as_root()
         elif self.context.root is self and not _in_backward() and self.context.interrupted():
             self.context.reset()
-        self.adopt_replaced_parameters()
-        for group in self.groups:
-            group.sync_requires_grad()
+        replaced = self.swap(unsharded=True, sync_requires_grad=True)
+        if replaced:
+            self.adopt(replaced)
         self.unshard()
-        self.swap(unsharded=True)
         self.training_state = TrainingState.FORWARD
         if torch.is_grad_enabled():
             args, kwargs = _register_post_backward(self, args, kwargs)
@@ -292,11 +314,13 @@ class _RegisterPostBackward(torch.autograd.Function):
 
 
 def _register_post_backward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    flat, spec = tree_flatten((args, kwargs))
+    # Positional tensors only (most forwards): no pytree round trip on the hot path.
+    plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+    flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not indices:
         return args, kwargs
     outputs = _RegisterPostBackward.apply(state, *(flat[i] for i in indices))
     for i, out in zip(indices, outputs):
         flat[i] = out
-    return tree_unflatten(flat, spec)
+    return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
