@@ -70,10 +70,46 @@ class FSDPModule:
         """
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
-        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        for module in modules:
-            if isinstance(module, FSDPModule):
-                module._fsdp_state.requires_gradient_sync = requires_gradient_sync
+        for module in _units(self, recurse):
+            module._fsdp_state.requires_gradient_sync = requires_gradient_sync
+
+    def set_overlap_limits(
+        self, *, forward_prefetch: int = 1, backward_prefetch: int = 1, reduce_scatters_in_flight: int = 2,
+        recurse: bool = True,
+    ) -> None:
+        """Bounds the communication that overlaps computation.
+
+        In forward, each unit issues the all-gathers of the next ``forward_prefetch`` units (in
+        the order the last forward entered them) before it computes; in backward, of the
+        ``backward_prefetch`` units before it. At most that many units are gathered ahead of the
+        one computing. ``reduce_scatters_in_flight`` bounds the reduce-scatters left running
+        while backward goes on (each holds its unit's packed grads until it completes); all
+        complete before backward ends. 0 turns each off: collectives then block as they run.
+
+        Raises:
+            TypeError: A limit is not a non-negative int (bool is refused).
+        """
+        for name, value in (
+            ("forward_prefetch", forward_prefetch),
+            ("backward_prefetch", backward_prefetch),
+            ("reduce_scatters_in_flight", reduce_scatters_in_flight),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise TypeError(f"set_overlap_limits expected {name} to be an int >= 0, got {value!r}")
+        for module in _units(self, recurse):
+            state = module._fsdp_state
+            state.prefetch_depth = {1: forward_prefetch, -1: backward_prefetch}
+            state.reduces_in_flight = reduce_scatters_in_flight
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Units whose all-gathers this unit issues when its forward starts (FSDP2's method
+        of the same name); overrides the learned order for this unit. ``[]`` prefetches none."""
+        self._fsdp_state.explicit_prefetch[1] = _prefetch_targets(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Units whose all-gathers this unit issues when its backward starts (FSDP2's method
+        of the same name); overrides the learned order for this unit. ``[]`` prefetches none."""
+        self._fsdp_state.explicit_prefetch[-1] = _prefetch_targets(modules, "set_modules_to_backward_prefetch")
 
     def reset_iter_state(self) -> None:
         """Recovers from an exception that aborted a forward or backward, like FSDP2's method.
@@ -133,6 +169,19 @@ class FSDPModule:
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise TypeError(_NO_COPY)
+
+
+def _units(module: FSDPModule, recurse: bool) -> list[FSDPModule]:
+    if not recurse:
+        return [module]
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+
+
+def _prefetch_targets(modules: Any, method: str) -> list[UnitState]:
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, FSDPModule) for m in modules):
+        got = type(modules).__name__ if not isinstance(modules, (list, tuple)) else [type(m).__name__ for m in modules]
+        raise TypeError(f"{method} expected a list of modules fully_shard was applied to, got {got}")
+    return [m._fsdp_state for m in modules]
 
 
 _NO_COPY = (

@@ -9,8 +9,9 @@ A group owns, for this rank, three flat buffers in one layout (see :mod:`.layout
   and backward without a cast, refreshed from the main weights once per optimizer step (the
   same tensor as ``main_weight`` when the two dtypes agree);
 - ``main_grad``: the sharded main gradients (``main_grads_dtype``), which backward
-  reduce-scatters into and whose DTensor views become the parameters' ``.grad``; allocated when a
-  parameter of the group first needs a grad (``None`` while every parameter is frozen).
+  reduce-scatters into and whose DTensor views become the parameters' ``.grad``. The views own
+  it: once ``zero_grad(set_to_none=True)`` drops them, its memory is freed (as FSDP2's sharded
+  grads are), and the next backward allocates it anew; ``None`` meanwhile.
 
 Whether a parameter trains is read from its sharded parameter's ``requires_grad`` at every
 forward, so ``requires_grad_`` after ``fully_shard`` is honoured: a frozen parameter gets no grad.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -98,8 +100,11 @@ class ParameterGroup:
                 self.compute_weight = self.main_weight
             else:
                 self.compute_weight = self.main_weight.to(self.compute_dtype)
-        self.main_grad: torch.Tensor | None = None
-        self._grad_views: list[DTensor] = []
+        # main_grad is held strongly from its allocation until its views are installed as the
+        # parameters' .grad, then only through them (see the module docstring).
+        self._main_grad_ref: weakref.ref[torch.Tensor] | None = None
+        self._main_grad_owned: torch.Tensor | None = None
+        self._grad_view_refs: list[Any] = []  # weakref.ref[DTensor] per parameter
 
         self.params: list[nn.Parameter] = []
         for param, view in zip(params, self._specs.views(self.main_weight)):
@@ -107,8 +112,6 @@ class ParameterGroup:
             sharded.grad_dtype = self.grads_dtype
             self.params.append(sharded)
         self._index_of = {id(param): index for index, param in enumerate(self.params)}
-        if self.requires_grad:
-            self._ensure_main_grad()
         self._refreshed_version = self.weights_version()
 
         # Unsharded state: one padded flat buffer whose storage is freed between uses; the
@@ -128,6 +131,8 @@ class ParameterGroup:
             for layout in self.layout.params
         ]
         self._gathered_version: int | None = None
+        # (work, gathered buffer, weights version) of an all-gather issued and not yet waited.
+        self._pending_gather: tuple[Any, torch.Tensor, int] | None = None
         self._free_unsharded()
 
         self._reduced_since_finalize = False
@@ -135,21 +140,52 @@ class ParameterGroup:
         # Unsharded grads of microbatches accumulated with gradient sync off, packed as the
         # reduce-scatter reads them, in the main-grad dtype; only when that is wider.
         self._accumulated: torch.Tensor | None = None
-        # Parameter index -> DTensor view of the temporary cast buffer, while grads are cast
-        # (the views keep the buffer alive); empty otherwise. The grads they stand in for are
-        # always self._grad_views.
+        # (work, reduced shard, overwrite) of reduce-scatters issued and not yet added into
+        # main_grad, in issue order.
+        self._pending_reduces: list[tuple[Any, torch.Tensor, bool]] = []
+        # Parameter index -> DTensor view of the temporary cast buffer while grads are cast (the
+        # views keep the buffer alive), and the main-grad views they stand in for; empty otherwise.
         self._cast_views: dict[int, DTensor] = {}
+        self._cast_saved: dict[int, torch.Tensor] = {}
 
     @property
     def requires_grad(self) -> bool:
         """Whether any parameter of the group trains (its sharded parameter requires grad)."""
         return any(param.requires_grad for param in self.params)
 
+    @property
+    def main_grad(self) -> torch.Tensor | None:
+        """The flat sharded main-grad buffer, or ``None`` while no grad of the group holds it."""
+        return None if self._main_grad_ref is None else self._main_grad_ref()
+
+    def main_grad_storage_bytes(self) -> int:
+        main_grad = self.main_grad
+        return 0 if main_grad is None else main_grad.untyped_storage().nbytes()
+
     def _ensure_main_grad(self) -> torch.Tensor:
-        if self.main_grad is None:
-            self.main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
-            self._grad_views = self._specs.views(self.main_grad)
-        return self.main_grad
+        """The main-grad buffer (allocated zeroed if it was freed), held by the group until its
+        views are the parameters' grads again (:meth:`_install_views`)."""
+        main_grad = self.main_grad
+        if main_grad is None:
+            main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
+            self._main_grad_ref = weakref.ref(main_grad)
+            self._grad_view_refs = [lambda: None] * len(self.params)  # type: ignore[list-item]
+        self._main_grad_owned = main_grad
+        return main_grad
+
+    def _grad_view(self, index: int) -> DTensor | None:
+        """The DTensor view of ``main_grad`` that is (or was) ``params[index].grad``, if it lives."""
+        return self._grad_view_refs[index]() if self._grad_view_refs else None
+
+    def _make_grad_view(self, index: int) -> DTensor:
+        view = self._grad_view(index)
+        if view is None:
+            main_grad = self.main_grad
+            assert main_grad is not None
+            layout, spec = self.layout.params[index], self._specs.specs(main_grad.dtype)[index]
+            view = DTensor(layout.local_view(main_grad), spec, requires_grad=False)
+            self._grad_view_refs[index] = weakref.ref(view)
+        return view
 
     def register(self) -> None:
         """Makes :func:`parameter_group_of` find this group's parameters."""
@@ -239,39 +275,71 @@ class ParameterGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        return self._gathered_version is not None
+        """Whether the unsharded parameters hold the gathered weights (or a gather is in flight)."""
+        return self._gathered_version is not None or self._pending_gather is not None
 
     def unshard(self) -> None:
         """All-gathers the compute copy into the unsharded parameters (no cast)."""
+        self.start_unshard()
+        self.wait_unshard()
+
+    def start_unshard(self) -> None:
+        """Issues the all-gather without waiting for it (a prefetch); :meth:`wait_unshard`
+        completes it. A no-op when the current weights are gathered or in flight."""
         version = self.weights_version()
         if version != self._refreshed_version:
             # Main weights changed outside the optimizer adapter (a checkpoint load, a manual
             # edit): the compute copy must follow before anyone gathers it.
             self.refresh_compute_weight()
-        if self._gathered_version == version:
+        pending = self._pending_gather
+        if self._gathered_version == version or (pending is not None and pending[2] == version):
             return
+        if pending is not None:
+            self._drop_pending_gather()
+        flat = self._unsharded_flat
+        storage = flat.untyped_storage()
+        nbytes = flat.numel() * flat.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        if self.world_size == 1:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
+                flat.copy_(self.compute_weight)
+            self._gathered_version = version
+            return
+        self._gathered_version = None
+        gathered = torch.empty_like(flat)
+        work = dist.all_gather_single(gathered, self.compute_weight, group=self.process_group, async_op=True)
+        self._pending_gather = (work, gathered, version)
+
+    def wait_unshard(self) -> None:
+        """Completes an all-gather :meth:`start_unshard` issued: waits for it and copies the
+        ranks' slots out into the unsharded parameters."""
+        if self._pending_gather is None:
+            return
+        work, gathered, version = self._pending_gather
+        self._pending_gather = None
+        work.wait()
         flat = self._unsharded_flat
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
-            storage = flat.untyped_storage()
-            nbytes = flat.numel() * flat.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
-            if self.world_size == 1:
-                flat.copy_(self.compute_weight)
-            else:
-                gathered = torch.empty_like(flat)
-                dist.all_gather_single(gathered, self.compute_weight, group=self.process_group)
-                torch.split_with_sizes_copy(
-                    gathered.view(self.world_size, -1), self.layout.slot_sizes, dim=1, out=self._copy_out_views
-                )
+            torch.split_with_sizes_copy(
+                gathered.view(self.world_size, -1), self.layout.slot_sizes, dim=1, out=self._copy_out_views
+            )
         self._gathered_version = version
 
+    def _drop_pending_gather(self) -> None:
+        # A collective cannot be cancelled: wait for it, then forget its result.
+        if self._pending_gather is not None:
+            work = self._pending_gather[0]
+            self._pending_gather = None
+            work.wait()
+
     def _free_unsharded(self) -> None:
+        self._drop_pending_gather()
         self._unsharded_flat.untyped_storage().resize_(0)
         self._gathered_version = None
 
     def reshard(self) -> None:
-        """Frees the unsharded parameters' storage; only the shards remain."""
+        """Frees the unsharded parameters' storage (after an all-gather in flight completes)."""
         if self.is_unsharded:
             self._free_unsharded()
 
@@ -304,26 +372,44 @@ class ParameterGroup:
                         self._accumulated.add_(packed)
                 self._drop_unsharded_grads()
             return
-        main_grad = self._ensure_main_grad()
         with torch.no_grad():
             if not self._reduced_since_finalize:
                 self._begin_accumulation()
+            main_grad = self._ensure_main_grad()
+            overwrite, self._overwrite_main_grad = self._overwrite_main_grad, False
             packed = self._pack_unsharded_grads()
             if self._accumulated is not None:
                 packed.add_(self._accumulated)
                 self._accumulated = None
             if self.world_size == 1:
-                reduced = packed.view(-1)
+                self._apply_reduced(packed.view(-1), overwrite)
             else:
                 reduced = torch.empty_like(main_grad)
-                dist.reduce_scatter_single(reduced, packed.view(-1), op=dist.ReduceOp.AVG, group=self.process_group)
-            if self._overwrite_main_grad:
-                main_grad.copy_(reduced)
-                self._overwrite_main_grad = False
-            else:
-                main_grad.add_(reduced)
+                work = dist.reduce_scatter_single(
+                    reduced, packed.view(-1), op=dist.ReduceOp.AVG, group=self.process_group, async_op=True
+                )
+                self._pending_reduces.append((work, reduced, overwrite))
         self._drop_unsharded_grads()
         self._reduced_since_finalize = True
+
+    @property
+    def reduce_in_flight(self) -> bool:
+        return bool(self._pending_reduces)
+
+    def wait_reduce(self) -> None:
+        """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
+        while self._pending_reduces:
+            work, reduced, overwrite = self._pending_reduces.pop(0)
+            work.wait()
+            with torch.no_grad():
+                self._apply_reduced(reduced, overwrite)
+
+    def _apply_reduced(self, reduced: torch.Tensor, overwrite: bool) -> None:
+        assert self.main_grad is not None
+        if overwrite:
+            self.main_grad.copy_(reduced)
+        else:
+            self.main_grad.add_(reduced)
 
     def _pack_unsharded_grads(self) -> torch.Tensor:
         """The unsharded grads (zeros for missing ones) as ``(world_size, shard_numel)`` rows in
@@ -346,40 +432,53 @@ class ParameterGroup:
         # nothing (after zero_grad(set_to_none=True)), our own views, or tensors a user assigned.
         self.restore_grads()
         if all(p.grad is None for p in self.params):
+            # A fresh buffer: a tensor someone kept from before zero_grad is not written to.
+            self._main_grad_ref = None
             self._overwrite_main_grad = True
             return
         self._overwrite_main_grad = False
-        if all(p.grad is v for p, v in zip(self.params, self._grad_views)):
+        main_grad = self._ensure_main_grad()
+        if all(p.grad is self._grad_view(i) for i, p in enumerate(self.params)):
             return
-        assert self.main_grad is not None
-        for param, layout, view in zip(self.params, self.layout.params, self._grad_views):
-            region = layout.local_view(self.main_grad)
+        for index, (param, layout) in enumerate(zip(self.params, self.layout.params)):
+            region = layout.local_view(main_grad)
             if param.grad is None:
                 region.zero_()
-            elif param.grad is not view:
+            elif param.grad is not self._grad_view(index):
                 region.copy_(_local(param.grad))
 
     def finalize_grads(self) -> None:
-        """Installs DTensor views of ``main_grad`` as the ``.grad`` of every trainable sharded
-        parameter; a frozen one keeps what it has (``None`` unless a user assigned a grad)."""
+        """Completes the reduce-scatters in flight and installs DTensor views of ``main_grad``
+        as the ``.grad`` of every trainable sharded parameter; a frozen one keeps what it has
+        (``None`` unless a user assigned a grad)."""
+        self.wait_reduce()
         if not self._reduced_since_finalize:
             return
-        for param, view in zip(self.params, self._grad_views):
-            if param.requires_grad and param.grad is not view:
-                param.grad = view
+        self._install_views(lambda param: param.requires_grad)
         self._reduced_since_finalize = False
+
+    def _install_views(self, wanted: Any) -> None:
+        """Makes the main-grad views the ``.grad`` of the parameters ``wanted(param)`` selects;
+        from then on they, not the group, own the buffer."""
+        self._ensure_main_grad()
+        for index, param in enumerate(self.params):
+            if wanted(param):
+                view = self._make_grad_view(index)
+                if param.grad is not view:
+                    param.grad = view
+        self._main_grad_owned = None
 
     def install_zero_grads(self) -> None:
         """Gives trainable parameters without a grad a zeroed main-grad view as ``.grad``."""
         if not self.requires_grad:
             return
-        self._ensure_main_grad()
         self.restore_grads()
+        main_grad = self._ensure_main_grad()
         with torch.no_grad():
-            for param, layout, view in zip(self.params, self.layout.params, self._grad_views):
+            for param, layout in zip(self.params, self.layout.params):
                 if param.grad is None and param.requires_grad:
-                    layout.local_view(self.main_grad).zero_()
-                    param.grad = view
+                    layout.local_view(main_grad).zero_()
+        self._install_views(lambda param: param.grad is None and param.requires_grad)
 
     def reset_iter_state(self) -> None:
         """Forgets an iteration an exception aborted (see ``FSDPModule.reset_iter_state``).
@@ -392,6 +491,9 @@ class ParameterGroup:
         self.restore_grads()
         self._drop_unsharded_grads()
         self._accumulated = None
+        for work, _, _ in self._pending_reduces:
+            work.wait()
+        self._pending_reduces.clear()
         if self._reduced_since_finalize:
             for param in self.params:
                 param.grad = None
@@ -414,12 +516,14 @@ class ParameterGroup:
         Returns:
             Bytes written by the cast.
         """
-        if not indices or self.main_grad is None:
+        if not indices:
             return 0
-        self._absorb_foreign_grads(indices)
-        cast = self.main_grad.to(dtype)
+        main_grad = self._absorb_foreign_grads(indices)
+        cast = main_grad.to(dtype)
         views = self._specs.views(cast)
         self._cast_views = {i: views[i] for i in indices}
+        # While cast, the original views are no .grad: hold them (and so main_grad) here.
+        self._cast_saved = {i: self.params[i].grad for i in indices}
         for index, view in self._cast_views.items():
             _install_grad(self.params[index], view)
         return cast.numel() * cast.element_size()
@@ -435,7 +539,7 @@ class ParameterGroup:
         """
         if not self._cast_views:
             return
-        assert self.main_grad is not None
+        saved = self._cast_saved
         with torch.no_grad():
             for index, view in self._cast_views.items():
                 param = self.params[index]
@@ -444,19 +548,23 @@ class ParameterGroup:
                 param.grad_dtype = self.grads_dtype
                 if current is None:
                     continue
+                original = saved[index]
                 if current is not view or carry_back:
-                    self.layout.params[index].local_view(self.main_grad).copy_(_local(current))
-                param.grad = self._grad_views[index]
+                    _local(original).copy_(_local(current))
+                param.grad = original
         self._cast_views = {}
+        self._cast_saved = {}
 
-    def _absorb_foreign_grads(self, indices: Sequence[int]) -> None:
-        assert self.main_grad is not None
+    def _absorb_foreign_grads(self, indices: Sequence[int]) -> torch.Tensor:
+        """Makes ``params[i].grad`` for ``i`` in ``indices`` views of ``main_grad`` (holding
+        their values); returns ``main_grad``."""
+        main_grad = self._ensure_main_grad()
+        foreign = [i for i in indices if self.params[i].grad is not self._grad_view(i)]
         with torch.no_grad():
-            for index in indices:
-                param, view = self.params[index], self._grad_views[index]
-                if param.grad is not view:
-                    self.layout.params[index].local_view(self.main_grad).copy_(_local(param.grad))
-                    param.grad = view
+            for index in foreign:
+                self.layout.params[index].local_view(main_grad).copy_(_local(self.params[index].grad))
+        self._install_views(lambda param: self._index_of[id(param)] in foreign)
+        return main_grad
 
     def __repr__(self) -> str:
         return (

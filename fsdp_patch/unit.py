@@ -63,6 +63,13 @@ class RootContext:
     def __init__(self, root: "UnitState", states: list["UnitState"]) -> None:
         self.root = root
         self.states = states
+        # Units in the order the last complete forward first entered them (prefetch follows
+        # it: forward in this order, backward in reverse), and the forward being recorded.
+        self.order: list[UnitState] = []
+        self._recording: list[UnitState] | None = None
+        # Groups with reduce-scatters in flight, oldest first (bounded: each holds its packed
+        # grads until it completes).
+        self._reducing: list[ParameterGroup] = []
         # The autograd graph task the final callback is queued for. A backward nested in it
         # (a reentrant checkpoint's) queues none of its own: the outer backward's callback
         # finishes what the nested one started. Autograd drops queued callbacks when a backward
@@ -79,11 +86,49 @@ class RootContext:
         try:
             for state in reversed(self.states):
                 state.finish_backward()
+            self._reducing.clear()
             for state in self.states:
                 for group in state.groups:
-                    group.finalize_grads()
+                    group.finalize_grads()  # waits for its reduce-scatters first
         finally:
             self.callback_task = None
+
+    # ------------------------------------------------------------------ overlap
+    def begin_forward(self) -> None:
+        self._recording = []
+
+    def entered_forward(self, state: "UnitState") -> None:
+        if self._recording is not None and state not in self._recording:
+            self._recording.append(state)
+
+    def end_forward(self) -> None:
+        if self._recording is not None:
+            self.order, self._recording = self._recording, None
+        self.cancel_prefetches()
+
+    def cancel_prefetches(self) -> None:
+        """Frees units gathered ahead that the forward did not reach (the order changed, or an
+        exception ended it), after their all-gathers complete."""
+        for state in self.states:
+            if state.prefetched:
+                state.prefetched = False
+                if state.training_state is TrainingState.IDLE:
+                    state.reshard()
+
+    def neighbours(self, state: "UnitState", direction: int, count: int) -> list["UnitState"]:
+        """Up to ``count`` units after (``direction`` 1) or before (-1) ``state`` in the order."""
+        if count <= 0 or state not in self.order:
+            return []
+        index = self.order.index(state)
+        if direction > 0:
+            return self.order[index + 1 : index + 1 + count]
+        return self.order[max(0, index - count) : index][::-1]
+
+    def reducing(self, groups: list[ParameterGroup], limit: int) -> None:
+        """Notes groups that issued reduce-scatters; completes the oldest beyond ``limit``."""
+        self._reducing.extend(g for g in groups if g.reduce_in_flight)
+        while len(self._reducing) > limit:
+            self._reducing.pop(0).wait_reduce()
 
     def interrupted(self) -> bool:
         """Whether an exception aborted a forward or backward of this root's units.
@@ -94,6 +139,8 @@ class RootContext:
 
     def reset(self) -> None:
         self.callback_task = None
+        self._recording = None
+        self._reducing.clear()
         for state in self.states:
             state.reset()
 
@@ -122,6 +169,14 @@ class UnitState:
         # A grad-enabled forward whose outputs hold no tensor a pre-backward hook can go on: the
         # unit stays gathered and the final callback (queued by its parameters' grads) finishes it.
         self._awaiting_final: list[RemovableHandle] | None = None
+        # Overlap: how many units this one gathers ahead in forward and in backward (their
+        # all-gathers run while this unit computes), or explicit lists of units, as FSDP2's
+        # set_modules_to_forward_prefetch / set_modules_to_backward_prefetch; and the
+        # reduce-scatters left in flight while backward goes on.
+        self.prefetch_depth = {1: 1, -1: 1}
+        self.explicit_prefetch: dict[int, list[UnitState] | None] = {1: None, -1: None}
+        self.reduces_in_flight = 2
+        self.prefetched = False  # gathered ahead and not yet entered
 
     # ------------------------------------------------------------------ parameters in the module
     def swap(self, unsharded: bool, sync_requires_grad: bool = False) -> list[Replacement]:
@@ -196,6 +251,7 @@ class UnitState:
             group.unshard()
 
     def reshard(self) -> None:
+        self.prefetched = False
         for group in self.groups:
             group.reshard()
 
@@ -204,6 +260,7 @@ class UnitState:
         unsharded storage and grads dropped, grads the aborted backward had partly reduced
         discarded (see :meth:`ParameterGroup.reset_iter_state`)."""
         self.training_state = TrainingState.IDLE
+        self.prefetched = False
         self._stop_awaiting_final()
         self.swap(unsharded=False)
         for group in self.groups:
@@ -217,6 +274,8 @@ class UnitState:
         self.swap(unsharded=False)
         if not _in_backward():
             self.reshard()
+            if self.context is not None:
+                self.context.cancel_prefetches()
 
     # ------------------------------------------------------------------ forward hooks
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -224,13 +283,22 @@ class UnitState:
             return args, kwargs  # a recompute: see the module docstring
         if self.context is None:
             self.lazy_init_as_root()
-        elif self.context.root is self and not _in_backward() and self.context.interrupted():
-            self.context.reset()
+        context = self.context
+        assert context is not None
+        recompute = _in_backward()
+        if context.root is self and not recompute:
+            if context.interrupted():
+                context.reset()
+            context.begin_forward()
         replaced = self.swap(unsharded=True, sync_requires_grad=True)
         if replaced:
             self.adopt(replaced)
+        self.prefetched = False
         self.unshard()
         self.training_state = TrainingState.FORWARD
+        if not recompute:
+            context.entered_forward(self)
+            self._prefetch(1)
         if torch.is_grad_enabled():
             args, kwargs = _register_post_backward(self, args, kwargs)
         return args, kwargs
@@ -240,6 +308,8 @@ class UnitState:
             return output
         self.swap(unsharded=False)
         self.training_state = TrainingState.IDLE
+        if self.context is not None and self.context.root is self and not _in_backward():
+            self.context.end_forward()
         may_free = not _in_backward() and self._awaiting_final is None
         if not torch.is_grad_enabled():
             if may_free:
@@ -274,9 +344,23 @@ class UnitState:
             return
         assert self.context is not None
         self.context.queue_final_callback()
+        self.prefetched = False
         self.unshard()
         self.swap(unsharded=True)
         self.training_state = TrainingState.PRE_BACKWARD
+        self._prefetch(-1)
+
+    def _prefetch(self, direction: int) -> None:
+        """Starts the all-gathers of the units that come next (forward: 1, backward: -1)."""
+        assert self.context is not None
+        targets = self.explicit_prefetch[direction]
+        if targets is None:
+            targets = self.context.neighbours(self, direction, self.prefetch_depth[direction])
+        for target in targets:
+            if target.training_state is TrainingState.IDLE and not any(g.is_unsharded for g in target.groups):
+                for group in target.groups:
+                    group.start_unshard()
+                target.prefetched = True
 
     def post_backward(self) -> None:
         """The unit's backward is done: reduce (or keep, with sync off) its grads, free it."""
@@ -287,6 +371,8 @@ class UnitState:
             self.swap(unsharded=False)
         for group in self.groups:
             group.post_backward(self.requires_gradient_sync)
+        if self.context is not None:
+            self.context.reducing(self.groups, self.reduces_in_flight)
         self.reshard()
         self.training_state = TrainingState.IDLE
 

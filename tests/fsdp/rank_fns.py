@@ -8,6 +8,7 @@ only, to keep pickling small.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -134,7 +135,7 @@ def train(
     batches = make_batches(STEPS * mb, batch=MICROBATCH)
     losses: list[float] = []
     last_grads: dict[str, Any] = {}
-    poisoned = 0
+    freed = trainable_groups = 0
     for step in range(STEPS):
         step_loss = 0.0
         for k in range(mb):
@@ -157,15 +158,17 @@ def train(
         opt.step()
         opt.zero_grad(set_to_none=config["set_to_none"])
         if sharded and config["impl"] == "ours" and config["set_to_none"]:
-            # With every .grad None the next backward must overwrite the main-grad buffer:
-            # stale contents (here NaN) must not leak into the new gradient.
+            # zero_grad(set_to_none=True) dropped the grads, the main-grad buffers' only owners:
+            # their memory is free until the next backward (which then starts from nothing).
             from fsdp_patch import parameter_groups
 
-            for group in parameter_groups(model):
-                if group.main_grad is not None:
-                    group.main_grad.fill_(float("nan"))
-                    poisoned += 1
-    result = {"losses": losses, "poisoned": poisoned}
+            trainable = [g for g in parameter_groups(model) if g.requires_grad]
+            # The memory goes with the last reference to it; collect first, so that a reference
+            # cycle elsewhere in the process (seen once here, not reproduced) cannot hold it.
+            gc.collect()
+            freed += sum(g.main_grad_storage_bytes() == 0 for g in trainable)
+            trainable_groups += len(trainable)
+    result = {"losses": losses, "freed": freed, "trainable_groups": trainable_groups}
     result["params"] = full_params(model)
     result["grads"] = last_grads
     if sharded and config["impl"] == "ours" and not config["set_to_none"]:
@@ -552,7 +555,7 @@ def mixed_precision_run(steps: int) -> dict[str, Any]:
     out["bf16_params"] = rank0(full_params(model))
     out["bf16_initial_params"] = rank0(initial)
     out["bf16_groups"] = [
-        (str(g.main_weight.dtype), str(g.compute_weight.dtype), str(g.main_grad.dtype)) for g in parameter_groups(model)
+        (str(g.main_weight.dtype), str(g.compute_weight.dtype), str(g.grads_dtype)) for g in parameter_groups(model)
     ]
 
     # Refresh is one cast per group: count aten ops it runs.
@@ -811,9 +814,11 @@ def cpu_only_run(path: str) -> dict[str, Any]:
         touched.clear()
         shard_model(model)  # mesh=None: builds the mesh from the default (gloo) group
         device_types = sorted({p.device_mesh.device_type for p in model.parameters()})
-        devices = sorted({str(t.device) for g in parameter_groups(model) for t in (g.main_weight, g.compute_weight, g.main_grad)})
+        devices: set[str] = set()
         for tokens in batches:
             lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+            # main_grad exists from the first backward until zero_grad(set_to_none=True).
+            devices |= {str(t.device) for g in parameter_groups(model) for t in (g.main_weight, g.compute_weight, g.main_grad)}
             _hand_sgd(model, lr=0.1)
             model.zero_grad()
         state = get_model_state_dict(model)
@@ -825,7 +830,7 @@ def cpu_only_run(path: str) -> dict[str, Any]:
         "touched": touched,
         "guard_works": guard_works,
         "device_types": device_types,
-        "devices": devices,
+        "devices": sorted(devices),
         "finite": bool(torch.isfinite(loss)),
         "cuda_initialized": torch.cuda.is_initialized(),
     }

@@ -50,7 +50,7 @@ def test_grads_are_bf16_dtensors_on_fp32_main_weights(mixed) -> None:
                 assert grad_dtype == "torch.bfloat16", name
                 assert param_dtype == "torch.float32", name
                 assert advertised == "torch.bfloat16", f"{name}: grad_dtype"
-        assert facts["bf16_groups"] == [("torch.float32", "torch.bfloat16", "torch.bfloat16")] * 3
+        assert facts["bf16_groups"] == [("torch.float32", "torch.bfloat16", "torch.bfloat16")] * 3  # main, compute, grads
 
 
 def test_compute_copy_equals_main_weights_cast_after_each_refresh(mixed) -> None:

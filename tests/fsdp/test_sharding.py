@@ -89,14 +89,14 @@ def test_parameters_link_to_their_group(geometry) -> None:
 
 def test_groups_split_by_dtype_and_requires_grad(geometry) -> None:
     _, per_rank = geometry
-    # (compute dtype, requires_grad, main dtype, compute-copy dtype, main-grad dtype,
-    #  grads_dtype, names, compute copy is the main buffer)
+    # (compute dtype, requires_grad, main dtype, compute-copy dtype, main-grad buffer dtype
+    #  (none before the first backward), grads_dtype, names, compute copy is the main buffer)
     expected = [
-        ("torch.bfloat16", True, "torch.float32", "torch.bfloat16", "torch.float32", "torch.float32",
+        ("torch.bfloat16", True, "torch.float32", "torch.bfloat16", None, "torch.float32",
          ["bf16.bias", "bf16.weight"], False),
         ("torch.float32", False, "torch.float32", "torch.float32", None, "torch.float32",
          ["frozen.bias", "frozen.weight"], True),
-        ("torch.float32", True, "torch.float32", "torch.float32", "torch.float32", "torch.float32",
+        ("torch.float32", True, "torch.float32", "torch.float32", None, "torch.float32",
          ["f32.bias", "f32.weight"], True),
     ]  # fmt: skip
     for facts in per_rank:
