@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from ..parameter_group import ParameterGroup, parameter_group_of
+from .events import MismatchAction
 
 __all__ = ["StepCore", "StepPlan", "MismatchKey"]
 
-MismatchKey = tuple[torch.dtype, torch.dtype, str]
+MismatchKey = tuple[torch.dtype, torch.dtype, MismatchAction]
 
 
 @dataclass
@@ -31,7 +32,6 @@ class StepPlan:
         cast_groups: Groups whose grads get cast to the main-weight dtype this step.
         mismatches: Mismatched parameters per (param dtype, grad dtype, action).
         params_count: Parameters in the optimizer's param groups.
-        groups_count: The optimizer's param groups.
         cast_bytes: Bytes the grad cast wrote (set by :meth:`StepCore.cast`).
         cast_records: (group, bytes written) per cast group (set by :meth:`StepCore.cast`).
     """
@@ -40,7 +40,6 @@ class StepPlan:
     cast_groups: list[ParameterGroup]
     mismatches: Counter[MismatchKey] = field(default_factory=Counter)
     params_count: int = 0
-    groups_count: int = 0
     cast_bytes: int = 0
     cast_records: list[tuple[ParameterGroup, int]] = field(default_factory=list)
 
@@ -98,14 +97,14 @@ class StepCore:
                 grad = param.grad
                 if grad is not None and grad.dtype != param.dtype:
                     if self.precision_aware:
-                        mismatches[(param.dtype, grad.dtype, "passthrough")] += 1
+                        mismatches[(param.dtype, grad.dtype, MismatchAction.PASSTHROUGH)] += 1
                     else:
-                        mismatches[(param.dtype, grad.dtype, "rejected")] += 1
+                        mismatches[(param.dtype, grad.dtype, MismatchAction.REJECTED)] += 1
                         rejected.append(
                             f"param_groups[{group_index}]['params'][{param_index}] "
                             f"(shape {tuple(param.shape)}): dtype {param.dtype}, grad dtype {grad.dtype}"
                         )
-        plan = StepPlan(list(groups.values()), [], mismatches, params_count, len(self.optimizer.param_groups))
+        plan = StepPlan(list(groups.values()), [], mismatches, params_count)
         if not check_grads:
             return plan
         if rejected:
@@ -122,7 +121,7 @@ class StepCore:
                 raise RuntimeError(fsdp_group.partial_grads_message())
             if presence == "none" or fsdp_group.grads_dtype == fsdp_group.main_dtype:
                 continue
-            action = "passthrough" if self.precision_aware else "cast"
+            action = MismatchAction.PASSTHROUGH if self.precision_aware else MismatchAction.CAST
             mismatches[(fsdp_group.main_dtype, fsdp_group.grads_dtype, action)] += len(fsdp_group.params)
             if not self.precision_aware:
                 plan.cast_groups.append(fsdp_group)
