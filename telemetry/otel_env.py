@@ -74,10 +74,11 @@ def batch_processor_arguments() -> dict[str, Any]:
     """``BatchSpanProcessor`` keyword arguments from ``OTEL_BSP_*``; never raises."""
     args = _table(_BATCH)
     if args["max_export_batch_size"] > args["max_queue_size"]:
-        _warn("OTEL_BSP_MAX_EXPORT_BATCH_SIZE>QUEUE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=%d exceeds OTEL_BSP_MAX_QUEUE_SIZE=%d; "
-              "fsdp_patch telemetry exports batches of %d.", args["max_export_batch_size"], args["max_queue_size"],
-              args["max_queue_size"])  # fmt: skip
-        args["max_export_batch_size"] = args["max_queue_size"]
+        default = min(_BATCH["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1], args["max_queue_size"])
+        _warn("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=%r is not valid; accepted values: a "
+              "positive integer at most the queue size (%d). fsdp_patch telemetry uses the default, %d.",
+              str(args["max_export_batch_size"]), args["max_queue_size"], default)  # fmt: skip
+        args["max_export_batch_size"] = default
     return args
 
 
