@@ -5,6 +5,7 @@ Kept out of conftest.py because ``torch.multiprocessing`` workers import them by
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -198,3 +200,21 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.float().numpy().copy()
     return t.detach().numpy().copy()
+
+
+def global_state() -> dict[str, Any]:
+    """Everything the package may install process-wide, by identity (``id``: a wrapt wrapper
+    compares equal to what it wraps)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    loggers = {n: list(logging.getLogger(n).filters) for n in list(logging.root.manager.loggerDict)
+               if n.split(".", 1)[0] == "opentelemetry"}  # fmt: skip
+    return {
+        "Optimizer.__init__": id(torch.optim.Optimizer.__dict__["__init__"]),
+        "dist.destroy_process_group": id(dist.destroy_process_group),
+        "c10d.destroy_process_group": id(c10d.destroy_process_group),
+        "opentelemetry logger filters": {n: [id(f) for f in fs] for n, fs in loggers.items()},
+        "global tracer provider": id(trace.get_tracer_provider()),
+        "global meter provider": id(metrics.get_meter_provider()),
+    }

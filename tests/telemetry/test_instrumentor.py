@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from telemetry_testing import metric_points
+from telemetry_testing import global_state
 
 import fsdp_patch
 import fsdp_patch.telemetry as telemetry
@@ -57,24 +57,6 @@ def plain_optimizer(grad_dtype: torch.dtype | None = None) -> torch.optim.Optimi
 
 def spans_named(exporter: InMemorySpanExporter, name: str) -> list[Any]:
     return [s for s in exporter.get_finished_spans() if s.name == name]
-
-
-def global_state() -> dict[str, Any]:
-    """Everything the package may install process-wide, by identity (``id``: a wrapt wrapper
-    compares equal to what it wraps)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    loggers = {n: list(logging.getLogger(n).filters) for n in list(logging.root.manager.loggerDict)
-               if n.split(".", 1)[0] == "opentelemetry"}  # fmt: skip
-    return {
-        "Optimizer.__init__": id(torch.optim.Optimizer.__dict__["__init__"]),
-        "dist.destroy_process_group": id(dist.destroy_process_group),
-        "c10d.destroy_process_group": id(c10d.destroy_process_group),
-        "opentelemetry logger filters": {n: [id(f) for f in fs] for n, fs in loggers.items()},
-        "global tracer provider": id(trace.get_tracer_provider()),
-        "global meter provider": id(metrics.get_meter_provider()),
-    }
 
 
 def test_entry_point_and_instrumentor_conventions():
