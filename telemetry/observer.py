@@ -126,6 +126,7 @@ class OptimizerObserver:
         self._warn = WarnOnce(_logger)
         self._lock = threading.Lock()
         self._ready = False
+        self._kept_snapshot: precision.PrecisionSnapshot | None = None
         self._step_count = step_count
         self.rank = 0
         self.world_size = 1
@@ -341,8 +342,15 @@ class OptimizerObserver:
         return every > 0 and (step_number == 1 or step_number % every == 0)
 
     def precision_begin(self, groups: Sequence[Any]) -> precision.PrecisionSnapshot:
-        """Clone the weights before the inner step; call after the grad cast, before ``INNER_STEP``."""
-        return precision.take_snapshot(groups, self._default_compute_dtype)
+        """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``.
+
+        With diagnostics on every step the copy's buffers are kept and reused from step to step
+        (memory the diagnostics need on each step anyway); with a longer interval they are
+        released after each diagnostic step.
+        """
+        snapshot = precision.take_snapshot(groups, self._default_compute_dtype, reuse=self._kept_snapshot)
+        self._kept_snapshot = snapshot if self._precision_every == 1 else None
+        return snapshot
 
     def precision_end(self, snapshot: precision.PrecisionSnapshot, groups: Sequence[Any]) -> None:
         """Compute, reduce across ranks and record the diagnostics; call after the refresh.

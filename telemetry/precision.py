@@ -50,12 +50,15 @@ from . import semconv
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-# Elements per pass; bounds the temporaries (one fp32 difference plus a few bool masks)
-# to a few hundred MiB however large a shard is.
-CHUNK_ELEMENTS = 1 << 24
+# Elements per pass: the reused work buffers (an fp32 difference, two compute-dtype casts, two
+# bool masks: about 10 bytes per element) stay at about 10 MiB however large a shard is.
+CHUNK_ELEMENTS = 1 << 20
 
 TENSOR_NAMES = semconv.TENSORS
 NONFINITE_KINDS = semconv.NONFINITE_KINDS
+
+# Compute dtypes whose largest value is at least this have (about) fp32's range.
+_WIDE_RANGE = 1e38
 
 GRAD_AMAX_NONFINITE = float(torch.finfo(torch.float32).max)
 """``grad_amax`` when some grad element is NaN or Inf (see the module docstring)."""
@@ -159,21 +162,47 @@ class PrecisionSnapshot:
     default_compute_dtype: torch.dtype | None = None
 
 
-def take_snapshot(groups: Sequence[Any], default_compute_dtype: torch.dtype | None = None) -> PrecisionSnapshot:
-    """Clone the weights the lost-update ratio compares against.
+def _same_layout(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+                                    for x, y in zip(a, b))  # fmt: skip
+
+
+def take_snapshot(
+    groups: Sequence[Any],
+    default_compute_dtype: torch.dtype | None = None,
+    reuse: PrecisionSnapshot | None = None,
+) -> PrecisionSnapshot:
+    """Copy the weights the lost-update ratio compares against.
 
     Args:
         groups: :class:`PrecisionView` or :class:`TensorListView` groups, in the order later
             passed to :func:`local_stats`.
         default_compute_dtype: Compute dtype for tensor-list groups whose ``compute_dtype`` is
             ``None`` (given by the user, for example when the model runs under autocast).
+        reuse: An earlier snapshot whose buffers are overwritten where the layout is unchanged
+            (diagnostics every step: a new copy of the shards each step would fault in fresh
+            pages every time, which costs more than the copy).
 
     Returns:
         The snapshot; it costs one extra copy of each local weight shard until released.
     """
     weights = [_weights_of(g, default_compute_dtype) for g in groups]
-    mains = tuple(tuple(torch._foreach_clone(list(w.mains))) if w.mains else () for w in weights)
-    computes = tuple(None if w.computes is None else tuple(t.clone() for t in w.computes) for w in weights)
+
+    def copies(now: Sequence[torch.Tensor], old: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+        if not now:
+            return ()
+        if old is not None and _same_layout(now, old):
+            torch._foreach_copy_(list(old), list(now))
+            return tuple(old)
+        return tuple(torch._foreach_clone(list(now)))
+
+    old_mains = reuse.main_weights if reuse is not None and len(reuse.main_weights) == len(weights) else None
+    old_computes = reuse.compute_weights if old_mains is not None else None
+    mains = tuple(copies(w.mains, old_mains[i] if old_mains else None) for i, w in enumerate(weights))
+    computes = tuple(
+        None if w.computes is None else copies(w.computes, old_computes[i] if old_computes else None)
+        for i, w in enumerate(weights)
+    )
     return PrecisionSnapshot(mains, computes, default_compute_dtype)
 
 
@@ -186,11 +215,26 @@ def _chunks(numel: int) -> range:
     return range(0, numel, CHUNK_ELEMENTS)
 
 
-def _norms(tensors: Sequence[torch.Tensor], ord: float) -> list[torch.Tensor]:
-    # Fused over the list; results in float32 (bf16 norms would round the L2 sums).
-    if not tensors:
-        return []
-    return [n.float() for n in torch._foreach_norm(list(tensors), ord)]
+class _Scratch:
+    """Chunk-sized work buffers, kept across diagnostic steps.
+
+    Fresh temporaries of a whole shard cost more than the arithmetic on a CPU (every new page
+    is faulted in and zeroed); buffers of at most :data:`CHUNK_ELEMENTS` elements, reused, keep
+    the passes memory-bound and the extra memory bounded (about 9 bytes per chunk element).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, role: str, like: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        key = (role, like.device, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[key] = torch.empty(max(numel, CHUNK_ELEMENTS), dtype=dtype, device=like.device)
+        return buffer[:numel]
+
+
+_scratch = _Scratch()
 
 
 class _Accumulator:
@@ -201,66 +245,86 @@ class _Accumulator:
         self.device = device
 
     def add(self, slot: int, value: torch.Tensor) -> None:
-        self.parts.setdefault(slot, []).append(value.double().reshape(()))
+        self.parts.setdefault(slot, []).append(value.reshape(()))
 
-    def vector(self, grad_amax: torch.Tensor) -> torch.Tensor:
+    def vector(self, grad_amax: float) -> torch.Tensor:
         stats = torch.zeros(_STATS_LEN, dtype=torch.float64, device=self.device)
         for slot, values in self.parts.items():
-            stats[slot] = torch.stack([v.to(self.device) for v in values]).sum()
-        stats[_GRAD_AMAX] = grad_amax.double().to(self.device)
+            stats[slot] = torch.stack([v.to(self.device, torch.float64) for v in values]).sum()
+        stats[_GRAD_AMAX] = grad_amax
         return stats
 
 
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    # count_nonzero, not .sum(): summing a bool tensor is several times slower on the CPU.
+    return torch.count_nonzero(mask)
+
+
 def _count_nonfinite(acc: _Accumulator, t: torch.Tensor, nan_slot: int, inf_slot: int) -> None:
-    acc.add(nan_slot, torch.isnan(t).sum())
-    acc.add(inf_slot, torch.isinf(t).sum())
+    acc.add(nan_slot, _count(torch.isnan(t)))
+    acc.add(inf_slot, _count(torch.isinf(t)))
 
 
-def _tensor_stats(
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|`` (NaN when ``t`` has a NaN) in one fused min/max pass, as float32."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.maximum(low.float().neg(), high.float())
+
+
+def _weight_chunk(
     acc: _Accumulator,
-    main: torch.Tensor,
-    main_before: torch.Tensor,
+    m: torch.Tensor,
+    mb: torch.Tensor,
     compute: torch.Tensor | None,
     compute_before: torch.Tensor | None,
     compute_dtype: torch.dtype | None,
     healthy: bool,
 ) -> None:
-    """Weight stats of one main tensor and its compute weight, in chunks.
+    """Weight stats of one chunk of a main weight and its compute weight.
 
-    ``healthy``: the fused norms showed no NaN/Inf in the main or the compute weight and no
-    overflow (so the counting passes and the finite masks are skipped).
+    ``healthy``: the fused pre-pass showed no NaN/Inf in the main or the compute weight and no
+    overflow, so the counting passes and the finite masks are skipped. A compute weight derived
+    by casting the main weight (``compute is None``, FSDP2) is a function of it, which gives two
+    identities the materialized one (a refreshed buffer that might be stale) does not: zeros of
+    the main weight stay zero, so underflow = nnz(main) - nnz(compute); and a compute element
+    that changed had its main element change, so lost = changed(main) - changed(compute).
     """
-    shared = compute is None and compute_dtype is None
-    if main_before.numel() != main.numel():
-        raise ValueError(f"precision diagnostics need equal numel: main_weight {main.numel()}, snapshot {main_before.numel()}")
-    for start in _chunks(main.numel()):
-        length = min(CHUNK_ELEMENTS, main.numel() - start)
-        m = main.narrow(0, start, length)
-        mb = main_before.narrow(0, start, length)
-        changed = _bits(m) != _bits(mb)
-        acc.add(_CHANGED, changed.sum())
-        if shared:
-            if not healthy:
-                _count_nonfinite(acc, m, _MAIN_NAN, _MAIN_INF)
-                _count_nonfinite(acc, m, _COMPUTE_NAN, _COMPUTE_INF)
-                acc.add(_MAIN_SQ, torch.linalg.vector_norm(torch.where(torch.isfinite(m), m, 0.0)).double().square())
-            continue
-        if compute is None:
-            c, cb = m.to(compute_dtype), mb.to(compute_dtype)
-        else:
-            c, cb = compute.narrow(0, start, length), compute_before.narrow(0, start, length)
-        acc.add(_UNDERFLOW, ((m != 0) & (c == 0)).sum())
-        acc.add(_LOST, (changed & (_bits(c) == _bits(cb))).sum())
-        if healthy:
-            acc.add(_DIFF_SQ, torch.linalg.vector_norm(m - c).double().square())
-            continue
-        _count_nonfinite(acc, m, _MAIN_NAN, _MAIN_INF)
-        _count_nonfinite(acc, c, _COMPUTE_NAN, _COMPUTE_INF)
-        m_finite = torch.isfinite(m)
-        acc.add(_OVERFLOW, (m_finite & torch.isinf(c)).sum())
-        finite = m_finite & torch.isfinite(c)
-        acc.add(_DIFF_SQ, torch.linalg.vector_norm(torch.where(finite, m - c, 0.0)).double().square())
-        acc.add(_MAIN_SQ, torch.linalg.vector_norm(torch.where(finite, m, 0.0)).double().square())
+    n = m.numel()
+    mask = _scratch.get("mask", m, torch.bool, n)
+    changed = _count(torch.ne(_bits(m), _bits(mb), out=mask))
+    acc.add(_CHANGED, changed)
+    if compute is None and compute_dtype is None:  # the compute weight is the main weight
+        if not healthy:
+            _count_nonfinite(acc, m, _MAIN_NAN, _MAIN_INF)
+            _count_nonfinite(acc, m, _COMPUTE_NAN, _COMPUTE_INF)
+            acc.add(_MAIN_SQ, torch.linalg.vector_norm(torch.where(torch.isfinite(m), m, 0.0)).double().square())
+        return
+    if compute is None:
+        c = _scratch.get("compute", m, compute_dtype, n).copy_(m)
+        cb = _scratch.get("compute_before", m, compute_dtype, n).copy_(mb)
+        acc.add(_UNDERFLOW, _count(m) - _count(c))
+        acc.add(_LOST, changed - _count(torch.ne(_bits(c), _bits(cb), out=mask)))
+    else:
+        c, cb = compute, compute_before
+        kept = _scratch.get("mask2", m, torch.bool, n)
+        torch.eq(_bits(c), _bits(cb), out=kept)
+        acc.add(_LOST, _count(torch.logical_and(mask, kept, out=kept)))  # mask: changed(main)
+        torch.eq(c, 0, out=kept)
+        acc.add(_UNDERFLOW, _count(torch.logical_and(torch.ne(m, 0, out=mask), kept, out=kept)))
+    diff = _scratch.get("diff", m, torch.promote_types(torch.promote_types(m.dtype, c.dtype), torch.float32), n)
+    torch.sub(m, c, out=diff)
+    if healthy:
+        acc.add(_DIFF_SQ, torch.linalg.vector_norm(diff).double().square())
+        return
+    _count_nonfinite(acc, m, _MAIN_NAN, _MAIN_INF)
+    _count_nonfinite(acc, c, _COMPUTE_NAN, _COMPUTE_INF)
+    m_finite = torch.isfinite(m)
+    acc.add(_OVERFLOW, _count(m_finite & torch.isinf(c)))
+    finite = m_finite & torch.isfinite(c)
+    acc.add(_DIFF_SQ, torch.linalg.vector_norm(torch.where(finite, diff, 0.0)).double().square())
+    acc.add(_MAIN_SQ, torch.linalg.vector_norm(torch.where(finite, m, 0.0)).double().square())
 
 
 def local_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> torch.Tensor:
@@ -273,52 +337,64 @@ def local_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> torch.Ten
         raise ValueError(f"snapshot holds {len(snapshot.main_weights)} groups, got {len(groups)}")
     weights = [_weights_of(g, snapshot.default_compute_dtype) for g in groups]
     for w, before in zip(weights, snapshot.main_weights, strict=True):
-        if len(w.mains) != len(before):
-            raise ValueError(f"snapshot holds {len(before)} weights of a group that now has {len(w.mains)}")
+        if len(w.mains) != len(before) or any(a.numel() != b.numel() for a, b in zip(w.mains, before)):
+            raise ValueError("precision diagnostics need equal numel: the snapshot does not match the weights")
     mains = [t for w in weights for t in w.mains]
     device = mains[0].device if mains else torch.device("cpu")
     acc = _Accumulator(device)
     with torch.no_grad():
-        # One fused pass of norms per tensor list and one copy to the host: which tensors
-        # hold NaN/Inf (a non-finite norm) or could overflow their compute dtype.
-        computes = [t for w in weights if w.computes is not None for t in w.computes]
-        grads = [g for w in weights for g in w.grads]
-        main_l2, main_max = _norms(mains, 2.0), _norms(mains, math.inf)
-        norms = [*main_l2, *main_max, *_norms(computes, math.inf), *_norms(grads, math.inf)]
-        host = torch.stack(norms).tolist() if norms else []
-        n = len(mains)
-        main_l2_host, main_max_host = host[:n], host[n : 2 * n]
-        compute_max_host = iter(host[2 * n : 2 * n + len(computes)])
-        grad_max_host = host[2 * n + len(computes) :]
+        # Fused pre-pass and one copy to the host: L2 norms of the main weights (also the
+        # refresh error's denominator) and max |x| of compute weights and grads say which
+        # tensors hold NaN/Inf or could overflow their compute dtype; only those are counted.
+        main_l2 = [n.float() for n in torch._foreach_norm(mains)] if mains else []
+        derived = [w.computes is None and w.compute_dtype is not None for w in weights]
+        # A finite main weight casts to a finite compute weight when max |main| <= the dtype's
+        # max; ||main||_2 bounds max |main|, which settles it for bf16 (fp32's range) without a
+        # pass; narrower dtypes (fp16) read max |main| itself.
+        narrow = [d and torch.finfo(w.compute_dtype).max < _WIDE_RANGE for w, d in zip(weights, derived)]
+        main_max = [_abs_max(t) for w, n in zip(weights, narrow) if n for t in w.mains]
+        compute_max = [_abs_max(t) for w in weights if w.computes is not None for t in w.computes]
+        grads = [g for w in weights for g in w.grads if g.numel()]
+        grad_max = [_abs_max(g) for g in grads]
+        norms = [*main_l2, *main_max, *compute_max, *grad_max]
+        host = iter(torch.stack(norms).tolist() if norms else [])
+        main_l2_host = [next(host) for _ in main_l2]
+        main_max_host, compute_max_host = iter([next(host) for _ in main_max]), iter([next(host) for _ in compute_max])
+        grad_max_host = [next(host) for _ in grad_max]
 
         index = 0
-        for w, before, computes_before in zip(weights, snapshot.main_weights, snapshot.compute_weights, strict=True):
-            limit = torch.finfo(w.compute_dtype).max if w.compute_dtype is not None else math.inf
+        for group_index, (w, is_derived, before, computes_before) in enumerate(
+            zip(weights, derived, snapshot.main_weights, snapshot.compute_weights, strict=True)
+        ):
+            limit = torch.finfo(w.compute_dtype).max if is_derived else math.inf
             for i, main in enumerate(w.mains):
                 main_ok = math.isfinite(main_l2_host[index])
                 if w.computes is not None:
-                    compute_ok = math.isfinite(next(compute_max_host))
+                    healthy = main_ok and math.isfinite(next(compute_max_host))
+                elif is_derived:
+                    bound = next(main_max_host) if narrow[group_index] else main_l2_host[index]
+                    healthy = main_ok and bound <= limit
                 else:
-                    compute_ok = main_ok and main_max_host[index] <= limit
-                healthy = main_ok and compute_ok
+                    healthy = main_ok
                 if healthy:  # else the chunks sum it over the elements finite in both
                     acc.add(_MAIN_SQ, main_l2[index].double().square())
-                _tensor_stats(
-                    acc,
-                    main,
-                    before[i],
-                    None if w.computes is None else w.computes[i],
-                    None if computes_before is None else computes_before[i],
-                    w.compute_dtype,
-                    healthy,
-                )
+                compute = None if w.computes is None else w.computes[i]
+                compute_before = None if computes_before is None else computes_before[i]
+                for start in _chunks(main.numel()):
+                    length = min(CHUNK_ELEMENTS, main.numel() - start)
+
+                    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+                        return None if t is None else t.narrow(0, start, length)
+
+                    _weight_chunk(acc, part(main), part(before[i]), part(compute), part(compute_before),
+                                  w.compute_dtype, healthy)  # fmt: skip
                 index += 1
-        grad_amax = torch.zeros((), dtype=torch.float64)
+        grad_amax = 0.0
         if grads:
             if all(math.isfinite(v) for v in grad_max_host):
-                grad_amax = torch.tensor(max(grad_max_host), dtype=torch.float64)
+                grad_amax = max(grad_max_host)
             else:
-                grad_amax = torch.tensor(GRAD_AMAX_NONFINITE, dtype=torch.float64)
+                grad_amax = GRAD_AMAX_NONFINITE
                 for g, value in zip(grads, grad_max_host, strict=True):
                     if not math.isfinite(value):
                         _count_nonfinite(acc, g, _GRAD_NAN, _GRAD_INF)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
 
-from fsdp_patch.telemetry import precision
-from fsdp_patch.telemetry import semconv
+from fsdp_patch.telemetry import precision, semconv
 
 NAN, INF = math.nan, math.inf
 
@@ -226,3 +226,45 @@ def test_protocol_is_satisfied_by_the_test_group():
     group, _ = messy_fp16_group()
     assert isinstance(group, precision.PrecisionView)
     assert np.isnan(to_numpy(group.main_grad)).sum() == 1
+
+
+@dataclass
+class ListGroup:
+    """A stand-in for torch FSDP2's groups (telemetry.TensorListView): per-parameter shards whose
+    compute weight is their cast to ``compute_dtype`` at the next all-gather."""
+
+    main_weights: list[torch.Tensor]
+    main_grads: list[torch.Tensor]
+    compute_dtype: torch.dtype | None
+    process_group: object = None
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
+def test_tensor_list_groups_against_numpy_reference(compute_dtype, monkeypatch):
+    monkeypatch.setattr(precision, "CHUNK_ELEMENTS", 7)  # several chunks per tensor
+    messy, after = messy_fp16_group()
+    g = torch.Generator().manual_seed(5)
+    mains = [messy.main_weight.clone(), torch.randn(33, generator=g), torch.zeros(0)]
+    new = [after, mains[1] + torch.where(torch.rand(33, generator=g) < 0.5, 1e-6, 1e-1), torch.zeros(0)]
+    grads = [messy.main_grad.float(), torch.randn(33, generator=g)]  # the empty shard has no grad
+    group = ListGroup([m.clone() for m in mains], grads, compute_dtype)
+    snapshot = precision.take_snapshot([group])
+    for weight, value in zip(group.main_weights, new):
+        weight.copy_(value)
+    stats = precision.compute_stats(snapshot, [group])
+
+    def cast(t: torch.Tensor) -> np.ndarray:
+        return to_numpy(t.to(compute_dtype))
+
+    reference = reference_stats(
+        [to_numpy(m) for m in mains], [cast(m) for m in mains], [to_numpy(m) for m in new], [cast(m) for m in new],
+        [to_numpy(grads[0]), to_numpy(grads[1]), None],
+    )  # fmt: skip
+    assert stats.nonfinite == reference["nonfinite"], (stats.nonfinite, reference["nonfinite"])
+    for key in ("overflow", "underflow", "changed", "lost"):
+        assert getattr(stats, key) == reference[key], f"{key}: want {reference[key]}, got {getattr(stats, key)}"
+    assert stats.lost_ratio == pytest.approx(reference["lost_ratio"], rel=1e-12)
+    assert stats.refresh_error == pytest.approx(reference["refresh_error"], rel=1e-5)
+    assert stats.grad_amax == reference["grad_amax"] == precision.GRAD_AMAX_NONFINITE
+    if compute_dtype == torch.float16:  # 7.1e4 overflows fp16, 2e-8 underflows it
+        assert (stats.overflow, stats.underflow) == (1, 1)
