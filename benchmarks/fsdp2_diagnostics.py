@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -32,20 +33,6 @@ from examples.model import GPT, GPTConfig, lm_loss, synthetic_batches
 
 MODEL = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
 TARGET_RATIO = 1.15
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager
@@ -86,14 +73,15 @@ def run(steps: int = 10, warmup: int = 2, batch: int = 16) -> dict[str, Any]:
     """
     from fsdp_patch.optimizer import fully_shard_optimizer
 
-    with tempfile.TemporaryDirectory() as traces, _process_group(), _environment(
-        FSDP_PATCH_TRACE_DIR=traces, FSDP_PATCH_SUMMARY="none", FSDP_PATCH_PRECISION_EVERY="1"
+    settings = {"FSDP_PATCH_SUMMARY": "none", "FSDP_PATCH_PRECISION_EVERY": "1"}
+    with tempfile.TemporaryDirectory() as traces, _process_group(), mock.patch.dict(
+        os.environ, {**settings, "FSDP_PATCH_TRACE_DIR": traces}
     ):
         model = _fsdp2_model()
         optimizers = {}
         for telemetry_on in (False, True):
             optimizers[telemetry_on] = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            with _environment(FSDP_PATCH_TELEMETRY="1" if telemetry_on else "0"):
+            with mock.patch.dict(os.environ, {"FSDP_PATCH_TELEMETRY": "1" if telemetry_on else "0"}):
                 fully_shard_optimizer(optimizers[telemetry_on])
         rank, world = dist.get_rank(), dist.get_world_size()
         batches = synthetic_batches(MODEL, batch * world, steps + warmup)

@@ -42,6 +42,20 @@ dist.destroy_process_group()
 """
 
 
+# An SGD optimizer over one plain parameter, adapted through the public API, and one step.
+ONE_ADAPTED_STEP = """
+    import os, sys
+    import torch
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    fully_shard_optimizer(optimizer)
+    optimizer.step()
+"""
+
+
 def run_python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_"))}
     environment.update(env)
@@ -72,16 +86,7 @@ def test_script_beside_its_own_telemetry_py_trains(tmp_path, telemetry_on):
 
 
 def test_telemetry_off_imports_only_what_deciding_off_needs(tmp_path):
-    code = """
-    import sys
-    import torch
-    from fsdp_patch.optimizer import fully_shard_optimizer
-
-    param = torch.nn.Parameter(torch.ones(4))
-    param.grad = torch.ones(4)
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    fully_shard_optimizer(optimizer)
-    optimizer.step()
+    code = ONE_ADAPTED_STEP + """
     print(sorted(m for m in sys.modules if m.startswith("fsdp_patch.telemetry")))
     print(sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"))
     """
@@ -95,16 +100,7 @@ def test_telemetry_off_imports_only_what_deciding_off_needs(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
 def test_forked_child_that_exits_prints_no_second_summary(tmp_path):
-    code = """
-    import os, sys
-    import torch
-    from fsdp_patch.optimizer import fully_shard_optimizer
-
-    param = torch.nn.Parameter(torch.ones(4))
-    param.grad = torch.ones(4)
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    fully_shard_optimizer(optimizer)
-    optimizer.step()
+    code = ONE_ADAPTED_STEP + """
     pid = os.fork()
     if pid == 0:
         sys.exit(0)  # runs the inherited atexit hooks, as a worker that returns normally does
