@@ -15,7 +15,8 @@ from fsdp_patch.telemetry import instruments, semconv
 
 README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
 
-# design.md's metric table, written out independently of telemetry/instruments.py.
+# design.md's metric table: kinds, units and attribute sets written out independently of
+# telemetry/instruments.py (the names themselves are pinned to design.md by tests/dashboards and test_semconv).
 DESIGN_TABLE = {
     semconv.METRIC_CAST_SIZE: ("Counter", "By", {semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET}),
     semconv.METRIC_REFRESH_DURATION: ("Histogram", "s", set()),

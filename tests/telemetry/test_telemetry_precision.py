@@ -268,3 +268,18 @@ def test_tensor_list_groups_against_numpy_reference(compute_dtype, monkeypatch):
     assert stats.grad_amax == reference["grad_amax"] == precision.GRAD_AMAX_NONFINITE
     if compute_dtype == torch.float16:  # 7.1e4 overflows fp16, 2e-8 underflows it
         assert (stats.overflow, stats.underflow) == (1, 1)
+
+
+def test_user_given_compute_dtype_applies_where_the_policy_names_none():
+    """FSDP_PATCH_COMPUTE_DTYPE (an autocast model): the diagnostics then cast to it; without it
+    the compute weight is the main weight and nothing can be lost."""
+    main = torch.linspace(1, 2, 64)
+    new = main + 1e-5  # below bf16's resolution near 1-2: every update lost in bf16
+    results = {}
+    for default in (None, torch.bfloat16):
+        group = ListGroup([main.clone()], [torch.ones(64)], compute_dtype=None)
+        snapshot = precision.take_snapshot([group], default_compute_dtype=default)
+        group.main_weights[0].copy_(new)
+        results[default] = precision.compute_stats(snapshot, [group])
+    assert (results[None].changed, results[None].lost) == (64, 0), results[None]
+    assert (results[torch.bfloat16].changed, results[torch.bfloat16].lost) == (64, 64), results[torch.bfloat16]
