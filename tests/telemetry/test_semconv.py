@@ -35,6 +35,7 @@ def test_span_names_and_step_attributes_are_the_design_pages(design):
 
 
 def test_scope_and_entry_point_names_are_the_design_pages(design):
-    conventions = design.split("## Instrumentation conventions", 1)[1].split("\n## ", 1)[0]
+    section = design.split("## Instrumentation conventions", 1)[1].split("\n## ", 1)[0]
+    conventions = " ".join(section.split())
     assert f"name `{semconv.SCOPE_NAME}`" in conventions
-    assert "entry point `fsdp_patch` in the group `opentelemetry_instrumentor`" in conventions.replace("\n", " ")
+    assert "entry point `fsdp_patch` in the group `opentelemetry_instrumentor`" in conventions
