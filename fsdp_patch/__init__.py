@@ -9,6 +9,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+__version__ = "0.1.0"
+
 
 def _load_checkout_telemetry() -> None:
     # Installed, the repository's top-level telemetry/ folder is fsdp_patch/telemetry

@@ -5,11 +5,13 @@ the grads of FSDP groups whose grad dtype differs from their main-weight dtype (
 group buffer), runs the optimizer's own step, puts the original grads back, and refreshes the
 compute copy of every group the optimizer touched.
 
-Attachment, chosen by ``FSDP_PATCH_TELEMETRY``:
+Attachment, chosen by ``FSDP_PATCH_TELEMETRY`` and the telemetry instrumentor:
 
-- unset, ``0``, ``false``: torch's step pre/post hooks; no OpenTelemetry call on the step.
-- ``1``, ``true``: a wrapt wrapper on the instance's ``step`` and ``zero_grad`` that emits
-  spans and metrics (see the ``telemetry`` package). Both train bitwise identically.
+- unset, ``0``, ``false``, not instrumented: torch's step pre/post hooks; no OpenTelemetry
+  call on the step, and nothing of ``fsdp_patch.telemetry`` imported beyond deciding that.
+- ``1``, ``true``, or ``FSDPOptimizerInstrumentor`` instrumented (``opentelemetry-instrument``):
+  a wrapt wrapper on the instance's ``step`` and ``zero_grad`` that emits spans and metrics
+  (see the ``telemetry`` package). Both train bitwise identically.
 
 Alternatives considered:
     - Monkey-patching ``step`` on the instance (chosen for telemetry, through wrapt): it is the
@@ -53,16 +55,14 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
         ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, or the optimizer is
             already adapted with other settings.
     """
-    from fsdp_patch.telemetry import telemetry_enabled
+    from fsdp_patch import telemetry
 
-    if not telemetry_enabled():
+    if not telemetry.telemetry_active():
         adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="hooks")
         return
 
-    def observer() -> "StepObserver":
-        from fsdp_patch.telemetry import OptimizerObserver
-
-        return OptimizerObserver(optimizer, precision_aware=precision_aware)
+    def observer() -> StepObserver:
+        return telemetry.observer_for(optimizer, precision_aware)
 
     adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=observer)
 

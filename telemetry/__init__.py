@@ -1,9 +1,14 @@
-"""OpenTelemetry instrumentation of fsdp_patch's optimizer adapter (opt-in: ``FSDP_PATCH_TELEMETRY=1``).
+"""OpenTelemetry instrumentation of fsdp_patch's optimizer adapter.
 
-Importing this package, calling :func:`telemetry_enabled` or :func:`shutdown`, and naming
-:class:`PrecisionView` import no OpenTelemetry module: with telemetry off, ``fsdp_patch``
-must not pay for (or depend on) OpenTelemetry. :class:`OptimizerObserver` is imported on
-first access. See ``telemetry/README.md`` for variables, exporters and the instrument table.
+On with ``FSDP_PATCH_TELEMETRY=1`` (embedded default exporters, no configuration), or when
+:class:`FSDPOptimizerInstrumentor` is instrumented, which ``opentelemetry-instrument`` does
+through the ``opentelemetry_instrumentor`` entry point ``fsdp_patch``.
+
+Importing this package and calling :func:`telemetry_active`, :func:`telemetry_enabled` or
+:func:`shutdown` import nothing but :mod:`.env` (no OpenTelemetry, no torch): with telemetry off,
+``fsdp_patch`` must not pay for (or depend on) OpenTelemetry. Everything else is imported on
+first access. See ``telemetry/README.md`` for variables, exporters and the instrument table;
+the names of spans, metrics and attributes are in :mod:`.semconv`.
 """
 
 from __future__ import annotations
@@ -14,17 +19,33 @@ from typing import TYPE_CHECKING, Any
 from .env import telemetry_enabled
 
 if TYPE_CHECKING:
+    import torch
+
+    from .instrumentor import FSDPOptimizerInstrumentor
     from .observer import OptimizerObserver, StepScope
     from .precision import PrecisionSnapshot, PrecisionView
 
-__all__ = ["OptimizerObserver", "PrecisionView", "shutdown", "telemetry_enabled"]
+__all__ = [
+    "FSDPOptimizerInstrumentor",
+    "OptimizerObserver",
+    "PrecisionView",
+    "observer_for",
+    "shutdown",
+    "telemetry_active",
+    "telemetry_enabled",
+]
 
 _LAZY = {
+    "FSDPOptimizerInstrumentor": f"{__name__}.instrumentor",
     "OptimizerObserver": f"{__name__}.observer",
     "StepScope": f"{__name__}.observer",
     "PrecisionView": f"{__name__}.precision",
     "PrecisionSnapshot": f"{__name__}.precision",
 }
+
+# Set by FSDPOptimizerInstrumentor while instrumented: the providers it was given (either may be
+# None: the global one, else the embedded default). Kept here so that deciding "off" needs no import.
+_instrumented: dict[str, Any] | None = None
 
 
 def __getattr__(name: str) -> Any:
@@ -38,8 +59,31 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def telemetry_active() -> bool:
+    """Whether optimizers adapted now get telemetry: instrumented, or ``FSDP_PATCH_TELEMETRY`` on.
+
+    Raises:
+        ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value.
+    """
+    return telemetry_enabled() or _instrumented is not None
+
+
+def observer_for(optimizer: torch.optim.Optimizer, precision_aware: bool, step_count: int = 0) -> OptimizerObserver:
+    """The observer of a newly adapted (or re-instrumented) optimizer, with the instrumentor's providers if any."""
+    from .observer import OptimizerObserver
+
+    given = _instrumented or {}
+    return OptimizerObserver(
+        optimizer,
+        precision_aware=precision_aware,
+        tracer_provider=given.get("tracer_provider"),
+        meter_provider=given.get("meter_provider"),
+        step_count=step_count,
+    )
+
+
 def shutdown() -> None:
-    """Flush and shut down the providers this package installed; idempotent, and free when none were."""
+    """Flush and shut down the providers this package built; idempotent, and free when none were."""
     providers = sys.modules.get(f"{__name__}.providers")
     if providers is not None:
         providers.shutdown()

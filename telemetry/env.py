@@ -20,6 +20,7 @@ TRACE_RANKS = "FSDP_PATCH_TRACE_RANKS"
 TRACE_DIR = "FSDP_PATCH_TRACE_DIR"
 SUMMARY = "FSDP_PATCH_SUMMARY"
 FLUSH_TIMEOUT = "FSDP_PATCH_FLUSH_TIMEOUT"
+COMPUTE_DTYPE = "FSDP_PATCH_COMPUTE_DTYPE"
 
 # Diagnostics clone the local weight shards (6 bytes per element for fp32 main and bf16
 # compute weights) and add a few reading passes plus one tiny collective. Every 100 steps
@@ -29,6 +30,13 @@ DEFAULT_TRACE_DIR = "fsdp_patch_traces"
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
 
 SUMMARY_MODES = ("rank0", "all", "none")
+
+# Accepted spellings of FSDP_PATCH_COMPUTE_DTYPE and the torch dtype attribute each names.
+COMPUTE_DTYPES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32",
+}  # fmt: skip
 
 _TRUE = ("1", "true")
 _FALSE = ("", "0", "false")
@@ -153,6 +161,25 @@ def flush_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     return seconds
 
 
+def compute_dtype(environ: Mapping[str, str] | None = None) -> str | None:
+    """Compute dtype of torch FSDP2 groups whose ``MixedPrecisionPolicy`` sets no ``param_dtype``
+    (``FSDP_PATCH_COMPUTE_DTYPE``), for the precision diagnostics; for example ``bfloat16`` for a
+    model that runs under autocast.
+
+    Returns:
+        The torch dtype's name (``"bfloat16"``, ``"float16"``, ``"float32"``), or ``None`` when unset.
+
+    Raises:
+        ValueError: Any other value.
+    """
+    value = _raw(COMPUTE_DTYPE, environ).lower()
+    if not value:
+        return None
+    if value not in COMPUTE_DTYPES:
+        raise _invalid(COMPUTE_DTYPE, value, ", ".join(repr(v) for v in COMPUTE_DTYPES))
+    return COMPUTE_DTYPES[value]
+
+
 def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """``OTEL_SDK_DISABLED``, read exactly as the OpenTelemetry SDK reads it (only ``true`` disables)."""
     return _raw("OTEL_SDK_DISABLED", environ).lower() == "true"
@@ -169,3 +196,4 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     trace_ranks(environ)
     summary_mode(environ)
     flush_timeout_s(environ)
+    compute_dtype(environ)

@@ -24,7 +24,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
-from . import env
+from . import env, otel_env
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
 from .ranks import RankInfo
 from .summary import MetricSummary
@@ -242,6 +242,8 @@ def build_metric_readers(
                 setup.readers.append(exporter)
                 continue
         if exporter is not None:
-            setup.readers.append(PeriodicExportingMetricReader(GuardedMetricExporter(exporter)))
+            setup.readers.append(
+                PeriodicExportingMetricReader(GuardedMetricExporter(exporter), **otel_env.metric_reader_arguments())
+            )
             setup.endpoints.append(f"{name} ({type(exporter).__name__})")
     return setup

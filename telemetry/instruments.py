@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import semconv
+
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
@@ -47,24 +49,25 @@ class InstrumentSpec:
     buckets: tuple[float, ...] | None = None
 
 
-CAST_SIZE = "fsdp.optimizer.cast.size"
-REFRESH_DURATION = "fsdp.optimizer.refresh.duration"
-STEP_DURATION = "fsdp.optimizer.step.duration"
-DTYPE_MISMATCHES = "fsdp.optimizer.dtype_mismatches"
-NONFINITE = "fsdp.precision.nonfinite"
-REFRESH_OVERFLOW = "fsdp.precision.refresh.overflow"
-REFRESH_UNDERFLOW = "fsdp.precision.refresh.underflow"
-REFRESH_ERROR = "fsdp.precision.refresh.error"
-LOST_RATIO = "fsdp.precision.update.lost_ratio"
-GRAD_AMAX = "fsdp.precision.grad.amax"
+# Names from the one module that spells them; kept here under their short names too.
+CAST_SIZE = semconv.METRIC_CAST_SIZE
+REFRESH_DURATION = semconv.METRIC_REFRESH_DURATION
+STEP_DURATION = semconv.METRIC_STEP_DURATION
+DTYPE_MISMATCHES = semconv.METRIC_DTYPE_MISMATCHES
+NONFINITE = semconv.METRIC_NONFINITE
+REFRESH_OVERFLOW = semconv.METRIC_REFRESH_OVERFLOW
+REFRESH_UNDERFLOW = semconv.METRIC_REFRESH_UNDERFLOW
+REFRESH_ERROR = semconv.METRIC_REFRESH_ERROR
+LOST_RATIO = semconv.METRIC_LOST_RATIO
+GRAD_AMAX = semconv.METRIC_GRAD_AMAX
 
-RANK_ATTRIBUTE = "fsdp.rank"
+RANK_ATTRIBUTE = semconv.ATTR_RANK
 
 INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     InstrumentSpec(
         CAST_SIZE, COUNTER, "By",
         "Bytes written by dtype casts around the optimizer step (size of each cast's output).",
-        ("fsdp.cast.kind", "fsdp.dtype.source", "fsdp.dtype.target"),
+        (semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET),
     ),
     InstrumentSpec(
         REFRESH_DURATION, HISTOGRAM, "s",
@@ -79,12 +82,12 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     InstrumentSpec(
         DTYPE_MISMATCHES, COUNTER, "{parameter}",
         "Parameters, per step, whose grad dtype differs from their data dtype.",
-        ("fsdp.dtype.param", "fsdp.dtype.grad", "fsdp.mismatch.action"),
+        (semconv.ATTR_DTYPE_PARAM, semconv.ATTR_DTYPE_GRAD, semconv.ATTR_MISMATCH_ACTION),
     ),
     InstrumentSpec(
         NONFINITE, COUNTER, "{element}",
         "NaN and Inf elements found by the precision diagnostics, summed over ranks.",
-        ("fsdp.tensor", "fsdp.nonfinite.kind"),
+        (semconv.ATTR_TENSOR, semconv.ATTR_NONFINITE_KIND),
     ),
     InstrumentSpec(
         REFRESH_OVERFLOW, COUNTER, "{element}",
@@ -104,7 +107,7 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     ),
     InstrumentSpec(
         GRAD_AMAX, GAUGE, "1",
-        "Largest finite absolute main-grad value over all ranks.",
+        "Largest absolute main-grad value over all ranks; float32's largest finite value when a grad is NaN or Inf.",
     ),
 )  # fmt: skip
 

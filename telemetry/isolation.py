@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 _logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -39,17 +39,31 @@ class _HoldBackInsideGuard(logging.Filter):
 
 _FILTER = _HoldBackInsideGuard()
 _filter_lock = threading.Lock()
+# Loggers we added a filter to, and the filter: what remove_log_filters() takes off again.
+_filtered: list[tuple[logging.Logger, logging.Filter]] = []
+
+
+def _add_filter(logger: logging.Logger, log_filter: logging.Filter) -> None:
+    with _filter_lock:
+        if log_filter not in logger.filters:
+            logger.addFilter(log_filter)
+            _filtered.append((logger, log_filter))
 
 
 def _attach_filter() -> None:
     # Logger filters do not apply to records of child loggers, so every OpenTelemetry logger
     # gets the filter. It is inert outside a guarded export (the thread-local is unset).
+    names = [n for n in list(logging.root.manager.loggerDict) if n.split(".", 1)[0] == "opentelemetry"]
+    for name in names:
+        _add_filter(logging.getLogger(name), _FILTER)
+
+
+def remove_log_filters() -> None:
+    """Take every logging filter this module added off its logger again. Idempotent."""
     with _filter_lock:
-        names = [n for n in logging.root.manager.loggerDict if n.split(".", 1)[0] == "opentelemetry"]
-        for name in names:
-            logger = logging.getLogger(name)
-            if _FILTER not in logger.filters:
-                logger.addFilter(_FILTER)
+        while _filtered:
+            logger, log_filter = _filtered.pop()
+            logger.removeFilter(log_filter)
 
 
 class _Guard:
@@ -159,14 +173,19 @@ class GuardedMetricExporter(MetricExporter):
                          lambda _: False, None)  # fmt: skip
 
 
+_in_own_processor = threading.local()
+
+
 class _OncePerMessage(logging.Filter):
-    """Lets each distinct message template of a logger through once."""
+    """Lets each distinct message template through once, for records our own processors log."""
 
     def __init__(self) -> None:
         super().__init__()
         self._seen: set[object] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(_in_own_processor, "active", False):
+            return True  # another processor's warning: not ours to fold
         key = (record.name, record.msg)
         if key in self._seen:
             return False
@@ -177,13 +196,26 @@ class _OncePerMessage(logging.Filter):
 # The batch processor warns "Queue full, dropping Span." on the training thread, outside any
 # export, whenever an exporter falls behind; the SDK repeats it every 20 s for a whole run.
 BATCH_PROCESSOR_LOGGER = "opentelemetry.sdk._shared_internal"
+_ONCE = _OncePerMessage()
 
 
-def report_batch_processor_warnings_once() -> None:
-    """Make the batch processors' warnings (queue full, ...) appear once per kind. Idempotent."""
-    logger = logging.getLogger(BATCH_PROCESSOR_LOGGER)
-    if not any(isinstance(f, _OncePerMessage) for f in logger.filters):
-        logger.addFilter(_OncePerMessage())
+class OwnBatchSpanProcessor(BatchSpanProcessor):
+    """The SDK's batch processor, whose own warnings (queue full, ...) appear once per kind.
+
+    Only records logged while one of these processors enqueues a span are folded; the same
+    warnings of the application's processors are left as the SDK logs them.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _add_filter(logging.getLogger(BATCH_PROCESSOR_LOGGER), _ONCE)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        _in_own_processor.active = True
+        try:
+            super().on_end(span)
+        finally:
+            _in_own_processor.active = False
 
 
 class WarnOnce:

@@ -16,16 +16,27 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from . import env, instruments, precision, providers
+from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
+
+from . import env, instruments, precision, providers, semconv
 from .isolation import WarnOnce
 from .ranks import distributed_rank
 from .timing import DurationRecorder, duration_recorder_for
 
 _logger = logging.getLogger(__name__)
 
-STEP_SPAN = "fsdp.optimizer.step"
-ZERO_GRAD_SPAN = "fsdp.optimizer.zero_grad"
-PHASES = ("cast_grads", "inner_step", "restore_grads", "refresh", "precision")
+_PHASE_SPANS = {
+    Phase.CAST_GRADS: semconv.SPAN_CAST_GRADS,
+    Phase.INNER_STEP: semconv.SPAN_INNER_STEP,
+    Phase.RESTORE_GRADS: semconv.SPAN_RESTORE_GRADS,
+    Phase.REFRESH: semconv.SPAN_REFRESH,
+    Phase.PRECISION: semconv.SPAN_PRECISION,
+}
+_MISMATCH_ACTIONS = {
+    MismatchAction.CAST: semconv.MISMATCH_CAST,
+    MismatchAction.PASSTHROUGH: semconv.MISMATCH_PASSTHROUGH,
+    MismatchAction.REJECTED: semconv.MISMATCH_REJECTED,
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -33,18 +44,31 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def public_type_name(exc: BaseException) -> str:
+    """The exception's class name, or that of its first public base class.
+
+    Internal subclasses (``_MismatchError(TypeError)``) are reported as the public class a
+    caller catches (``TypeError``): for ``error.type``, the status and the exception event.
+    """
+    for cls in type(exc).__mro__:
+        if not cls.__name__.startswith("_"):
+            return cls.__qualname__
+    return type(exc).__qualname__  # pragma: no cover - object is always public
+
+
 class StepScope:
     """Handle on the running ``fsdp.optimizer.step`` span, yielded by :meth:`OptimizerObserver.step`.
 
     Attributes:
-        step_number: 1 for the observer's first step, then counting up.
+        step_number: 1 for the optimizer's first step, then counting up.
     """
 
-    __slots__ = ("step_number", "_span")
+    __slots__ = ("step_number", "_span", "cast_bytes")
 
     def __init__(self, step_number: int, span: Span | None) -> None:
         self.step_number = step_number
         self._span = span
+        self.cast_bytes = 0
 
     def set_attribute(self, key: str, value: AttributeValue) -> None:
         """Set an attribute on the step span (no-op on ranks that do not trace)."""
@@ -53,12 +77,14 @@ class StepScope:
 
 
 def _fail(span: Span, exc: BaseException) -> None:
-    span.record_exception(exc, escaped=True)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+    public = public_type_name(exc)
+    span.record_exception(exc, attributes={semconv.ATTR_EXCEPTION_TYPE: public}, escaped=True)
+    span.set_attribute(semconv.ATTR_ERROR_TYPE, public)
+    span.set_status(Status(StatusCode.ERROR, f"{public}: {exc}"))
 
 
 class OptimizerObserver:
-    """Emits the design page's spans and metrics for one optimizer.
+    """Emits the design page's spans and metrics for one optimizer (a ``StepObserver``).
 
     Construction parses every ``FSDP_PATCH_*`` variable, so a malformed one fails when the
     optimizer is adapted. Providers, rank and device are resolved on first use, so an
@@ -68,9 +94,10 @@ class OptimizerObserver:
     Args:
         optimizer: The adapted optimizer; held weakly, read for its class and parameter device.
         precision_aware: Whether the adapter passes grads through uncast (span attribute).
-        tracer_provider: Use this instead of the global provider (tests, or applications that
-            keep providers out of the global API).
+        tracer_provider: Use this instead of the global provider (tests, the instrumentor's
+            ``tracer_provider`` argument, applications that keep providers out of the global API).
         meter_provider: Same for metrics.
+        step_count: Steps the optimizer already took (numbering continues from there).
 
     Raises:
         ValueError: A malformed ``FSDP_PATCH_*`` variable.
@@ -83,6 +110,7 @@ class OptimizerObserver:
         precision_aware: bool,
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: metrics.MeterProvider | None = None,
+        step_count: int = 0,
     ) -> None:
         env.validate_all()
         self._optimizer_ref = weakref.ref(optimizer)
@@ -90,13 +118,16 @@ class OptimizerObserver:
         self._precision_aware = bool(precision_aware)
         # Diagnostics run a collective: every rank must agree, so decide from the environment only.
         self._precision_every = 0 if env.sdk_disabled() else env.precision_every()
+        compute_dtype = env.compute_dtype()
+        self._default_compute_dtype = getattr(torch, compute_dtype) if compute_dtype else None
         self._trace_ranks = env.trace_ranks()
         self._given_tracer_provider = tracer_provider
         self._given_meter_provider = meter_provider
         self._warn = WarnOnce(_logger)
         self._lock = threading.Lock()
         self._ready = False
-        self._step_count = 0
+        self._kept_snapshot: precision.PrecisionSnapshot | None = None
+        self._step_count = step_count
         self.rank = 0
         self.world_size = 1
 
@@ -112,39 +143,46 @@ class OptimizerObserver:
             traced = self._trace_ranks is None or self.rank in self._trace_ranks
             tracer_provider = self._given_tracer_provider or providers.tracer_provider()
             meter_provider = self._given_meter_provider or providers.meter_provider()
+            version = providers.instrumentation_version()
             # Untraced ranks skip span work entirely rather than paying for no-op spans.
-            self._tracer = tracer_provider.get_tracer(providers.SCOPE_NAME) if traced else None
-            meter = meter_provider.get_meter(providers.SCOPE_NAME)
+            self._tracer = (
+                tracer_provider.get_tracer(semconv.SCOPE_NAME, version, schema_url=semconv.SCHEMA_URL)
+                if traced
+                else None
+            )
+            meter = meter_provider.get_meter(semconv.SCOPE_NAME, version, schema_url=semconv.SCHEMA_URL)
             created = instruments.create_instruments(meter)
-            self._cast_size = created[instruments.CAST_SIZE]
-            self._mismatches = created[instruments.DTYPE_MISMATCHES]
-            self._nonfinite = created[instruments.NONFINITE]
-            self._overflow = created[instruments.REFRESH_OVERFLOW]
-            self._underflow = created[instruments.REFRESH_UNDERFLOW]
-            self._refresh_error = created[instruments.REFRESH_ERROR]
-            self._lost_ratio = created[instruments.LOST_RATIO]
-            self._grad_amax = created[instruments.GRAD_AMAX]
-            self._rank_attrs = {instruments.RANK_ATTRIBUTE: self.rank}
+            self._cast_size = created[semconv.METRIC_CAST_SIZE]
+            self._mismatches = created[semconv.METRIC_DTYPE_MISMATCHES]
+            self._nonfinite = created[semconv.METRIC_NONFINITE]
+            self._overflow = created[semconv.METRIC_REFRESH_OVERFLOW]
+            self._underflow = created[semconv.METRIC_REFRESH_UNDERFLOW]
+            self._refresh_error = created[semconv.METRIC_REFRESH_ERROR]
+            self._lost_ratio = created[semconv.METRIC_LOST_RATIO]
+            self._grad_amax = created[semconv.METRIC_GRAD_AMAX]
+            self._rank_attrs = {semconv.ATTR_RANK: self.rank}
             self._attr_cache: dict[tuple[Any, ...], dict[str, AttributeValue]] = {}
             self._nonfinite_attrs = {
-                key: {**self._rank_attrs, "fsdp.tensor": key[0], "fsdp.nonfinite.kind": key[1]}
-                for key in ((t, k) for t in precision.TENSOR_NAMES for k in precision.NONFINITE_KINDS)
+                (t, k): {**self._rank_attrs, semconv.ATTR_TENSOR: t, semconv.ATTR_NONFINITE_KIND: k}
+                for t in semconv.TENSORS
+                for k in semconv.NONFINITE_KINDS
             }
             self._base_step_attrs: dict[str, AttributeValue] = {
-                "fsdp.rank": self.rank,
-                "fsdp.world_size": self.world_size,
-                "fsdp.optimizer.class": self._optimizer_class,
-                "fsdp.precision_aware": self._precision_aware,
+                semconv.ATTR_RANK: self.rank,
+                semconv.ATTR_WORLD_SIZE: self.world_size,
+                semconv.ATTR_OPTIMIZER_CLASS: self._optimizer_class,
+                semconv.ATTR_PRECISION_AWARE: self._precision_aware,
+                semconv.ATTR_CAST_BYTES: 0,
             }
-            self._phase_names = {name: f"fsdp.optimizer.{name}" for name in PHASES}
             device = self._parameter_device()
-            step_hist = created[instruments.STEP_DURATION]
-            refresh_hist = created[instruments.REFRESH_DURATION]
+            step_hist = created[semconv.METRIC_STEP_DURATION]
+            refresh_hist = created[semconv.METRIC_REFRESH_DURATION]
             attrs = self._rank_attrs
             self._step_timer: DurationRecorder = duration_recorder_for(device, lambda s: step_hist.record(s, attrs))
             self._refresh_timer: DurationRecorder = duration_recorder_for(
                 device, lambda s: refresh_hist.record(s, attrs)
             )
+            self._scope: StepScope | None = None
             providers.register_observer(self)
             self._ready = True
 
@@ -176,16 +214,12 @@ class OptimizerObserver:
             span.end()
 
     @contextmanager
-    def step(self, attributes: Mapping[str, AttributeValue]) -> Iterator[StepScope]:
+    def step(self) -> Iterator[StepScope]:
         """Span ``fsdp.optimizer.step`` around one ``optimizer.step()``, and its duration.
-
-        Args:
-            attributes: Extra span attributes (the adapter passes ``fsdp.params.count`` and
-                ``fsdp.groups.count``).
 
         Yields:
             The :class:`StepScope` of this step. An exception propagates unchanged after the
-            span is marked ERROR with the exception recorded.
+            span is marked ERROR with the exception recorded and ``error.type`` set.
         """
         self._ensure_ready()
         self._step_count += 1
@@ -195,25 +229,44 @@ class OptimizerObserver:
         self._refresh_timer.poll()
         span_attrs: dict[str, AttributeValue] | None = None
         if self._tracer is not None:
-            span_attrs = {**self._base_step_attrs, **attributes, "fsdp.step": step_number}
+            span_attrs = {**self._base_step_attrs, semconv.ATTR_STEP: step_number}
         token = self._step_timer.start()
         try:
-            with self._span(STEP_SPAN, span_attrs) as span:
-                yield StepScope(step_number, span)
+            with self._span(semconv.SPAN_STEP, span_attrs) as span:
+                self._scope = scope = StepScope(step_number, span)
+                yield scope
         finally:
+            self._scope = None
             # Recorded for failed steps too: one duration per optimizer.step() call.
             self._step_timer.stop(token)
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Child span ``fsdp.optimizer.{name}``; ``refresh`` is also timed into its histogram.
+    def step_planned(self, event: StepPlanned) -> None:
+        """The step's plan: parameter and FSDP-group counts on the span, its dtype mismatches counted."""
+        scope = self._scope
+        if scope is not None:
+            scope.set_attribute(semconv.ATTR_PARAMS_COUNT, event.params_count)
+            scope.set_attribute(semconv.ATTR_GROUPS_COUNT, event.groups_count)
+        for mismatch in event.mismatches:
+            self._record_mismatches(mismatch.param_dtype, mismatch.grad_dtype, mismatch.action, mismatch.count)
 
-        Args:
-            name: One of ``cast_grads``, ``inner_step``, ``restore_grads``, ``refresh``, ``precision``.
-        """
+    def grads_cast(self, event: GroupCast) -> None:
+        """One group's grad cast: bytes into ``fsdp.optimizer.cast.size`` and the step's ``fsdp.cast.bytes``."""
+        self._record_cast(semconv.CAST_KIND_GRAD, event)
+        scope = self._scope
+        if scope is not None:
+            scope.cast_bytes += event.nbytes
+            scope.set_attribute(semconv.ATTR_CAST_BYTES, scope.cast_bytes)
+
+    def weights_refreshed(self, event: GroupCast) -> None:
+        """One group's compute-weight refresh: bytes into ``fsdp.optimizer.cast.size``."""
+        self._record_cast(semconv.CAST_KIND_WEIGHT_REFRESH, event)
+
+    @contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        """Child span of the step for ``phase``; ``REFRESH`` is also timed into its histogram."""
         self._ensure_ready()
-        span_name = self._phase_names.get(name) or f"fsdp.optimizer.{name}"
-        if name != "refresh":
+        span_name = _PHASE_SPANS[phase]
+        if phase is not Phase.REFRESH:
             with self._span(span_name, None):
                 yield
             return
@@ -228,7 +281,8 @@ class OptimizerObserver:
     def zero_grad(self, set_to_none: bool) -> Iterator[None]:
         """Span ``fsdp.optimizer.zero_grad`` around one ``optimizer.zero_grad()``."""
         self._ensure_ready()
-        with self._span(ZERO_GRAD_SPAN, {"fsdp.rank": self.rank, "fsdp.zero_grad.set_to_none": bool(set_to_none)}):
+        attrs = {semconv.ATTR_RANK: self.rank, semconv.ATTR_ZERO_GRAD_SET_TO_NONE: bool(set_to_none)}
+        with self._span(semconv.SPAN_ZERO_GRAD, attrs):
             yield
 
     # -- metrics -----------------------------------------------------------------------
@@ -239,42 +293,28 @@ class OptimizerObserver:
             attrs = self._attr_cache[key] = {**self._rank_attrs, **build()}
         return attrs
 
-    def record_cast(self, kind: str, source: torch.dtype, target: torch.dtype, nbytes: int) -> None:
-        """Add ``nbytes`` (size of the cast's output) to ``fsdp.optimizer.cast.size``.
-
-        Args:
-            kind: ``grad`` or ``weight_refresh``.
-            source: Dtype cast from.
-            target: Dtype cast to.
-            nbytes: Bytes written.
-        """
+    def _record_cast(self, kind: str, event: GroupCast) -> None:
         self._ensure_ready()
         attrs = self._cached(
-            ("cast", kind, source, target),
+            ("cast", kind, event.source, event.target),
             lambda: {
-                "fsdp.cast.kind": kind,
-                "fsdp.dtype.source": dtype_name(source),
-                "fsdp.dtype.target": dtype_name(target),
+                semconv.ATTR_CAST_KIND: kind,
+                semconv.ATTR_DTYPE_SOURCE: dtype_name(event.source),
+                semconv.ATTR_DTYPE_TARGET: dtype_name(event.target),
             },
         )
-        self._cast_size.add(nbytes, attrs)
+        self._cast_size.add(event.nbytes, attrs)
 
-    def record_mismatches(self, param_dtype: torch.dtype, grad_dtype: torch.dtype, action: str, count: int) -> None:
-        """Add ``count`` parameters to ``fsdp.optimizer.dtype_mismatches``.
-
-        Args:
-            param_dtype: The parameters' data dtype.
-            grad_dtype: Their grad dtype.
-            action: ``cast``, ``passthrough`` or ``rejected``.
-            count: Number of parameters.
-        """
+    def _record_mismatches(
+        self, param_dtype: torch.dtype, grad_dtype: torch.dtype, action: MismatchAction, count: int
+    ) -> None:
         self._ensure_ready()
         attrs = self._cached(
             ("mismatch", param_dtype, grad_dtype, action),
             lambda: {
-                "fsdp.dtype.param": dtype_name(param_dtype),
-                "fsdp.dtype.grad": dtype_name(grad_dtype),
-                "fsdp.mismatch.action": action,
+                semconv.ATTR_DTYPE_PARAM: dtype_name(param_dtype),
+                semconv.ATTR_DTYPE_GRAD: dtype_name(grad_dtype),
+                semconv.ATTR_MISMATCH_ACTION: _MISMATCH_ACTIONS[action],
             },
         )
         self._mismatches.add(count, attrs)
@@ -286,6 +326,11 @@ class OptimizerObserver:
         """Diagnostics interval from ``FSDP_PATCH_PRECISION_EVERY``; 0 when off (or when the SDK is disabled)."""
         return self._precision_every
 
+    @property
+    def collective_settings(self) -> tuple[bool, int]:
+        """``(True, diagnostics interval)``: what every rank's adapted optimizer must agree on."""
+        return (True, self._precision_every)
+
     def precision_due(self, step_number: int) -> bool:
         """Whether step ``step_number`` runs the diagnostics: step 1, then every N-th step.
 
@@ -296,11 +341,18 @@ class OptimizerObserver:
         every = self._precision_every
         return every > 0 and (step_number == 1 or step_number % every == 0)
 
-    def precision_begin(self, groups: Sequence[precision.PrecisionView]) -> precision.PrecisionSnapshot:
-        """Clone the weights before the inner step; call after the grad cast, before ``inner_step``."""
-        return precision.take_snapshot(groups)
+    def precision_begin(self, groups: Sequence[Any]) -> precision.PrecisionSnapshot:
+        """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``.
 
-    def precision_end(self, snapshot: precision.PrecisionSnapshot, groups: Sequence[precision.PrecisionView]) -> None:
+        With diagnostics on every step the copy's buffers are kept and reused from step to step
+        (memory the diagnostics need on each step anyway); with a longer interval they are
+        released after each diagnostic step.
+        """
+        snapshot = precision.take_snapshot(groups, self._default_compute_dtype, reuse=self._kept_snapshot)
+        self._kept_snapshot = snapshot if self._precision_every == 1 else None
+        return snapshot
+
+    def precision_end(self, snapshot: precision.PrecisionSnapshot, groups: Sequence[Any]) -> None:
         """Compute, reduce across ranks and record the diagnostics; call after the refresh.
 
         Reads the buffers and writes none. A local failure is logged once and this rank's
@@ -313,8 +365,7 @@ class OptimizerObserver:
         except Exception as exc:
             self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
-            device = groups[0].main_weight.device if groups else torch.device("cpu")
-            local = precision.nan_stats(device)
+            local = precision.nan_stats(self._parameter_device())
         stats = precision.stats_from_vector(precision.reduce_stats(local, precision.first_process_group(groups)))
         if not stats.complete:
             return
@@ -338,12 +389,12 @@ class OptimizerObserver:
             # On the precision span, so a trace shows the numbers of the step it belongs to.
             span.set_attributes(
                 {
-                    "fsdp.precision.refresh.overflow": stats.overflow,
-                    "fsdp.precision.refresh.underflow": stats.underflow,
-                    "fsdp.precision.refresh.error": stats.refresh_error,
-                    "fsdp.precision.update.lost_ratio": stats.lost_ratio,
-                    "fsdp.precision.grad.amax": stats.grad_amax,
-                    "fsdp.precision.nonfinite": sum(stats.nonfinite.values()),
+                    semconv.METRIC_REFRESH_OVERFLOW: stats.overflow,
+                    semconv.METRIC_REFRESH_UNDERFLOW: stats.underflow,
+                    semconv.METRIC_REFRESH_ERROR: stats.refresh_error,
+                    semconv.METRIC_LOST_RATIO: stats.lost_ratio,
+                    semconv.METRIC_GRAD_AMAX: stats.grad_amax,
+                    semconv.METRIC_NONFINITE: sum(stats.nonfinite.values()),
                 }
             )
 

@@ -1,20 +1,25 @@
 """Which tracer and meter providers the package uses, and their life cycle.
 
-On first use, per signal: if the application (or ``opentelemetry-instrument``) already
-installed a global provider, it is used and nothing is installed. Otherwise this module
-builds an SDK provider from the ``OTEL_*`` variables (:mod:`fsdp_patch.telemetry.exporters`), with the
-rank identity as resource attributes, and installs it globally. With
-``OTEL_SDK_DISABLED=true`` nothing is installed and no-op providers are used.
+On first use, per signal: if the application (or ``opentelemetry-instrument``) installed a
+global provider, it is used. Otherwise this module builds the package's own SDK provider from
+the ``OTEL_*`` variables (:mod:`fsdp_patch.telemetry.exporters`), with the rank identity as
+resource attributes: the embedded default. It is **not** installed as the global provider, so an
+application that sets its own providers later is not refused by the API; spans still nest under
+the caller's span, which comes from the context, not from the provider. With
+``OTEL_SDK_DISABLED=true`` nothing is built and no-op providers are used.
 
-Providers this module installed are flushed before ``torch.distributed.destroy_process_group``
-tears the default group down, and flushed, summarised and shut down at interpreter exit.
-Both waits are bounded by ``FSDP_PATCH_FLUSH_TIMEOUT``.
+Providers built here are flushed before ``torch.distributed.destroy_process_group`` tears the
+default group down, and flushed, summarised and shut down at interpreter exit. Both waits are
+bounded by ``FSDP_PATCH_FLUSH_TIMEOUT``. Everything installed for that (the ``atexit`` hook, the
+``destroy_process_group`` wrapper, logging filters) is removed again by :func:`uninstall`, and
+the wrapper and filters by :func:`shutdown`.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -24,18 +29,17 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from . import env
+from . import env, isolation, otel_env, semconv
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
-from .isolation import WarnOnce, report_batch_processor_warnings_once, run_bounded
+from .isolation import OwnBatchSpanProcessor, WarnOnce, run_bounded
 from .ranks import RankInfo, current_rank_info
 from .trace_files import TraceFileExporter
 
 _logger = logging.getLogger(__name__)
 _warn = WarnOnce(_logger)
 
-SCOPE_NAME = "fsdp_patch.telemetry"
+SCOPE_NAME = semconv.SCOPE_NAME
 DEFAULT_SERVICE_NAME = "fsdp_patch"
 
 try:
@@ -49,8 +53,11 @@ class _Flushable(Protocol):
 
 
 @dataclass
-class _Installed:
+class _Embedded:
+    """The providers built here (the embedded default), per signal ``None`` where the application's is used."""
+
     rank_info: RankInfo
+    pid: int
     tracer_provider: SdkTracerProvider | None = None
     meter_provider: SdkMeterProvider | None = None
     metric_setup: MetricSetup = field(default_factory=MetricSetup)
@@ -58,10 +65,17 @@ class _Installed:
 
 
 _lock = threading.RLock()
-_installed: _Installed | None = None
+_embedded: _Embedded | None = None
 _shut_down = False
-_exit_hooks_registered = False
+_exit_hook_registered = False
 _observers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def instrumentation_version() -> str:
+    """The version of the instrumentation (this package), for the tracer and meter scope."""
+    from fsdp_patch import __version__
+
+    return __version__
 
 
 def _tracer_provider_unset(provider: trace.TracerProvider) -> bool:
@@ -82,64 +96,57 @@ def build_resource(rank_info: RankInfo) -> Resource:
     """
     detected = Resource.create()
     ours: dict[str, Any] = {
-        "fsdp.rank": rank_info.rank,
-        "fsdp.world_size": rank_info.world_size,
-        "fsdp.local_rank": rank_info.local_rank,
+        semconv.RESOURCE_RANK: rank_info.rank,
+        semconv.RESOURCE_WORLD_SIZE: rank_info.world_size,
+        semconv.RESOURCE_LOCAL_RANK: rank_info.local_rank,
     }
     if rank_info.run_id:
-        ours["fsdp.run_id"] = rank_info.run_id
+        ours[semconv.RESOURCE_RUN_ID] = rank_info.run_id
     if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         ours[SERVICE_NAME] = DEFAULT_SERVICE_NAME
     return detected.merge(Resource(ours))
 
 
-def _install() -> _Installed:
+def _build() -> _Embedded:
     info = current_rank_info()
-    state = _Installed(info)
+    state = _Embedded(info, os.getpid())
     if env.sdk_disabled():
         return state
     resource: Resource | None = None
     if _tracer_provider_unset(trace.get_tracer_provider()):
         resource = build_resource(info)
         exporters, files = build_span_exporters(info, resource)
-        provider = SdkTracerProvider(resource=resource, shutdown_on_exit=False)
-        report_batch_processor_warnings_once()
+        provider = SdkTracerProvider(resource=resource, span_limits=otel_env.span_limits(), shutdown_on_exit=False)
+        batch_args = otel_env.batch_processor_arguments()
         for exporter in exporters:
             # Batch processing keeps exporting off the training thread; on_end only enqueues.
-            provider.add_span_processor(BatchSpanProcessor(exporter))
-        trace.set_tracer_provider(provider)
-        if trace.get_tracer_provider() is provider:
-            state.tracer_provider, state.trace_files = provider, files
-        else:  # the application won a race to install its own
-            provider.shutdown()
+            provider.add_span_processor(OwnBatchSpanProcessor(exporter, **batch_args))
+        state.tracer_provider, state.trace_files = provider, files
     if _meter_provider_unset(metrics.get_meter_provider()):
         resource = resource or build_resource(info)
         service = resource.attributes.get(SERVICE_NAME)
         header = f"fsdp_patch telemetry summary: rank {info.rank} of {info.world_size} (service {service})"
         setup = build_metric_readers(info, header)
-        provider = SdkMeterProvider(resource=resource, metric_readers=setup.readers, shutdown_on_exit=False)
-        metrics.set_meter_provider(provider)
-        if metrics.get_meter_provider() is provider:
-            state.meter_provider, state.metric_setup = provider, setup
-        else:
-            provider.shutdown()
-            _stop_servers(setup)
+        state.meter_provider = SdkMeterProvider(resource=resource, metric_readers=setup.readers, shutdown_on_exit=False)
+        state.metric_setup = setup
     return state
 
 
-def _ensure_installed() -> _Installed | None:
-    global _installed
+def _ensure_built() -> _Embedded | None:
+    global _embedded
     with _lock:
-        if _installed is None and not _shut_down:
-            _installed = _install()
-            if _installed.tracer_provider or _installed.meter_provider:
-                _register_exit_hooks()
-        return _installed
+        if _embedded is None and not _shut_down:
+            _embedded = _build()
+            if _embedded.tracer_provider or _embedded.meter_provider:
+                _install_exit_hooks()
+        return _embedded
 
 
 def tracer_provider() -> trace.TracerProvider:
-    """The tracer provider to use: the application's, else ours (installed now if needed)."""
-    _ensure_installed()
+    """The tracer provider to use: the application's global one, else the embedded default (built now if needed)."""
+    state = _ensure_built()
+    if state is not None and state.tracer_provider is not None:
+        return state.tracer_provider
     provider = trace.get_tracer_provider()
     if _tracer_provider_unset(provider):
         # Only when disabled (or after shutdown): a proxy would silently start recording if
@@ -149,8 +156,10 @@ def tracer_provider() -> trace.TracerProvider:
 
 
 def meter_provider() -> metrics.MeterProvider:
-    """The meter provider to use: the application's, else ours (installed now if needed)."""
-    _ensure_installed()
+    """The meter provider to use: the application's global one, else the embedded default (built now if needed)."""
+    state = _ensure_built()
+    if state is not None and state.meter_provider is not None:
+        return state.meter_provider
     provider = metrics.get_meter_provider()
     if _meter_provider_unset(provider):
         return metrics.NoOpMeterProvider()
@@ -179,11 +188,18 @@ def _timeout_s() -> float:
         return env.DEFAULT_FLUSH_TIMEOUT_S
 
 
+def _own(state: _Embedded | None) -> _Embedded | None:
+    # A forked child inherits the parent's providers (and their open files): flushing,
+    # summarising or closing them there would print a second summary and write into the
+    # parent's trace file, so only the process that built them does.
+    return state if state is not None and state.pid == os.getpid() else None
+
+
 def flush() -> None:
-    """Push out pending step timings, spans and metrics of the providers we installed (bounded wait)."""
+    """Push out pending step timings, spans and metrics of the providers we built (bounded wait)."""
     _flush_observers()
     with _lock:
-        state = None if _shut_down else _installed
+        state = None if _shut_down else _own(_embedded)
     if state is None:
         return
     timeout = _timeout_s()
@@ -203,19 +219,17 @@ def _stop_servers(setup: MetricSetup) -> None:
 
 
 def shutdown() -> None:
-    """Flush and shut down the providers this package installed, and print the summary. Idempotent.
-
-    Providers the application installed are left to the application.
-    """
+    """Flush and shut down the providers we built, print the summary, remove the wrapper and
+    logging filters. Idempotent; providers of the application are left to the application."""
     global _shut_down
     with _lock:
         if _shut_down:
             return
         _shut_down = True
-        state = _installed
-    _flush_observers()
+        state = _own(_embedded)
     if state is None:
         return
+    _flush_observers()
     timeout = _timeout_s()
     if state.tracer_provider is not None:
         # Shutdown drains the batch queue and closes the trace files.
@@ -231,35 +245,46 @@ def shutdown() -> None:
     if state.meter_provider is not None:
         run_bounded(state.meter_provider.shutdown, timeout, "metric export at shutdown", _warn)
     _stop_servers(state.metric_setup)
+    _unwrap_destroy_process_group()
+    isolation.remove_log_filters()
 
 
 def written_trace_files() -> list[str]:
     """Trace files our tracer provider has written so far (none when the application's provider is used)."""
     with _lock:
-        exporters = list(_installed.trace_files) if _installed else []
+        exporters = list(_embedded.trace_files) if _embedded else []
     return [path for exporter in exporters for path in exporter.written_paths()]
 
 
-def reset() -> None:
-    """Shut down what we installed and forget it, so the next use installs afresh.
+def uninstall() -> None:
+    """Shut down what we built and remove every global hook, so the next use builds afresh.
 
-    For tests, together with resetting OpenTelemetry's global providers.
+    The telemetry instrumentor's ``uninstrument()`` calls it; tests call it (as :func:`reset`)
+    together with resetting OpenTelemetry's global providers.
     """
-    global _installed, _shut_down
+    global _embedded, _shut_down, _exit_hook_registered
     shutdown()
     with _lock:
-        _installed = None
+        if _exit_hook_registered:
+            atexit.unregister(shutdown)
+            _exit_hook_registered = False
+        _embedded = None
         _shut_down = False
         _observers.clear()
 
 
-def _register_exit_hooks() -> None:
-    global _exit_hooks_registered
-    if _exit_hooks_registered:
-        return
-    _exit_hooks_registered = True
-    atexit.register(shutdown)
+reset = uninstall
+
+
+def _install_exit_hooks() -> None:
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(shutdown)
     _wrap_destroy_process_group()
+
+
+_WRAPPED_MARK = "_self_fsdp_telemetry_flush"
 
 
 def _wrap_destroy_process_group() -> None:
@@ -275,7 +300,7 @@ def _wrap_destroy_process_group() -> None:
     except ImportError:  # pragma: no cover - torch built without distributed
         return
     original = c10d.destroy_process_group
-    if getattr(original, "_self_fsdp_telemetry_flush", False):
+    if getattr(original, _WRAPPED_MARK, False):
         return
 
     def flush_first(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -285,7 +310,20 @@ def _wrap_destroy_process_group() -> None:
         return wrapped(*args, **kwargs)
 
     wrapper = wrapt.FunctionWrapper(original, flush_first)
-    wrapper._self_fsdp_telemetry_flush = True
+    setattr(wrapper, _WRAPPED_MARK, True)
     for module in (c10d, dist):
         if getattr(module, "destroy_process_group", None) is original:
             module.destroy_process_group = wrapper
+
+
+def _unwrap_destroy_process_group() -> None:
+    """Put the original ``destroy_process_group`` back where our wrapper still is."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:  # pragma: no cover
+        return
+    for module in (c10d, dist):
+        current = getattr(module, "destroy_process_group", None)
+        if getattr(current, _WRAPPED_MARK, False):
+            module.destroy_process_group = current.__wrapped__

@@ -7,10 +7,11 @@ from collections.abc import Callable
 import torch
 
 from .copying import CopySupport
+from .events import NullObserver, StepObserver
 from .hook_attachment import HookAttachment
 from .state_init import init_optimizer_state
 from .step_core import StepCore
-from .wrapt_attachment import StepObserver, WraptAttachment
+from .wrapt_attachment import WraptAttachment
 
 __all__ = [
     "adapt_optimizer",
@@ -18,7 +19,9 @@ __all__ = [
     "init_optimizer_state",
     "remove_fully_shard_optimizer",
     "Adaptation",
+    "NullObserver",
     "StepObserver",
+    "adaptations",
 ]
 
 
@@ -36,12 +39,16 @@ class Adaptation:
         precision_aware: bool,
         attachment: str,
         observer_factory: Callable[[], StepObserver] | None = None,
+        implicit: bool = False,
     ) -> None:
         if attachment not in ("hooks", "wrapt"):
             raise ValueError(f"attachment must be 'hooks' or 'wrapt', got {attachment!r}")
         if attachment == "wrapt" and observer_factory is None:
             raise ValueError("the wrapt attachment needs an observer factory")
         self.precision_aware = precision_aware
+        # Made by the telemetry instrumentor rather than by a fully_shard_optimizer call: an
+        # explicit call with other settings replaces it instead of failing.
+        self.implicit = implicit
         self.core = StepCore(optimizer, precision_aware)
         self.core.plan(check_grads=False)  # TypeError for a non-Parameter, before any change
         observer = observer_factory() if attachment == "wrapt" else None  # type: ignore[misc]
@@ -58,6 +65,17 @@ class Adaptation:
     @property
     def kind(self) -> str:
         return self.attachment.kind
+
+    @property
+    def observer(self) -> StepObserver | None:
+        """The wrapt attachment's observer; ``None`` for the hook attachment (telemetry off)."""
+        return self.attachment.observer if isinstance(self.attachment, WraptAttachment) else None
+
+    @observer.setter
+    def observer(self, observer: StepObserver) -> None:
+        if not isinstance(self.attachment, WraptAttachment):
+            raise TypeError("only the wrapt attachment reports to an observer")
+        self.attachment.observer = observer
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
         self.attachment.detach(optimizer)
@@ -76,14 +94,23 @@ def adaptation_of(optimizer: torch.optim.Optimizer) -> Adaptation | None:
     return _ADAPTATIONS.get(optimizer)
 
 
+def adaptations() -> list[tuple[torch.optim.Optimizer, Adaptation]]:
+    """Every live adapted optimizer with its adaptation (telemetry turns observers on and off)."""
+    return list(_ADAPTATIONS.items())
+
+
 def adapt_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
     precision_aware: bool,
     attachment: str,
     observer_factory: Callable[[], StepObserver] | None = None,
+    implicit: bool = False,
 ) -> Adaptation:
     """Adapts ``optimizer`` in place with the given attachment; idempotent for equal settings.
+
+    ``implicit`` marks an adaptation the telemetry instrumentor made on its own; an explicit
+    call keeps it when the settings are equal (it becomes explicit) and replaces it otherwise.
 
     Raises:
         TypeError: ``optimizer`` is not an Optimizer, ``precision_aware`` not a bool, or a
@@ -96,6 +123,12 @@ def adapt_optimizer(
     if not isinstance(precision_aware, bool):
         raise TypeError(f"fully_shard_optimizer expected precision_aware to be a bool, got {precision_aware!r}")
     existing = _ADAPTATIONS.get(optimizer)
+    if existing is not None and existing.implicit and not implicit:
+        if existing.precision_aware == precision_aware and existing.kind == attachment:
+            existing.implicit = False
+            return existing
+        remove_fully_shard_optimizer(optimizer)
+        existing = None
     if existing is not None:
         if existing.precision_aware != precision_aware or existing.kind != attachment:
             raise ValueError(
@@ -105,7 +138,7 @@ def adapt_optimizer(
                 "fsdp_patch.remove_fully_shard_optimizer(optimizer) first to change them"
             )
         return existing
-    adaptation = Adaptation(optimizer, precision_aware, attachment, observer_factory)
+    adaptation = Adaptation(optimizer, precision_aware, attachment, observer_factory, implicit)
     _ADAPTATIONS[optimizer] = adaptation
     return adaptation
 

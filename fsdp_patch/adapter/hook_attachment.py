@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..fsdp2 import fsdp2_groups
 from .closure import CastingClosure, replace_closure
+from .settings_check import check_collective_settings
 from .step_core import StepCore, StepPlan, find_closure
 
 __all__ = ["HookAttachment"]
@@ -38,6 +40,7 @@ class HookAttachment:
 
     def __init__(self, optimizer: torch.optim.Optimizer, core: StepCore) -> None:
         self._core = core
+        self._settings_checked = False
         self._plan: StepPlan | None = None
         self._handles: list[RemovableHandle] = []
         try:
@@ -53,6 +56,12 @@ class HookAttachment:
     def _pre_hook(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._settings_checked:
+            # Telemetry is off here; peers with it on must learn that before their diagnostics.
+            self._settings_checked = True
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            groups = [*self._core.plan(check_grads=False).groups, *fsdp2_groups(params)]
+            check_collective_settings(groups, telemetry_on=False, precision_every=0)
         self._core.restore(carry_back=True)
         closure, positional = find_closure(args[1:], kwargs)
         if closure is None:

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from ..parameter_group import ParameterGroup, parameter_group_of
+from .events import MismatchAction
 
 __all__ = ["StepCore", "StepPlan", "MismatchKey"]
 
-MismatchKey = tuple[torch.dtype, torch.dtype, str]
+MismatchKey = tuple[torch.dtype, torch.dtype, MismatchAction]
 
 
 @dataclass
@@ -34,7 +35,6 @@ class StepPlan:
             of a group's parameters and zero only their own.
         mismatches: Mismatched parameters per (param dtype, grad dtype, action).
         params_count: Parameters in the optimizer's param groups.
-        groups_count: The optimizer's param groups.
         cast_bytes: Bytes the grad cast wrote (set by :meth:`StepCore.cast`).
         cast_records: (group, bytes written) per cast group (set by :meth:`StepCore.cast`).
     """
@@ -43,7 +43,6 @@ class StepPlan:
     cast_groups: list[tuple[ParameterGroup, list[int]]]
     mismatches: Counter[MismatchKey] = field(default_factory=Counter)
     params_count: int = 0
-    groups_count: int = 0
     cast_bytes: int = 0
     cast_records: list[tuple[ParameterGroup, int]] = field(default_factory=list)
 
@@ -103,14 +102,14 @@ class StepCore:
                 grad = param.grad
                 if grad is not None and grad.dtype != param.dtype:
                     if self.precision_aware:
-                        mismatches[(param.dtype, grad.dtype, "passthrough")] += 1
+                        mismatches[(param.dtype, grad.dtype, MismatchAction.PASSTHROUGH)] += 1
                     else:
-                        mismatches[(param.dtype, grad.dtype, "rejected")] += 1
+                        mismatches[(param.dtype, grad.dtype, MismatchAction.REJECTED)] += 1
                         rejected.append(
                             f"param_groups[{group_index}]['params'][{param_index}] "
                             f"(shape {tuple(param.shape)}): dtype {param.dtype}, grad dtype {grad.dtype}"
                         )
-        plan = StepPlan(list(groups.values()), [], mismatches, params_count, len(self.optimizer.param_groups))
+        plan = StepPlan(list(groups.values()), [], mismatches, params_count)
         if not check_grads:
             return plan
         if rejected:
@@ -125,7 +124,7 @@ class StepCore:
             indices = with_grads.get(id(fsdp_group))
             if not indices or fsdp_group.grads_dtype == fsdp_group.main_dtype:
                 continue
-            action = "passthrough" if self.precision_aware else "cast"
+            action = MismatchAction.PASSTHROUGH if self.precision_aware else MismatchAction.CAST
             mismatches[(fsdp_group.main_dtype, fsdp_group.grads_dtype, action)] += len(indices)
             if not self.precision_aware:
                 plan.cast_groups.append((fsdp_group, indices))

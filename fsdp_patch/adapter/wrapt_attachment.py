@@ -15,12 +15,15 @@ visible through the proxy.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import wrapt
 
+from ..fsdp2 import FSDP2Group, fsdp2_groups
 from .closure import CastingClosure, replace_closure
+from .events import GroupCast, Mismatch, Phase, StepObserver, StepPlanned
+from .settings_check import check_collective_settings
 from .step_core import StepCore, StepPlan, _MismatchError, find_closure
 
 __all__ = ["WraptAttachment"]
@@ -38,19 +41,6 @@ class _MethodWrapper(wrapt.FunctionWrapper):
     __bound_function_wrapper__ = _BoundMethodWrapper
 
 
-class StepObserver(Protocol):
-    """What the wrapt attachment reports to; ``telemetry.OptimizerObserver`` implements it."""
-
-    def step(self, attributes: dict[str, Any]) -> Any: ...
-    def phase(self, name: str) -> Any: ...
-    def zero_grad(self, set_to_none: bool) -> Any: ...
-    def record_cast(self, kind: str, source: torch.dtype, target: torch.dtype, nbytes: int) -> None: ...
-    def record_mismatches(self, param_dtype: torch.dtype, grad_dtype: torch.dtype, action: str, count: int) -> None: ...
-    def precision_due(self, step_number: int) -> bool: ...
-    def precision_begin(self, groups: Any) -> Any: ...
-    def precision_end(self, snapshot: Any, groups: Any) -> None: ...
-
-
 class WraptAttachment:
     kind = "wrapt"
 
@@ -58,6 +48,9 @@ class WraptAttachment:
         self._core = core
         self._observer = observer
         self._active = True
+        self._settings_checked = False
+        self._fsdp2_key: tuple[int, ...] | None = None
+        self._fsdp2: list[FSDP2Group] = []
         self._saved: dict[str, Any] = {}
         # Weakly: a bound wrapper holds the optimizer, and the adaptation registry holds us.
         self._installed: dict[str, weakref.ref[Any]] = {}
@@ -75,33 +68,58 @@ class WraptAttachment:
             bound_wrappers[name] = bound
         optimizer.__dict__.update(bound_wrappers)
 
+    @property
+    def observer(self) -> StepObserver:
+        """The observer steps report to; replaced to turn telemetry on or off."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: StepObserver) -> None:
+        self._observer = observer
+
     # ------------------------------------------------------------------ step
+    def _fsdp2_groups(self, optimizer: torch.optim.Optimizer) -> list[FSDP2Group]:
+        # Parameters FSDP2 manages: nothing to cast or refresh, but telemetry observes them.
+        # Cached on the identity of the parameters, so the lookup runs again only when they change.
+        key = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+        if key != self._fsdp2_key:
+            self._fsdp2_key = key
+            self._fsdp2 = fsdp2_groups(p for group in optimizer.param_groups for p in group["params"])
+        return self._fsdp2
+
+    def _planned(self, plan: StepPlan, fsdp2: list[FSDP2Group]) -> None:
+        mismatches = tuple(
+            Mismatch(param_dtype, grad_dtype, action, count)
+            for (param_dtype, grad_dtype, action), count in plan.mismatches.items()
+        )
+        self._observer.step_planned(StepPlanned(plan.params_count, len(plan.groups) + len(fsdp2), mismatches))
+
     def _step(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._active:
             return wrapped(*args, **kwargs)
         core, observer = self._core, self._observer
-        state: dict[str, Any] = {"cast_bytes": 0}
-        with observer.step({"fsdp.precision_aware": core.precision_aware}) as scope:
+        fsdp2 = self._fsdp2_groups(core.optimizer)
+        planned: list[StepPlan] = []
+        with observer.step() as scope:
+            if not self._settings_checked:
+                self._settings_checked = True
+                check_collective_settings([*core.plan(check_grads=False).groups, *fsdp2], *observer.collective_settings)
             core.restore(carry_back=True)
             closure, positional = find_closure(args, kwargs)
 
             def remember(plan: StepPlan) -> None:
-                # A closure may run several times per step (LBFGS): the first plan's mismatches
-                # are this step's; every cast is counted.
-                if "plan" not in state:
-                    self._record_mismatches(plan)
-                    scope.set_attribute("fsdp.params.count", plan.params_count)
-                    scope.set_attribute("fsdp.groups.count", plan.groups_count)
-                state["plan"] = plan
+                # A closure may run several times per step (LBFGS): the first plan is this
+                # step's; every cast and refresh is counted.
+                if not planned:
+                    self._planned(plan, fsdp2)
+                planned.append(plan)
 
             def traced_cast(plan: StepPlan) -> int:
-                with observer.phase("cast_grads"):
+                with observer.phase(Phase.CAST_GRADS):
                     nbytes = core.cast(plan)
                 for group, written in plan.cast_records:
                     if written:
-                        observer.record_cast("grad", group.grads_dtype, group.main_dtype, written)
-                state["cast_bytes"] += nbytes
-                scope.set_attribute("fsdp.cast.bytes", state["cast_bytes"])
+                        observer.grads_cast(GroupCast(group.grads_dtype, group.main_dtype, written))
                 return nbytes
 
             def traced_refresh(plan: StepPlan) -> int:
@@ -116,39 +134,36 @@ class WraptAttachment:
                     casting = CastingClosure(closure, core, remember, traced_cast, traced_refresh)
                     args, kwargs = replace_closure(args, kwargs, casting, positional)
                 # With a closure the grads do not exist yet; the groups are known all the same.
-                groups = state["plan"].groups if "plan" in state else core.plan(check_grads=False).groups
+                groups = planned[0].groups if planned else core.plan(check_grads=False).groups
+                observed = [*groups, *fsdp2]
                 snapshot = None
                 if observer.precision_due(scope.step_number):
-                    snapshot = observer.precision_begin(groups)
+                    snapshot = observer.precision_begin(observed)
                 try:
-                    with observer.phase("inner_step"):
+                    with observer.phase(Phase.INNER_STEP):
                         out = wrapped(*args, **kwargs)
                 finally:
-                    with observer.phase("restore_grads"):
+                    with observer.phase(Phase.RESTORE_GRADS):
                         core.restore(carry_back=False)
             except _MismatchError as error:
-                if "plan" not in state:
-                    self._record_mismatches(error.plan)
+                if not planned:
+                    self._planned(error.plan, fsdp2)
                 raise
             self._refresh(groups)
             if snapshot is not None:
-                with observer.phase("precision"):
-                    observer.precision_end(snapshot, groups)
+                with observer.phase(Phase.PRECISION):
+                    observer.precision_end(snapshot, observed)
         return out
 
     def _refresh(self, groups: Any) -> int:
         total = 0
-        with self._observer.phase("refresh"):
+        with self._observer.phase(Phase.REFRESH):
             for group in groups:
                 nbytes = group.refresh_compute_weight()
                 if nbytes:
-                    self._observer.record_cast("weight_refresh", group.main_dtype, group.compute_dtype, nbytes)
+                    self._observer.weights_refreshed(GroupCast(group.main_dtype, group.compute_dtype, nbytes))
                 total += nbytes
         return total
-
-    def _record_mismatches(self, plan: StepPlan) -> None:
-        for (param_dtype, grad_dtype, action), count in plan.mismatches.items():
-            self._observer.record_mismatches(param_dtype, grad_dtype, action, count)
 
     # ------------------------------------------------------------------ zero_grad
     def _zero_grad(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

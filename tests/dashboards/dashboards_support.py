@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from fsdp_patch.telemetry import semconv
+
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
 INSTALL_PROMTOOL = "dashboards/install_promtool.sh"
@@ -31,14 +33,14 @@ WORLD_SIZE = 2
 # dtype ones (free-form in design.md) are examples.
 DTYPES = ("bfloat16", "float32")
 ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
-    "fsdp.cast.kind": ("grad", "weight_refresh"),
-    "fsdp.dtype.source": DTYPES,
-    "fsdp.dtype.target": DTYPES,
-    "fsdp.dtype.param": DTYPES,
-    "fsdp.dtype.grad": DTYPES,
-    "fsdp.mismatch.action": ("cast", "passthrough", "rejected"),
-    "fsdp.tensor": ("main_grad", "main_weight", "compute_weight"),
-    "fsdp.nonfinite.kind": ("nan", "inf"),
+    semconv.ATTR_CAST_KIND: semconv.CAST_KINDS,
+    semconv.ATTR_DTYPE_SOURCE: DTYPES,
+    semconv.ATTR_DTYPE_TARGET: DTYPES,
+    semconv.ATTR_DTYPE_PARAM: DTYPES,
+    semconv.ATTR_DTYPE_GRAD: DTYPES,
+    semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_ACTIONS,
+    semconv.ATTR_TENSOR: semconv.TENSORS,
+    semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_KINDS,
 }
 
 
@@ -76,8 +78,8 @@ def exposition_for_rank(rank: str) -> str:
     reader = PrometheusMetricReader(registry=registry)
     provider = MeterProvider(
         metric_readers=[reader],
-        resource=Resource.create({"service.name": "fsdp_patch", "fsdp.rank": int(rank),
-                                  "fsdp.world_size": WORLD_SIZE}),
+        resource=Resource.create({"service.name": "fsdp_patch", semconv.RESOURCE_RANK: int(rank),
+                                  semconv.RESOURCE_WORLD_SIZE: WORLD_SIZE}),
     )
     try:
         from fsdp_patch.telemetry.instruments import RANK_ATTRIBUTE, create_instruments

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from fsdp_patch.telemetry import semconv
 from dashboards_support import (  # conftest.py puts this folder on sys.path
     DASHBOARDS,
     ATTRIBUTE_VALUES,
@@ -64,16 +65,16 @@ def test_exporter_names_are_what_the_dashboards_expect(exporter_names):
     got = {m: sorted(n) for m, n in per_metric.items()}
     hist = ["_bucket", "_count", "_sum"]
     expected = {
-        "fsdp.optimizer.cast.size": ["fsdp_optimizer_cast_size_bytes_total"],
-        "fsdp.optimizer.refresh.duration": [f"fsdp_optimizer_refresh_duration_seconds{s}" for s in hist],
-        "fsdp.optimizer.step.duration": [f"fsdp_optimizer_step_duration_seconds{s}" for s in hist],
-        "fsdp.optimizer.dtype_mismatches": ["fsdp_optimizer_dtype_mismatches_total"],
-        "fsdp.precision.nonfinite": ["fsdp_precision_nonfinite_total"],
-        "fsdp.precision.refresh.overflow": ["fsdp_precision_refresh_overflow_total"],
-        "fsdp.precision.refresh.underflow": ["fsdp_precision_refresh_underflow_total"],
-        "fsdp.precision.refresh.error": ["fsdp_precision_refresh_error"],
-        "fsdp.precision.update.lost_ratio": ["fsdp_precision_update_lost_ratio"],
-        "fsdp.precision.grad.amax": ["fsdp_precision_grad_amax"],
+        semconv.METRIC_CAST_SIZE: ["fsdp_optimizer_cast_size_bytes_total"],
+        semconv.METRIC_REFRESH_DURATION: [f"fsdp_optimizer_refresh_duration_seconds{s}" for s in hist],
+        semconv.METRIC_STEP_DURATION: [f"fsdp_optimizer_step_duration_seconds{s}" for s in hist],
+        semconv.METRIC_DTYPE_MISMATCHES: ["fsdp_optimizer_dtype_mismatches_total"],
+        semconv.METRIC_NONFINITE: ["fsdp_precision_nonfinite_total"],
+        semconv.METRIC_REFRESH_OVERFLOW: ["fsdp_precision_refresh_overflow_total"],
+        semconv.METRIC_REFRESH_UNDERFLOW: ["fsdp_precision_refresh_underflow_total"],
+        semconv.METRIC_REFRESH_ERROR: ["fsdp_precision_refresh_error"],
+        semconv.METRIC_LOST_RATIO: ["fsdp_precision_update_lost_ratio"],
+        semconv.METRIC_GRAD_AMAX: ["fsdp_precision_grad_amax"],
     }
     assert got == expected
     # distinct after translation (design.md), and every series split by rank
@@ -238,8 +239,8 @@ def test_trace_panel_searches_optimizer_step_spans(dashboards):
               if target_datasource_type(p, t) == "jaeger"]
     assert jaeger, "no Jaeger panel"
     for _, t in jaeger:
-        assert t["queryType"] == "search" and t["operation"] == "fsdp.optimizer.step"
-    assert any("operation=fsdp.optimizer.step" in link["url"] for link in dash["links"])
+        assert t["queryType"] == "search" and t["operation"] == semconv.SPAN_STEP
+    assert any(f"operation={semconv.SPAN_STEP}" in link["url"] for link in dash["links"])
 
 
 # --- Collector path: names after the Collector's Prometheus exporter ---------------------------

@@ -13,6 +13,8 @@ import yaml
 
 from dashboards_support import DASHBOARDS, RANKS, query_as_promql  # conftest.py puts this folder on sys.path
 
+from fsdp_patch.telemetry import semconv
+
 PROM_DIR = DASHBOARDS / "prometheus"
 SCRAPE_INTERVAL = "15s"
 SAMPLES = 60          # 15 minutes of scrapes
@@ -126,3 +128,24 @@ def test_rule_exprs_evaluate_on_the_exporters_series(promtool, rule_queries, exp
     path.write_text(yaml.safe_dump(suite, sort_keys=False, width=10_000))
     proc = _run([promtool, "test", "rules", path.name], cwd=tmp_path)
     assert _ok(proc), _explain(proc)
+
+
+def test_rejected_mismatches_stat_reads_zero_in_a_healthy_run(promtool, panel_queries, dashboards, exporter_series,
+                                                              tmp_path):
+    """A run that rejected nothing has no `rejected` series at all; the stat panel must still show
+    0 for every rank, not "No data" (which reads as a broken dashboard)."""
+    (panel,) = [q for q in panel_queries if "'Rejected dtype mismatches'" in q.source]
+    healthy = [s for s in exporter_series
+               if dict(s.labels).get("fsdp_mismatch_action") != semconv.MISMATCH_REJECTED]
+    assert len(healthy) < len(exporter_series), "the fixture should hold rejected series to leave out"
+    expr = query_as_promql(panel, dashboards)
+    test = {"expr": expr, "eval_time": EVAL_TIME,
+            "exp_samples": [{"labels": f'{{fsdp_rank="{rank}"}}', "value": 0} for rank in RANKS]}
+    (tmp_path / "empty_rules.yml").write_text("groups: []\n")
+    suite = {"rule_files": ["empty_rules.yml"], "evaluation_interval": SCRAPE_INTERVAL,
+             "tests": [{"interval": SCRAPE_INTERVAL, "input_series": _input_series(healthy),
+                        "promql_expr_test": [test]}]}
+    path = tmp_path / "healthy_test.yml"
+    path.write_text(yaml.safe_dump(suite, sort_keys=False, width=10_000))
+    proc = _run([promtool, "test", "rules", path.name], cwd=tmp_path)
+    assert _ok(proc), f"want 0 for ranks {RANKS} from {expr!r}; promtool says:\n" + _explain(proc)

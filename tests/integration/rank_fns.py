@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tests import models
 from tests.telemetry.telemetry_testing import in_memory_telemetry, reset_otel_globals
+from fsdp_patch.telemetry import semconv
 
 STEPS = 3
 
@@ -127,6 +128,7 @@ def traced_training() -> dict[str, Any]:
         "shapes": [tuple(s) for s in shapes],
         "compute_numel": compute_numel,
         "param_count": len(shapes),
+        "fsdp_groups": len(parameter_groups(model)),
     }
 
 
@@ -163,7 +165,7 @@ def failing_step() -> dict[str, Any]:
         step_spans = [
             {"status": s.status.status_code.name, "events": [e.name for e in s.events], "description": s.status.description}
             for s in spans.get_finished_spans()
-            if s.name == "fsdp.optimizer.step"
+            if s.name == semconv.SPAN_STEP
         ]
     return {
         "raised": raised,

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_patch import parameter_group_of, parameter_groups
 from fsdp_patch.adapter import adapt_optimizer
+from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 from fsdp_patch.optimizer import fully_shard_optimizer
 from tests.models import lm_loss, make_batches, make_model, rank_slice, shard_model
 
@@ -72,14 +73,11 @@ def env(**values: str | None) -> Iterator[None]:
 class StepRecord:
     """What a :class:`RecordingObserver` saw of one step (the object ``step()`` yields)."""
 
-    def __init__(self, step_number: int, attributes: dict[str, Any]) -> None:
+    def __init__(self, step_number: int) -> None:
         self.step_number = step_number
-        self.attributes = dict(attributes)
-        self.phases: list[str] = []
+        self.planned: list[StepPlanned] = []
+        self.phases: list[Phase] = []
         self.error: str | None = None
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        self.attributes[key] = value
 
 
 class RecordingObserver:
@@ -94,16 +92,25 @@ class RecordingObserver:
         self.steps: list[StepRecord] = []
         self.current: StepRecord | None = None
         self.zero_grads: list[bool] = []
+        # (event method, source dtype, target dtype, bytes) per grads_cast / weights_refreshed
         self.casts: list[tuple[str, torch.dtype, torch.dtype, int]] = []
-        self.mismatches: list[tuple[torch.dtype, torch.dtype, str, int]] = []
+        self.mismatches: list[tuple[torch.dtype, torch.dtype, MismatchAction, int]] = []
         self.precision: list[tuple[int, bool]] = []
         # Grad dtypes when the inner step begins (non-closure steps: what the update sees).
         self.grad_dtypes_in_inner_step: list[set[torch.dtype]] = []
         self.optimizer_ref: Callable[[], torch.optim.Optimizer | None] = lambda: None
 
+    @property
+    def step_count(self) -> int:
+        return len(self.steps)
+
+    @property
+    def collective_settings(self) -> tuple[bool, int]:
+        return (True, self.precision_every)
+
     @contextlib.contextmanager
-    def step(self, attributes: dict[str, Any]) -> Iterator[StepRecord]:
-        record = StepRecord(len(self.steps) + 1, attributes)
+    def step(self) -> Iterator[StepRecord]:
+        record = StepRecord(len(self.steps) + 1)
         self.steps.append(record)
         self.current = record
         try:
@@ -114,12 +121,23 @@ class RecordingObserver:
         finally:
             self.current = None
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def step_planned(self, event: StepPlanned) -> None:
         if self.current is not None:
-            self.current.phases.append(name)
+            self.current.planned.append(event)
+        self.mismatches.extend((m.param_dtype, m.grad_dtype, m.action, m.count) for m in event.mismatches)
+
+    def grads_cast(self, event: GroupCast) -> None:
+        self.casts.append(("grads_cast", event.source, event.target, event.nbytes))
+
+    def weights_refreshed(self, event: GroupCast) -> None:
+        self.casts.append(("weights_refreshed", event.source, event.target, event.nbytes))
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase) -> Iterator[None]:
+        if self.current is not None:
+            self.current.phases.append(phase)
         optimizer = self.optimizer_ref()
-        if name == "inner_step" and optimizer is not None:
+        if phase is Phase.INNER_STEP and optimizer is not None:
             self.grad_dtypes_in_inner_step.append(grad_dtypes(optimizer))
         yield
 
@@ -127,12 +145,6 @@ class RecordingObserver:
     def zero_grad(self, set_to_none: bool) -> Iterator[None]:
         self.zero_grads.append(set_to_none)
         yield
-
-    def record_cast(self, kind: str, source: torch.dtype, target: torch.dtype, nbytes: int) -> None:
-        self.casts.append((kind, source, target, nbytes))
-
-    def record_mismatches(self, param_dtype: torch.dtype, grad_dtype: torch.dtype, action: str, count: int) -> None:
-        self.mismatches.append((param_dtype, grad_dtype, action, count))
 
     def precision_due(self, step_number: int) -> bool:
         return bool(self.precision_every) and step_number % self.precision_every == 0

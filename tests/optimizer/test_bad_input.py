@@ -23,6 +23,7 @@ from torch import nn
 
 from fsdp_patch import parameter_group_of
 from fsdp_patch.adapter import adapt_optimizer, adaptation_of
+from fsdp_patch.adapter.events import MismatchAction
 from tests.optimizer.support import (
     ATTACHMENTS,
     BF16,
@@ -217,7 +218,7 @@ def _step_time_errors(attachment: str) -> dict[str, bool]:
         )
     )
     if observer is not None:
-        checks["plain bf16 grad: observer counted a rejected mismatch"] = (FP32, BF16, "rejected", 1) in observer.mismatches
+        checks["plain bf16 grad: observer counted a rejected mismatch"] = (FP32, BF16, MismatchAction.REJECTED, 1) in observer.mismatches
     extra.grad = None
     extra.grad_dtype = None
     extra.grad = torch.ones(4)
@@ -276,7 +277,7 @@ def _plain_passthrough(attachment: str) -> dict[str, bool]:
         "grad untouched": extra.grad is grad,
     }
     if observer is not None:
-        checks["observer counted a passthrough"] = (FP32, BF16, "passthrough", 1) in observer.mismatches
+        checks["observer counted a passthrough"] = (FP32, BF16, MismatchAction.PASSTHROUGH, 1) in observer.mismatches
     return checks
 
 

@@ -328,7 +328,7 @@ def _twice(attachment: str) -> dict[str, bool]:
             o.zero_grad()
     checks["trains like a once-adapted optimizer"] = same(main_weights(twice), main_weights(once))
     if observer is not None:
-        grad_casts = [c for c in observer.casts if c[0] == "grad"]
+        grad_casts = [c for c in observer.casts if c[0] == "grads_cast"]
         checks["one grad cast per group per step"] = len(grad_casts) == 2 * len(parameter_groups(twice))
     return checks
 

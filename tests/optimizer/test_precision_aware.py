@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fsdp_patch import parameter_groups
+from fsdp_patch.adapter.events import MismatchAction
 from tests.optimizer.support import (
     ATTACHMENTS,
     BF16,
@@ -87,10 +88,11 @@ def _precision_aware(name: str, attachment: str) -> dict[str, bool]:
     if isinstance(opt, Bf16MomentumSGD):
         checks["the optimizer itself saw bf16 grads"] = bool(opt.seen) and all(s == {BF16} for s in opt.seen)
     if observer is not None:
-        checks["no grad cast recorded"] = not any(kind == "grad" for kind, *_ in observer.casts)
-        checks["refresh casts recorded"] = any(kind == "weight_refresh" for kind, *_ in observer.casts)
-        checks["passthrough mismatches recorded"] = any(action == "passthrough" for *_, action, _ in observer.mismatches)
-        checks["step attribute precision_aware"] = all(s.attributes.get("fsdp.precision_aware") is True for s in observer.steps)
+        checks["no grad cast recorded"] = not any(kind == "grads_cast" for kind, *_ in observer.casts)
+        checks["refresh casts recorded"] = any(kind == "weights_refreshed" for kind, *_ in observer.casts)
+        checks["passthrough mismatches recorded"] = any(
+            action is MismatchAction.PASSTHROUGH for *_, action, _ in observer.mismatches
+        )
     return checks
 
 

@@ -115,9 +115,9 @@ def _equivalence(name: str) -> dict[str, bool]:
     observer = observers["wrapt"]
     checks["wrapt observer saw one step per step"] = len(observer.steps) == STEPS
     checks["wrapt observer recorded bf16->fp32 grad casts"] = any(
-        kind == "grad" and (src, dst) == (BF16, FP32) and n > 0 for kind, src, dst, n in observer.casts
+        kind == "grads_cast" and (src, dst) == (BF16, FP32) and n > 0 for kind, src, dst, n in observer.casts
     )
-    checks["wrapt observer recorded refresh casts"] = any(kind == "weight_refresh" for kind, *_ in observer.casts)
+    checks["wrapt observer recorded refresh casts"] = any(kind == "weights_refreshed" for kind, *_ in observer.casts)
     return checks
 
 

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 from telemetry_testing import Group, in_memory_telemetry, metric_points, run_fake_step
+from fsdp_patch.telemetry import semconv
 
 
 def rank_groups(rank: int) -> tuple[list[Group], list[list[torch.Tensor]]]:
@@ -75,26 +76,26 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
 
     def one(name: str, **attributes: str) -> float:
         (point,) = [p for p in points[name] if all(p.attributes.get(k) == v for k, v in attributes.items())]
-        assert point.attributes["fsdp.rank"] == rank
+        assert point.attributes[semconv.ATTR_RANK] == rank
         return point.value
 
     result = {
         "rank": rank,
         "history": history,
         "nonfinite": {
-            f"{t}/{k}": one("fsdp.precision.nonfinite", **{"fsdp.tensor": t, "fsdp.nonfinite.kind": k})
-            for t in ("main_grad", "main_weight", "compute_weight")
-            for k in ("nan", "inf")
+            f"{t}/{k}": one(semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: t, semconv.ATTR_NONFINITE_KIND: k})
+            for t in semconv.TENSORS
+            for k in semconv.NONFINITE_KINDS
         },
-        "overflow": one("fsdp.precision.refresh.overflow"),
-        "underflow": one("fsdp.precision.refresh.underflow"),
-        "refresh_error": one("fsdp.precision.refresh.error"),
-        "lost_ratio": one("fsdp.precision.update.lost_ratio"),
-        "grad_amax": one("fsdp.precision.grad.amax"),
-        "step_durations": points["fsdp.optimizer.step.duration"][0].count,
+        "overflow": one(semconv.METRIC_REFRESH_OVERFLOW),
+        "underflow": one(semconv.METRIC_REFRESH_UNDERFLOW),
+        "refresh_error": one(semconv.METRIC_REFRESH_ERROR),
+        "lost_ratio": one(semconv.METRIC_LOST_RATIO),
+        "grad_amax": one(semconv.METRIC_GRAD_AMAX),
+        "step_durations": points[semconv.METRIC_STEP_DURATION][0].count,
         "trace_files_before_destroy": trace_files_before_destroy,
         "trace_files_after_destroy": trace_files_after_destroy,
-        "step_spans": [e["args"] for e in events if e.get("name") == "fsdp.optimizer.step"],
+        "step_spans": [e["args"] for e in events if e.get("name") == semconv.SPAN_STEP],
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

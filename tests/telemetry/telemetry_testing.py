@@ -5,6 +5,7 @@ Kept out of conftest.py because ``torch.multiprocessing`` workers import them by
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,11 +13,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from fsdp_patch.adapter.events import GroupCast, Mismatch, MismatchAction, Phase, StepPlanned
+from fsdp_patch.telemetry import semconv
 
 
 def reset_otel_globals() -> None:
@@ -83,7 +88,7 @@ def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
 
 def point_value(points: dict[str, list[Any]], name: str, **attributes: Any) -> Any:
     """The single data point of ``name`` whose attributes include ``attributes`` (value, or the point for histograms)."""
-    wanted = {k.replace("__", "."): v for k, v in attributes.items()}
+    wanted = dict(attributes)
     matches = [p for p in points.get(name, []) if all(p.attributes.get(k) == v for k, v in wanted.items())]
     assert len(matches) == 1, f"{name} {wanted}: {len(matches)} matching points in {points.get(name)}"
     point = matches[0]
@@ -100,41 +105,38 @@ def run_fake_step(
     new_main: Sequence[torch.Tensor] | None = None,
     cast_bytes: int = 0,
     fail_in_inner_step: BaseException | None = None,
+    params_count: int = 3,
 ) -> int:
     """Drive the observer exactly as fsdp_patch's adapter does for one step (wrapt mode).
 
     The "optimizer step" writes ``new_main`` into each group's main weight and the refresh
     copies it into the compute weight with a real dtype cast.
     """
-    with observer.step({"fsdp.params.count": 3, "fsdp.groups.count": len(groups)}) as scope:
-        with observer.phase("cast_grads"):
+    with observer.step() as scope:
+        mismatches = (Mismatch(torch.float32, torch.bfloat16, MismatchAction.CAST, 2),) if cast_bytes else ()
+        observer.step_planned(StepPlanned(params_count, len(groups), mismatches))
+        with observer.phase(Phase.CAST_GRADS):
             if cast_bytes:
-                observer.record_cast("grad", torch.bfloat16, torch.float32, cast_bytes)
-                observer.record_mismatches(torch.float32, torch.bfloat16, "cast", 2)
-        scope.set_attribute("fsdp.cast.bytes", cast_bytes)
+                observer.grads_cast(GroupCast(torch.bfloat16, torch.float32, cast_bytes))
         due = observer.precision_due(scope.step_number)
         snapshot = observer.precision_begin(groups) if due else None
         try:
-            with observer.phase("inner_step"):
+            with observer.phase(Phase.INNER_STEP):
                 if fail_in_inner_step is not None:
                     raise fail_in_inner_step
                 for group, value in zip(groups, new_main or (), strict=False):
                     group.main_weight.copy_(value)
         finally:
-            with observer.phase("restore_grads"):
+            with observer.phase(Phase.RESTORE_GRADS):
                 pass
-        with observer.phase("refresh"):
+        with observer.phase(Phase.REFRESH):
             for group in groups:
                 if group.compute_weight is not group.main_weight:
                     group.compute_weight.copy_(group.main_weight)
-                    observer.record_cast(
-                        "weight_refresh",
-                        group.main_weight.dtype,
-                        group.compute_weight.dtype,
-                        group.compute_weight.numel() * group.compute_weight.element_size(),
-                    )
+                    nbytes = group.compute_weight.numel() * group.compute_weight.element_size()
+                    observer.weights_refreshed(GroupCast(group.main_weight.dtype, group.compute_weight.dtype, nbytes))
         if snapshot is not None:
-            with observer.phase("precision"):
+            with observer.phase(Phase.PRECISION):
                 observer.precision_end(snapshot, groups)
         return scope.step_number
 
@@ -147,7 +149,8 @@ def reference_stats(
     grads: Sequence[np.ndarray | None],
 ) -> dict[str, Any]:
     """The design page's diagnostics computed independently with numpy over all elements
-    (norms and amax over finite elements, as telemetry.precision documents).
+    (norms over finite elements; amax float32's largest value once any grad is NaN/Inf, as
+    telemetry.precision documents).
 
     ``compute_*`` None means the compute weight is the main weight. Arrays of all ranks may
     simply be concatenated per group before calling this.
@@ -157,16 +160,17 @@ def reference_stats(
         return a.view({2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize])
 
     out: dict[str, Any] = {k: 0 for k in ("overflow", "underflow", "changed", "lost")}
-    nonfinite = {(t, k): 0 for t in ("main_grad", "main_weight", "compute_weight") for k in ("nan", "inf")}
+    nonfinite = {(t, k): 0 for t in semconv.TENSORS for k in semconv.NONFINITE_KINDS}
     diff_sq = main_sq = 0.0
     amax = 0.0
+    nonfinite_grad = False
     for mb, cb, ma, ca, g in zip(main_before, compute_before, main_after, compute_after, grads, strict=True):
         c = ma if ca is None else ca
-        for name, arr in (("main_weight", ma), ("compute_weight", c), ("main_grad", g)):
+        for name, arr in ((semconv.TENSOR_MAIN_WEIGHT, ma), (semconv.TENSOR_COMPUTE_WEIGHT, c), (semconv.TENSOR_MAIN_GRAD, g)):
             if arr is None:
                 continue
-            nonfinite[(name, "nan")] += int(np.isnan(arr).sum())
-            nonfinite[(name, "inf")] += int(np.isinf(arr).sum())
+            nonfinite[(name, semconv.NONFINITE_NAN)] += int(np.isnan(arr).sum())
+            nonfinite[(name, semconv.NONFINITE_INF)] += int(np.isinf(arr).sum())
         finite = np.isfinite(ma) & np.isfinite(c)
         m64 = ma.astype(np.float64)[finite]
         c64 = c.astype(np.float64)[finite]
@@ -180,12 +184,14 @@ def reference_stats(
         out["changed"] += int(changed.sum())
         out["lost"] += int((changed & kept).sum())
         if g is not None:
-            finite_g = np.abs(g[np.isfinite(g)].astype(np.float64))
-            amax = max(amax, float(finite_g.max()) if finite_g.size else 0.0)
+            if not np.isfinite(g).all():
+                nonfinite_grad = True
+            elif g.size:
+                amax = max(amax, float(np.abs(g.astype(np.float64)).max()))
     out["nonfinite"] = nonfinite
     out["refresh_error"] = math.sqrt(diff_sq / main_sq) if main_sq > 0 else 0.0
     out["lost_ratio"] = out["lost"] / out["changed"] if out["changed"] else 0.0
-    out["grad_amax"] = amax
+    out["grad_amax"] = float(np.finfo(np.float32).max) if nonfinite_grad else amax
     return out
 
 
@@ -194,3 +200,21 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.float().numpy().copy()
     return t.detach().numpy().copy()
+
+
+def global_state() -> dict[str, Any]:
+    """Everything the package may install process-wide, by identity (``id``: a wrapt wrapper
+    compares equal to what it wraps)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    loggers = {n: list(logging.getLogger(n).filters) for n in list(logging.root.manager.loggerDict)
+               if n.split(".", 1)[0] == "opentelemetry"}  # fmt: skip
+    return {
+        "Optimizer.__init__": id(torch.optim.Optimizer.__dict__["__init__"]),
+        "dist.destroy_process_group": id(dist.destroy_process_group),
+        "c10d.destroy_process_group": id(c10d.destroy_process_group),
+        "opentelemetry logger filters": {n: [id(f) for f in fs] for n, fs in loggers.items()},
+        "global tracer provider": id(trace.get_tracer_provider()),
+        "global meter provider": id(metrics.get_meter_provider()),
+    }

@@ -9,6 +9,7 @@ import pytest
 import torch.multiprocessing as mp
 from telemetry_gloo_worker import worker
 from telemetry_testing import reference_stats
+from fsdp_patch.telemetry import semconv
 
 WORLD_SIZE = 2
 
@@ -70,7 +71,7 @@ def test_diagnostics_are_reduced_over_all_ranks(results):
         assert result["step_durations"] == 2
 
     # The data makes the reduction observable: no single rank's shard gives these values.
-    assert steps[0]["overflow"] == 1 and steps[0]["nonfinite"][("main_grad", "nan")] == 1
+    assert steps[0]["overflow"] == 1 and steps[0]["nonfinite"][(semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN)] == 1
     for rank in range(WORLD_SIZE):
         local = reference_for(results, 0, [rank])
         assert local["lost_ratio"] != pytest.approx(steps[0]["lost_ratio"], rel=1e-3)
@@ -85,6 +86,6 @@ def test_only_selected_ranks_trace_and_destroy_process_group_flushes(results):
     assert rank0["trace_files_after_destroy"] == [] and rank0["step_spans"] == []
     assert rank1["trace_files_before_destroy"] == []  # nothing exported during the steps
     assert rank1["trace_files_after_destroy"][0].endswith("rank1.trace.json")
-    spans = sorted(rank1["step_spans"], key=lambda a: a["fsdp.step"])
-    assert [(a["fsdp.step"], a["fsdp.rank"], a["fsdp.world_size"]) for a in spans] == [(1, 1, 2), (2, 1, 2)]
-    assert [a["fsdp.cast.bytes"] for a in spans] == [20, 20]
+    spans = sorted(rank1["step_spans"], key=lambda a: a[semconv.ATTR_STEP])
+    assert [(a[semconv.ATTR_STEP], a[semconv.ATTR_RANK], a[semconv.ATTR_WORLD_SIZE]) for a in spans] == [(1, 1, 2), (2, 1, 2)]
+    assert [a[semconv.ATTR_CAST_BYTES] for a in spans] == [20, 20]

@@ -115,3 +115,16 @@ def test_telemetry_off_path_imports_no_opentelemetry():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "clean"
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, None), ("bf16", "bfloat16"), ("Float16", "float16"), ("fp32", "float32")])
+def test_compute_dtype(monkeypatch, value, want):
+    if value is not None:
+        monkeypatch.setenv("FSDP_PATCH_COMPUTE_DTYPE", value)
+    assert env.compute_dtype() == want
+
+
+def test_compute_dtype_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("FSDP_PATCH_COMPUTE_DTYPE", "int8")
+    with pytest.raises(ValueError, match="FSDP_PATCH_COMPUTE_DTYPE='int8'.*'bfloat16'"):
+        env.compute_dtype()

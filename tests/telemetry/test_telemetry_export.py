@@ -23,8 +23,9 @@ import fsdp_patch.telemetry as telemetry
 from fsdp_patch.telemetry import OptimizerObserver, exporters, providers, trace_files
 from fsdp_patch.telemetry.isolation import GuardedSpanExporter, WarnOnce, run_bounded
 from fsdp_patch.telemetry.ranks import RankInfo
+from fsdp_patch.telemetry import semconv
 
-STEP_NAMES = {f"fsdp.optimizer.{n}" for n in ("step", "cast_grads", "inner_step", "restore_grads", "refresh")}
+STEP_NAMES = {semconv.SPAN_STEP, *semconv.STEP_PHASE_SPANS} - {semconv.SPAN_PRECISION}
 
 
 def group() -> Group:
@@ -60,23 +61,23 @@ def test_embedded_default_writes_a_valid_chrome_trace_and_prints_a_summary(tmp_p
     trace_dir = tmp_path / "traces"
     events = load_trace(trace_dir / "rank0.trace.json")
     complete = [e for e in events if e["ph"] == "X"]
-    assert {e["name"] for e in complete} >= STEP_NAMES | {"fsdp.optimizer.zero_grad", "fsdp.optimizer.precision"}
-    steps = [e for e in complete if e["name"] == "fsdp.optimizer.step"]
-    assert sorted(e["args"]["fsdp.step"] for e in steps) == [1, 2, 3]
+    assert {e["name"] for e in complete} >= STEP_NAMES | {semconv.SPAN_ZERO_GRAD, semconv.SPAN_PRECISION}
+    steps = [e for e in complete if e["name"] == semconv.SPAN_STEP]
+    assert sorted(e["args"][semconv.ATTR_STEP] for e in steps) == [1, 2, 3]
     step_ids = {e["args"]["span_id"] for e in steps}
-    children = [e for e in complete if e["name"] == "fsdp.optimizer.inner_step"]
+    children = [e for e in complete if e["name"] == semconv.SPAN_INNER_STEP]
     assert {e["args"]["parent_span_id"] for e in children} == step_ids
     assert all(e["pid"] == 0 and e["dur"] >= 0 for e in complete)
     process = next(e for e in events if e["ph"] == "M" and e["name"] == "process_name")
-    assert process["args"]["otel.resource"]["fsdp.rank"] == 0
+    assert process["args"]["otel.resource"][semconv.ATTR_RANK] == 0
     assert process["args"]["otel.resource"]["service.name"] == "fsdp_patch"
 
     jaeger = json.loads((trace_dir / "rank0.jaeger.json").read_text())
     assert len(jaeger["data"]) == 4  # three steps and one zero_grad, each its own trace
-    step_trace = next(t for t in jaeger["data"] if any(s["operationName"] == "fsdp.optimizer.step" for s in t["spans"]))
+    step_trace = next(t for t in jaeger["data"] if any(s["operationName"] == semconv.SPAN_STEP for s in t["spans"]))
     by_id = {s["spanID"]: s for s in step_trace["spans"]}
-    inner = next(s for s in step_trace["spans"] if s["operationName"] == "fsdp.optimizer.inner_step")
-    assert by_id[inner["references"][0]["spanID"]]["operationName"] == "fsdp.optimizer.step"
+    inner = next(s for s in step_trace["spans"] if s["operationName"] == semconv.SPAN_INNER_STEP)
+    assert by_id[inner["references"][0]["spanID"]]["operationName"] == semconv.SPAN_STEP
     assert step_trace["processes"]["p0"]["serviceName"] == "fsdp_patch"
     assert (trace_dir / ".gitignore").read_text().strip().endswith("*")
 
@@ -96,11 +97,11 @@ def test_trace_file_is_valid_json_before_shutdown(tmp_path, monkeypatch):
     run_steps(observer, 2)
     providers.flush()
     events = load_trace(tmp_path / "traces" / "rank0.trace.json")
-    assert sum(e["name"] == "fsdp.optimizer.step" for e in events) == 2
+    assert sum(e["name"] == semconv.SPAN_STEP for e in events) == 2
     run_steps(observer, 1)
     providers.flush()
     events = load_trace(tmp_path / "traces" / "rank0.trace.json")
-    assert sum(e["name"] == "fsdp.optimizer.step" for e in events) == 3
+    assert sum(e["name"] == semconv.SPAN_STEP for e in events) == 3
 
 
 def test_summary_only_on_rank0_by_default(capsys, monkeypatch):
@@ -112,7 +113,7 @@ def test_summary_only_on_rank0_by_default(capsys, monkeypatch):
 
 def test_merge_and_jaeger_command_line(tmp_path):
     for rank in (0, 1):
-        exporter = trace_files.TraceFileExporter(str(tmp_path), rank, {"service.name": "svc", "fsdp.rank": rank})
+        exporter = trace_files.TraceFileExporter(str(tmp_path), rank, {"service.name": "svc", semconv.ATTR_RANK: rank})
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         with provider.get_tracer("t").start_as_current_span(f"outer{rank}"):
@@ -149,7 +150,7 @@ def test_application_providers_are_kept(tmp_path):
     assert trace.get_tracer_provider() is app_tracer_provider
     assert metrics.get_meter_provider() is app_meter_provider
     assert {s.name for s in app_spans.get_finished_spans()} >= STEP_NAMES
-    assert metric_points(app_reader)["fsdp.optimizer.step.duration"][0].count == 2
+    assert metric_points(app_reader)[semconv.METRIC_STEP_DURATION][0].count == 2
     assert not (tmp_path / "traces").exists()
     assert providers.written_trace_files() == []
     # our shutdown left the application's providers running
@@ -163,7 +164,9 @@ def test_only_the_missing_signal_is_installed():
     app_meter_provider = MeterProvider(metric_readers=[app_reader])
     metrics.set_meter_provider(app_meter_provider)
     run_steps(OptimizerObserver(fake_optimizer(), precision_aware=False), 1)
-    assert isinstance(trace.get_tracer_provider(), TracerProvider)  # ours
+    # ours is used for spans, without taking the global slot from the application
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    assert isinstance(providers.tracer_provider(), TracerProvider)
     assert metrics.get_meter_provider() is app_meter_provider
     assert providers.written_trace_files() == []  # not flushed yet
     providers.flush()
@@ -203,7 +206,7 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     attributes = dict(resource.attributes)
     assert attributes["service.name"] == "llm-pretrain"
     assert attributes["deployment.environment"] == "lab" and attributes["team"] == "numerics"
-    assert (attributes["fsdp.rank"], attributes["fsdp.world_size"], attributes["fsdp.local_rank"]) == (5, 8, 1)
+    assert (attributes[semconv.ATTR_RANK], attributes[semconv.ATTR_WORLD_SIZE], attributes["fsdp.local_rank"]) == (5, 8, 1)
     assert attributes["fsdp.run_id"] == "job-42"
     monkeypatch.delenv("OTEL_SERVICE_NAME")
     assert providers.build_resource(current_rank_info()).attributes["service.name"] == "fsdp_patch"
@@ -364,7 +367,7 @@ def test_raising_exporter_never_reaches_training_and_warns_once(otel, caplog, tm
     messages = telemetry_warnings(caplog)
     assert len(messages) == 1, messages
     assert "RaisingExporter failed to export spans (ConnectionError: collector is gone)" in messages[0]
-    assert otel.points()["fsdp.optimizer.step.duration"][0].count == 6  # metrics unaffected
+    assert otel.points()[semconv.METRIC_STEP_DURATION][0].count == 6  # metrics unaffected
 
 
 def closed_port() -> int:
@@ -455,9 +458,11 @@ class BlockingExporter(SpanExporter):
         import threading
 
         self.release = threading.Event()
+        self.entered = threading.Event()
         self.exported_batches = 0
 
     def export(self, spans):
+        self.entered.set()
         self.exported_batches += 1
         self.release.wait(10)
         return SpanExportResult.SUCCESS
@@ -467,11 +472,9 @@ class BlockingExporter(SpanExporter):
 
 
 def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_once(monkeypatch, caplog):
-    from fsdp_patch.telemetry.isolation import BATCH_PROCESSOR_LOGGER, _OncePerMessage
+    from fsdp_patch.telemetry import isolation
 
-    sdk_logger = logging.getLogger(BATCH_PROCESSOR_LOGGER)
-    for stale in [f for f in sdk_logger.filters if isinstance(f, _OncePerMessage)]:
-        sdk_logger.removeFilter(stale)  # a fresh "once" for this test
+    monkeypatch.setattr(isolation._ONCE, "_seen", set())  # a fresh "once" for this test
     blocking = BlockingExporter()
     monkeypatch.setattr(providers, "build_span_exporters", lambda info, resource: ([GuardedSpanExporter(blocking)], []))
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")
@@ -489,16 +492,29 @@ def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_on
     assert blocking.exported_batches >= 1
 
 
-def test_batch_processor_warnings_stay_once_beyond_the_sdk_20s_window(monkeypatch, caplog):
-    from fsdp_patch.telemetry.isolation import BATCH_PROCESSOR_LOGGER, report_batch_processor_warnings_once
+def test_queue_full_warnings_fold_for_our_processors_only(monkeypatch, caplog):
+    """Our batch processors' "Queue full" warning shows once per run, beyond the SDK's own 20 s
+    window; an application's processor in the same process keeps the SDK's behaviour."""
+    from fsdp_patch.telemetry.isolation import OwnBatchSpanProcessor
 
-    report_batch_processor_warnings_once()
-    report_batch_processor_warnings_once()  # idempotent: one filter, not two
-    logger = logging.getLogger(BATCH_PROCESSOR_LOGGER)
     now = [1000.0]
     monkeypatch.setattr(time, "time", lambda: now[0])  # the SDK's own filter forgets after 20 s
-    with caplog.at_level(logging.WARNING):
-        for _ in range(3):
-            logger.warning("Queue full, dropping %s (from this test).", "Span")
-            now[0] += 40
-    assert [r.getMessage() for r in caplog.records] == ["Queue full, dropping Span (from this test)."]
+    counts = {}
+    for label, processor_class in (("ours", OwnBatchSpanProcessor), ("application's", BatchSpanProcessor)):
+        exporter = BlockingExporter()
+        processor = processor_class(exporter, max_queue_size=1, max_export_batch_size=1, schedule_delay_millis=60_000)
+        provider = TracerProvider()
+        provider.add_span_processor(processor)
+        tracer = provider.get_tracer("t")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            tracer.start_span("first").end()
+            assert exporter.entered.wait(10), "the exporter never started exporting"
+            for _ in range(5):  # queue of 1 behind a hung export: each further span is dropped
+                tracer.start_span("more").end()
+                now[0] += 40
+        counts[label] = sum("Queue full" in r.getMessage() for r in caplog.records)
+        exporter.release.set()
+        provider.shutdown()
+    assert counts["ours"] == 1, f"our processor: want the warning once, got {counts['ours']} times"
+    assert counts["application's"] >= 2, f"application's processor: want the SDK's repeats, got {counts}"

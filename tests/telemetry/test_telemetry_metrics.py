@@ -10,24 +10,26 @@ import pytest
 import torch
 from telemetry_testing import Group, fake_optimizer, point_value, run_fake_step
 
-from fsdp_patch.telemetry import instruments
+from fsdp_patch.adapter.events import Mismatch, MismatchAction, StepPlanned
+from fsdp_patch.telemetry import instruments, semconv
 
 README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
 
-# design.md's metric table, written out independently of telemetry/instruments.py.
+# design.md's metric table: kinds, units and attribute sets written out independently of
+# telemetry/instruments.py (the names themselves are pinned to design.md by tests/dashboards and test_semconv).
 DESIGN_TABLE = {
-    "fsdp.optimizer.cast.size": ("Counter", "By", {"fsdp.cast.kind", "fsdp.dtype.source", "fsdp.dtype.target"}),
-    "fsdp.optimizer.refresh.duration": ("Histogram", "s", set()),
-    "fsdp.optimizer.step.duration": ("Histogram", "s", set()),
-    "fsdp.optimizer.dtype_mismatches": (
-        "Counter", "{parameter}", {"fsdp.dtype.param", "fsdp.dtype.grad", "fsdp.mismatch.action"},
+    semconv.METRIC_CAST_SIZE: ("Counter", "By", {semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET}),
+    semconv.METRIC_REFRESH_DURATION: ("Histogram", "s", set()),
+    semconv.METRIC_STEP_DURATION: ("Histogram", "s", set()),
+    semconv.METRIC_DTYPE_MISMATCHES: (
+        "Counter", "{parameter}", {semconv.ATTR_DTYPE_PARAM, semconv.ATTR_DTYPE_GRAD, semconv.ATTR_MISMATCH_ACTION},
     ),
-    "fsdp.precision.nonfinite": ("Counter", "{element}", {"fsdp.tensor", "fsdp.nonfinite.kind"}),
-    "fsdp.precision.refresh.overflow": ("Counter", "{element}", set()),
-    "fsdp.precision.refresh.underflow": ("Counter", "{element}", set()),
-    "fsdp.precision.refresh.error": ("Gauge", "1", set()),
-    "fsdp.precision.update.lost_ratio": ("Gauge", "1", set()),
-    "fsdp.precision.grad.amax": ("Gauge", "1", set()),
+    semconv.METRIC_NONFINITE: ("Counter", "{element}", {semconv.ATTR_TENSOR, semconv.ATTR_NONFINITE_KIND}),
+    semconv.METRIC_REFRESH_OVERFLOW: ("Counter", "{element}", set()),
+    semconv.METRIC_REFRESH_UNDERFLOW: ("Counter", "{element}", set()),
+    semconv.METRIC_REFRESH_ERROR: ("Gauge", "1", set()),
+    semconv.METRIC_LOST_RATIO: ("Gauge", "1", set()),
+    semconv.METRIC_GRAD_AMAX: ("Gauge", "1", set()),
 }  # fmt: skip
 
 
@@ -50,36 +52,39 @@ def test_cast_mismatch_and_duration_values_are_exact(otel, make_observer):
     started = time.perf_counter()
     for step in range(steps):
         run_fake_step(observer, [group], [main + 1], cast_bytes=100 + step)
+    for count in (5, 2):  # two steps rejected by the adapter, as it reports them
+        rejected_plan = StepPlanned(1, 1, (Mismatch(torch.float32, torch.float16, MismatchAction.REJECTED, count),))
+        with pytest.raises(TypeError), observer.step():
+            observer.step_planned(rejected_plan)
+            raise TypeError("rejected")
     elapsed = time.perf_counter() - started
-    observer.record_mismatches(torch.float32, torch.float16, "rejected", 5)
-    observer.record_mismatches(torch.float32, torch.float16, "rejected", 2)
 
     points = otel.points()
-    grad = point_value(points, "fsdp.optimizer.cast.size", fsdp__cast__kind="grad")
+    grad = point_value(points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_GRAD})
     assert grad == sum(100 + s for s in range(steps))
-    refresh = point_value(points, "fsdp.optimizer.cast.size", fsdp__cast__kind="weight_refresh")
+    refresh = point_value(points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_WEIGHT_REFRESH})
     assert refresh == steps * 8 * 2  # 8 fp16 elements written per refresh
-    (refresh_point,) = [p for p in points["fsdp.optimizer.cast.size"] if p.value == refresh]
+    (refresh_point,) = [p for p in points[semconv.METRIC_CAST_SIZE] if p.value == refresh]
     assert dict(refresh_point.attributes) == {
-        "fsdp.rank": 0,
-        "fsdp.cast.kind": "weight_refresh",
-        "fsdp.dtype.source": "float32",
-        "fsdp.dtype.target": "float16",
+        semconv.ATTR_RANK: 0,
+        semconv.ATTR_CAST_KIND: semconv.CAST_KIND_WEIGHT_REFRESH,
+        semconv.ATTR_DTYPE_SOURCE: "float32",
+        semconv.ATTR_DTYPE_TARGET: "float16",
     }
-    assert point_value(points, "fsdp.optimizer.dtype_mismatches", fsdp__mismatch__action="cast") == 2 * steps
-    rejected = [p for p in points["fsdp.optimizer.dtype_mismatches"] if p.attributes["fsdp.mismatch.action"] == "rejected"]
+    assert point_value(points, semconv.METRIC_DTYPE_MISMATCHES, **{semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_CAST}) == 2 * steps
+    rejected = [p for p in points[semconv.METRIC_DTYPE_MISMATCHES] if p.attributes[semconv.ATTR_MISMATCH_ACTION] == semconv.MISMATCH_REJECTED]
     assert len(rejected) == 1 and rejected[0].value == 7
     assert dict(rejected[0].attributes) == {
-        "fsdp.rank": 0, "fsdp.dtype.param": "float32", "fsdp.dtype.grad": "float16", "fsdp.mismatch.action": "rejected",
+        semconv.ATTR_RANK: 0, semconv.ATTR_DTYPE_PARAM: "float32", semconv.ATTR_DTYPE_GRAD: "float16", semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_REJECTED,
     }  # fmt: skip
 
-    for name in ("fsdp.optimizer.step.duration", "fsdp.optimizer.refresh.duration"):
+    for name, count in ((semconv.METRIC_STEP_DURATION, steps + 2), (semconv.METRIC_REFRESH_DURATION, steps)):
         (hist,) = points[name]
-        assert dict(hist.attributes) == {"fsdp.rank": 0}
-        assert hist.count == steps
+        assert dict(hist.attributes) == {semconv.ATTR_RANK: 0}
+        assert hist.count == count, f"{name}: want {count} durations, got {hist.count}"
         assert 0 < hist.min <= hist.max and hist.sum <= elapsed
         assert list(hist.explicit_bounds) == list(instruments.DURATION_BUCKETS_S)
-    step_hist, refresh_hist = points["fsdp.optimizer.step.duration"][0], points["fsdp.optimizer.refresh.duration"][0]
+    step_hist, refresh_hist = points[semconv.METRIC_STEP_DURATION][0], points[semconv.METRIC_REFRESH_DURATION][0]
     assert refresh_hist.sum < step_hist.sum  # the refresh is part of the step
 
 
@@ -88,17 +93,17 @@ def test_failed_step_still_records_one_duration(otel, make_observer):
     with pytest.raises(ValueError):
         run_fake_step(observer, [], fail_in_inner_step=ValueError("x"))
     run_fake_step(observer, [])
-    (hist,) = otel.points()["fsdp.optimizer.step.duration"]
+    (hist,) = otel.points()[semconv.METRIC_STEP_DURATION]
     assert hist.count == 2
 
 
 def test_step_durations_measure_the_step(otel, make_observer):
     observer = make_observer()
-    with observer.step({}):
+    with observer.step():
         time.sleep(0.05)
-    with observer.step({}):
+    with observer.step():
         pass
-    (hist,) = otel.points()["fsdp.optimizer.step.duration"]
+    (hist,) = otel.points()[semconv.METRIC_STEP_DURATION]
     assert hist.count == 2
     assert 0.05 <= hist.max < 1.0
     assert hist.min < 0.05

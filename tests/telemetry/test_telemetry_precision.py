@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
 
-from fsdp_patch.telemetry import precision
+from fsdp_patch.telemetry import precision, semconv
 
 NAN, INF = math.nan, math.inf
 
@@ -49,16 +50,17 @@ def test_hand_counted_diagnostics_fp32_main_fp16_compute():
 
     # Counted by hand from the tensors above.
     assert stats.nonfinite == {
-        ("main_grad", "nan"): 1, ("main_grad", "inf"): 1,
-        ("main_weight", "nan"): 1, ("main_weight", "inf"): 1,        # 3.0 -> NaN, -5 -> -inf
-        ("compute_weight", "nan"): 1, ("compute_weight", "inf"): 2,  # plus 7.1e4 beyond fp16's 65504
+        (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_INF): 1,
+        (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_INF): 1,        # 3.0 -> NaN, -5 -> -inf
+        (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_INF): 2,  # plus 7.1e4 beyond fp16's 65504
     }  # fmt: skip
     assert stats.overflow == 1  # 7.1e4: finite in fp32, inf in fp16 (the -inf main is not "finite")
     assert stats.underflow == 1  # 2e-8: below fp16's smallest subnormal (6e-8)
     assert stats.changed == 7  # all but the two padding zeros and the unchanged 1.0
     assert stats.lost == 4  # 1+1e-5, 2e-8 (0 -> 0), 7.1e4 (inf -> inf), 1-1e-6
     assert stats.lost_ratio == pytest.approx(4 / 7)
-    assert stats.grad_amax == 7.5  # the largest finite |grad|; NaN and Inf are counted above instead
+    # a NaN/Inf grad has no finite largest |grad|: off the scale, never 0 (vanishing)
+    assert stats.grad_amax == precision.GRAD_AMAX_NONFINITE
     assert stats.complete
 
     # ... and the independent numpy reference agrees on every count.
@@ -121,6 +123,16 @@ def test_nothing_changed_and_all_zero_weights_give_zero():
     assert (stats.changed, stats.lost, stats.lost_ratio, stats.refresh_error, stats.grad_amax) == (0, 0, 0.0, 0.0, 0.0)
 
 
+def test_all_nan_grads_read_off_scale_not_zero():
+    """Once every grad is NaN, grad.amax must not read 0 (which reads as vanishing gradients)."""
+    main = torch.linspace(-1, 1, 64)
+    group = Group(main.clone(), main.to(torch.bfloat16), torch.full((64,), NAN, dtype=torch.bfloat16))
+    stats, reference = step_and_measure([group], [main + 0.5])
+    want = float(np.finfo(np.float32).max)
+    assert stats.grad_amax == want == reference["grad_amax"], f"want {want}, got {stats.grad_amax}"
+    assert stats.nonfinite[(semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN)] == 64
+
+
 def bit_copies(groups):
     return [
         tuple(None if t is None else t.view(torch.uint8).clone() for t in (g.main_weight, g.compute_weight, g.main_grad))
@@ -139,7 +151,7 @@ def test_precision_end_leaves_every_buffer_bitwise_unchanged(make_observer):
         if group.compute_weight is not group.main_weight:
             group.compute_weight.copy_(group.main_weight)
     buffers = bit_copies(groups)
-    snap_bits = [t.view(torch.uint8).clone() for t in snapshot.main_weights]
+    snap_bits = [t.view(torch.uint8).clone() for group in snapshot.main_weights for t in group]
     versions = [g.main_weight._version for g in groups]
 
     observer.precision_end(snapshot, groups)
@@ -147,7 +159,8 @@ def test_precision_end_leaves_every_buffer_bitwise_unchanged(make_observer):
     for now, then in zip(bit_copies(groups), buffers):
         for a, b in zip(now, then):
             assert (a is None and b is None) or torch.equal(a, b)
-    assert all(torch.equal(s.view(torch.uint8), b) for s, b in zip(snapshot.main_weights, snap_bits))
+    snapped = [t for group in snapshot.main_weights for t in group]
+    assert all(torch.equal(s.view(torch.uint8), b) for s, b in zip(snapped, snap_bits))
     assert [g.main_weight._version for g in groups] == versions
 
 
@@ -157,26 +170,26 @@ def test_observer_records_the_diagnostics(otel, make_observer, monkeypatch):
     group, after = messy_fp16_group()
     run_fake_step(observer, [group], [after])
     points = otel.points()
-    expected_nonfinite = {("main_grad", "nan"): 1, ("main_grad", "inf"): 1, ("main_weight", "nan"): 1,
-                          ("main_weight", "inf"): 1, ("compute_weight", "nan"): 1, ("compute_weight", "inf"): 2}  # fmt: skip
+    expected_nonfinite = {(semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_INF): 1, (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN): 1,
+                          (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_INF): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_INF): 2}  # fmt: skip
     for (tensor, kind), count in expected_nonfinite.items():
-        assert point_value(points, "fsdp.precision.nonfinite", fsdp__tensor=tensor, fsdp__nonfinite__kind=kind) == count
-    assert point_value(points, "fsdp.precision.refresh.overflow") == 1
-    assert point_value(points, "fsdp.precision.refresh.underflow") == 1
-    assert point_value(points, "fsdp.precision.update.lost_ratio") == pytest.approx(4 / 7)
-    assert point_value(points, "fsdp.precision.grad.amax") == 7.5
-    assert all(p.attributes["fsdp.rank"] == 0 for name in points for p in points[name])
+        assert point_value(points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: tensor, semconv.ATTR_NONFINITE_KIND: kind}) == count
+    assert point_value(points, semconv.METRIC_REFRESH_OVERFLOW) == 1
+    assert point_value(points, semconv.METRIC_REFRESH_UNDERFLOW) == 1
+    assert point_value(points, semconv.METRIC_LOST_RATIO) == pytest.approx(4 / 7)
+    assert point_value(points, semconv.METRIC_GRAD_AMAX) == precision.GRAD_AMAX_NONFINITE
+    assert all(p.attributes[semconv.ATTR_RANK] == 0 for name in points for p in points[name])
 
     # A second, clean diagnostic step: counters accumulate, gauges show the latest value.
     groups, new_mains = clean_groups(seed=2)
     _, reference = step_and_measure(*clean_groups(seed=2))
     run_fake_step(observer, groups, new_mains)
     points = otel.points()
-    assert point_value(points, "fsdp.precision.refresh.overflow") == 1
-    assert point_value(points, "fsdp.precision.nonfinite", fsdp__tensor="compute_weight", fsdp__nonfinite__kind="inf") == 2
-    assert point_value(points, "fsdp.precision.grad.amax") == reference["grad_amax"]
-    assert point_value(points, "fsdp.precision.refresh.error") == pytest.approx(reference["refresh_error"], rel=1e-5)
-    assert point_value(points, "fsdp.precision.update.lost_ratio") == pytest.approx(reference["lost_ratio"])
+    assert point_value(points, semconv.METRIC_REFRESH_OVERFLOW) == 1
+    assert point_value(points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: semconv.TENSOR_COMPUTE_WEIGHT}, **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF}) == 2
+    assert point_value(points, semconv.METRIC_GRAD_AMAX) == reference["grad_amax"]
+    assert point_value(points, semconv.METRIC_REFRESH_ERROR) == pytest.approx(reference["refresh_error"], rel=1e-5)
+    assert point_value(points, semconv.METRIC_LOST_RATIO) == pytest.approx(reference["lost_ratio"])
 
 
 @pytest.mark.parametrize(
@@ -213,3 +226,60 @@ def test_protocol_is_satisfied_by_the_test_group():
     group, _ = messy_fp16_group()
     assert isinstance(group, precision.PrecisionView)
     assert np.isnan(to_numpy(group.main_grad)).sum() == 1
+
+
+@dataclass
+class ListGroup:
+    """A stand-in for torch FSDP2's groups (telemetry.TensorListView): per-parameter shards whose
+    compute weight is their cast to ``compute_dtype`` at the next all-gather."""
+
+    main_weights: list[torch.Tensor]
+    main_grads: list[torch.Tensor]
+    compute_dtype: torch.dtype | None
+    process_group: object = None
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
+def test_tensor_list_groups_against_numpy_reference(compute_dtype, monkeypatch):
+    monkeypatch.setattr(precision, "CHUNK_ELEMENTS", 7)  # several chunks per tensor
+    messy, after = messy_fp16_group()
+    g = torch.Generator().manual_seed(5)
+    mains = [messy.main_weight.clone(), torch.randn(33, generator=g), torch.zeros(0)]
+    new = [after, mains[1] + torch.where(torch.rand(33, generator=g) < 0.5, 1e-6, 1e-1), torch.zeros(0)]
+    grads = [messy.main_grad.float(), torch.randn(33, generator=g)]  # the empty shard has no grad
+    group = ListGroup([m.clone() for m in mains], grads, compute_dtype)
+    snapshot = precision.take_snapshot([group])
+    for weight, value in zip(group.main_weights, new):
+        weight.copy_(value)
+    stats = precision.compute_stats(snapshot, [group])
+
+    def cast(t: torch.Tensor) -> np.ndarray:
+        return to_numpy(t.to(compute_dtype))
+
+    reference = reference_stats(
+        [to_numpy(m) for m in mains], [cast(m) for m in mains], [to_numpy(m) for m in new], [cast(m) for m in new],
+        [to_numpy(grads[0]), to_numpy(grads[1]), None],
+    )  # fmt: skip
+    assert stats.nonfinite == reference["nonfinite"], (stats.nonfinite, reference["nonfinite"])
+    for key in ("overflow", "underflow", "changed", "lost"):
+        assert getattr(stats, key) == reference[key], f"{key}: want {reference[key]}, got {getattr(stats, key)}"
+    assert stats.lost_ratio == pytest.approx(reference["lost_ratio"], rel=1e-12)
+    assert stats.refresh_error == pytest.approx(reference["refresh_error"], rel=1e-5)
+    assert stats.grad_amax == reference["grad_amax"] == precision.GRAD_AMAX_NONFINITE
+    if compute_dtype == torch.float16:  # 7.1e4 overflows fp16, 2e-8 underflows it
+        assert (stats.overflow, stats.underflow) == (1, 1)
+
+
+def test_user_given_compute_dtype_applies_where_the_policy_names_none():
+    """FSDP_PATCH_COMPUTE_DTYPE (an autocast model): the diagnostics then cast to it; without it
+    the compute weight is the main weight and nothing can be lost."""
+    main = torch.linspace(1, 2, 64)
+    new = main + 1e-5  # below bf16's resolution near 1-2: every update lost in bf16
+    results = {}
+    for default in (None, torch.bfloat16):
+        group = ListGroup([main.clone()], [torch.ones(64)], compute_dtype=None)
+        snapshot = precision.take_snapshot([group], default_compute_dtype=default)
+        group.main_weights[0].copy_(new)
+        results[default] = precision.compute_stats(snapshot, [group])
+    assert (results[None].changed, results[None].lost) == (64, 0), results[None]
+    assert (results[torch.bfloat16].changed, results[torch.bfloat16].lost) == (64, 64), results[torch.bfloat16]

@@ -7,7 +7,10 @@ import torch
 from opentelemetry.trace import StatusCode
 from telemetry_testing import Group, run_fake_step
 
-PHASES = ["cast_grads", "inner_step", "restore_grads", "refresh"]
+from fsdp_patch.adapter.events import Phase
+from fsdp_patch.telemetry import semconv
+
+PHASES = [semconv.SPAN_CAST_GRADS, semconv.SPAN_INNER_STEP, semconv.SPAN_RESTORE_GRADS, semconv.SPAN_REFRESH]
 
 
 def small_group() -> Group:
@@ -32,34 +35,34 @@ def test_step_span_tree_and_attributes(otel, make_observer, monkeypatch):
             run_fake_step(observer, [group], [group.main_weight + 0.5 * step], cast_bytes=64 * (step + 1))
 
     spans = by_name(otel.spans())
-    steps = sorted(spans["fsdp.optimizer.step"], key=lambda s: s.attributes["fsdp.step"])
-    assert [s.attributes["fsdp.step"] for s in steps] == [1, 2, 3]
+    steps = sorted(spans[semconv.SPAN_STEP], key=lambda s: s.attributes[semconv.ATTR_STEP])
+    assert [s.attributes[semconv.ATTR_STEP] for s in steps] == [1, 2, 3]
     for index, span in enumerate(steps):
         assert span.parent.span_id == caller.get_span_context().span_id
         assert dict(span.attributes) == {
-            "fsdp.step": index + 1,
-            "fsdp.rank": 0,
-            "fsdp.world_size": 1,
-            "fsdp.optimizer.class": "SGD",
-            "fsdp.precision_aware": True,
-            "fsdp.params.count": 3,
-            "fsdp.groups.count": 1,
-            "fsdp.cast.bytes": 64 * (index + 1),
+            semconv.ATTR_STEP: index + 1,
+            semconv.ATTR_RANK: 0,
+            semconv.ATTR_WORLD_SIZE: 1,
+            semconv.ATTR_OPTIMIZER_CLASS: "SGD",
+            semconv.ATTR_PRECISION_AWARE: True,
+            semconv.ATTR_PARAMS_COUNT: 3,
+            semconv.ATTR_GROUPS_COUNT: 1,
+            semconv.ATTR_CAST_BYTES: 64 * (index + 1),
         }
         assert span.status.status_code is StatusCode.UNSET
-    step_ids = {s.context.span_id: s.attributes["fsdp.step"] for s in steps}
+    step_ids = {s.context.span_id: s.attributes[semconv.ATTR_STEP] for s in steps}
     for phase in PHASES:
-        children = spans[f"fsdp.optimizer.{phase}"]
+        children = spans[phase]
         assert sorted(step_ids[c.parent.span_id] for c in children) == [1, 2, 3]
     # precision every 2 steps: step 1 (always) and step 2, not step 3
-    precision = spans["fsdp.optimizer.precision"]
+    precision = spans[semconv.SPAN_PRECISION]
     assert sorted(step_ids[c.parent.span_id] for c in precision) == [1, 2]
-    assert "fsdp.precision.update.lost_ratio" in precision[0].attributes
+    assert semconv.METRIC_LOST_RATIO in precision[0].attributes
     # children nest inside their parent's time range, and in call order
     for step in steps:
         kids = sorted((c for c in otel.spans() if c.parent and c.parent.span_id == step.context.span_id),
                       key=lambda c: c.start_time)  # fmt: skip
-        assert [k.name.rsplit(".", 1)[1] for k in kids][:4] == PHASES
+        assert [k.name for k in kids][:4] == PHASES
         assert all(step.start_time <= k.start_time <= k.end_time <= step.end_time for k in kids)
     assert len(otel.spans()) == 1 + 3 * (1 + len(PHASES)) + 2
 
@@ -67,20 +70,20 @@ def test_step_span_tree_and_attributes(otel, make_observer, monkeypatch):
 def test_step_without_caller_span_is_a_root(otel, make_observer):
     observer = make_observer()
     run_fake_step(observer, [small_group()])
-    (step,) = by_name(otel.spans())["fsdp.optimizer.step"]
+    (step,) = by_name(otel.spans())[semconv.SPAN_STEP]
     assert step.parent is None
-    assert step.attributes["fsdp.precision_aware"] is False
+    assert step.attributes[semconv.ATTR_PRECISION_AWARE] is False
 
 
 def test_spans_opened_inside_inner_step_nest_under_it(otel, make_observer):
     observer = make_observer()
     tracer = otel.tracer_provider.get_tracer("optimizer-hook")
-    with observer.step({}):
-        with observer.phase("inner_step"):
+    with observer.step():
+        with observer.phase(Phase.INNER_STEP):
             with tracer.start_as_current_span("user_hook"):
                 pass
     spans = by_name(otel.spans())
-    assert spans["user_hook"][0].parent.span_id == spans["fsdp.optimizer.inner_step"][0].context.span_id
+    assert spans["user_hook"][0].parent.span_id == spans[semconv.SPAN_INNER_STEP][0].context.span_id
 
 
 def test_zero_grad_span(otel, make_observer):
@@ -91,10 +94,10 @@ def test_zero_grad_span(otel, make_observer):
             pass
     with observer.zero_grad(set_to_none=True):
         pass
-    first, second = by_name(otel.spans())["fsdp.optimizer.zero_grad"]
+    first, second = by_name(otel.spans())[semconv.SPAN_ZERO_GRAD]
     assert first.parent.span_id == caller.get_span_context().span_id
-    assert first.attributes["fsdp.zero_grad.set_to_none"] is False
-    assert second.attributes["fsdp.zero_grad.set_to_none"] is True
+    assert first.attributes[semconv.ATTR_ZERO_GRAD_SET_TO_NONE] is False
+    assert second.attributes[semconv.ATTR_ZERO_GRAD_SET_TO_NONE] is True
     assert second.parent is None
 
 
@@ -106,19 +109,19 @@ def test_failing_step_marks_error_records_exception_and_reraises_unchanged(otel,
     assert info.value is boom
 
     spans = by_name(otel.spans())
-    (step,) = spans["fsdp.optimizer.step"]
+    (step,) = spans[semconv.SPAN_STEP]
     assert step.status.status_code is StatusCode.ERROR
     assert "RuntimeError: inner optimizer exploded" in step.status.description
     (event,) = [e for e in step.events if e.name == "exception"]
-    assert event.attributes["exception.type"] == "RuntimeError"
+    assert event.attributes[semconv.ATTR_EXCEPTION_TYPE] == "RuntimeError"
     assert event.attributes["exception.message"] == "inner optimizer exploded"
-    (inner,) = spans["fsdp.optimizer.inner_step"]
+    (inner,) = spans[semconv.SPAN_INNER_STEP]
     assert inner.status.status_code is StatusCode.ERROR
     # the adapter restores grads in a finally: that span still ends normally, under the step
-    (restore,) = spans["fsdp.optimizer.restore_grads"]
+    (restore,) = spans[semconv.SPAN_RESTORE_GRADS]
     assert restore.status.status_code is StatusCode.UNSET
     assert restore.parent.span_id == step.context.span_id
-    assert "fsdp.optimizer.refresh" not in spans
+    assert semconv.SPAN_REFRESH not in spans
 
     # the observer keeps working, and counts on
     assert run_fake_step(observer, [small_group()]) == 2
@@ -132,8 +135,8 @@ def test_ranks_not_selected_emit_no_spans_but_metrics(otel, make_observer, monke
         pass
     assert otel.spans() == []
     points = otel.points()
-    assert points["fsdp.optimizer.cast.size"]
-    assert points["fsdp.optimizer.step.duration"][0].count == 1
+    assert points[semconv.METRIC_CAST_SIZE]
+    assert points[semconv.METRIC_STEP_DURATION][0].count == 1
 
 
 def test_step_numbers_count_per_observer(make_observer):

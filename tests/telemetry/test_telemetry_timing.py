@@ -6,6 +6,7 @@ import torch
 from telemetry_testing import fake_optimizer, run_fake_step
 
 from fsdp_patch.telemetry import timing
+from fsdp_patch.telemetry import semconv
 
 
 class FakeClock:
@@ -112,4 +113,4 @@ def test_cpu_training_never_touches_torch_cuda(make_observer, otel, monkeypatch)
     run_fake_step(observer, [])
     observer.flush_timers()
     assert touched == []
-    assert otel.points()["fsdp.optimizer.step.duration"][0].count == 1
+    assert otel.points()[semconv.METRIC_STEP_DURATION][0].count == 1

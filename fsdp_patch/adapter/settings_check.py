@@ -1,0 +1,79 @@
+"""Settings that change collectives, checked across ranks once, at an optimizer's first step.
+
+With telemetry on, the precision diagnostics add an ``all_gather`` on their steps. A rank with
+telemetry off (or another diagnostics schedule) would skip it while its peers wait: a collective
+mismatch on gloo, a hang on NCCL. So at its first step every adapted optimizer, whichever its
+attachment, gathers ``(telemetry on, diagnostics interval)`` from every rank of its process group
+in one small ``all_gather``, and a difference raises the same error on every rank, naming the
+variables and each rank's value. A rank with telemetry off takes part through the same call in
+the hook attachment: one collective of two integers per optimizer, at its first step only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CollectiveSettingsError", "check_collective_settings", "process_group_and_device"]
+
+
+class CollectiveSettingsError(RuntimeError):
+    """Ranks of one optimizer disagree on settings that change collectives."""
+
+
+def process_group_and_device(groups: Sequence[Any]) -> tuple[Any, torch.device] | None:
+    """The process group the diagnostics would reduce over (the first group's) and a device for it."""
+    for group in groups:
+        pg = getattr(group, "process_group", None)
+        if pg is None:
+            continue
+        weights = getattr(group, "main_weights", None)
+        tensor = weights[0] if weights else getattr(group, "main_weight", None)
+        return pg, tensor.device if tensor is not None else torch.device("cpu")
+    return None
+
+
+def _describe(values: list[list[int]]) -> str:
+    from fsdp_patch.telemetry import env  # only to name the variables in the message
+
+    telemetry = ", ".join(f"rank {r} {'on' if v[0] else 'off'}" for r, v in enumerate(values))
+    every = ", ".join(f"rank {r} {v[1]}" + (" (off)" if not v[1] else "") for r, v in enumerate(values))
+    return (
+        "fsdp_patch: ranks of this optimizer's process group disagree on settings that change "
+        f"collectives. Telemetry ({env.TELEMETRY}, or running under opentelemetry-instrument): {telemetry}. "
+        f"Precision diagnostics every N steps ({env.PRECISION_EVERY}; 0 when telemetry is off or "
+        f"OTEL_SDK_DISABLED=true): {every}. Expected the same values on every rank: set these "
+        "variables (and opentelemetry-instrument) alike for all ranks."
+    )
+
+
+def check_collective_settings(groups: Sequence[Any], telemetry_on: bool, precision_every: int) -> None:
+    """Raise on every rank if the ranks' settings differ; a no-op without a process group.
+
+    Args:
+        groups: The FSDP groups of the optimizer (``fully_shard``'s or FSDP2's).
+        telemetry_on: Whether this rank's adapted optimizer emits telemetry.
+        precision_every: This rank's diagnostics interval (0: none).
+
+    Raises:
+        CollectiveSettingsError: The settings differ on some rank; every rank raises it, with
+            the same message.
+    """
+    import torch.distributed as dist
+
+    found = process_group_and_device(groups)
+    if found is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    pg, device = found
+    world = dist.get_world_size(pg)
+    if world == 1:
+        return
+    mine = torch.tensor([int(telemetry_on), int(precision_every)], dtype=torch.int64, device=device)
+    gathered = torch.empty(world * 2, dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, mine, group=pg)
+    values = gathered.view(world, 2).tolist()
+    if any(v != values[0] for v in values):
+        raise CollectiveSettingsError(_describe(values))

@@ -1,0 +1,114 @@
+"""``FSDPOptimizerInstrumentor``: fsdp_patch's telemetry as an OpenTelemetry instrumentation.
+
+``opentelemetry-instrument python train.py`` finds it through the entry point ``fsdp_patch`` of
+the ``opentelemetry_instrumentor`` group (``pyproject.toml``) and calls ``instrument()`` after
+the SDK configurator has installed the global providers from ``OTEL_*``. An application can do
+the same itself::
+
+    from fsdp_patch.telemetry import FSDPOptimizerInstrumentor
+
+    FSDPOptimizerInstrumentor().instrument(tracer_provider=tp, meter_provider=mp)  # both optional
+
+While instrumented:
+
+* ``fully_shard_optimizer`` attaches with wrapt and telemetry, as with ``FSDP_PATCH_TELEMETRY=1``;
+* every optimizer constructed over parameters that ``fsdp_patch.fully_shard`` or torch FSDP2
+  manage is adapted by the instrumentor itself (no code change), when its construction ends:
+  the first point where its parameters are known and, unlike a global step pre-hook, one that
+  lets the adaptation enclose its first step. A later ``fully_shard_optimizer`` call with other
+  settings (``precision_aware=True``) replaces that adaptation;
+* optimizers adapted with telemetry off since re-instrumenting get their telemetry back.
+
+``uninstrument()`` turns telemetry off on every adapted optimizer (the adaptation keeps
+working: grads are still cast and compute weights refreshed), removes the wrapper on
+``torch.optim.Optimizer.__init__``, and shuts down the embedded default providers, taking their
+``atexit`` hook, the ``destroy_process_group`` wrapper and the logging filters with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import Any
+
+import torch
+import wrapt
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+import fsdp_patch.telemetry as telemetry
+from fsdp_patch.adapter import NullObserver, adapt_optimizer, adaptation_of, adaptations
+from fsdp_patch.fsdp2 import fsdp2_groups
+from fsdp_patch.parameter_group import parameter_group_of
+
+from . import providers
+
+__all__ = ["FSDPOptimizerInstrumentor"]
+
+_logger = logging.getLogger(__name__)
+
+_INIT_MARK = "_self_fsdp_patch_instrumentor"
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def fsdp_managed(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``fsdp_patch.fully_shard`` or torch FSDP2 manage any of the optimizer's parameters."""
+    params = _params(optimizer)
+    return any(parameter_group_of(p) is not None for p in params) or bool(fsdp2_groups(params))
+
+
+def _adapt_after_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    if telemetry._instrumented is None:  # uninstrumented while another wrapper kept ours in place
+        return result
+    if isinstance(instance, torch.optim.Optimizer) and adaptation_of(instance) is None and fsdp_managed(instance):
+        adapt_optimizer(
+            instance,
+            precision_aware=False,
+            attachment="wrapt",
+            observer_factory=lambda: telemetry.observer_for(instance, precision_aware=False),
+            implicit=True,
+        )
+    return result
+
+
+class FSDPOptimizerInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """OpenTelemetry instrumentor of the optimizer boundary of fsdp_patch and torch FSDP2 (see the module)."""
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ("torch >= 2.13",)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        """Turn telemetry on; ``tracer_provider``/``meter_provider`` replace the global ones."""
+        telemetry._instrumented = {
+            "tracer_provider": kwargs.get("tracer_provider"),
+            "meter_provider": kwargs.get("meter_provider"),
+        }
+        init = torch.optim.Optimizer.__dict__["__init__"]
+        if not getattr(init, _INIT_MARK, False):
+            wrapper = wrapt.FunctionWrapper(init, _adapt_after_init)
+            setattr(wrapper, _INIT_MARK, True)
+            torch.optim.Optimizer.__init__ = wrapper  # type: ignore[method-assign]
+        for optimizer, adaptation in adaptations():
+            observer = adaptation.observer
+            if isinstance(observer, NullObserver):
+                adaptation.observer = telemetry.observer_for(optimizer, adaptation.precision_aware, observer.step_count)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        """Turn telemetry off on every adapted optimizer and remove everything installed."""
+        init = torch.optim.Optimizer.__dict__["__init__"]
+        if getattr(init, _INIT_MARK, False):
+            torch.optim.Optimizer.__init__ = init.__wrapped__  # type: ignore[method-assign]
+        elif getattr(init, "__wrapped__", None) is not None:
+            _logger.warning(
+                "fsdp_patch telemetry: torch.optim.Optimizer.__init__ was wrapped again after instrumenting; "
+                "leaving that wrapper (ours inside it no longer adapts optimizers)."
+            )
+        telemetry._instrumented = None
+        for _, adaptation in adaptations():
+            observer = adaptation.observer
+            if observer is not None and not isinstance(observer, NullObserver):
+                adaptation.observer = NullObserver(observer.step_count)
+        providers.uninstall()

@@ -1,0 +1,106 @@
+"""The standard ``OTEL_*`` variables that shape the SDK objects this package builds, read leniently.
+
+The SDK raises ``ValueError`` from its constructors for some malformed values
+(``OTEL_BSP_MAX_QUEUE_SIZE=-1``, ``OTEL_METRIC_EXPORT_INTERVAL=-1``, a negative span limit),
+which would escape from the first ``optimizer.step()``. These are not ours to reject: each
+variable is parsed here by the specification's rules, a malformed value is warned about once
+(naming the variable, the value, the accepted values and the default used) and replaced by the
+SDK's default, and the SDK objects get the values as explicit arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .isolation import WarnOnce
+
+_logger = logging.getLogger(__name__)
+_warn = WarnOnce(_logger)
+
+# variable -> (constructor argument, SDK default, accepts 0)
+_BATCH = {
+    "OTEL_BSP_SCHEDULE_DELAY": ("schedule_delay_millis", 5000.0, False),
+    "OTEL_BSP_MAX_QUEUE_SIZE": ("max_queue_size", 2048, False),
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": ("max_export_batch_size", 512, False),
+    "OTEL_BSP_EXPORT_TIMEOUT": ("export_timeout_millis", 30000.0, True),
+}
+_READER = {
+    "OTEL_METRIC_EXPORT_INTERVAL": ("export_interval_millis", 60000.0, False),
+    "OTEL_METRIC_EXPORT_TIMEOUT": ("export_timeout_millis", 30000.0, True),
+}
+# Span limits: non-negative integers; a malformed one falls back to the SDK's default (None: unset).
+_SPAN_LIMITS = {
+    "OTEL_ATTRIBUTE_COUNT_LIMIT": ("max_attributes", 128),
+    "OTEL_SPAN_EVENT_COUNT_LIMIT": ("max_events", 128),
+    "OTEL_SPAN_LINK_COUNT_LIMIT": ("max_links", 128),
+    "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": ("max_span_attributes", 128),
+    "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT": ("max_event_attributes", 128),
+    "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT": ("max_link_attributes", 128),
+    "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": ("max_attribute_length", None),
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": ("max_span_attribute_length", None),
+}
+
+
+def _number(variable: str, default: Any, zero_ok: bool, kind: Callable[[str], Any], accepted: str) -> Any:
+    raw = os.environ.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+        if value < 0 or (value == 0 and not zero_ok) or value != value or value == float("inf"):
+            raise ValueError(raw)
+    except ValueError:
+        _warn(variable, "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry uses the default, %s.",
+              variable, raw, accepted, default)  # fmt: skip
+        return default
+    return value
+
+
+def _table(table: dict[str, tuple[str, Any, bool]]) -> dict[str, Any]:
+    out = {}
+    for variable, (argument, default, zero_ok) in table.items():
+        if isinstance(default, int):
+            kind, accepted = int, "a positive integer"
+        else:
+            kind, accepted = float, "a non-negative number" if zero_ok else "a positive number"
+        out[argument] = _number(variable, default, zero_ok, kind, accepted)
+    return out
+
+
+def batch_processor_arguments() -> dict[str, Any]:
+    """``BatchSpanProcessor`` keyword arguments from ``OTEL_BSP_*``; never raises."""
+    args = _table(_BATCH)
+    if args["max_export_batch_size"] > args["max_queue_size"]:
+        default = min(_BATCH["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1], args["max_queue_size"])
+        _warn("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=%r is not valid; accepted values: a "
+              "positive integer at most the queue size (%d). fsdp_patch telemetry uses the default, %d.",
+              str(args["max_export_batch_size"]), args["max_queue_size"], default)  # fmt: skip
+        args["max_export_batch_size"] = default
+    return args
+
+
+def metric_reader_arguments() -> dict[str, Any]:
+    """``PeriodicExportingMetricReader`` keyword arguments from ``OTEL_METRIC_EXPORT_*``; never raises."""
+    return _table(_READER)
+
+
+def span_limits() -> Any:
+    """``SpanLimits`` from the ``OTEL_*_LIMIT`` variables, malformed ones replaced by the SDK's defaults."""
+    from opentelemetry.sdk.trace import SpanLimits
+
+    args: dict[str, Any] = {}
+    for variable, (argument, default) in _SPAN_LIMITS.items():
+        raw = os.environ.get(variable, "").strip()
+        if not raw:
+            continue
+        try:
+            if int(raw) < 0:
+                raise ValueError(raw)
+        except ValueError:
+            _warn(variable, "%s=%r is not valid; accepted values: a non-negative integer. fsdp_patch telemetry uses "
+                  "the default, %s.", variable, raw, "no limit" if default is None else default)  # fmt: skip
+            args[argument] = SpanLimits.UNSET if default is None else default
+    return SpanLimits(**args)

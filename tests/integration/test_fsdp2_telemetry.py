@@ -1,0 +1,91 @@
+"""Telemetry for an optimizer over torch FSDP2's sharded DTensor parameters, on 2 gloo ranks.
+
+The model is sharded by ``torch.distributed.fsdp.fully_shard`` with bf16 ``param_dtype``: FSDP2
+keeps fp32 shards for the optimizer and casts them to bf16 at every all-gather, so the adapter
+has nothing to cast or refresh and only observes; the diagnostics read the compute dtype from
+the module's ``MixedPrecisionPolicy``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_patch.telemetry import semconv
+from tests.integration import fsdp2_rank_fns
+
+WORLD = 2
+
+
+def _total(points: dict, name: str, **attributes: str) -> float:
+    return sum(value for attrs, value in points.get(name, []) if all(attrs.get(k) == v for k, v in attributes.items()))
+
+
+@pytest.fixture(scope="module")
+def normal_runs(dist_pool) -> dict[bool, list[dict]]:
+    pool = dist_pool(WORLD)
+    return {on: pool.run(fsdp2_rank_fns.fsdp2_training, "normal", on) for on in (True, False)}
+
+
+def test_span_tree_and_step_metrics(normal_runs) -> None:
+    for rank, result in enumerate(normal_runs[True]):
+        spans = result["spans"]
+        steps = [s for s in spans if s["name"] == semconv.SPAN_STEP]
+        assert [s["attributes"][semconv.ATTR_STEP] for s in steps] == [1, 2, 3]
+        for step in steps:
+            attrs = step["attributes"]
+            got = (attrs[semconv.ATTR_RANK], attrs[semconv.ATTR_WORLD_SIZE], attrs[semconv.ATTR_OPTIMIZER_CLASS],
+                   attrs[semconv.ATTR_PARAMS_COUNT], attrs[semconv.ATTR_GROUPS_COUNT], attrs[semconv.ATTR_CAST_BYTES])  # fmt: skip
+            want = (rank, WORLD, "Adam", result["params"], result["fsdp_groups"], 0)
+            assert got == want, f"rank {rank}: want (rank, world, class, params, FSDP2 groups, cast bytes) {want}, got {got}"
+            children = [s["name"] for s in spans if s["parent"] == step["id"]]
+            assert children == list(semconv.STEP_PHASE_SPANS), f"rank {rank}: children {children}"
+        points = result["points"]
+        assert _total(points, semconv.METRIC_STEP_DURATION) == 3
+        # nothing to cast around FSDP2's step: no cast bytes, no mismatches
+        assert semconv.METRIC_CAST_SIZE not in points and semconv.METRIC_DTYPE_MISMATCHES not in points
+        nonfinite = _total(points, semconv.METRIC_NONFINITE)
+        assert nonfinite == 0, f"rank {rank}: a healthy run counted {nonfinite} non-finite elements"
+
+
+def test_training_is_bitwise_identical_with_telemetry_on_and_off(normal_runs) -> None:
+    for rank, (on, off) in enumerate(zip(normal_runs[True], normal_runs[False])):
+        assert off["spans"] == [], f"rank {rank}: telemetry off emitted spans"
+        differ = [i for i, (a, b) in enumerate(zip(on["main"], off["main"])) if not torch.equal(a, b)]
+        assert differ == [], f"rank {rank}: parameters {differ} differ between telemetry on and off"
+
+
+def test_planted_nan_is_counted_exactly(dist_pool) -> None:
+    for result in dist_pool(WORLD).run(fsdp2_rank_fns.fsdp2_training, "nan", True):
+        points = result["points"]
+
+        def count(tensor: str, kind: str) -> float:
+            return _total(points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: tensor, semconv.ATTR_NONFINITE_KIND: kind})
+
+        got = {(t, k): count(t, k) for t in semconv.TENSORS for k in semconv.NONFINITE_KINDS}
+        want = {(t, k): 0 for t, k in got}
+        # one NaN grad element on one rank; Adam writes it into that element of the main weight,
+        # which the bf16 cast of the compute weight carries
+        want[(semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN)] = 1
+        want[(semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN)] = 1
+        want[(semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN)] = 1
+        assert got == want, f"want {want}, got {got}"
+        (_, amax), = points[semconv.METRIC_GRAD_AMAX]
+        assert amax > 1e38, f"grad amax with a NaN grad must read off-scale, got {amax}"
+
+
+def _lost_ratio(results: list[dict]) -> tuple[float, float]:
+    """(the metric, the ratio computed here from every rank's shards before and after the last step)."""
+    (_, metric), = results[0]["points"][semconv.METRIC_LOST_RATIO]
+    changed = sum(r["last_step_changed_lost"][0] for r in results)
+    lost = sum(r["last_step_changed_lost"][1] for r in results)
+    return metric, lost / changed
+
+
+def test_lost_update_ratio_near_one_for_a_tiny_lr_and_low_for_a_normal_one(dist_pool, normal_runs) -> None:
+    tiny_metric, tiny_reference = _lost_ratio(dist_pool(WORLD).run(fsdp2_rank_fns.fsdp2_training, "tiny_lr", True))
+    normal_metric, normal_reference = _lost_ratio(normal_runs[True])
+    assert tiny_metric == pytest.approx(tiny_reference, rel=1e-12), (tiny_metric, tiny_reference)
+    assert normal_metric == pytest.approx(normal_reference, rel=1e-12), (normal_metric, normal_reference)
+    assert tiny_metric > 0.95, f"lr 1e-7 on bf16 compute weights: want a ratio near 1, got {tiny_metric}"
+    assert normal_metric < 0.2, f"lr 1e-2: want a low ratio, got {normal_metric}"

@@ -1,0 +1,125 @@
+"""``opentelemetry-instrument`` loads the instrumentor from the installed package metadata.
+
+A 2-rank training script that never calls ``fully_shard_optimizer`` nor sets
+``FSDP_PATCH_TELEMETRY`` runs under ``opentelemetry-instrument`` with the console span exporter;
+its step spans must appear, from both ranks. The entry point is found the way the command finds
+it, through the ``opentelemetry_instrumentor`` entry points of installed distributions: those of
+this checkout after ``make test``'s ``pip install -e .[dev]``; where the installed
+``fsdp-patch`` is another checkout (or none), a throwaway virtual environment that sees the
+system's packages gets this checkout installed in editable mode first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from fsdp_patch.telemetry import semconv
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 3
+WORLD = 2
+
+SCRIPT = f"""
+import os, sys
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, {str(REPO)!r})  # the test helpers only; fsdp_patch comes from the installation
+from tests import models
+
+
+def train(rank, init_file):
+    # Each rank's console exporter writes to its own file: spans of two ranks never interleave.
+    os.dup2(os.open(f"rank{{rank}}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size={WORLD})
+    model = models.shard_model(models.make_model(0).bfloat16())  # bf16 main grads: steps need the adapter
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no fully_shard_optimizer call
+    for tokens in models.make_batches({STEPS}):
+        models.lm_loss(model, models.rank_slice(tokens, rank, {WORLD})).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(train, args=(sys.argv[1],), nprocs={WORLD})
+"""
+
+
+def _installed_here() -> bool:
+    try:
+        dist = metadata.distribution("fsdp-patch")
+    except metadata.PackageNotFoundError:
+        return False
+    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    names = [ep.name for ep in dist.entry_points if ep.group == "opentelemetry_instrumentor"]
+    return url == REPO.as_uri() and names == ["fsdp_patch"]
+
+
+@pytest.fixture(scope="module")
+def python_with_this_checkout(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if _installed_here():
+        return sys.executable
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert install.returncode == 0, f"pip install -e {REPO} failed:\n{install.stderr}"
+    return python
+
+
+def test_opentelemetry_instrument_traces_a_two_rank_job(python_with_this_checkout, tmp_path):
+    python = python_with_this_checkout
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
+    env.update(
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        OTEL_SERVICE_NAME="instrumented-job",
+        FSDP_PATCH_PRECISION_EVERY="0",
+        FSDP_PATCH_TRACE_DIR=str(tmp_path / "traces"),
+    )
+    # `opentelemetry-instrument python train.py`, the command run for this interpreter.
+    launcher = "import sys; from opentelemetry.instrumentation.auto_instrumentation import run; run()"
+    result = subprocess.run(
+        [python, "-c", launcher, python, str(script), str(tmp_path / "init")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-4000:]}"
+    spans = [s for rank in range(WORLD) for s in _console_spans((tmp_path / f"rank{rank}.out").read_text())]
+    steps = [s for s in spans if s["name"] == semconv.SPAN_STEP]
+    got = sorted((s["attributes"][semconv.ATTR_RANK], s["attributes"][semconv.ATTR_STEP]) for s in steps)
+    want = sorted((rank, step) for rank in range(WORLD) for step in range(1, STEPS + 1))
+    assert got == want, f"want step spans (rank, step) {want}, got {got}; stderr:\n{result.stderr[-2000:]}"
+    assert {s["resource"]["attributes"]["service.name"] for s in steps} == {"instrumented-job"}
+    assert {s["attributes"][semconv.ATTR_GROUPS_COUNT] for s in steps} == {3}  # two blocks and the root
+    # the SDK the distro configured is used: nothing of the embedded default was written
+    assert not (tmp_path / "traces").exists()
+
+
+def _console_spans(stdout: str) -> list[dict]:
+    """The JSON documents ConsoleSpanExporter prints, one per span."""
+    decoder = json.JSONDecoder()
+    spans, index = [], 0
+    while (start := stdout.find("{", index)) != -1:
+        try:
+            document, index = decoder.raw_decode(stdout, start)
+        except json.JSONDecodeError:
+            index = start + 1
+            continue
+        if isinstance(document, dict) and "name" in document and "context" in document:
+            spans.append(document)
+    return spans
