@@ -26,8 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from examples.launch import run_ranks
-from examples.model import GPT, GPTConfig, lm_loss, shard, synthetic_batches
+from fsdp_patch.demo.data import synthetic_batches
+from fsdp_patch.demo.launch import run_ranks
+from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss, shard
 
 LARGE = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
 TINY = GPTConfig(vocab=32, dim=16, heads=2, layers=2, seq=8)

@@ -7,12 +7,21 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def under_torchrun() -> bool:
+    """Whether this process is one of torchrun's ranks (it sets ``RANK`` and ``WORLD_SIZE``)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    # Ranks share the machine's cores; more threads than that only contend (and a fixed count
+    # keeps CPU results reproducible from run to run).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(*args)
@@ -23,13 +32,10 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], a
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Calls ``fn(*args)`` on every rank with a process group initialized.
 
-    Under torchrun (``RANK`` set), runs in this process with the backend that fits the
-    machine (NCCL when CUDA is available, else gloo); otherwise spawns ``world_size`` local
-    gloo ranks on the CPU.
+    Under torchrun, runs in this process with the backend that fits the machine (NCCL when
+    CUDA is available, else gloo); otherwise spawns ``world_size`` local gloo ranks on the CPU.
     """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import torch
-
+    if under_torchrun():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
