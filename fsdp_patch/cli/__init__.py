@@ -34,7 +34,7 @@ def _report(args: argparse.Namespace) -> int:
     from ..telemetry.precision_report import report
 
     if args.lines < 1:
-        raise UsageError(f"--lines {args.lines} is too small; expected an integer >= 1")
+        raise UsageError(f"fsdp-patch report: --lines {args.lines} is too small; expected an integer >= 1")
     sys.stdout.write(report(args.trace_dir, args.lines))
     return 0
 
