@@ -17,23 +17,30 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, world_size: int, init_file: str, device: str, fn: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    # Ranks share the machine's cores; more threads than that only contend (and a fixed count
-    # keeps CPU results reproducible from run to run).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        # Ranks share the machine's cores; more threads than that only contend (and a fixed
+        # count keeps CPU results reproducible from run to run).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(*args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu") -> None:
     """Calls ``fn(*args)`` on every rank with a process group initialized.
 
     Under torchrun, runs in this process with the backend that fits the machine (NCCL when
-    CUDA is available, else gloo); otherwise spawns ``world_size`` local gloo ranks on the CPU.
+    CUDA is available, else gloo); otherwise spawns ``world_size`` local ranks: gloo on the
+    CPU, or NCCL with one GPU each when ``device`` is ``"cuda"``.
     """
     if under_torchrun():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -46,4 +53,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
             dist.destroy_process_group()
         return
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world_size, join=True)
+        rendezvous = os.path.join(tmp, "rendezvous")
+        mp.spawn(_entry, args=(world_size, rendezvous, device, fn, args), nprocs=world_size, join=True)
