@@ -14,6 +14,12 @@ _PERIOD = 7  # tokens repeat a noisy ramp with this period, so the loss can fall
 _NOISE = 0.05
 
 
+def _stream_seed(seed: int, index: int) -> int:
+    # The CPU generator (mt19937) keeps only the low 32 bits of a seed: mix seed and index into
+    # them, so that neither is lost (a golden-ratio multiplier spreads nearby seeds apart).
+    return (seed * 0x9E3779B1 + index) & 0xFFFFFFFF
+
+
 def tokens_at(config: GPTConfig, rows: int, index: int, seed: int = 0) -> torch.Tensor:
     """Batch number ``index``: ``rows`` sequences of ``config.seq + 1`` tokens (inputs and targets).
 
@@ -23,7 +29,7 @@ def tokens_at(config: GPTConfig, rows: int, index: int, seed: int = 0) -> torch.
         index: Position in the data stream, from 0.
         seed: Seed of the whole stream.
     """
-    gen = torch.Generator().manual_seed(seed * (1 << 32) + index)
+    gen = torch.Generator().manual_seed(_stream_seed(seed, index))
     start = torch.randint(0, config.vocab, (rows, 1), generator=gen)
     ramp = torch.arange(config.seq + 1).unsqueeze(0) % _PERIOD
     tokens = (start + ramp * 3) % config.vocab
