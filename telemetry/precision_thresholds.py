@@ -174,3 +174,22 @@ def precedence(threshold: Threshold, first_step: int) -> tuple[int, int, int]:
 def worst(severities: list[str]) -> str:
     """The most severe of ``severities``; healthy when empty."""
     return max(severities, key=SEVERITY_ORDER.index, default=HEALTHY)
+
+
+def _condition(threshold: Threshold) -> str:
+    if threshold.above is not None:
+        return f"> {threshold.above:g}"
+    return f"<= {threshold.at_most:g}"
+
+
+def markdown_table() -> str:
+    """The thresholds as Markdown, the form ``telemetry/README.md`` embeds (a test keeps them equal)."""
+    rows = ["| check | value | fires when | verdict | Prometheus alert | finding |", "| --- | --- | --- | --- | --- | --- |"]
+    for threshold in (*THRESHOLDS, FAILED_STEPS):
+        value = "steps with status ERROR" if threshold is FAILED_STEPS else f"`{threshold.metric}`"
+        unless = f" (unless `{threshold.unless}` fired)" if threshold.unless else ""
+        alert = f"`{threshold.alert}`" if threshold.alert else "—"
+        rows.append(
+            f"| `{threshold.check}` | {value} | {_condition(threshold)}{unless} | {threshold.severity} | {alert} | {threshold.finding} |"
+        )
+    return "\n".join(rows)

@@ -6,17 +6,18 @@ Each rank writes, in the trace directory:
   ``chrome://tracing`` open. It is a complete JSON document after every export batch (the
   closing brackets are rewritten after each append), so a crashed run still leaves a
   readable trace.
+  Under ``FSDP_PATCH_TRACE_MAX_BYTES`` it is a segment; older ones are ``rank{R}.1.trace.json``.
 * ``rank{R}.jaeger.json``: the JSON of Jaeger's query API, which the Jaeger UI's Search >
-  "JSON File" upload accepts. It is converted from the Chrome file at shutdown rather than
+  "JSON File" upload accepts. It is converted from the Chrome segments at shutdown rather than
   written live: live writing would double the exporter's CPU time, which competes with the
   training thread for the GIL.
 
-Offline, for a crashed run or to combine ranks::
+Offline, for a crashed run or to combine ranks (inputs are files or trace directories)::
 
-    python -m fsdp_patch.telemetry.trace_files merge  all.trace.json   fsdp_patch_traces/rank*.trace.json
-    python -m fsdp_patch.telemetry.trace_files jaeger all.jaeger.json  fsdp_patch_traces/rank*.trace.json
+    fsdp-patch trace merge  all.trace.json   fsdp_patch_traces
+    fsdp-patch trace jaeger all.jaeger.json  fsdp_patch_traces
 
-``merge`` puts every rank in one Perfetto view (one process row per rank).
+``merge`` puts every rank in one Perfetto view (one process row per rank). Both stream.
 """
 
 from __future__ import annotations

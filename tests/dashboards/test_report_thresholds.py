@@ -77,3 +77,8 @@ def _red_line(title: str) -> float:
 def test_dashboard_red_lines_equal_report_thresholds(title: str, check: str) -> None:
     got, want = _red_line(title), thresholds.BY_CHECK[check].above
     assert got == want, f"panel {title!r} turns red at {got}, the report's {check} at {want}"
+
+
+def test_readme_table_is_the_threshold_table() -> None:
+    readme = (DASHBOARDS.parent / "telemetry" / "README.md").read_text()
+    assert thresholds.markdown_table() in readme, "telemetry/README.md's threshold table differs from THRESHOLDS"
