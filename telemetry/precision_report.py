@@ -17,21 +17,23 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from . import instruments
 from . import precision_thresholds as thresholds
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
 # The span names and attribute keys this report reads, spelled here once (to be replaced by
-# the constants of telemetry's names module when it exists).
+# the constants of telemetry's names module when it exists). The precision span's attributes
+# are named after the metrics they mirror (design.md), hence the instrument table's names.
 STEP_SPAN = "fsdp.optimizer.step"
 PRECISION_SPAN = "fsdp.optimizer.precision"
 STEP_ATTRIBUTE = "fsdp.step"
-NONFINITE = "fsdp.precision.nonfinite"
-REFRESH_OVERFLOW = "fsdp.precision.refresh.overflow"
-REFRESH_UNDERFLOW = "fsdp.precision.refresh.underflow"
-REFRESH_ERROR = "fsdp.precision.refresh.error"
-LOST_RATIO = "fsdp.precision.update.lost_ratio"
-GRAD_AMAX = "fsdp.precision.grad.amax"
+NONFINITE = instruments.NONFINITE
+REFRESH_OVERFLOW = instruments.REFRESH_OVERFLOW
+REFRESH_UNDERFLOW = instruments.REFRESH_UNDERFLOW
+REFRESH_ERROR = instruments.REFRESH_ERROR
+LOST_RATIO = instruments.LOST_RATIO
+GRAD_AMAX = instruments.GRAD_AMAX
 RESOURCE_WORLD_SIZE = "fsdp.world_size"
 RESOURCE_SERVICE = "service.name"
 # Written by the trace-file exporter next to the span attributes.
@@ -227,7 +229,7 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
     of = f" of {run.world_size}" if run.world_size else ""
     out = [
         f"precision report: {source} (rank{'s' if len(run.ranks) > 1 else ''} {ranks}{of}, "
-        f"{run.last_step} optimizer steps, diagnostics on {len(run.samples)})"
+        f"{run.last_step} optimizer step{'s' if run.last_step != 1 else ''}, diagnostics on {len(run.samples)})"
     ]
     if not lines:
         out.append(

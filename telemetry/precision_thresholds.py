@@ -7,12 +7,14 @@ severity (``critical`` is a problem, ``warning`` a warning), which ``tests/dashb
 against the rules file. Rows without an alert are the report's own, documented in
 ``telemetry/README.md``.
 
-No torch and no OpenTelemetry here.
+No torch and no OpenTelemetry here (the instrument table's names only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from . import instruments
 
 HEALTHY = "healthy"
 WARNING = "warning"
@@ -69,7 +71,7 @@ class Threshold:
 THRESHOLDS: tuple[Threshold, ...] = (
     Threshold(
         check="refresh_overflow",
-        metric="fsdp.precision.refresh.overflow",
+        metric=instruments.REFRESH_OVERFLOW,
         above=0,
         severity=PROBLEM,
         alert="FsdpRefreshOverflow",
@@ -81,7 +83,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="nonfinite",
-        metric="fsdp.precision.nonfinite",
+        metric=instruments.NONFINITE,
         above=0,
         severity=PROBLEM,
         alert="FsdpNonFiniteValues",
@@ -95,7 +97,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="lost_updates",
-        metric="fsdp.precision.update.lost_ratio",
+        metric=instruments.LOST_RATIO,
         above=0.9,
         severity=WARNING,
         alert="FsdpLostUpdateRatioHigh",
@@ -108,7 +110,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="refresh_underflow",
-        metric="fsdp.precision.refresh.underflow",
+        metric=instruments.REFRESH_UNDERFLOW,
         above=0,
         severity=WARNING,
         finding="refresh underflow: non-zero main weights flushed to 0 in the compute dtype",
@@ -119,7 +121,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="refresh_error",
-        metric="fsdp.precision.refresh.error",
+        metric=instruments.REFRESH_ERROR,
         above=BF16_UNIT_ROUNDOFF,
         severity=WARNING,
         finding="refresh error above bf16 rounding (2^-8): compute weights do not follow the main weights",
@@ -130,7 +132,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="grad_amax_fp16",
-        metric="fsdp.precision.grad.amax",
+        metric=instruments.GRAD_AMAX,
         above=FP16_MAX,
         severity=WARNING,
         finding="gradients beyond fp16's range (65504)",
@@ -141,7 +143,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="grad_zero",
-        metric="fsdp.precision.grad.amax",
+        metric=instruments.GRAD_AMAX,
         at_most=0,
         severity=WARNING,
         unless="nonfinite",

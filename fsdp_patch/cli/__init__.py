@@ -22,6 +22,7 @@ from .parser import UsageError, build_parser
 __all__ = ["main"]
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -70,3 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # an unreadable input or unwritable output named by the user
         print(f"fsdp-patch: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("fsdp-patch: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

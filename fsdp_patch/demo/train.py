@@ -129,7 +129,7 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
     if rank != 0:
         return
     steps = options.steps - start_step
-    print(f"done: {steps} step(s) in {elapsed:.1f} s", flush=True)
+    print(f"done: {steps} step{'s' if steps != 1 else ''} in {elapsed:.1f} s", flush=True)
     from fsdp_patch.telemetry.precision_report import report
     from fsdp_patch.telemetry.trace_reading import TraceFileError
 
