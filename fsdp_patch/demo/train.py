@@ -57,16 +57,17 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
     rank, world_size = dist.get_rank(), dist.get_world_size()
     training = options.training
     model, optimizer, scheduler = build(training, _device())
-    step, position = 0, 0
+    step, position, load_seconds = 0, 0, 0.0
     if resume_from is not None:
+        started = time.perf_counter()
         checkpoint.load(resume_from, model, optimizer, scheduler)
-        step, position = resume_from.step, resume_from.data_position
+        step, position, load_seconds = resume_from.step, resume_from.data_position, time.perf_counter() - started
     config = training.gpt_config()
     rows = training.batch // training.microbatches  # sequences per microbatch, all ranks
     per_rank = rows // world_size
     progress = Progress(step, options.steps, training.batch * config.seq, options.progress if rank == 0 else "none")
     if rank == 0:
-        _print_start(options, model, resume_from)
+        _print_start(options, model, resume_from, load_seconds)
     # Created (or emptied) by the launcher; a resumed run appends its steps.
     log = open(options.loss_log, "a", encoding="utf-8") if rank == 0 and options.loss_log else None  # noqa: SIM115
     device = next(model.parameters()).device
@@ -107,10 +108,14 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
     _finish(options, rank, resume_from.step if resume_from else 0, elapsed)
 
 
-def _print_start(options: RunOptions, model: GPT, resume_from: checkpoint.SavedState | None) -> None:
+def _print_start(
+    options: RunOptions, model: GPT, resume_from: checkpoint.SavedState | None, load_seconds: float
+) -> None:
     training = options.training
     params = sum(p.numel() for p in model.parameters())
-    where = f"resuming from {resume_from.path} at step {resume_from.step}" if resume_from else "from scratch"
+    where = "from scratch"
+    if resume_from:
+        where = f"resuming from {resume_from.path} at step {resume_from.step} (loaded in {load_seconds:.1f} s)"
     print(
         f"fsdp-patch demo: scenario {training.scenario}, {dist.get_world_size()} rank(s) on {dist.get_backend()}, "
         f"{params:,} parameters, compute {training.compute_dtype} / main {training.main_dtype} / grads "
