@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from fsdp_patch.telemetry import precision_report
 from tests.integration import rank_fns
 
+pytestmark = pytest.mark.slow
 STEPS = 120
 CAP = 64 << 10
 
