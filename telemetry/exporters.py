@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -24,7 +25,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
-from . import env, otel_env
+from . import env, otel_env, trace_limits
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
 from .ranks import RankInfo
 from .summary import MetricSummary
@@ -112,6 +113,29 @@ def _guarded_call(what: str, factory: Callable[[], Any]) -> Any | None:
         return None
 
 
+def _trace_max_bytes() -> int:
+    try:
+        return trace_limits.trace_max_bytes()
+    except ValueError as exc:  # a size typo must not stop training: say so once, keep the default
+        _logger.warning("%s; using %d.", exc, trace_limits.DEFAULT_TRACE_MAX_BYTES)
+        return trace_limits.DEFAULT_TRACE_MAX_BYTES
+
+
+def _trace_file_exporter(rank_info: RankInfo, resource: Resource) -> TraceFileExporter:
+    directory, max_bytes = env.trace_dir(), _trace_max_bytes()
+    if rank_info.rank == 0:
+        # One line at start, so nobody is surprised by the files or left wondering how to use a collector.
+        cap = f"newest steps kept, at most {max_bytes >> 20} MiB per rank" if max_bytes else "no size cap"
+        print(
+            f"fsdp_patch telemetry: traces go to {os.path.join(directory, 'rank*.trace.json')} "
+            f"({cap}: {trace_limits.TRACE_MAX_BYTES}); to send them to a collector instead, set "
+            f"{TRACES_EXPORTER}=otlp and OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4318",
+            file=sys.stderr,
+            flush=True,
+        )
+    return TraceFileExporter(directory, rank_info.rank, dict(resource.attributes), max_bytes=max_bytes)
+
+
 def build_span_exporters(
     rank_info: RankInfo, resource: Resource
 ) -> tuple[list[SpanExporter], list[TraceFileExporter]]:
@@ -128,7 +152,7 @@ def build_span_exporters(
         if name == "none":
             continue
         if name == TRACE_FILE:
-            trace_file = TraceFileExporter(env.trace_dir(), rank_info.rank, dict(resource.attributes))
+            trace_file = _trace_file_exporter(rank_info, resource)
             files.append(trace_file)
             exporter = trace_file
         elif name == "console":

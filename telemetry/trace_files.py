@@ -6,62 +6,67 @@ Each rank writes, in the trace directory:
   ``chrome://tracing`` open. It is a complete JSON document after every export batch (the
   closing brackets are rewritten after each append), so a crashed run still leaves a
   readable trace.
+  Under ``FSDP_PATCH_TRACE_MAX_BYTES`` it is a segment; older ones are ``rank{R}.1.trace.json``.
 * ``rank{R}.jaeger.json``: the JSON of Jaeger's query API, which the Jaeger UI's Search >
-  "JSON File" upload accepts. It is converted from the Chrome file at shutdown rather than
+  "JSON File" upload accepts. It is converted from the Chrome segments at shutdown rather than
   written live: live writing would double the exporter's CPU time, which competes with the
   training thread for the GIL.
 
-Offline, for a crashed run or to combine ranks::
+Offline, for a crashed run or to combine ranks (inputs are files or trace directories)::
 
-    python -m fsdp_patch.telemetry.trace_files merge  all.trace.json   fsdp_patch_traces/rank*.trace.json
-    python -m fsdp_patch.telemetry.trace_files jaeger all.jaeger.json  fsdp_patch_traces/rank*.trace.json
+    fsdp-patch trace merge  all.trace.json   fsdp_patch_traces
+    fsdp-patch trace jaeger all.jaeger.json  fsdp_patch_traces
 
-``merge`` puts every rank in one Perfetto view (one process row per rank).
+``merge`` puts every rank in one Perfetto view (one process row per rank). Both stream.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import StatusCode
 
+from . import trace_limits, trace_reading
+
 _logger = logging.getLogger(__name__)
 _encode = json.JSONEncoder(separators=(",", ":")).encode
-
-# Larger traces are not converted at exit (it would hold up interpreter exit, and the Jaeger
-# UI struggles with them anyway); the command line converts them, or a part of them, on demand.
-JAEGER_AT_EXIT_MAX_BYTES = 64 << 20
 
 
 class JsonDocumentFile:
     """A file holding ``prefix + items joined by commas + suffix``, valid JSON after every append.
 
     The file is created on the first append (so ranks that emit nothing leave nothing),
-    truncating any file of an earlier run. After an ``OSError`` the file is abandoned: every
-    later append is a no-op, since its state on disk is unknown.
+    truncating any file of an earlier run, and starts with ``leading_items``. After an
+    ``OSError`` the file is abandoned: every later append is a no-op, since its state on disk
+    is unknown.
 
     Args:
         path: File to write.
         prefix: JSON text before the first item.
         suffix: JSON text after the last item.
+        leading_items: Items (JSON texts) every new file starts with.
     """
 
-    def __init__(self, path: str, prefix: str, suffix: str) -> None:
+    def __init__(self, path: str, prefix: str, suffix: str, leading_items: Sequence[str] = ()) -> None:
         self.path = path
         self._prefix = prefix.encode()
         self._suffix = suffix.encode()
+        self._leading = ",\n".join(leading_items).encode()
         self._file: Any = None
         self._end_of_items = 0
-        self._count = 0
+        self._has_items = False
+        self._written = False
         self._broken = False
         self._lock = threading.Lock()
 
@@ -74,8 +79,15 @@ class JsonDocumentFile:
             with open(os.path.join(directory, ".gitignore"), "w", encoding="utf-8") as ignore:
                 ignore.write("# created by fsdp_patch telemetry\n*\n")
         self._file = open(self.path, "wb")  # noqa: SIM115 - kept open across appends
-        self._file.write(self._prefix)
-        self._end_of_items = len(self._prefix)
+        self._file.write(self._prefix + self._leading)
+        self._end_of_items = len(self._prefix) + len(self._leading)
+        self._has_items = bool(self._leading)
+
+    def size_after(self, body_chars: int) -> int:
+        """Size in bytes the file would have after appending items of ``body_chars`` ASCII characters."""
+        end = self._end_of_items if self._file is not None else len(self._prefix) + len(self._leading)
+        separator = 2 if (self._has_items if self._file is not None else self._leading) else 0
+        return end + separator + body_chars + len(self._suffix)
 
     def append(self, items: Iterable[str]) -> None:
         """Write items (JSON texts) and re-close the document.
@@ -92,13 +104,14 @@ class JsonDocumentFile:
             try:
                 if self._file is None:
                     self._open()
-                if self._count:
+                if self._has_items:
                     body = b",\n" + body
                 self._file.seek(self._end_of_items)
                 self._file.write(body + self._suffix)
                 self._file.flush()
                 self._end_of_items += len(body)
-                self._count += 1
+                self._has_items = True
+                self._written = True
             except OSError:
                 self._broken = True
                 raise
@@ -106,7 +119,12 @@ class JsonDocumentFile:
     @property
     def written(self) -> bool:
         """Whether this object wrote the file (a file of an earlier run does not count)."""
-        return self._count > 0
+        return self._written
+
+    @property
+    def broken(self) -> bool:
+        """Whether a write failed, so that nothing more is written."""
+        return self._broken
 
     def close(self) -> None:
         """Close the file; the document on disk is already complete."""
@@ -169,24 +187,36 @@ def chrome_events(span: ReadableSpan, pid: int, tid: int = 1) -> list[str]:
 class TraceFileExporter(SpanExporter):
     """Writes one rank's spans to ``{directory}/rank{rank}.trace.json`` (Chrome trace-event JSON).
 
+    Under a cap (``max_bytes``, from ``FSDP_PATCH_TRACE_MAX_BYTES`` by default) the file is a
+    segment of at most :func:`~fsdp_patch.telemetry.trace_limits.chrome_segment_bytes`: when the
+    next span would pass that size, the segment is renamed ``rank{rank}.1.trace.json``
+    (replacing the older one) and a new one is started, each a complete JSON document beginning
+    with the process metadata. So the newest steps are kept and the rank's files stay under
+    the cap, the Jaeger file written at exit included.
+
     Args:
         directory: Directory of the files; created on the first span.
         rank: Rank of this process; names the files and is the Chrome process id.
         resource_attributes: Resource of the spans, kept in the process metadata event.
-        jaeger_at_shutdown: Convert the Chrome file to ``rank{rank}.jaeger.json`` at shutdown.
+        jaeger_at_shutdown: Convert the Chrome segments to ``rank{rank}.jaeger.json`` at shutdown.
+        max_bytes: Cap in bytes on all files of this rank; 0 for none.
     """
 
     def __init__(
-        self, directory: str, rank: int, resource_attributes: Mapping[str, Any], jaeger_at_shutdown: bool = True
+        self,
+        directory: str,
+        rank: int,
+        resource_attributes: Mapping[str, Any],
+        jaeger_at_shutdown: bool = True,
+        max_bytes: int = trace_limits.DEFAULT_TRACE_MAX_BYTES,
     ) -> None:
         self.rank = rank
-        self.jaeger_path = os.path.join(directory, f"rank{rank}.jaeger.json") if jaeger_at_shutdown else None
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._segment_bytes = trace_limits.chrome_segment_bytes(max_bytes)
+        self.jaeger_path = trace_reading.jaeger_path(directory, rank) if jaeger_at_shutdown else None
         self._jaeger_written = False
-        self.file = JsonDocumentFile(
-            os.path.join(directory, f"rank{rank}.trace.json"),
-            '{"displayTimeUnit":"ms","traceEvents":[\n',
-            "\n]}\n",
-        )
+        self._rotations = 0
         service = str(resource_attributes.get("service.name", "fsdp_patch"))
         header = [
             {
@@ -199,58 +229,125 @@ class TraceFileExporter(SpanExporter):
             {"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "spans"}},
         ]
         self._header = [_encode(e) for e in header]
+        self.file = self._new_segment()
+
+    def _new_segment(self) -> JsonDocumentFile:
+        # Every segment starts with the process metadata, so each one opens (and converts) alone.
+        return JsonDocumentFile(
+            trace_reading.chrome_path(self.directory, self.rank), _CHROME_PREFIX, _CHROME_SUFFIX, self._header
+        )
+
+    def _older_segments(self) -> list[str]:
+        kept = min(self._rotations, trace_limits.CHROME_SEGMENTS - 1)
+        return [trace_reading.chrome_path(self.directory, self.rank, age) for age in range(kept, 0, -1)]
+
+    def chrome_paths(self) -> list[str]:
+        """Chrome segments this exporter wrote, oldest first."""
+        return self._older_segments() + ([self.file.path] if self.file.written else [])
 
     def written_paths(self) -> list[str]:
         """Files written so far by this exporter (the Jaeger file appears at shutdown)."""
-        paths = [self.file.path] if self.file.written else []
+        paths = self.chrome_paths()
         if paths and self.jaeger_path and self._jaeger_written:
             paths.append(self.jaeger_path)
         return paths
 
+    def _remove_earlier_run(self) -> None:
+        # Older segments and a Jaeger file of an earlier run in this directory would read as
+        # this run's (the newest segment is truncated when opened anyway).
+        stale = [trace_reading.chrome_path(self.directory, self.rank, age) for age in range(1, trace_limits.CHROME_SEGMENTS)]
+        for path in [*stale, trace_reading.jaeger_path(self.directory, self.rank)]:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+    def _rotate(self) -> None:
+        self.file.close()
+        for age in range(trace_limits.CHROME_SEGMENTS - 1, 0, -1):
+            older = trace_reading.chrome_path(self.directory, self.rank, age - 1)
+            if os.path.exists(older):
+                os.replace(older, trace_reading.chrome_path(self.directory, self.rank, age))
+        self._rotations += 1
+        self.file = self._new_segment()
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        events, self._header = self._header, []
-        for span in spans:
-            events.extend(chrome_events(span, self.rank))
-        self.file.append(events)
+        events = [event for span in spans for event in chrome_events(span, self.rank)]
+        if not events or self.file.broken:
+            return SpanExportResult.SUCCESS
+        if not self.file.written and not self._rotations:
+            self._remove_earlier_run()
+        if not self._segment_bytes:
+            self.file.append(events)
+            return SpanExportResult.SUCCESS
+        # Split the batch where the segment fills up; a span's events may straddle two segments.
+        chunk: list[str] = []
+        chunk_chars = 0
+        for event in events:
+            added = len(event) + (2 if chunk else 0)
+            if chunk and self.file.size_after(chunk_chars + added) > self._segment_bytes:
+                self.file.append(chunk)
+                chunk, chunk_chars, added = [], 0, len(event)
+            if not chunk and self.file.written and self.file.size_after(added) > self._segment_bytes:
+                self._rotate()
+            chunk.append(event)
+            chunk_chars += added
+        self.file.append(chunk)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
         self.file.close()
-        chrome = self.file.path
-        if self.jaeger_path is None or not self.file.written or self._jaeger_written:
+        chrome = self.chrome_paths()
+        if self.jaeger_path is None or not chrome or self._jaeger_written:
             return
-        if os.path.getsize(chrome) > JAEGER_AT_EXIT_MAX_BYTES:
-            _logger.info("%s is too large to convert at exit; run `python -m fsdp_patch.telemetry.trace_files jaeger`.", chrome)
+        chrome_bytes = sum(os.path.getsize(path) for path in chrome)
+        if chrome_bytes > trace_limits.JAEGER_AT_EXIT_MAX_BYTES:
+            _logger.info("%s is too large to convert at exit; run `fsdp-patch trace jaeger`.", self.directory)
             return
+        budget = self.max_bytes - chrome_bytes if self.max_bytes else None
         # Written aside and renamed, so an exit that cuts the conversion short leaves no torn file.
         partial = f"{self.jaeger_path}.partial"
-        write_jaeger([chrome], partial)
+        result = write_jaeger(chrome, partial, max_bytes=budget)
+        if result.cut_short and len(chrome) > 1:
+            # Over budget (an unusually high Jaeger/Chrome ratio): the newest segment alone.
+            result = write_jaeger(chrome[-1:], partial, max_bytes=budget)
         os.replace(partial, self.jaeger_path)
         self._jaeger_written = True
+        if result.cut_short:
+            _logger.info(
+                "%s holds %d of %d traces (%s caps this rank's trace files); `fsdp-patch trace jaeger` converts all.",
+                self.jaeger_path, result.traces, result.traces_seen, trace_limits.TRACE_MAX_BYTES,
+            )  # fmt: skip
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
 
 
-def _load_events(paths: Sequence[str]) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
-        events.extend(document["traceEvents"] if isinstance(document, dict) else document)
-    return events
+_CHROME_PREFIX = '{"displayTimeUnit":"ms","traceEvents":[\n'
+_CHROME_SUFFIX = "\n]}\n"
+
+
+def _iter_inputs(inputs: Sequence[str]) -> Iterator[dict[str, Any]]:
+    for path in trace_reading.expand_inputs(inputs):
+        yield from trace_reading.iter_events(path)
 
 
 def merge_chrome_traces(inputs: Sequence[str], output: str) -> int:
-    """Merge per-rank Chrome trace files into one (each rank keeps its own process row).
+    """Merge Chrome trace files (or trace directories) into one; each rank keeps its process row.
+
+    Streams: memory does not grow with the inputs' size.
 
     Returns:
         The number of events written.
     """
-    events = _load_events(inputs)
-    with open(output, "w", encoding="utf-8") as f:
-        json.dump({"displayTimeUnit": "ms", "traceEvents": events}, f)
-    return len(events)
+    count = 0
+    with open(output, "w", encoding="utf-8") as out:
+        out.write(_CHROME_PREFIX)
+        for event in _iter_inputs(inputs):
+            out.write((",\n" if count else "") + _encode(event))
+            count += 1
+        out.write(_CHROME_SUFFIX)
+    return count
 
 
 def _jaeger_tag(key: str, value: Any) -> dict[str, Any]:
@@ -267,33 +364,75 @@ def _jaeger_tag(key: str, value: Any) -> dict[str, Any]:
 
 
 _SPAN_ARGS = ("trace_id", "span_id", "parent_span_id", "status", "status_description")
+# Spans held while their trace's root has not been read yet. A trace whose root ends much
+# later (an application span around the whole run) is written in parts under the same ID.
+MAX_PENDING_SPANS = 10_000
 
 
-def chrome_to_jaeger(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Rebuild Jaeger query-API JSON (``{"data": [trace, ...]}``) from our Chrome trace events."""
-    processes: dict[str, dict[str, Any]] = {}
-    logs: dict[str, list[dict[str, Any]]] = {}
-    spans: list[tuple[Mapping[str, Any], str]] = []
-    for event in events:
+@dataclass
+class JaegerResult:
+    """What :func:`write_jaeger` wrote.
+
+    Attributes:
+        traces: Traces (or parts of traces) written.
+        traces_seen: Traces read from the inputs.
+        cut_short: Whether ``max_bytes`` stopped the output before the end.
+    """
+
+    traces: int = 0
+    traces_seen: int = 0
+    cut_short: bool = False
+
+
+class JaegerStream:
+    """Converts Chrome trace events, fed one at a time, into Jaeger query-API JSON written as it goes.
+
+    Our exporter writes a span after its children and a span's instant events (exceptions)
+    right after it, so a trace is complete once its root span and the events after it were
+    read; it is written then and forgotten. Memory is bounded by :data:`MAX_PENDING_SPANS`.
+
+    Args:
+        out: Text stream receiving ``{"data": [trace, ...]}``.
+        max_bytes: Stop before the output would pass this size (whole traces only; the
+            document is still closed and valid).
+    """
+
+    def __init__(self, out: TextIO, max_bytes: int | None = None) -> None:
+        self._out = out
+        self._max_bytes = max_bytes
+        self._processes: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._spans_by_id: dict[str, dict[str, Any]] = {}
+        self._complete: list[str] = []
+        self._pending_spans = 0
+        self._closing = "]}\n"
+        self._size = len('{"data":[') + len(self._closing)
+        self.result = JaegerResult()
+        out.write('{"data":[')
+
+    def feed(self, event: Mapping[str, Any]) -> None:
+        """Take one Chrome trace event."""
         args = event.get("args", {})
         process_id = f"p{event.get('pid', 0)}"
-        if event.get("ph") == "M" and event.get("name") == "process_name":
+        phase = event.get("ph")
+        if phase == "M" and event.get("name") == "process_name":
             resource = args.get("otel.resource", {})
-            processes[process_id] = {
+            self._processes[process_id] = {
                 "serviceName": str(resource.get("service.name", args.get("name", "fsdp_patch"))),
                 "tags": [_jaeger_tag(k, v) for k, v in resource.items()],
             }
-        elif event.get("ph") == "X" and "trace_id" in args:
-            spans.append((event, process_id))
-        elif event.get("ph") == "i" and "span_id" in args:
-            fields = [_jaeger_tag("event", event["name"])]
-            fields += [_jaeger_tag(k, v) for k, v in args.items() if k != "span_id"]
-            logs.setdefault(args["span_id"], []).append({"timestamp": int(event["ts"]), "fields": fields})
-    traces: dict[str, dict[str, Any]] = {}
-    for event, process_id in spans:
-        args = event["args"]
+        elif phase == "X" and "trace_id" in args:
+            self._write_complete()
+            self._add_span(event, args, process_id)
+        elif phase == "i" and "span_id" in args:
+            span = self._spans_by_id.get(args["span_id"])
+            if span is not None:
+                fields = [_jaeger_tag("event", event["name"])]
+                fields += [_jaeger_tag(k, v) for k, v in args.items() if k != "span_id"]
+                span["logs"].append({"timestamp": int(event["ts"]), "fields": fields})
+
+    def _add_span(self, event: Mapping[str, Any], args: Mapping[str, Any], process_id: str) -> None:
         trace_id = args["trace_id"]
-        processes.setdefault(process_id, {"serviceName": "fsdp_patch", "tags": []})
         tags = [_jaeger_tag(k, v) for k, v in args.items() if k not in _SPAN_ARGS]
         if args.get("status") == "ERROR":
             tags.append(_jaeger_tag("error", True))
@@ -301,49 +440,109 @@ def chrome_to_jaeger(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             if "status_description" in args:
                 tags.append(_jaeger_tag("otel.status_description", args["status_description"]))
         parent = args.get("parent_span_id")
-        trace = traces.setdefault(trace_id, {"traceID": trace_id, "spans": [], "processes": {}})
-        trace["processes"][process_id] = processes[process_id]
-        trace["spans"].append(
-            {
-                "traceID": trace_id,
-                "spanID": args["span_id"],
-                "operationName": event["name"],
-                "references": [{"refType": "CHILD_OF", "traceID": trace_id, "spanID": parent}] if parent else [],
-                "flags": 1,
-                "startTime": int(event["ts"]),
-                "duration": int(event.get("dur", 0)),
-                "tags": tags,
-                "logs": logs.get(args["span_id"], []),
-                "processID": process_id,
-                "warnings": None,
-            }
+        span = {
+            "traceID": trace_id,
+            "spanID": args["span_id"],
+            "operationName": event["name"],
+            "references": [{"refType": "CHILD_OF", "traceID": trace_id, "spanID": parent}] if parent else [],
+            "flags": 1,
+            "startTime": int(event["ts"]),
+            "duration": int(event.get("dur", 0)),
+            "tags": tags,
+            "logs": [],
+            "processID": process_id,
+            "warnings": None,
+        }
+        if trace_id not in self._pending:
+            self.result.traces_seen += 1
+        self._pending.setdefault(trace_id, []).append(span)
+        self._spans_by_id[span["spanID"]] = span
+        self._pending_spans += 1
+        if not parent:
+            self._complete.append(trace_id)
+        while self._pending_spans > MAX_PENDING_SPANS and self._pending:
+            self._write_trace(next(iter(self._pending)))
+
+    def _write_complete(self) -> None:
+        for trace_id in self._complete:
+            if trace_id in self._pending:
+                self._write_trace(trace_id)
+        self._complete.clear()
+
+    def _write_trace(self, trace_id: str) -> None:
+        spans = self._pending.pop(trace_id)
+        self._pending_spans -= len(spans)
+        for span in spans:
+            self._spans_by_id.pop(span["spanID"], None)
+        if self.result.cut_short:
+            return
+        processes = {
+            span["processID"]: self._processes.get(span["processID"], {"serviceName": "fsdp_patch", "tags": []})
+            for span in spans
+        }
+        text = (", " if self.result.traces else "") + json.dumps(
+            {"traceID": trace_id, "spans": spans, "processes": processes}
         )
-    return {"data": list(traces.values())}
+        if self._max_bytes is not None and self._size + len(text) > self._max_bytes:
+            self.result.cut_short = True
+            return
+        self._out.write(text)
+        self._size += len(text)
+        self.result.traces += 1
+
+    def close(self) -> JaegerResult:
+        """Write what is still pending and close the document."""
+        self._write_complete()
+        while self._pending:
+            self._write_trace(next(iter(self._pending)))
+        self._out.write(self._closing)
+        return self.result
 
 
-def write_jaeger(inputs: Sequence[str], output: str) -> int:
-    """Convert Chrome trace files written by :class:`TraceFileExporter` into one Jaeger upload file.
+def chrome_to_jaeger(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Rebuild Jaeger query-API JSON (``{"data": [trace, ...]}``) from our Chrome trace events, in memory."""
+    buffer = io.StringIO()
+    stream = JaegerStream(buffer)
+    for event in events:
+        stream.feed(event)
+    stream.close()
+    return json.loads(buffer.getvalue())
+
+
+def write_jaeger(inputs: Sequence[str], output: str, max_bytes: int | None = None) -> JaegerResult:
+    """Convert Chrome trace files (or trace directories) into one Jaeger upload file, streaming.
+
+    Args:
+        inputs: Files written by :class:`TraceFileExporter` (rotated segments oldest first),
+            or directories holding them.
+        output: The Jaeger JSON file.
+        max_bytes: Largest output size; whole traces past it are left out.
 
     Returns:
-        The number of traces written.
+        What was written.
     """
-    document = chrome_to_jaeger(_load_events(inputs))
-    with open(output, "w", encoding="utf-8") as f:
-        json.dump(document, f)
-    return len(document["data"])
+    with open(output, "w", encoding="utf-8") as out:
+        stream = JaegerStream(out, max_bytes)
+        for event in _iter_inputs(inputs):
+            stream.feed(event)
+        return stream.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``merge|jaeger OUTPUT INPUT [INPUT ...]``."""
+    """Command line: ``merge|jaeger OUTPUT INPUT [INPUT ...]``; inputs are trace files or directories."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 3 or args[0] not in ("merge", "jaeger"):
-        print("usage: python -m fsdp_patch.telemetry.trace_files {merge|jaeger} OUTPUT INPUT [INPUT ...]", file=sys.stderr)
+        print("usage: fsdp-patch trace {merge|jaeger} OUTPUT INPUT [INPUT ...]", file=sys.stderr)
         return 2
     command, output, inputs = args[0], args[1], args[2:]
-    if command == "merge":
-        print(f"wrote {merge_chrome_traces(inputs, output)} events to {output}")
-    else:
-        print(f"wrote {write_jaeger(inputs, output)} traces to {output}")
+    try:
+        if command == "merge":
+            print(f"wrote {merge_chrome_traces(inputs, output)} events to {output}")
+        else:
+            print(f"wrote {write_jaeger(inputs, output).traces} traces to {output}")
+    except (trace_reading.TraceFileError, OSError) as exc:
+        print(f"fsdp-patch trace {command}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.model import Block
+from fsdp_patch.demo.model import Block
 
 
 class TinyTransformer(nn.Module):

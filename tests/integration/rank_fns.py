@@ -269,3 +269,37 @@ def unreachable_collector(protocol: str) -> list[torch.Tensor]:
         telemetry.shutdown()
     _reset_otel()
     return _main_weights(model)
+
+
+def capped_trace_files(directory: str, steps: int, max_bytes: str) -> dict[str, Any]:
+    """Trains ``steps`` steps on the embedded default trace files under a size cap; returns this rank's files."""
+    import fsdp_patch.telemetry as telemetry
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _reset_otel()
+    settings = dict(
+        FSDP_PATCH_TELEMETRY="1",
+        FSDP_PATCH_PRECISION_EVERY="1",
+        FSDP_PATCH_TRACE_DIR=directory,
+        FSDP_PATCH_TRACE_MAX_BYTES=max_bytes,
+        FSDP_PATCH_SUMMARY="none",
+        OTEL_TRACES_EXPORTER=None,
+        OTEL_METRICS_EXPORTER=None,
+    )
+    try:
+        with environment(**settings):
+            model = _bf16_model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            fully_shard_optimizer(optimizer)
+            batches = models.make_batches(4)
+            for step in range(steps):
+                tokens = batches[step % len(batches)]
+                models.lm_loss(model, models.rank_slice(tokens, rank, world_size)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            telemetry.shutdown()
+    finally:
+        _reset_otel()
+    names = sorted(n for n in os.listdir(directory) if n.startswith(f"rank{rank}."))
+    return {"files": {n: os.path.getsize(os.path.join(directory, n)) for n in names}}

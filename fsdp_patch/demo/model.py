@@ -1,8 +1,9 @@
-"""A small decoder-only transformer for the main job and the benchmarks."""
+"""A small decoder-only transformer for the demo and the benchmarks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """Sizes of :class:`GPT`: vocabulary, width, attention heads, blocks and sequence length."""
+
     vocab: int = 512
     dim: int = 128
     heads: int = 4
@@ -63,7 +66,7 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
-def shard(model: GPT, **kwargs) -> GPT:
+def shard(model: GPT, **kwargs: Any) -> GPT:
     """``fully_shard`` bottom-up: each block, then the root."""
     from fsdp_patch import fully_shard
 
@@ -71,18 +74,3 @@ def shard(model: GPT, **kwargs) -> GPT:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def synthetic_batches(config: GPTConfig, batch: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
-    """Token batches with learnable structure (a noisy repeating pattern), so loss falls."""
-    gen = torch.Generator().manual_seed(seed)
-    period = 7
-    batches = []
-    for _ in range(steps):
-        start = torch.randint(0, config.vocab, (batch, 1), generator=gen)
-        ramp = torch.arange(config.seq + 1).unsqueeze(0) % period
-        tokens = (start + ramp * 3) % config.vocab
-        noise = torch.rand(tokens.shape, generator=gen) < 0.05
-        tokens[noise] = torch.randint(0, config.vocab, (int(noise.sum()),), generator=gen)
-        batches.append(tokens)
-    return batches

@@ -1,0 +1,76 @@
+"""The ``fsdp-patch`` command (also ``python -m fsdp_patch``).
+
+Subcommands::
+
+    fsdp-patch demo [options]                    the main job (see fsdp-patch demo --help)
+    fsdp-patch report TRACE_DIR [--lines N]      precision verdicts from a run's trace files
+    fsdp-patch trace merge OUTPUT INPUT...       per-rank Chrome traces into one Perfetto file
+    fsdp-patch trace jaeger OUTPUT INPUT...      Chrome traces into one Jaeger upload file
+
+An INPUT is a trace file or a trace directory (its rotated segments included). Bad input gives
+one line on stderr, ``fsdp-patch <subcommand>: <what was wrong>``, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .parser import UsageError, build_parser
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ..demo.run import main as demo_main
+
+    return demo_main(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ..telemetry.precision_report import report
+
+    if args.lines < 1:
+        raise UsageError(f"fsdp-patch report: --lines {args.lines} is too small; expected an integer >= 1")
+    sys.stdout.write(report(args.trace_dir, args.lines))
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from ..telemetry.trace_files import merge_chrome_traces, write_jaeger
+
+    if args.trace_command == "merge":
+        print(f"wrote {merge_chrome_traces(args.inputs, args.output)} events to {args.output}")
+    else:
+        result = write_jaeger(args.inputs, args.output)
+        print(f"wrote {result.traces} traces to {args.output}")
+    return 0
+
+
+_HANDLERS = {"demo": _demo, "report": _report, "trace": _trace}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 for bad input, with one line on stderr)."""
+    from ..demo.options import DemoInputError
+    from ..telemetry.trace_reading import TraceFileError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return _HANDLERS[args.command](args)
+    except (UsageError, DemoInputError, TraceFileError) as exc:
+        prog = "fsdp-patch" if isinstance(exc, UsageError) else f"fsdp-patch {getattr(args, 'command', '')}".strip()
+        message = str(exc) if isinstance(exc, UsageError) else f"{prog}: {exc}"
+        print(message.replace("\n", " "), file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # an unreadable input or unwritable output named by the user
+        print(f"fsdp-patch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("fsdp-patch: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,325 @@
+"""The demo's command-line options, their validation, and the planted-bug scenarios.
+
+Every check of user input happens here, in the launching process, before any rank starts:
+bad input is one :class:`DemoInputError` naming what was wrong and what is accepted, which
+the command line prints as one line with exit code 2.
+
+Options that decide the training (:class:`TrainingConfig`) are stored in every checkpoint.
+On ``--resume`` the ones not given on the command line come from the checkpoint, and one
+given with another value than the checkpoint's makes the checkpoint incompatible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .model import GPTConfig
+
+
+class DemoInputError(ValueError):
+    """Bad input to the demo: a one-line message naming the value and what is expected."""
+
+
+# Accepted spellings of each dtype; the checkpoint stores the canonical (torch) name.
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(option: str, value: str) -> torch.dtype:
+    """The dtype an option names.
+
+    Raises:
+        DemoInputError: Not one of :data:`DTYPES`.
+    """
+    dtype = DTYPES.get(value.strip().lower())
+    if dtype is None:
+        raise DemoInputError(f"{option} {value!r} is not a dtype; expected one of bf16, fp16, fp32")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A planted numeric bug (or none) and the settings it needs.
+
+    Attributes:
+        compute_dtype: Default compute dtype of the scenario.
+        lr: Default peak learning rate.
+        plant: ``None``, ``"nan"`` (a NaN in a grad on rank 0) or ``"overflow"`` (a main
+            weight set past fp16's range).
+        description: What the precision report should find.
+    """
+
+    compute_dtype: torch.dtype
+    lr: float
+    plant: str | None
+    description: str
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "healthy": Scenario(torch.bfloat16, 3e-3, None, "nothing planted: every verdict healthy"),
+    "tiny-lr": Scenario(torch.bfloat16, 1e-7, None, "a learning rate too small for bf16 weights: lost updates"),
+    "nan": Scenario(torch.bfloat16, 3e-3, "nan", "one NaN in a gradient halfway: NaN/Inf in grads, then weights"),
+    "fp16-overflow": Scenario(torch.float16, 3e-3, "overflow", "fp16 compute weights, a main weight past 65504: refresh overflow"),
+}
+EXPORTERS = ("file", "otlp", "console", "none")
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What decides the loss curve; saved with every checkpoint and compared on resume.
+
+    Attributes:
+        scenario: Key of :data:`SCENARIOS`.
+        compute_dtype: Dtype of the compute weights (the module's parameters).
+        main_dtype: Dtype of the sharded main weights the optimizer updates.
+        grad_dtype: Dtype of the sharded main grads.
+        lr: Peak learning rate, reached after the warm-up.
+        min_lr: Learning rate at the end of the cosine decay.
+        warmup_steps: Linear warm-up length.
+        decay_steps: Step at which the cosine decay reaches ``min_lr``. Independent of the
+            number of steps run, so that a run stopped and resumed follows one curve.
+        weight_decay: AdamW's decoupled weight decay.
+        batch: Sequences per optimizer step, over all ranks and microbatches.
+        microbatches: Gradient-accumulation microbatches per step.
+        seed: Seed of the weights and the data stream.
+        plant_step: Step at which the scenario plants its bug (0: none).
+        model: :class:`GPTConfig` fields.
+    """
+
+    scenario: str
+    compute_dtype: str
+    main_dtype: str
+    grad_dtype: str
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    weight_decay: float
+    batch: int
+    microbatches: int
+    seed: int
+    plant_step: int
+    model: dict[str, int] = field(default_factory=lambda: dataclasses.asdict(GPTConfig()))
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(**self.model)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The torch dtype of field ``name`` (``compute_dtype``, ``main_dtype`` or ``grad_dtype``)."""
+        return DTYPES[getattr(self, name)]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything one invocation of ``fsdp-patch demo`` was asked to do.
+
+    Attributes:
+        training: The training configuration (from the command line, or the checkpoint's).
+        explicit: Names of training options given on the command line (checked on resume).
+        steps: Train until this global step.
+        world_size: Local ranks to spawn when not under torchrun.
+        checkpoint_dir: Where checkpoints go (none when ``None``).
+        checkpoint_every: Save every this many steps (0: only at the end).
+        keep_checkpoints: Checkpoints kept in ``checkpoint_dir``, newest first.
+        resume: Continue from the newest checkpoint in ``checkpoint_dir``.
+        trace_dir: Directory of the trace files.
+        exporter: One of :data:`EXPORTERS`, or ``None`` to leave ``OTEL_*`` as they are.
+        precision_every: Diagnostics interval (``FSDP_PATCH_PRECISION_EVERY``), or ``None`` to keep the environment's.
+        loss_log: JSON-lines file of per-step loss and learning rate, written by rank 0.
+        progress: One of :data:`PROGRESS_MODES`.
+        report_lines: Most lines of the precision report.
+    """
+
+    training: TrainingConfig
+    explicit: frozenset[str]
+    steps: int
+    world_size: int
+    checkpoint_dir: str | None
+    checkpoint_every: int
+    keep_checkpoints: int
+    resume: bool
+    trace_dir: str
+    exporter: str | None
+    precision_every: int | None
+    loss_log: str | None
+    progress: str
+    report_lines: int
+
+
+# Training options: (flag, dest, type, help). Their default is None so that "given" is known.
+_TRAINING_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--compute-dtype", "compute_dtype", str, "compute weights: bf16, fp16 or fp32 (default: the scenario's, bf16)"),
+    ("--main-dtype", "main_dtype", str, "main weights the optimizer updates (default fp32)"),
+    ("--grad-dtype", "grad_dtype", str, "main grads (default: the compute dtype)"),
+    ("--lr", "lr", float, "peak learning rate (default: the scenario's, 3e-3)"),
+    ("--min-lr", "min_lr", float, "learning rate at the end of the cosine decay (default lr/10)"),
+    ("--warmup-steps", "warmup_steps", int, "linear warm-up steps (default 5)"),
+    ("--decay-steps", "decay_steps", int, "step where the cosine decay reaches --min-lr (default 100)"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay (default 0)"),
+    ("--batch", "batch", int, "sequences per step over all ranks (default 8)"),
+    ("--microbatches", "microbatches", int, "gradient-accumulation microbatches per step (default 1)"),
+    ("--seed", "seed", int, "seed of weights and data (default 0)"),
+    ("--plant-step", "plant_step", int, "step where --scenario plants its bug (default: half of --steps)"),
+)
+DEFAULT_STEPS = 30
+DEFAULT_TRACE_DIR = os.path.join("runs", "demo", "traces")
+DEFAULT_PRECISION_EVERY = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options on ``parser``."""
+    parser.add_argument("--scenario", default=None, help=f"planted bug: {', '.join(SCENARIOS)} (default healthy)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="train until this step (default 30)")
+    parser.add_argument("--world-size", type=int, default=2, help="local CPU ranks when not under torchrun (default 2)")
+    for flag, dest, kind, text in _TRAINING_FLAGS:
+        parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    parser.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints here (and resume from here)")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="save every N steps, and at the end (default 10; 0: only at the end)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept, newest first (default 2)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--trace-dir", default=None, help=f"trace files (default $FSDP_PATCH_TRACE_DIR, else {DEFAULT_TRACE_DIR})")
+    parser.add_argument("--exporter", default=None, help="file (default), otlp, console or none; otlp/console keep the files too")
+    parser.add_argument("--precision-every", type=int, default=None, help="precision diagnostics every N steps (default 5)")
+    parser.add_argument("--loss-log", default=None, help="write each step's loss and learning rate as JSON lines here")
+    parser.add_argument("--progress", default="auto", help="auto (a bar on a terminal, lines otherwise), bar, lines or none")
+    parser.add_argument("--report-lines", type=int, default=10, help="most lines of the precision report (default 10)")
+
+
+def _at_least(option: str, value: int, least: int) -> None:
+    if value < least:
+        raise DemoInputError(f"{option} {value} is too small; expected an integer >= {least}")
+
+
+def _choice(option: str, value: str, accepted: tuple[str, ...] | list[str]) -> str:
+    if value not in accepted:
+        raise DemoInputError(f"{option} {value!r} is not known; expected one of {', '.join(accepted)}")
+    return value
+
+
+def training_from_args(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> tuple[TrainingConfig, frozenset[str]]:
+    """The training configuration: given options, else the checkpoint's (``saved``), else defaults.
+
+    Raises:
+        DemoInputError: A bad value, or (with ``saved``) a given option that differs from the checkpoint.
+    """
+    given = {dest: getattr(args, dest) for _, dest, _, _ in _TRAINING_FLAGS if getattr(args, dest) is not None}
+    if args.scenario is not None:
+        given["scenario"] = _choice("--scenario", args.scenario, list(SCENARIOS))
+    for dest in ("compute_dtype", "main_dtype", "grad_dtype"):
+        if dest in given:
+            given[dest] = dtype_name(parse_dtype("--" + dest.replace("_", "-"), given[dest]))
+    if saved is not None:
+        for key, value in given.items():
+            if key in saved and saved[key] != value:
+                flag = "--" + key.replace("_", "-")
+                raise DemoInputError(
+                    f"incompatible checkpoint: it was trained with {flag} {saved[key]}, this run asks for {flag} {value} "
+                    f"(leave {flag} out to continue with the checkpoint's)"
+                )
+        try:
+            config = TrainingConfig(**{**saved, **given})
+        except TypeError as exc:
+            raise DemoInputError(f"incompatible checkpoint: its training settings do not fit this version ({exc})") from None
+    else:
+        scenario = SCENARIOS[given.get("scenario", "healthy")]
+        compute = given.get("compute_dtype", dtype_name(scenario.compute_dtype))
+        lr = given.get("lr", scenario.lr)
+        config = TrainingConfig(
+            scenario=given.get("scenario", "healthy"),
+            compute_dtype=compute,
+            main_dtype=given.get("main_dtype", "float32"),
+            grad_dtype=given.get("grad_dtype", compute),
+            lr=lr,
+            min_lr=given.get("min_lr", lr / 10),
+            warmup_steps=given.get("warmup_steps", 5),
+            decay_steps=given.get("decay_steps", 100),
+            weight_decay=given.get("weight_decay", 0.0),
+            batch=given.get("batch", 8),
+            microbatches=given.get("microbatches", 1),
+            seed=given.get("seed", 0),
+            plant_step=given.get("plant_step", max(1, args.steps // 2) if scenario.plant else 0),
+        )
+    _check_training(config)
+    return config, frozenset(given)
+
+
+def _check_training(config: TrainingConfig) -> None:
+    if not config.lr > 0:
+        raise DemoInputError(f"--lr {config.lr} must be a positive number")
+    if not 0 <= config.min_lr <= config.lr:
+        raise DemoInputError(f"--min-lr {config.min_lr} must be between 0 and --lr {config.lr}")
+    if not config.weight_decay >= 0:
+        raise DemoInputError(f"--weight-decay {config.weight_decay} must be >= 0")
+    _at_least("--warmup-steps", config.warmup_steps, 0)
+    _at_least("--decay-steps", config.decay_steps, 1)
+    _at_least("--batch", config.batch, 1)
+    _at_least("--microbatches", config.microbatches, 1)
+    _at_least("--seed", config.seed, 0)
+    _at_least("--plant-step", config.plant_step, 0)
+
+
+def check_layout(config: TrainingConfig, world_size: int) -> None:
+    """Whether the global batch splits evenly over microbatches and ranks.
+
+    Raises:
+        DemoInputError: It does not.
+    """
+    if config.batch % (config.microbatches * world_size):
+        raise DemoInputError(
+            f"--batch {config.batch} does not split into --microbatches {config.microbatches} x {world_size} ranks; "
+            f"expected a multiple of {config.microbatches * world_size}"
+        )
+
+
+def run_options(args: argparse.Namespace, training: TrainingConfig, explicit: frozenset[str], world_size: int) -> RunOptions:
+    """The whole invocation, checked.
+
+    Raises:
+        DemoInputError: A bad value.
+    """
+    _at_least("--steps", args.steps, 1)
+    _at_least("--world-size", world_size, 1)
+    _at_least("--checkpoint-every", args.checkpoint_every, 0)
+    _at_least("--keep-checkpoints", args.keep_checkpoints, 1)
+    _at_least("--report-lines", args.report_lines, 1)
+    if args.precision_every is not None:
+        _at_least("--precision-every", args.precision_every, 0)
+    if args.resume and not args.checkpoint_dir:
+        raise DemoInputError("--resume needs --checkpoint-dir, the directory of the checkpoints to continue from")
+    check_layout(training, world_size)
+    return RunOptions(
+        training=training,
+        explicit=explicit,
+        steps=args.steps,
+        world_size=world_size,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        trace_dir=args.trace_dir or os.environ.get("FSDP_PATCH_TRACE_DIR", "").strip() or DEFAULT_TRACE_DIR,
+        exporter=None if args.exporter is None else _choice("--exporter", args.exporter, EXPORTERS),
+        precision_every=args.precision_every,
+        loss_log=args.loss_log,
+        progress=_choice("--progress", args.progress, PROGRESS_MODES),
+        report_lines=args.report_lines,
+    )

@@ -1,0 +1,147 @@
+"""What every rank of the demo runs: build, (resume,) train, checkpoint, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import MixedPrecisionPolicy
+from ..optimizer import fully_shard_optimizer
+from . import checkpoint
+from .data import tokens_at
+from .model import GPT, lm_loss, shard
+from .options import SCENARIOS, RunOptions, TrainingConfig
+from .progress import Progress
+from .schedule import WarmupCosine
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build(training: TrainingConfig, device: torch.device) -> tuple[GPT, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The sharded model, its adapted AdamW and the warm-up + cosine schedule, as at step 0."""
+    torch.manual_seed(training.seed)
+    model = GPT(training.gpt_config()).to(device=device, dtype=training.dtype("compute_dtype"))
+    policy = MixedPrecisionPolicy(
+        main_params_dtype=training.dtype("main_dtype"), main_grads_dtype=training.dtype("grad_dtype")
+    )
+    shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=training.weight_decay)
+    fully_shard_optimizer(optimizer)
+    schedule = WarmupCosine(training.warmup_steps, training.decay_steps, training.min_lr / training.lr)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def _plant(model: GPT, training: TrainingConfig, step: int) -> None:
+    """The scenario's bug, after the backward of ``step``."""
+    plant = SCENARIOS[training.scenario].plant
+    if plant is None or step != training.plant_step:
+        return
+    with torch.no_grad():
+        if plant == "nan" and dist.get_rank() == 0:
+            model.head.weight.grad.to_local().view(-1)[0] = float("nan")
+        elif plant == "overflow":
+            # Main weights (fp32) past fp16's largest value: the refresh to fp16 gives Inf.
+            model.pos.to_local().fill_(7.0e4)
+
+
+def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -> None:
+    """Train on this rank; rank 0 shows progress and, at the end, the precision report."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    training = options.training
+    model, optimizer, scheduler = build(training, _device())
+    step, position, load_seconds = 0, 0, 0.0
+    if resume_from is not None:
+        started = time.perf_counter()
+        checkpoint.load(resume_from, model, optimizer, scheduler)
+        step, position, load_seconds = resume_from.step, resume_from.data_position, time.perf_counter() - started
+    config = training.gpt_config()
+    rows = training.batch // training.microbatches  # sequences per microbatch, all ranks
+    per_rank = rows // world_size
+    progress = Progress(step, options.steps, training.batch * config.seq, options.progress if rank == 0 else "none")
+    if rank == 0:
+        _print_start(options, model, resume_from, load_seconds)
+    # Created (or emptied) by the launcher; a resumed run appends its steps.
+    log = open(options.loss_log, "a", encoding="utf-8") if rank == 0 and options.loss_log else None  # noqa: SIM115
+    device = next(model.parameters()).device
+    try:
+        while step < options.steps:
+            step += 1
+            started = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(training.microbatches):
+                tokens = tokens_at(config, rows, position, training.seed)[rank * per_rank : (rank + 1) * per_rank]
+                position += 1
+                model.set_requires_gradient_sync(micro == training.microbatches - 1)
+                loss = lm_loss(model, tokens.to(device)) / training.microbatches
+                loss.backward()
+                loss_sum += loss.detach()
+            _plant(model, training, step)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            dist.all_reduce(loss_sum)
+            loss_value = loss_sum.item() / world_size
+            progress.step(step, loss_value, float(lr), time.perf_counter() - started)
+            if log is not None:
+                log.write(json.dumps({"step": step, "loss": loss_value, "lr": float(lr)}) + "\n")
+                log.flush()
+            last = step == options.steps
+            if options.checkpoint_dir and (last or (options.checkpoint_every and step % options.checkpoint_every == 0)):
+                saved_at = time.perf_counter()
+                path = checkpoint.save(
+                    options.checkpoint_dir, step, position, model, optimizer, scheduler, training, options.keep_checkpoints
+                )
+                progress.note(f"checkpoint: {path} ({time.perf_counter() - saved_at:.1f} s)")
+    finally:
+        if log is not None:
+            log.close()
+    elapsed = progress.close()
+    _finish(options, rank, resume_from.step if resume_from else 0, elapsed)
+
+
+def _print_start(
+    options: RunOptions, model: GPT, resume_from: checkpoint.SavedState | None, load_seconds: float
+) -> None:
+    training = options.training
+    params = sum(p.numel() for p in model.parameters())
+    where = "from scratch"
+    if resume_from:
+        where = f"resuming from {resume_from.path} at step {resume_from.step} (loaded in {load_seconds:.1f} s)"
+    print(
+        f"fsdp-patch demo: scenario {training.scenario}, {dist.get_world_size()} rank(s) on {dist.get_backend()}, "
+        f"{params:,} parameters, compute {training.compute_dtype} / main {training.main_dtype} / grads "
+        f"{training.grad_dtype}, AdamW lr {training.lr:g} (warm-up {training.warmup_steps}, cosine to "
+        f"{training.min_lr:g} at step {training.decay_steps}), {options.steps} steps, {where}",
+        flush=True,
+    )
+
+
+def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> None:
+    import fsdp_patch.telemetry as telemetry
+
+    # Every rank's trace file is complete before rank 0 reads them.
+    telemetry.shutdown()
+    dist.barrier()
+    if rank != 0:
+        return
+    steps = options.steps - start_step
+    print(f"done: {steps} step{'s' if steps != 1 else ''} in {elapsed:.1f} s", flush=True)
+    from fsdp_patch.telemetry.precision_report import report
+    from fsdp_patch.telemetry.trace_reading import TraceFileError
+
+    try:
+        text = report(options.trace_dir, options.report_lines, step_offset=start_step)
+    except TraceFileError as exc:
+        print(f"no precision report: {exc}", flush=True)
+        return
+    print(f"\n{text}traces: {options.trace_dir}{os.sep} (Perfetto: rank*.trace.json; Jaeger upload: rank*.jaeger.json; "
+          f"again: fsdp-patch report {options.trace_dir})", flush=True)  # fmt: skip

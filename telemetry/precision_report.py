@@ -1,0 +1,278 @@
+"""The precision report: a verdict per step range from a run's trace files.
+
+Reads the ``fsdp.optimizer.precision`` spans (their attributes hold the step's diagnostics,
+already reduced over ranks) and the ``fsdp.optimizer.step`` spans (step numbers, and steps
+that raised) from every rank's trace files, rotated segments included, streaming. Each line
+covers a range of steps and shows the worst value of each diagnostic in it, judged with
+:mod:`fsdp_patch.telemetry.precision_thresholds` (the thresholds of the Prometheus alerts);
+the report ends with where to look next for each finding.
+
+No torch and no OpenTelemetry here: ``fsdp-patch report TRACE_DIR`` works on any machine the
+files are copied to.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from . import instruments
+from . import precision_thresholds as thresholds
+from .trace_reading import TraceFileError, iter_events, rank_segments
+
+# -- Names read from the trace ---------------------------------------------------------
+# The span names and attribute keys this report reads, spelled here once (to be replaced by
+# the constants of telemetry's names module when it exists). The precision span's attributes
+# are named after the metrics they mirror (design.md), hence the instrument table's names.
+STEP_SPAN = "fsdp.optimizer.step"
+PRECISION_SPAN = "fsdp.optimizer.precision"
+STEP_ATTRIBUTE = "fsdp.step"
+NONFINITE = instruments.NONFINITE
+REFRESH_OVERFLOW = instruments.REFRESH_OVERFLOW
+REFRESH_UNDERFLOW = instruments.REFRESH_UNDERFLOW
+REFRESH_ERROR = instruments.REFRESH_ERROR
+LOST_RATIO = instruments.LOST_RATIO
+GRAD_AMAX = instruments.GRAD_AMAX
+RESOURCE_WORLD_SIZE = "fsdp.world_size"
+RESOURCE_SERVICE = "service.name"
+# Written by the trace-file exporter next to the span attributes.
+SPAN_ID, PARENT_SPAN_ID, STATUS, STATUS_DESCRIPTION = "span_id", "parent_span_id", "status", "status_description"
+RESOURCE = "otel.resource"
+
+# Report columns: (attribute, header, format).
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    (NONFINITE, "nonfinite", "{:>9.0f}"),
+    (REFRESH_OVERFLOW, "overflow", "{:>8.0f}"),
+    (REFRESH_UNDERFLOW, "underflow", "{:>9.0f}"),
+    (REFRESH_ERROR, "refresh err", "{:>11.3g}"),
+    (LOST_RATIO, "lost upd", "{:>8.3f}"),
+    (GRAD_AMAX, "grad amax", "{:>9.3g}"),
+)
+DEFAULT_MAX_LINES = 10
+
+
+@dataclass
+class RunTrace:
+    """What a run's trace files say about precision.
+
+    Attributes:
+        samples: Diagnostics by step number (the worst value over ranks and optimizers).
+        failed_steps: Steps whose span ended with status ERROR, with the first description.
+        last_step: Highest step number seen.
+        ranks: Ranks whose files were read.
+        world_size: World size from the files' resource, when present.
+        service: Service name from the files' resource, when present.
+        files: Files read.
+    """
+
+    samples: dict[int, dict[str, float]] = field(default_factory=dict)
+    failed_steps: dict[int, str] = field(default_factory=dict)
+    last_step: int = 0
+    ranks: set[int] = field(default_factory=set)
+    world_size: int | None = None
+    service: str | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def _number(value: object) -> float | None:
+    # The trace file writes non-finite floats as strings ("nan", "inf"): JSON has no literal for them.
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _worse(old: float | None, new: float) -> float:
+    if old is None or math.isnan(old):
+        return new
+    return old if math.isnan(new) else max(old, new)
+
+
+def read_run(directory: str) -> RunTrace:
+    """Read the steps and diagnostics of every ``rank*.trace.json`` in ``directory``.
+
+    Raises:
+        TraceFileError: Not a directory, no trace file in it, or a file that is not a Chrome trace.
+    """
+    segments = rank_segments(directory)
+    if not segments:
+        raise TraceFileError(f"{directory} holds no rank*.trace.json file (is it a trace directory of a run?)")
+    run = RunTrace()
+    step_of_span: dict[str, int] = {}
+    precision: list[tuple[str | None, dict[str, float]]] = []
+    for segment in segments:
+        run.ranks.add(segment.rank)
+        run.files.append(segment.path)
+        for event in iter_events(segment.path):
+            args = event.get("args") or {}
+            if event.get("ph") == "M" and event.get("name") == "process_name":
+                resource = args.get(RESOURCE) or {}
+                run.world_size = resource.get(RESOURCE_WORLD_SIZE, run.world_size)
+                run.service = resource.get(RESOURCE_SERVICE, run.service)
+            elif event.get("ph") == "X" and event.get("name") == STEP_SPAN and isinstance(args.get(STEP_ATTRIBUTE), int):
+                step = args[STEP_ATTRIBUTE]
+                step_of_span[args.get(SPAN_ID, "")] = step
+                run.last_step = max(run.last_step, step)
+                if args.get(STATUS) == "ERROR":
+                    run.failed_steps.setdefault(step, str(args.get(STATUS_DESCRIPTION, "")))
+            elif event.get("ph") == "X" and event.get("name") == PRECISION_SPAN:
+                values = {key: v for key, _, _ in COLUMNS if (v := _number(args.get(key))) is not None}
+                if values:
+                    precision.append((args.get(PARENT_SPAN_ID), values))
+    for parent, values in precision:
+        # The step span ends after its precision child, possibly in the next (still kept) segment;
+        # a parent rotated away belongs to the oldest, dropped steps.
+        step = step_of_span.get(parent or "")
+        if step is None:
+            continue
+        sample = run.samples.setdefault(step, {})
+        for key, value in values.items():
+            sample[key] = _worse(sample.get(key), value)
+    return run
+
+
+@dataclass
+class Finding:
+    """A threshold crossed in a step range."""
+
+    threshold: thresholds.Threshold
+    first_step: int
+
+
+@dataclass
+class RangeLine:
+    """One line of the report: steps ``first``..``last`` and their worst values."""
+
+    first: int
+    last: int
+    values: dict[str, float]
+    failed: int
+    findings: list[Finding]
+
+    @property
+    def verdict(self) -> str:
+        return thresholds.worst([f.threshold.severity for f in self.findings])
+
+
+def _judge(samples: list[tuple[int, dict[str, float]]], failed: list[int]) -> list[Finding]:
+    first_fired: dict[str, int] = {}
+    for step, values in samples:
+        fired = {t.check for t in thresholds.THRESHOLDS if t.metric in values and t.fires(values[t.metric])}
+        for threshold in thresholds.THRESHOLDS:
+            if threshold.check in fired and threshold.unless not in fired:
+                first_fired.setdefault(threshold.check, step)
+    findings = [Finding(thresholds.BY_CHECK[check], step) for check, step in first_fired.items()]
+    if failed:
+        findings.append(Finding(thresholds.FAILED_STEPS, min(failed)))
+    return findings
+
+
+def _chunks(steps: list[int], count: int) -> list[list[int]]:
+    size, extra = divmod(len(steps), count)
+    out, start = [], 0
+    for index in range(count):
+        end = start + size + (1 if index < extra else 0)
+        if end > start:
+            out.append(steps[start:end])
+        start = end
+    return out
+
+
+def range_lines(run: RunTrace, max_lines: int = DEFAULT_MAX_LINES) -> list[RangeLine]:
+    """Split the diagnosed steps into at most ``max_lines`` contiguous ranges and judge each."""
+    steps = sorted(run.samples)
+    lines: list[RangeLine] = []
+    previous_last = 0
+    chunks = _chunks(steps, max(1, min(max_lines, len(steps))))
+    for index, chunk in enumerate(chunks):
+        first = previous_last + 1
+        last = run.last_step if index == len(chunks) - 1 else chunk[-1]
+        samples = [(step, run.samples[step]) for step in chunk]
+        values: dict[str, float] = {}
+        for _, sample in samples:
+            for key, value in sample.items():
+                values[key] = _worse(values.get(key), value)
+        failed = [step for step in run.failed_steps if first <= step <= last]
+        lines.append(RangeLine(first, last, values, len(failed), _judge(samples, failed)))
+        previous_last = last
+    return lines
+
+
+def _format(value: float | None, fmt: str) -> str:
+    text = "-" if value is None else ("nan" if math.isnan(value) else fmt.format(value))
+    return text.rjust(len(fmt.format(0)))
+
+
+def _ordered(findings: Iterable[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda f: thresholds.precedence(f.threshold, f.first_step))
+
+
+def _verdict_text(line: RangeLine) -> str:
+    verdict = line.verdict
+    if verdict == thresholds.HEALTHY:
+        return verdict
+    return f"{verdict}: " + "; ".join(f.threshold.finding for f in _ordered(line.findings))
+
+
+def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int = 0) -> str:
+    """The report as text.
+
+    Args:
+        run: What :func:`read_run` read.
+        lines: The judged ranges.
+        source: Where the traces came from (for the header).
+        step_offset: Added to every step number shown: steps this process's optimizer counts
+            from 1 after a resume from step ``step_offset``.
+    """
+    ranks = ", ".join(str(r) for r in sorted(run.ranks))
+    of = f" of {run.world_size}" if run.world_size else ""
+    out = [
+        f"precision report: {source} (rank{'s' if len(run.ranks) > 1 else ''} {ranks}{of}, "
+        f"{run.last_step} optimizer step{'s' if run.last_step != 1 else ''}, diagnostics on {len(run.samples)})"
+    ]
+    if not lines:
+        out.append(
+            "  no precision diagnostics in these traces: they run on step 1 and every FSDP_PATCH_PRECISION_EVERY "
+            "steps (0 turns them off), and need telemetry on (FSDP_PATCH_TELEMETRY=1) with a traced rank."
+        )
+        return "\n".join(out) + "\n"
+    header = "  {:<13}".format("steps") + " ".join(h.rjust(len(fmt.format(0))) for _, h, fmt in COLUMNS)
+    out.append(header + "  failed  verdict")
+    for line in lines:
+        steps = f"{line.first + step_offset}-{line.last + step_offset}"
+        cells = " ".join(_format(line.values.get(key), fmt) for key, _, fmt in COLUMNS)
+        out.append(f"  {steps:<13}{cells}  {line.failed:>6}  {_verdict_text(line)}")
+    out.append("  (each line: the largest value over the range's diagnosed steps; values are over all ranks)")
+    findings: dict[str, Finding] = {}
+    for line in lines:
+        for finding in line.findings:
+            findings.setdefault(finding.threshold.check, finding)
+    overall = thresholds.worst([f.threshold.severity for f in findings.values()])
+    if not findings:
+        out.append("overall: healthy (no threshold of telemetry/README.md's precision report crossed)")
+        return "\n".join(out) + "\n"
+    ordered = _ordered(findings.values())
+    out.append(f"overall: {overall}: {ordered[0].threshold.finding}, from step {ordered[0].first_step + step_offset}")
+    out.append("where to look next:")
+    for finding in ordered:
+        threshold = finding.threshold
+        alert = f" [alert {threshold.alert}]" if threshold.alert else ""
+        out.append(f"  - {threshold.finding} (first at step {finding.first_step + step_offset}){alert}: {threshold.advice}")
+    return "\n".join(out) + "\n"
+
+
+def report(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset: int = 0) -> str:
+    """Read ``directory``'s trace files and return the precision report.
+
+    Raises:
+        TraceFileError: See :func:`read_run`.
+    """
+    run = read_run(directory)
+    return render(run, range_lines(run, max_lines), directory, step_offset)
+
+
+def overall_findings(directory: str) -> list[str]:
+    """Names of the checks that fired anywhere in ``directory``'s traces (for scripts and tests)."""
+    run = read_run(directory)
+    return sorted({f.threshold.check for line in range_lines(run) for f in line.findings})

@@ -1,0 +1,197 @@
+"""When a precision diagnostic is healthy, a warning or a problem: the one table of thresholds.
+
+The precision report (:mod:`fsdp_patch.telemetry.precision_report`) judges every step range
+with this table, and the Prometheus alerts in ``dashboards/prometheus/rules.yml`` fire on the
+same thresholds: each row that names an ``alert`` has that alert's comparison, threshold and
+severity (``critical`` is a problem, ``warning`` a warning), which ``tests/dashboards`` checks
+against the rules file. Rows without an alert are the report's own, documented in
+``telemetry/README.md``.
+
+No torch and no OpenTelemetry here (the instrument table's names only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import instruments
+
+HEALTHY = "healthy"
+WARNING = "warning"
+PROBLEM = "problem"
+SEVERITY_ORDER = (HEALTHY, WARNING, PROBLEM)
+# Prometheus alert severity label -> verdict.
+ALERT_SEVERITY = {"critical": PROBLEM, "warning": WARNING}
+
+# Largest relative rounding error of a correct round-to-nearest refresh: the unit roundoff of the
+# compute dtype, 2**-8 for bfloat16 (2**-11 for float16, 0 when compute and main dtypes agree).
+# The report does not know the compute dtype, so it uses the loosest bound: anything above it is
+# beyond rounding for every supported compute dtype.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+# Largest finite float16: the dashboards' red line on gradient amax.
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One check of a diagnostic value.
+
+    Attributes:
+        check: Short name of the check.
+        metric: The design page's instrument the value comes from.
+        above: The check fires when the value is strictly greater than this...
+        at_most: ...or, when set instead, when the value is at most this.
+        severity: :data:`WARNING` or :data:`PROBLEM` when it fires.
+        finding: What went wrong, naming the bug, for the report line.
+        advice: Where to look next.
+        alert: The Prometheus alert in ``dashboards/prometheus/rules.yml`` with the same
+            threshold and severity, if any.
+        unless: Another check whose firing makes this one meaningless for the same sample.
+    """
+
+    check: str
+    metric: str
+    severity: str
+    finding: str
+    advice: str
+    above: float | None = None
+    at_most: float | None = None
+    alert: str | None = None
+    unless: str | None = None
+
+    def fires(self, value: float) -> bool:
+        """Whether ``value`` crosses this threshold (NaN never does: it is counted as non-finite)."""
+        if self.above is not None:
+            return value > self.above
+        return self.at_most is not None and value <= self.at_most
+
+
+# In order of precedence among findings of equal severity and first step: an overflow also makes
+# Inf compute weights, which the non-finite count includes, so the overflow is named first.
+THRESHOLDS: tuple[Threshold, ...] = (
+    Threshold(
+        check="refresh_overflow",
+        metric=instruments.REFRESH_OVERFLOW,
+        above=0,
+        severity=PROBLEM,
+        alert="FsdpRefreshOverflow",
+        finding="refresh overflow: main weights beyond the compute dtype's range (65504 for fp16)",
+        advice=(
+            "a main weight grew past what the compute dtype holds, so forward runs on Inf. Use bf16 compute "
+            "weights (fp32's range), or find what grew the weights (LR, missing weight decay, a bad update)."
+        ),
+    ),
+    Threshold(
+        check="nonfinite",
+        metric=instruments.NONFINITE,
+        above=0,
+        severity=PROBLEM,
+        alert="FsdpNonFiniteValues",
+        finding="NaN/Inf in gradients or weights",
+        advice=(
+            "the metric fsdp.precision.nonfinite by fsdp.tensor (dashboard panel 'Non-finite elements by tensor "
+            "and kind') says where it began: main_grad first means the backward produced it (overflowing fp16 "
+            "grads, a bad batch, a NaN loss); main_weight the optimizer wrote it (eps, LR); compute_weight only "
+            "the refresh overflowed. Open the first bad step in the trace (tag fsdp.step)."
+        ),
+    ),
+    Threshold(
+        check="lost_updates",
+        metric=instruments.LOST_RATIO,
+        above=0.9,
+        severity=WARNING,
+        alert="FsdpLostUpdateRatioHigh",
+        finding="lost updates: learning rate too small for the compute dtype (bf16/fp16 weights stop moving)",
+        advice=(
+            "over 90% of the main-weight changes are below half a unit in the last place of the compute "
+            "weights, so the model run forward does not change. Raise the LR (or the warm-up's start), or keep "
+            "compute weights in fp32. Expected only at the very end of a decay to 0."
+        ),
+    ),
+    Threshold(
+        check="refresh_underflow",
+        metric=instruments.REFRESH_UNDERFLOW,
+        above=0,
+        severity=WARNING,
+        finding="refresh underflow: non-zero main weights flushed to 0 in the compute dtype",
+        advice=(
+            "weights below the compute dtype's smallest subnormal (about 6e-8 for fp16) read as 0 in forward; "
+            "bf16 compute weights keep fp32's exponent range."
+        ),
+    ),
+    Threshold(
+        check="refresh_error",
+        metric=instruments.REFRESH_ERROR,
+        above=BF16_UNIT_ROUNDOFF,
+        severity=WARNING,
+        finding="refresh error above bf16 rounding (2^-8): compute weights do not follow the main weights",
+        advice=(
+            "a correct refresh is off by at most the compute dtype's unit roundoff; more means a stale or partial "
+            "refresh, or overflow/underflow. Look at the fsdp.optimizer.refresh spans and the overflow/underflow counts."
+        ),
+    ),
+    Threshold(
+        check="grad_amax_fp16",
+        metric=instruments.GRAD_AMAX,
+        above=FP16_MAX,
+        severity=WARNING,
+        finding="gradients beyond fp16's range (65504)",
+        advice=(
+            "fp16 grads this large overflow to Inf; scale the loss down or keep grads in bf16/fp32. A jump of "
+            "orders of magnitude comes before NaN: look at the steps just before."
+        ),
+    ),
+    Threshold(
+        check="grad_zero",
+        metric=instruments.GRAD_AMAX,
+        at_most=0,
+        severity=WARNING,
+        unless="nonfinite",
+        finding="all gradients are zero",
+        advice="nothing reached the optimizer: a detached loss, frozen parameters, or vanished gradients.",
+    ),
+)
+
+FAILED_STEPS = Threshold(
+    check="failed_steps",
+    metric="fsdp.optimizer.step",
+    above=0,
+    severity=WARNING,
+    finding="optimizer steps raised",
+    advice=(
+        "steps whose span has status ERROR (tag error=true in Jaeger); a rejected dtype mismatch is one cause "
+        "(alert FsdpDtypeMismatchRejected). The span's exception event holds the message."
+    ),
+)
+
+BY_CHECK = {threshold.check: threshold for threshold in (*THRESHOLDS, FAILED_STEPS)}
+_PRECEDENCE = {check: index for index, check in enumerate(BY_CHECK)}
+
+
+def precedence(threshold: Threshold, first_step: int) -> tuple[int, int, int]:
+    """Sort key putting the finding to name first at the front: most severe, earliest, then table order."""
+    return (-SEVERITY_ORDER.index(threshold.severity), first_step, _PRECEDENCE[threshold.check])
+
+
+def worst(severities: list[str]) -> str:
+    """The most severe of ``severities``; healthy when empty."""
+    return max(severities, key=SEVERITY_ORDER.index, default=HEALTHY)
+
+
+def _condition(threshold: Threshold) -> str:
+    if threshold.above is not None:
+        return f"> {threshold.above:g}"
+    return f"<= {threshold.at_most:g}"
+
+
+def markdown_table() -> str:
+    """The thresholds as Markdown, the form ``telemetry/README.md`` embeds (a test keeps them equal)."""
+    rows = ["| check | value | fires when | verdict | Prometheus alert | finding |", "| --- | --- | --- | --- | --- | --- |"]
+    for threshold in (*THRESHOLDS, FAILED_STEPS):
+        value = "steps with status ERROR" if threshold is FAILED_STEPS else f"`{threshold.metric}`"
+        unless = f" (unless `{threshold.unless}` fired)" if threshold.unless else ""
+        alert = f"`{threshold.alert}`" if threshold.alert else "—"
+        rows.append(
+            f"| `{threshold.check}` | {value} | {_condition(threshold)}{unless} | {threshold.severity} | {alert} | {threshold.finding} |"
+        )
+    return "\n".join(rows)

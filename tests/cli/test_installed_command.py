@@ -1,0 +1,163 @@
+"""The installed command end to end, in a fresh virtual environment (issue 10's "what must be shown").
+
+A new venv (no system site-packages) gets the pinned CPU torch and then ``pip install`` of a copy of
+the package's files, which must bring every other dependency itself. Its ``fsdp-patch``:
+
+- ``demo --steps 6 --checkpoint-dir D`` then ``demo --resume --steps 10``: the losses and the final
+  model and optimizer state equal an uninterrupted 10-step run bitwise;
+- the trace files of both ranks load (Chrome and Jaeger JSON);
+- the precision report names each planted scenario's problem and calls the healthy run healthy;
+- bad input is one line and exit code 2 from the installed command too.
+
+Slow (about a minute and a half on 2 cores): one venv per session, eight runs of the command.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+# What `pip install .` needs from a checkout: the metadata and the two package folders.
+PACKAGE_FILES = ("pyproject.toml", "README.md", "fsdp_patch", "telemetry")
+TIMEOUT_S = 300
+
+
+def _run(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if check:
+        assert result.returncode == 0, (
+            f"{' '.join(args)} exited {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+        )
+    return result
+
+
+@pytest.fixture(scope="session")
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new virtual environment holding torch==2.13.0 and ``pip install`` of this checkout's package."""
+    root = tmp_path_factory.mktemp("fresh_venv")
+    source = root / "source"
+    source.mkdir()
+    for name in PACKAGE_FILES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, source / name)
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=root)
+    python = str(venv / "bin" / "python")
+    # Pinned, as scripts/setup.sh does: an unpinned torch would pull a multi-GB CUDA build.
+    _run([python, "-m", "pip", "install", "--quiet", "torch==2.13.0"], cwd=root)
+    _run([python, "-m", "pip", "install", "--quiet", str(source)], cwd=root)
+    return venv
+
+
+@pytest.fixture(scope="session")
+def runs(fresh_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every run of the installed command the tests below read, done once."""
+    work = tmp_path_factory.mktemp("runs")
+    command = str(fresh_venv / "bin" / "fsdp-patch")
+    common = ["--progress", "lines"]
+    out: dict[str, Any] = {"work": work}
+    out["first"] = _run([command, "demo", "--steps", "6", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl", "--trace-dir", "t_first", *common], work)
+    out["resumed"] = _run([command, "demo", "--steps", "10", "--resume", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl", "--trace-dir", "t_resumed", *common], work)
+    out["whole"] = _run([command, "demo", "--steps", "10", "--checkpoint-dir", "ckpt_whole", "--loss-log", "whole.jsonl", "--trace-dir", "t_whole", *common], work)
+    for scenario in ("tiny-lr", "nan", "fp16-overflow"):
+        _run([command, "demo", "--scenario", scenario, "--steps", "6", "--precision-every", "1", "--trace-dir", f"t_{scenario}", *common], work)
+        out[scenario] = _run([command, "report", f"t_{scenario}"], work)
+    out["bad"] = _run([command, "demo", "--main-dtype", "fp8"], work, check=False)
+    out["module_help"] = _run([str(fresh_venv / "bin" / "python"), "-m", "fsdp_patch", "--help"], work)
+    out["telemetry_file"] = _run(
+        [str(fresh_venv / "bin" / "python"), "-c", "import fsdp_patch.telemetry as t; print(t.__file__)"], work
+    ).stdout.strip()
+    return out
+
+
+def _losses(path: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flatten(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in _flatten(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def _checkpoint_tensors(path: Path, scratch: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = scratch / f"{path.parent.name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    return _flatten(torch.load(target, weights_only=False))
+
+
+def test_installed_package_is_self_contained(fresh_venv: Path, runs: dict[str, Any]) -> None:
+    # Run outside the checkout: the wheel's own fsdp_patch.telemetry (package-dir mapping) is used.
+    assert Path(runs["telemetry_file"]).is_relative_to(fresh_venv), (
+        f"fsdp_patch.telemetry came from {runs['telemetry_file']}, not the venv {fresh_venv}"
+    )
+    assert "{demo,report,trace}" in runs["module_help"].stdout, runs["module_help"].stdout
+
+
+def test_resumed_run_equals_an_uninterrupted_run_bitwise(runs: dict[str, Any], tmp_path: Path) -> None:
+    work = runs["work"]
+    resumed, whole = _losses(work / "resumed.jsonl"), _losses(work / "whole.jsonl")
+    assert [s for s, _ in whole] == list(range(1, 11)), f"uninterrupted run logged steps {[s for s, _ in whole]}"
+    assert resumed == whole, f"losses differ: resumed {resumed}, uninterrupted {whole}"
+    assert "resuming from ckpt/step-00000006 at step 6" in runs["resumed"].stdout, runs["resumed"].stdout
+    got = _checkpoint_tensors(work / "ckpt" / "step-00000010", tmp_path)
+    want = _checkpoint_tensors(work / "ckpt_whole" / "step-00000010", tmp_path)
+    assert got.keys() == want.keys(), f"state keys differ: {sorted(got.keys() ^ want.keys())[:5]}"
+    differ = [k for k in want if not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k])]
+    assert not differ, f"final state differs from the uninterrupted run's in {differ[:5]}"
+    assert any(k.startswith("optim.state.") and k.endswith("exp_avg_sq") for k in want), "no AdamW state was compared"
+
+
+def test_trace_files_of_both_ranks_load(runs: dict[str, Any]) -> None:
+    traces = runs["work"] / "t_whole"
+    for rank in (0, 1):
+        chrome = json.loads((traces / f"rank{rank}.trace.json").read_text())["traceEvents"]
+        steps = [e["args"]["fsdp.step"] for e in chrome if e.get("name") == "fsdp.optimizer.step"]
+        assert steps == list(range(1, 11)), f"rank {rank}: step spans {steps}"
+        jaeger = json.loads((traces / f"rank{rank}.jaeger.json").read_text())["data"]
+        operations = {span["operationName"] for trace in jaeger for span in trace["spans"]}
+        assert {"fsdp.optimizer.step", "fsdp.optimizer.precision", "fsdp.optimizer.refresh"} <= operations, operations
+
+
+def test_healthy_run_ends_with_a_healthy_report(runs: dict[str, Any]) -> None:
+    stdout = runs["whole"].stdout
+    assert "precision report: t_whole (ranks 0, 1 of 2, 10 optimizer steps" in stdout, stdout
+    assert "overall: healthy" in stdout and "warning" not in stdout and "problem" not in stdout, stdout
+    assert "loss" in stdout and "tok/s" in stdout and "ETA" in stdout, stdout
+
+
+@pytest.mark.parametrize(
+    ("scenario", "verdict"),
+    [
+        ("tiny-lr", "overall: warning: lost updates: learning rate too small for the compute dtype"),
+        ("nan", "overall: problem: NaN/Inf in gradients or weights, from step 3"),
+        ("fp16-overflow", "overall: problem: refresh overflow: main weights beyond the compute dtype's range (65504 for fp16), from step 3"),
+    ],
+)
+def test_report_names_each_planted_problem(runs: dict[str, Any], scenario: str, verdict: str) -> None:
+    stdout = runs[scenario].stdout
+    assert verdict in stdout, f"{scenario}: the report does not say {verdict!r}:\n{stdout}"
+    assert "where to look next:" in stdout, stdout
+
+
+def test_installed_command_rejects_bad_input_in_one_line(runs: dict[str, Any]) -> None:
+    result = runs["bad"]
+    want = "fsdp-patch demo: --main-dtype 'fp8' is not a dtype; expected one of bf16, fp16, fp32\n"
+    assert (result.returncode, result.stderr) == (2, want), f"exit {result.returncode}, stderr {result.stderr!r}"

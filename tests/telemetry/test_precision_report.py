@@ -1,0 +1,130 @@
+"""The precision report on trace files written by the real exporter, with chosen diagnostic values.
+
+End to end on the demo's planted scenarios: tests/cli/test_installed_command.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+
+from fsdp_patch.telemetry import precision_report, precision_thresholds, trace_files
+from fsdp_patch.telemetry.trace_reading import TraceFileError
+
+HEALTHY = {
+    "fsdp.precision.nonfinite": 0,
+    "fsdp.precision.refresh.overflow": 0,
+    "fsdp.precision.refresh.underflow": 0,
+    "fsdp.precision.refresh.error": 1.5e-3,
+    "fsdp.precision.update.lost_ratio": 0.1,
+    "fsdp.precision.grad.amax": 0.07,
+}
+
+
+def _write(directory: Path, diagnostics: dict[int, dict], steps: int, failed: tuple[int, ...] = (), ranks: int = 2) -> None:
+    """Step spans 1..steps per rank, a precision child on the steps in ``diagnostics``."""
+    for rank in range(ranks):
+        exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False)
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracer = provider.get_tracer("t")
+        for step in range(1, steps + 1):
+            with tracer.start_as_current_span("fsdp.optimizer.step", attributes={"fsdp.step": step}) as span:
+                if step in diagnostics:
+                    with tracer.start_as_current_span("fsdp.optimizer.precision") as child:
+                        child.set_attributes({**HEALTHY, **diagnostics[step]})
+                if step in failed:
+                    span.set_status(Status(StatusCode.ERROR, "TypeError: rejected"))
+        provider.shutdown()
+
+
+def _verdicts(directory: Path, lines: int = 10) -> list[tuple[int, int, str, list[str]]]:
+    run = precision_report.read_run(str(directory))
+    return [
+        (line.first, line.last, line.verdict, sorted(f.threshold.check for f in line.findings))
+        for line in precision_report.range_lines(run, lines)
+    ]
+
+
+def test_healthy_run_is_healthy_on_every_line(tmp_path: Path) -> None:
+    _write(tmp_path, {s: {} for s in (1, 5, 10)}, steps=12)
+    got = _verdicts(tmp_path)
+    assert got == [(1, 1, "healthy", []), (2, 5, "healthy", []), (6, 12, "healthy", [])], got
+    text = precision_report.report(str(tmp_path))
+    assert "overall: healthy" in text and "ranks 0, 1 of 2" in text, text
+
+
+def test_each_threshold_fires_on_its_line_and_names_the_bug(tmp_path: Path) -> None:
+    diagnostics = {
+        1: {},
+        2: {"fsdp.precision.update.lost_ratio": 0.95},
+        3: {"fsdp.precision.nonfinite": 3, "fsdp.precision.grad.amax": 0.0},
+        4: {"fsdp.precision.refresh.overflow": 8, "fsdp.precision.nonfinite": 8},
+        5: {"fsdp.precision.grad.amax": 0.0},
+        6: {"fsdp.precision.refresh.error": 0.01, "fsdp.precision.refresh.underflow": 2},
+        7: {"fsdp.precision.grad.amax": 1e5},
+    }
+    _write(tmp_path, diagnostics, steps=7)
+    got = _verdicts(tmp_path)
+    want = [
+        (1, 1, "healthy", []),
+        (2, 2, "warning", ["lost_updates"]),
+        (3, 3, "problem", ["nonfinite"]),  # amax 0 of NaN grads is not "vanishing gradients"
+        (4, 4, "problem", ["nonfinite", "refresh_overflow"]),
+        (5, 5, "warning", ["grad_zero"]),
+        (6, 6, "warning", ["refresh_error", "refresh_underflow"]),
+        (7, 7, "warning", ["grad_amax_fp16"]),
+    ]
+    assert got == want, got
+    text = precision_report.report(str(tmp_path))
+    assert "overall: problem: NaN/Inf in gradients or weights, from step 3" in text, text
+    line4 = next(line for line in text.splitlines() if line.strip().startswith("4-4"))
+    # The overflow explains the Inf compute weights the non-finite count includes: named first.
+    assert "problem: refresh overflow" in line4, line4
+    for threshold in precision_thresholds.THRESHOLDS:
+        assert threshold.finding in text, f"{threshold.check}'s finding is missing from the report"
+
+
+def test_lines_take_the_worst_value_of_their_range(tmp_path: Path) -> None:
+    diagnostics = {s: {"fsdp.precision.update.lost_ratio": s / 100} for s in range(1, 21)}
+    diagnostics[7]["fsdp.precision.refresh.error"] = float("nan")
+    _write(tmp_path, diagnostics, steps=20, ranks=1)
+    run = precision_report.read_run(str(tmp_path))
+    lines = precision_report.range_lines(run, 4)
+    got = [(line.first, line.last, line.values["fsdp.precision.update.lost_ratio"]) for line in lines]
+    assert got == [(1, 5, 0.05), (6, 10, 0.10), (11, 15, 0.15), (16, 20, 0.20)], got
+    assert lines[1].values["fsdp.precision.refresh.error"] == HEALTHY["fsdp.precision.refresh.error"]
+
+
+def test_failed_steps_are_counted_in_their_range(tmp_path: Path) -> None:
+    _write(tmp_path, {1: {}, 10: {}}, steps=10, failed=(4, 7), ranks=1)
+    got = _verdicts(tmp_path)
+    assert got == [(1, 1, "healthy", []), (2, 10, "warning", ["failed_steps"])], got
+    lines = precision_report.range_lines(precision_report.read_run(str(tmp_path)))
+    assert lines[1].failed == 2, f"failed steps counted: {lines[1].failed}, want 2"
+
+
+def test_step_offset_shows_global_steps_of_a_resumed_run(tmp_path: Path) -> None:
+    _write(tmp_path, {1: {}, 4: {"fsdp.precision.update.lost_ratio": 0.99}}, steps=4, ranks=1)
+    text = precision_report.report(str(tmp_path), step_offset=6)
+    assert "  7-7 " in text and "  8-10 " in text and "from step 10" in text, text
+
+
+def test_no_diagnostics_says_how_to_turn_them_on(tmp_path: Path) -> None:
+    _write(tmp_path, {}, steps=3, ranks=1)
+    text = precision_report.report(str(tmp_path))
+    assert "no precision diagnostics" in text and "FSDP_PATCH_PRECISION_EVERY" in text, text
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_a_directory_without_traces_is_an_error_naming_it(tmp_path: Path, make: str) -> None:
+    directory = tmp_path / "traces"
+    if make == "empty":
+        directory.mkdir()
+    with pytest.raises(TraceFileError) as info:
+        precision_report.read_run(str(directory))
+    assert str(directory) in str(info.value), str(info.value)
