@@ -29,7 +29,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss, synthetic_batches
+from fsdp_patch.demo.data import synthetic_batches
+from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss
 
 MODEL = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
 TARGET_RATIO = 1.15
