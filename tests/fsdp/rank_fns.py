@@ -157,14 +157,14 @@ def train(
             last_grads = full_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=config["set_to_none"])
-        if sharded and config["impl"] == "ours" and config["set_to_none"]:
+        if sharded and config["impl"] == "ours" and config["set_to_none"] and step < STEPS - 1:
             # zero_grad(set_to_none=True) dropped the grads, the main-grad buffers' only owners:
             # their memory is free until the next backward (which then starts from nothing).
+            # Not checked after the last step: full_grads() gathered the grads there, and gloo's
+            # worker thread lets go of a finished collective's tensors a moment after wait returns.
             from fsdp_patch import parameter_groups
 
             trainable = [g for g in parameter_groups(model) if g.requires_grad]
-            # The memory goes with the last reference to it; collect first, so that a reference
-            # cycle elsewhere in the process (seen once here, not reproduced) cannot hold it.
             gc.collect()
             freed += sum(g.main_grad_storage_bytes() == 0 for g in trainable)
             trainable_groups += len(trainable)
