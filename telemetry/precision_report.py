@@ -17,25 +17,24 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from . import instruments
+from . import semconv
 from . import precision_thresholds as thresholds
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
-# The span names and attribute keys this report reads, spelled here once (to be replaced by
-# the constants of telemetry's names module when it exists). The precision span's attributes
-# are named after the metrics they mirror (design.md), hence the instrument table's names.
-STEP_SPAN = "fsdp.optimizer.step"
-PRECISION_SPAN = "fsdp.optimizer.precision"
-STEP_ATTRIBUTE = "fsdp.step"
-NONFINITE = instruments.NONFINITE
-REFRESH_OVERFLOW = instruments.REFRESH_OVERFLOW
-REFRESH_UNDERFLOW = instruments.REFRESH_UNDERFLOW
-REFRESH_ERROR = instruments.REFRESH_ERROR
-LOST_RATIO = instruments.LOST_RATIO
-GRAD_AMAX = instruments.GRAD_AMAX
-RESOURCE_WORLD_SIZE = "fsdp.world_size"
-RESOURCE_SERVICE = "service.name"
+# From the one module that spells them. The precision span's attributes are named after the
+# metrics they mirror (design.md).
+STEP_SPAN = semconv.SPAN_STEP
+PRECISION_SPAN = semconv.SPAN_PRECISION
+STEP_ATTRIBUTE = semconv.ATTR_STEP
+NONFINITE = semconv.METRIC_NONFINITE
+REFRESH_OVERFLOW = semconv.METRIC_REFRESH_OVERFLOW
+REFRESH_UNDERFLOW = semconv.METRIC_REFRESH_UNDERFLOW
+REFRESH_ERROR = semconv.METRIC_REFRESH_ERROR
+LOST_RATIO = semconv.METRIC_LOST_RATIO
+GRAD_AMAX = semconv.METRIC_GRAD_AMAX
+RESOURCE_WORLD_SIZE = semconv.RESOURCE_WORLD_SIZE
+RESOURCE_SERVICE = "service.name"  # OpenTelemetry's own resource attribute
 # Written by the trace-file exporter next to the span attributes.
 SPAN_ID, PARENT_SPAN_ID, STATUS, STATUS_DESCRIPTION = "span_id", "parent_span_id", "status", "status_description"
 RESOURCE = "otel.resource"

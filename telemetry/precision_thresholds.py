@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import instruments
+from . import instruments, semconv
 
 HEALTHY = "healthy"
 WARNING = "warning"
@@ -89,10 +89,11 @@ THRESHOLDS: tuple[Threshold, ...] = (
         alert="FsdpNonFiniteValues",
         finding="NaN/Inf in gradients or weights",
         advice=(
-            "the metric fsdp.precision.nonfinite by fsdp.tensor (dashboard panel 'Non-finite elements by tensor "
-            "and kind') says where it began: main_grad first means the backward produced it (overflowing fp16 "
-            "grads, a bad batch, a NaN loss); main_weight the optimizer wrote it (eps, LR); compute_weight only "
-            "the refresh overflowed. Open the first bad step in the trace (tag fsdp.step)."
+            f"the metric {semconv.METRIC_NONFINITE} by {semconv.ATTR_TENSOR} (dashboard panel 'Non-finite elements "
+            f"by tensor and kind') says where it began: {semconv.TENSOR_MAIN_GRAD} first means the backward produced "
+            f"it (overflowing fp16 grads, a bad batch, a NaN loss); {semconv.TENSOR_MAIN_WEIGHT} the optimizer wrote "
+            f"it (eps, LR); {semconv.TENSOR_COMPUTE_WEIGHT} only the refresh overflowed. Open the first bad step in "
+            f"the trace (tag {semconv.ATTR_STEP})."
         ),
     ),
     Threshold(
@@ -127,7 +128,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
         finding="refresh error above bf16 rounding (2^-8): compute weights do not follow the main weights",
         advice=(
             "a correct refresh is off by at most the compute dtype's unit roundoff; more means a stale or partial "
-            "refresh, or overflow/underflow. Look at the fsdp.optimizer.refresh spans and the overflow/underflow counts."
+            f"refresh, or overflow/underflow. Look at the {semconv.SPAN_REFRESH} spans and the overflow/underflow counts."
         ),
     ),
     Threshold(
@@ -154,7 +155,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
 
 FAILED_STEPS = Threshold(
     check="failed_steps",
-    metric="fsdp.optimizer.step",
+    metric=semconv.SPAN_STEP,
     above=0,
     severity=WARNING,
     finding="optimizer steps raised",
