@@ -104,7 +104,8 @@ class ParameterGroup:
         # parameters' .grad, then only through them (see the module docstring).
         self._main_grad_ref: weakref.ref[torch.Tensor] | None = None
         self._main_grad_owned: torch.Tensor | None = None
-        self._grad_view_refs: list[Any] = []  # weakref.ref[DTensor] per parameter
+        # Per parameter, a weak reference to its DTensor view of main_grad (None: none made yet).
+        self._grad_view_refs: list[weakref.ref[DTensor] | None] = [None] * len(params)
 
         self.params: list[nn.Parameter] = []
         for param, view in zip(params, self._specs.views(self.main_weight)):
@@ -169,13 +170,14 @@ class ParameterGroup:
         if main_grad is None:
             main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
             self._main_grad_ref = weakref.ref(main_grad)
-            self._grad_view_refs = [lambda: None] * len(self.params)  # type: ignore[list-item]
+            self._grad_view_refs = [None] * len(self.params)
         self._main_grad_owned = main_grad
         return main_grad
 
     def _grad_view(self, index: int) -> DTensor | None:
         """The DTensor view of ``main_grad`` that is (or was) ``params[index].grad``, if it lives."""
-        return self._grad_view_refs[index]() if self._grad_view_refs else None
+        ref = self._grad_view_refs[index]
+        return None if ref is None else ref()
 
     def _make_grad_view(self, index: int) -> DTensor:
         view = self._grad_view(index)
