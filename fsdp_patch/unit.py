@@ -66,7 +66,8 @@ class RootContext:
         # Units in the order the last complete forward first entered them (prefetch follows
         # it: forward in this order, backward in reverse), and the forward being recorded.
         self.order: list[UnitState] = []
-        self._recording: list[UnitState] | None = None
+        self._position: dict[int, int] = {}  # id(state) -> index in order
+        self._recording: dict[int, UnitState] | None = None  # insertion-ordered
         # Groups with reduce-scatters in flight, oldest first (bounded: each holds its packed
         # grads until it completes).
         self._reducing: list[ParameterGroup] = []
@@ -95,15 +96,16 @@ class RootContext:
 
     # ------------------------------------------------------------------ overlap
     def begin_forward(self) -> None:
-        self._recording = []
+        self._recording = {}
 
     def entered_forward(self, state: "UnitState") -> None:
-        if self._recording is not None and state not in self._recording:
-            self._recording.append(state)
+        if self._recording is not None:
+            self._recording.setdefault(id(state), state)
 
     def end_forward(self) -> None:
         if self._recording is not None:
-            self.order, self._recording = self._recording, None
+            self.order, self._recording = list(self._recording.values()), None
+            self._position = {id(state): index for index, state in enumerate(self.order)}
         self.cancel_prefetches()
 
     def cancel_prefetches(self) -> None:
@@ -117,9 +119,9 @@ class RootContext:
 
     def neighbours(self, state: "UnitState", direction: int, count: int) -> list["UnitState"]:
         """Up to ``count`` units after (``direction`` 1) or before (-1) ``state`` in the order."""
-        if count <= 0 or state not in self.order:
+        index = self._position.get(id(state))
+        if count <= 0 or index is None:
             return []
-        index = self.order.index(state)
         if direction > 0:
             return self.order[index + 1 : index + 1 + count]
         return self.order[max(0, index - count) : index][::-1]
