@@ -113,10 +113,14 @@ class ParameterGroup:
         self._grad_view_refs: list[Any] = []  # weakref.ref[DTensor] per parameter
 
         self.params: list[nn.Parameter] = []
-        for param, view in zip(params, self._specs.views(self.main_weight)):
-            sharded = nn.Parameter(view, requires_grad=param.requires_grad)
+        for param, layout, spec in zip(params, self.layout.params, self._specs.specs(self.main_dtype)):
+            # Built as nn.Parameter builds a DTensor parameter, without its detach: that runs
+            # below autograd and would give the local shard a version counter of its own, and
+            # writes through to_local() would then escape detect_external_writes.
+            sharded = DTensor(layout.local_view(self.main_weight), spec, requires_grad=param.requires_grad)
+            sharded._is_param = True  # type: ignore[attr-defined]
             sharded.grad_dtype = self.grads_dtype
-            self.params.append(sharded)
+            self.params.append(sharded)  # type: ignore[arg-type]
         self._index_of = {id(param): index for index, param in enumerate(self.params)}
         # Whether the compute copy lags the main weights (see refresh_compute_weight), the
         # weights version it was refreshed at, and how many refreshes it has had (an all-gather
@@ -242,6 +246,13 @@ class ParameterGroup:
         """
         if not self._compute_stale and self.weights_version() != self._refreshed_version:
             self._compute_stale = True
+
+    def state_dict_tensor(self, index: int) -> DTensor:
+        """``params[index]``'s entry in a state dict: a DTensor over the same memory whose local
+        shard shares the main weights' version counter (``Module.state_dict`` detaches below
+        autograd, which would not), so that a ``dcp.load`` into it is seen."""
+        layout = self.layout.params[index]
+        return DTensor(layout.local_view(self.main_weight).detach(), self._specs.specs(self.main_dtype)[index], requires_grad=False)
 
     def refresh_compute_weight(self) -> int:
         """Refreshes the compute copy from the main weights; one cast for the whole group.
@@ -565,6 +576,8 @@ class ParameterGroup:
         refs = self._grad_view_refs
         if not refs:
             return [None] * len(indices)
+        if len(indices) == len(refs):  # all of them (indices are sorted distinct positions)
+            return list(map(operator.call, refs))
         return [refs[i]() for i in indices]
 
     def dtensor_specs(self, dtype: torch.dtype) -> list[Any]:

@@ -29,7 +29,6 @@ Alternatives considered:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -40,9 +39,6 @@ from torch.utils.hooks import RemovableHandle
 from ..parameter_group import ParameterGroup
 
 __all__ = ["GroupGradCast", "cast_in_flight"]
-
-_GRAD = operator.attrgetter("grad")
-
 
 class GroupGradCast:
     """Casts the grads of some parameters of one FSDP group to the main-weight dtype.
@@ -65,8 +61,6 @@ class GroupGradCast:
         self._views: list[DTensor] = []
         # While attached: the main-grad views (None: no grad, not cast) the cast views replace.
         self._originals: list[DTensor | None] | None = None
-        # While attached and untouched: what each parameter's .grad is (a cast view, or None).
-        self._attached: list[DTensor | None] = []
         self._hook: RemovableHandle | None = None
 
     # ------------------------------------------------------------------ memory
@@ -125,7 +119,6 @@ class GroupGradCast:
         with torch.no_grad():
             buffer.copy_(main_grad[self._start : self._end])
         self._originals = originals
-        self._attached = self._views if all_present else [None if o is None else v for v, o in zip(self._views, originals)]
         self._hook = self.group.register_grad_write_hook(self._restore_before_grad_write)
         # A parameter refuses a grad whose dtype differs from its grad_dtype; None allows any.
         if all_present:
@@ -156,24 +149,20 @@ class GroupGradCast:
             self._hook.remove()
             self._hook = None
         grads_dtype = self.group.grads_dtype
-        # Fast path: every cast view still attached and nothing to carry back.
-        if not carry_back and all(map(operator.is_, map(_GRAD, self.params), self._attached)):
-            for param, original in zip(self.params, originals):
-                if original is not None:
-                    param.grad = original
-                    param.grad_dtype = grads_dtype
-            return
         with torch.no_grad():
             for param, view, original in zip(self.params, self._views, originals):
                 if original is None:
                     continue
                 current = param.grad
+                if current is view and not carry_back:  # untouched: the common case
+                    param.grad = original
+                    param.grad_dtype = grads_dtype
+                    continue
                 param.grad = None
                 param.grad_dtype = grads_dtype
                 if current is None:
                     continue
-                if current is not view or carry_back:
-                    original._local_tensor.copy_(current._local_tensor if isinstance(current, DTensor) else current)
+                original._local_tensor.copy_(current._local_tensor if isinstance(current, DTensor) else current)
                 param.grad = original
 
     def _restore_before_grad_write(self) -> None:
