@@ -82,8 +82,8 @@ def step(device: str, quick: bool) -> CaseResult:
     with process_group(device) as dev:
         clock = Clock(dev)
         adapted_model = many_params(count, numel, dev)
-        bare_model = many_params(count, numel, dev, grads=torch.float32)
-        loop_model = many_params(count, numel, dev)
+        bare_model = many_params(count, numel, dev, grads=torch.float32, variant=1)
+        loop_model = many_params(count, numel, dev, variant=2)
         adapted = _adapt(torch.optim.SGD(adapted_model.parameters(), lr=1e-6, foreach=True))
         bare = torch.optim.SGD(bare_model.parameters(), lr=1e-6, foreach=True)
         adapter_only = _adapt(NoStep(adapted_model.parameters()))

@@ -16,16 +16,17 @@ __all__ = ["NoStep", "PerTensorCast", "flat_copy_floor", "many_params"]
 
 
 class _Many(nn.Module):
-    def __init__(self, count: int, numel: int) -> None:
+    def __init__(self, count: int, shape: tuple[int, ...]) -> None:
         super().__init__()
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(numel) * 0.01) for _ in range(count))
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(shape) * 0.01) for _ in range(count))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack([w.sum() for w in self.weights]).sum() * x
 
 
 def many_params(
-    count: int, numel: int, device: torch.device, *, compute: torch.dtype = torch.bfloat16, grads: torch.dtype | None = None
+    count: int, numel: int, device: torch.device, *, compute: torch.dtype = torch.bfloat16,
+    grads: torch.dtype | None = None, variant: int = 0,
 ) -> nn.Module:
     """A sharded module of ``count`` parameters of ``numel`` elements with main grads on all.
 
@@ -35,9 +36,15 @@ def many_params(
         device: Where the shards live.
         compute: Compute dtype (the module's dtype before sharding); main weights are fp32.
         grads: Main-grad dtype (``None``: the compute dtype).
+        variant: Give models measured side by side different variants: the parameters get
+            ``variant`` leading dimensions of size 1 (same elements, same work). DTensor's
+            sharding-propagation cache compares the specs of a call with those of the cached
+            entry by ``__eq__`` (~0.6 µs each) unless they are the very same objects; two models
+            with equal shapes share entries, and whichever ran second would pay ~1 µs per
+            parameter per foreach op.
     """
     torch.manual_seed(0)
-    model = _Many(count, numel).to(device=device, dtype=compute)
+    model = _Many(count, (1,) * variant + (numel,)).to(device=device, dtype=compute)
     fully_shard(model, mp_policy=MixedPrecisionPolicy(main_grads_dtype=grads))
     model(torch.ones((), device=device, dtype=compute)).backward()
     return model
