@@ -40,7 +40,7 @@ from .common import CaseResult, Clock, median, paired, paired_ratio, target_row
 
 __all__ = ["run", "rank_main"]
 
-FULL = {"model": {"vocab": 8192, "dim": 256, "heads": 4, "layers": 8, "seq": 64}, "rows": 8, "steps": 6, "warmup": 1}
+FULL = {"model": {"vocab": 8192, "dim": 256, "heads": 4, "layers": 8, "seq": 64}, "rows": 8, "steps": 10, "warmup": 1}
 QUICK = {"model": {"vocab": 256, "dim": 64, "heads": 2, "layers": 2, "seq": 16}, "rows": 8, "steps": 2, "warmup": 1}
 MICROBATCHES = (1, 4)
 REDUCE = {"bf16": torch.bfloat16, "fp32": torch.float32}

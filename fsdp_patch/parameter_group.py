@@ -243,6 +243,12 @@ class ParameterGroup:
         ``no_grad``, an optimizer that is not adapted); version counters catch all of them.
         Summing them costs one read per parameter, so this runs once per iteration (the root's
         pre-forward) and at an explicit ``unshard``, not at every all-gather.
+
+        Alternatives considered:
+            - Summing at every all-gather (the first design): two to three sums per unit and
+              iteration, and one per optimizer step.
+            - A flag set by each known writer only (the adapter, ``load_state_dict``): an in-place
+              edit of a DTensor parameter or an unadapted optimizer's step would go unseen.
         """
         if not self._compute_stale and self.weights_version() != self._refreshed_version:
             self._compute_stale = True

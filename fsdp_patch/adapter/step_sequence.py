@@ -12,6 +12,14 @@ step left cast are put back (keeping what the user did to them); the plan is mad
 (a plain parameter with a mismatched grad stops the step here, before anything is cast); the
 grads are cast; the optimizer steps; the original grads are put back; the compute weights of
 every FSDP group the optimizer holds are refreshed; precision diagnostics run where due.
+
+Alternatives considered:
+    - A shared core of steps (plan, cast, restore, refresh) that each attachment sequences
+      itself (the first design): the sequence was written four times (pre/post hooks, the
+      wrapt wrapper, closures, the wrapt refresh) and drifted; now an attachment only decides
+      when ``begin`` and ``end`` run.
+    - Telemetry calls inside the sequence behind ``if telemetry``: the sequence reports to an
+      observer either way; the hook attachment's ``NullObserver`` makes no OpenTelemetry call.
 """
 
 from __future__ import annotations
