@@ -122,6 +122,11 @@ class Pair:
         )
         if zero is not None:
             self.both(lambda model, opt: opt.zero_grad(set_to_none=zero))
+        if zero:
+            # Nothing of the adapter holds the main grads: zero_grad(set_to_none=True) frees them.
+            held = [g.main_grad_storage_bytes() for g in parameter_groups(self.model) if all(
+                p.grad is None for p in g.params)]
+            self.checks[f"{tag}: main grads freed by zero_grad(set_to_none=True) ({held})"] = not any(held) and bool(held)
 
 
 def _training_changes(attachment: str, path: str) -> dict[str, bool]:
