@@ -24,8 +24,9 @@ test: setup
 	bash dashboards/install_promtool.sh
 	$(VENV_PYTHON) -m pytest
 
+# The benchmark suite: every case's table of side-by-side ratios; JSON into benchmarks/results/.
 bench: setup
-	$(VENV_PYTHON) -m benchmarks.telemetry_overhead
+	$(VENV_PYTHON) -m benchmarks
 
 # The prepared GPU check (CUDA tests, demo under torchrun on NCCL, GPU benchmarks); on a machine
 # without CUDA it runs what it can and says what it skipped.

@@ -1,0 +1,1 @@
+"""The benchmark suite (``python -m benchmarks``, see :mod:`benchmarks.suite`) and its cases."""

@@ -17,12 +17,10 @@ Runs on one gloo rank in this process, or on the ranks of ``torchrun``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -32,28 +30,17 @@ import torch.distributed as dist
 from fsdp_patch.demo.data import synthetic_batches
 from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss
 
+from .common import paired_ratio, process_group
+
 MODEL = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
 TARGET_RATIO = 1.15
 
 
-@contextlib.contextmanager
-def _process_group() -> Iterator[None]:
-    if dist.is_initialized():  # torchrun, or the caller's own group
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
-def _fsdp2_model() -> torch.nn.Module:
+def _fsdp2_model(config: GPTConfig) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = GPT(MODEL)
+    model = GPT(config)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
@@ -61,12 +48,10 @@ def _fsdp2_model() -> torch.nn.Module:
     return model
 
 
-def _paired_ratio(on: list[float], off: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(on, off))
-
-
-def run(steps: int = 10, warmup: int = 2, batch: int = 16) -> dict[str, Any]:
+def run(steps: int = 10, warmup: int = 2, batch: int = 16, config: GPTConfig = MODEL) -> dict[str, Any]:
     """Measures whole training steps and ``optimizer.step()`` alone, diagnostics on vs telemetry off.
+
+    Runs on the caller's process group, or on a world-size-1 gloo group made for the call.
 
     Returns:
         Figures of rank 0 (every rank measures its own): parameter count, world size, steps,
@@ -75,17 +60,17 @@ def run(steps: int = 10, warmup: int = 2, batch: int = 16) -> dict[str, Any]:
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     settings = {"FSDP_PATCH_SUMMARY": "none", "FSDP_PATCH_PRECISION_EVERY": "1"}
-    with tempfile.TemporaryDirectory() as traces, _process_group(), mock.patch.dict(
+    with tempfile.TemporaryDirectory() as traces, process_group("cpu"), mock.patch.dict(
         os.environ, {**settings, "FSDP_PATCH_TRACE_DIR": traces}
     ):
-        model = _fsdp2_model()
+        model = _fsdp2_model(config)
         optimizers = {}
         for telemetry_on in (False, True):
             optimizers[telemetry_on] = torch.optim.AdamW(model.parameters(), lr=1e-4)
             with mock.patch.dict(os.environ, {"FSDP_PATCH_TELEMETRY": "1" if telemetry_on else "0"}):
                 fully_shard_optimizer(optimizers[telemetry_on])
         rank, world = dist.get_rank(), dist.get_world_size()
-        batches = synthetic_batches(MODEL, batch * world, steps + warmup)
+        batches = synthetic_batches(config, batch * world, steps + warmup)
         whole: dict[bool, list[float]] = {False: [], True: []}
         optimizer_only: dict[bool, list[float]] = {False: [], True: []}
 
@@ -114,7 +99,7 @@ def run(steps: int = 10, warmup: int = 2, batch: int = 16) -> dict[str, Any]:
         "steps": steps,
         "step_ms_off": statistics.median(whole[False]) * 1e3,
         "step_ms_on": statistics.median(whole[True]) * 1e3,
-        "step_ratio": _paired_ratio(whole[True], whole[False]),
+        "step_ratio": paired_ratio(whole, True, False),
         "optimizer_step_ms_off": statistics.median(optimizer_only[False]) * 1e3,
         "optimizer_step_ms_on": statistics.median(optimizer_only[True]) * 1e3,
         "target_ratio": TARGET_RATIO,

@@ -6,6 +6,8 @@ the hooks, the gather copy and the grad pack/reduce cost per unit. An unsharded 
 model runs alternately in the same process, so the ratio cancels the machine's drift.
 
     python -m benchmarks.hook_overhead
+
+The suite (``python -m benchmarks``) runs it as part of case 4.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ def _step(model: nn.Module, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def run() -> dict[str, Any]:
-    """Median forward+backward step of the sharded and the unsharded stack, paired."""
+def run(rounds: int = ROUNDS) -> dict[str, Any]:
+    """Median forward+backward step of the sharded and the unsharded stack, paired.
+
+    Args:
+        rounds: Measured rounds (after 20 unmeasured ones).
+    """
     from fsdp_patch import fully_shard
 
     owns_group = not dist.is_initialized()
@@ -55,6 +61,7 @@ def run() -> dict[str, Any]:
             "gloo", init_method=f"file://{os.path.join(tmp, 'rdv')}", rank=0, world_size=1,
             timeout=datetime.timedelta(seconds=60),
         )
+    threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         plain, sharded = _Stack(), _Stack()
@@ -63,7 +70,7 @@ def run() -> dict[str, Any]:
         fully_shard(sharded)
         x = torch.randn(4, DIM)
         pairs = []
-        for round_index in range(ROUNDS + 20):
+        for round_index in range(rounds + 20):
             a, b = _step(sharded, x), _step(plain, x)
             for model in (plain, sharded):
                 model.zero_grad(set_to_none=True)
@@ -79,6 +86,7 @@ def run() -> dict[str, Any]:
             "overhead_per_unit_us": (sharded_s - plain_s) / (UNITS + 1) * 1e6,
         }
     finally:
+        torch.set_num_threads(threads)
         if owns_group:
             dist.destroy_process_group()
 

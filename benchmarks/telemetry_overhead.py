@@ -1,9 +1,10 @@
-"""Telemetry overhead: training step time with telemetry on (diagnostics off) versus off.
+"""Telemetry overhead: training step time with telemetry on versus off (case 5 of the suite).
 
-Both configurations run in one process, side by side: two identical sharded models, one
-adapted with torch's step hooks (``FSDP_PATCH_TELEMETRY`` off), one with the wrapt wrapper and
-OpenTelemetry on its embedded default exporter. Steps alternate between them so that drift in
-machine speed hits both alike; medians are compared.
+All settings run in one process, side by side: one sharded model and one AdamW optimizer per
+setting over its parameters, each adapted with ``fully_shard_optimizer``: telemetry off (torch's
+step hooks), telemetry on with the embedded default exporter and diagnostics off, and
+telemetry on with the precision diagnostics on every step. Steps rotate between them so that
+drift in machine speed hits all alike; ratios are medians of per-round ratios.
 
 Part 1: a >= 20M-parameter transformer, AdamW, whole training step (forward, backward, step).
 Part 2: a tiny model, plain SGD, ``optimizer.step()`` alone: the fixed per-step cost in
@@ -16,6 +17,8 @@ around the measured code, read after synchronizing; on the CPU, ``time.perf_coun
 Usage::
 
     python -m benchmarks.telemetry_overhead [--steps 12] [--tiny-steps 400] [--device cuda] [--json out.json]
+
+``run()`` measures in the calling process (on its process group, or a world-size-1 one).
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -37,30 +40,27 @@ from fsdp_patch.demo.data import synthetic_batches
 from fsdp_patch.demo.launch import run_ranks
 from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss, shard
 
+from .common import Clock, device_name, median, paired, paired_ratio, process_group
+
 LARGE = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
+SMALL = GPTConfig(vocab=1024, dim=128, heads=4, layers=2, seq=32)
 TINY = GPTConfig(vocab=32, dim=16, heads=2, layers=2, seq=8)
+# Setting -> (FSDP_PATCH_TELEMETRY, FSDP_PATCH_PRECISION_EVERY) when its optimizer is adapted.
+SETTINGS = {"off": ("0", "0"), "on": ("1", "0"), "diagnostics": ("1", "1")}
 
 
-class Clock:
-    """Times a stretch of code: CUDA events on a CUDA device (read after a synchronize), else perf_counter."""
+@contextmanager
+def _quiet_telemetry() -> Iterator[None]:
+    """Traces to a temporary directory, no end-of-run summary."""
+    with tempfile.TemporaryDirectory() as traces, mock.patch.dict(
+        os.environ, {"FSDP_PATCH_TRACE_DIR": traces, "FSDP_PATCH_SUMMARY": "none"}
+    ):
+        try:
+            yield
+        finally:
+            from fsdp_patch.telemetry import providers
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def start(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds_since(self, token: Any) -> float:
-        if not self.cuda:
-            return time.perf_counter() - token
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        return token.elapsed_time(end) / 1000.0
+            providers.uninstall()
 
 
 def _device() -> torch.device:
@@ -68,12 +68,12 @@ def _device() -> torch.device:
 
 
 def _build(
-    config: GPTConfig, optimizer_class: type[torch.optim.Optimizer]
-) -> tuple[torch.nn.Module, dict[bool, torch.optim.Optimizer]]:
-    """One sharded model and two optimizers over its parameters: telemetry off and on.
+    config: GPTConfig, optimizer_class: type[torch.optim.Optimizer], settings: tuple[str, ...]
+) -> tuple[torch.nn.Module, dict[str, torch.optim.Optimizer]]:
+    """One sharded model and one optimizer per setting over its parameters.
 
     Sharing the model keeps memory placement, caches and the forward/backward identical for
-    both sides; only the adapted step differs.
+    every setting; only the adapted step differs.
     """
     from fsdp_patch import MixedPrecisionPolicy
     from fsdp_patch.optimizer import fully_shard_optimizer
@@ -84,121 +84,109 @@ def _build(
     # ratio the harder target.
     model = shard(GPT(config).to(_device()), mp_policy=MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
     optimizers = {}
-    for telemetry_on in (False, True):
+    for setting in settings:
         optimizer = optimizer_class(model.parameters(), lr=1e-4)
-        os.environ["FSDP_PATCH_TELEMETRY"] = "1" if telemetry_on else "0"
-        fully_shard_optimizer(optimizer)
-        optimizers[telemetry_on] = optimizer
+        telemetry, every = SETTINGS[setting]
+        with mock.patch.dict(os.environ, {"FSDP_PATCH_TELEMETRY": telemetry, "FSDP_PATCH_PRECISION_EVERY": every}):
+            fully_shard_optimizer(optimizer)
+        optimizers[setting] = optimizer
     return model, optimizers
 
 
-def _alternate(steps: int, run: Callable[[bool, int], float]) -> dict[bool, list[float]]:
-    """Runs ``run(telemetry_on, step)`` for both settings each step; returns the durations."""
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for step in range(steps):
-        # Alternate the order too, so neither side always runs on a warmer cache.
-        order = (False, True) if step % 2 == 0 else (True, False)
-        for telemetry_on in order:
-            times[telemetry_on].append(run(telemetry_on, step))
-    return times
-
-
-def _paired_ratio(times: dict[bool, list[float]]) -> float:
-    """Median of on/off ratios of steps run back to back: drift of the machine cancels out."""
-    return statistics.median(on / off for on, off in zip(times[True], times[False]))
-
-
-def _large_model(steps: int, warmup: int) -> dict[str, Any]:
-    model, optimizers = _build(LARGE, torch.optim.AdamW)
+def _training_steps(config: GPTConfig, steps: int, warmup: int, settings: tuple[str, ...]) -> dict[str, Any]:
+    model, optimizers = _build(config, torch.optim.AdamW, settings)
     device = _device()
     clock = Clock(device)
-    batches = [b.to(device) for b in synthetic_batches(LARGE, 4, steps + warmup)]
-    optimizer_times: dict[bool, list[float]] = {False: [], True: []}
+    batches = [b.to(device) for b in synthetic_batches(config, 4, steps + warmup)]
+    optimizer_times: dict[str, list[float]] = {setting: [] for setting in settings}
+    cursor = {setting: 0 for setting in settings}
 
-    def train_step(telemetry_on: bool, tokens: torch.Tensor) -> float:
-        optimizer = optimizers[telemetry_on]
+    def train_step(setting: str) -> float:
+        optimizer = optimizers[setting]
+        tokens = batches[cursor[setting] % len(batches)]
+        cursor[setting] += 1
         start = clock.start()
         lm_loss(model, tokens).backward()
         before_step = clock.start()
         optimizer.step()
-        optimizer_times[telemetry_on].append(clock.seconds_since(before_step))
+        optimizer_times[setting].append(clock.seconds_since(before_step))
         optimizer.zero_grad()
         return clock.seconds_since(start)
 
-    for tokens in batches[:warmup]:
-        for on in (False, True):
-            train_step(on, tokens)
-    for times in optimizer_times.values():
-        times.clear()
-    large = _alternate(steps, lambda on, step: train_step(on, batches[warmup + step]))
-
-    params = sum(p.numel() for p in model.parameters())
-    off, on = statistics.median(large[False]), statistics.median(large[True])
-    ratio = _paired_ratio(large)
-    soff, son = statistics.median(optimizer_times[False]), statistics.median(optimizer_times[True])
-    if dist.get_rank() == 0:
-        print(f"large model: {params / 1e6:.1f}M parameters, {dist.get_world_size()} rank(s), {steps} steps each")
-        print(f"  step time, telemetry off: {off * 1e3:9.2f} ms (median)")
-        print(f"  step time, telemetry on : {on * 1e3:9.2f} ms (median)")
-        print(f"  overhead ratio on/off   : {ratio:9.4f}  ({(ratio - 1) * 100:+.2f}%, median of adjacent pairs; target < +3%)")
-        print(
-            f"  of which optimizer.step(): off {soff * 1e3:.2f} ms, on {son * 1e3:.2f} ms, "
-            f"ratio {_paired_ratio(optimizer_times):.4f}"
-        )
-    return {
-        "params": params,
-        "steps": steps,
-        "step_s_off": off,
-        "step_s_on": on,
-        "ratio_on_off": ratio,
-        "optimizer_step_s_off": soff,
-        "optimizer_step_s_on": son,
-        "optimizer_step_ratio_on_off": _paired_ratio(optimizer_times),
-    }
+    times = paired({setting: (lambda s=setting: train_step(s)) for setting in settings}, steps, warmup)
+    for setting in settings:
+        del optimizer_times[setting][:warmup]
+    result: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters()), "steps": steps}
+    for setting in settings:
+        result[f"step_s_{setting}"] = median(times[setting])
+        result[f"optimizer_step_s_{setting}"] = median(optimizer_times[setting])
+        if setting != "off":
+            result[f"ratio_{setting}_off"] = paired_ratio(times, setting, "off")
+            result[f"optimizer_step_ratio_{setting}_off"] = paired_ratio(optimizer_times, setting, "off")
+    return result
 
 
 def _tiny_model(steps: int, warmup: int) -> dict[str, Any]:
-    model, optimizers = _build(TINY, torch.optim.SGD)
+    model, optimizers = _build(TINY, torch.optim.SGD, ("off", "on"))
     clock = Clock(_device())
     lm_loss(model, synthetic_batches(TINY, 2, 1)[0].to(_device())).backward()
-
-    def run(telemetry_on: bool, step: int = 0) -> float:
-        optimizer = optimizers[telemetry_on]
-        start = clock.start()
-        optimizer.step()
-        return clock.seconds_since(start)
-
-    for _ in range(warmup * 10):
-        for on in (False, True):
-            run(on)
-    small = _alternate(steps, run)
-
-    off, on = statistics.median(small[False]), statistics.median(small[True])
+    times = paired({setting: (lambda o=optimizer: clock.time(o.step)) for setting, optimizer in optimizers.items()},
+                   steps, warmup * 10)
+    off, on = median(times["off"]), median(times["on"])
     params = sum(p.numel() for p in model.parameters())
-    if dist.get_rank() == 0:
-        print(f"tiny model: {params} parameters, SGD optimizer.step() alone, {steps} steps each")
-        print(f"  step, telemetry off: {off * 1e6:9.1f} us (median)")
-        print(f"  step, telemetry on : {on * 1e6:9.1f} us (median)")
-        print(f"  fixed cost per step: {(on - off) * 1e6:9.1f} us")
     return {"params": params, "steps": steps, "step_s_off": off, "step_s_on": on, "fixed_cost_s": on - off}
 
 
-def device_name() -> str:
-    """The GPU's name on CUDA (``NVIDIA H200``), else the CPU's architecture (``cpu-x86_64``)."""
-    if dist.get_backend() == "nccl":
-        return torch.cuda.get_device_name(torch.cuda.current_device())
-    return f"cpu-{platform.machine()}"
+def run(
+    steps: int = 30, tiny_steps: int = 400, warmup: int = 2, *, config: GPTConfig = LARGE,
+    settings: tuple[str, ...] = ("off", "on"), device: str = "cpu",
+) -> dict[str, Any]:
+    """Measures the training step per setting and the tiny model's fixed cost.
+
+    Args:
+        steps: Measured training steps per setting.
+        tiny_steps: Measured ``optimizer.step()`` calls per setting on the tiny model.
+        warmup: Unmeasured rounds first.
+        config: The large model's sizes.
+        settings: Which of :data:`SETTINGS` to run (``"off"`` first: ratios are against it).
+        device: ``"cpu"`` or ``"cuda"`` (a world-size-1 group is made when none exists).
+
+    Returns:
+        ``{"large": ..., "tiny": ...}``: medians in seconds, paired ratios against ``off``.
+    """
+    with _quiet_telemetry(), process_group(device):
+        return {"large": _training_steps(config, steps, warmup, settings), "tiny": _tiny_model(tiny_steps, warmup)}
+
+
+def _report(results: dict[str, Any]) -> None:
+    large, tiny = results["large"], results["tiny"]
+    print(f"large model: {large['params'] / 1e6:.1f}M parameters, {dist.get_world_size()} rank(s), {large['steps']} steps each")
+    print(f"  step time, telemetry off: {large['step_s_off'] * 1e3:9.2f} ms (median)")
+    print(f"  step time, telemetry on : {large['step_s_on'] * 1e3:9.2f} ms (median)")
+    ratio = large["ratio_on_off"]
+    print(f"  overhead ratio on/off   : {ratio:9.4f}  ({(ratio - 1) * 100:+.2f}%, median of adjacent pairs; target < +3%)")
+    print(f"  of which optimizer.step(): off {large['optimizer_step_s_off'] * 1e3:.2f} ms, "
+          f"on {large['optimizer_step_s_on'] * 1e3:.2f} ms, ratio {large['optimizer_step_ratio_on_off']:.4f}")
+    print(f"tiny model: {tiny['params']} parameters, SGD optimizer.step() alone, {tiny['steps']} steps each")
+    print(f"  step, telemetry off: {tiny['step_s_off'] * 1e6:9.1f} us (median)")
+    print(f"  step, telemetry on : {tiny['step_s_on'] * 1e6:9.1f} us (median)")
+    print(f"  fixed cost per step: {tiny['fixed_cost_s'] * 1e6:9.1f} us")
 
 
 def bench(steps: int, tiny_steps: int, warmup: int, json_path: str | None) -> None:
-    results = {"large": _large_model(steps, warmup), "tiny": _tiny_model(tiny_steps, warmup)}
-    if json_path and dist.get_rank() == 0:
+    """One rank's part of the command line run: measure, print on rank 0, write the JSON."""
+    results = run(steps, tiny_steps, warmup)
+    if dist.get_rank() != 0:
+        return
+    _report(results)
+    if json_path:
+        cuda = dist.get_backend() == "nccl"
         document = {
             "benchmark": "telemetry_overhead",
-            "device": device_name(),
+            "device": device_name("cuda" if cuda else "cpu"),
             "world_size": dist.get_world_size(),
             "torch": torch.__version__,
-            "timer": "cuda_events" if dist.get_backend() == "nccl" else "perf_counter",
+            "timer": "cuda_events" if cuda else "perf_counter",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **results,
         }
@@ -218,11 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("FSDP_PATCH_TRACE_DIR", tmp)
-        os.environ.setdefault("FSDP_PATCH_PRECISION_EVERY", "0")
-        os.environ.setdefault("FSDP_PATCH_SUMMARY", "none")
-        run_ranks(bench, args.world_size, args.steps, args.tiny_steps, args.warmup, args.json, device=args.device)
+    run_ranks(bench, args.world_size, args.steps, args.tiny_steps, args.warmup, args.json, device=args.device)
 
 
 if __name__ == "__main__":

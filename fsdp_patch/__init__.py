@@ -36,7 +36,7 @@ def _load_checkout_telemetry() -> None:
 
 _load_checkout_telemetry()
 
-from .adapter import remove_fully_shard_optimizer  # noqa: E402
+from .adapter import cast_buffer_bytes, keep_cast_buffers, remove_fully_shard_optimizer  # noqa: E402
 from .mixed_precision import MixedPrecisionPolicy  # noqa: E402
 from .module import FSDPModule, fully_shard, parameter_groups  # noqa: E402
 from .parameter_group import ParameterGroup, contained_in_parameter_group, parameter_group_of  # noqa: E402
@@ -45,8 +45,10 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "ParameterGroup",
+    "cast_buffer_bytes",
     "contained_in_parameter_group",
     "fully_shard",
+    "keep_cast_buffers",
     "parameter_group_of",
     "parameter_groups",
     "remove_fully_shard_optimizer",

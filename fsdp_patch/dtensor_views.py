@@ -1,10 +1,10 @@
-"""DTensor ``Shard(0)`` views over flat-buffer slices, built without autograd overhead."""
+"""``DTensorSpec`` objects for a group's ``Shard(0)`` views, one per (parameter, dtype), shared."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .layout import ParamLayout
@@ -15,8 +15,10 @@ __all__ = ["ShardSpecs"]
 class ShardSpecs:
     """Caches one ``DTensorSpec`` per (parameter, dtype) of a group.
 
-    Building a spec is pure Python work; the optimizer adapter needs fresh DTensor views of a
-    cast buffer on every step, so the specs are reused across steps.
+    Every DTensor the group builds over its flat buffers (the sharded parameters, the main-grad
+    views, the optimizer adapter's cast views) takes its spec from here, so a parameter and the
+    fp32 grad the optimizer sees carry the very same spec object: DTensor's sharding-propagation
+    cache compares specs by identity first and by a field-by-field ``__eq__`` (~0.6 µs) otherwise.
     """
 
     def __init__(self, mesh: DeviceMesh, layouts: tuple[ParamLayout, ...]) -> None:
@@ -37,10 +39,3 @@ class ShardSpecs:
             ]
             self._specs[dtype] = specs
         return specs
-
-    def views(self, flat: torch.Tensor) -> list[DTensor]:
-        """DTensor views of every parameter's shard in ``flat`` (no autograd, no copy)."""
-        return [
-            DTensor(layout.local_view(flat), spec, requires_grad=False)
-            for layout, spec in zip(self._layouts, self.specs(flat.dtype))
-        ]

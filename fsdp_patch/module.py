@@ -56,6 +56,8 @@ class FSDPModule:
 
     def unshard(self) -> None:
         """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
+        for group in self._fsdp_state.groups:
+            group.detect_external_writes()  # forward does this once per iteration; unshard may come first
         self._fsdp_state.unshard()
 
     def reshard(self) -> None:
@@ -259,6 +261,30 @@ def _owned_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
         yield from _owned_modules(child, f"{prefix}{name}.")
 
 
+def _state_dict_aliases(
+    module: nn.Module, groups: list[ParameterGroup], group_locations: list[list[list[Location]]]
+) -> Callable[..., None]:
+    """A state-dict post-hook putting :meth:`ParameterGroup.state_dict_tensor` in place of the
+    detached sharded parameters ``state_dict`` holds, so that writes into them (``dcp.load``
+    into the tensors ``get_model_state_dict`` returned) reach the compute copy at the next forward."""
+    prefixes = {id(owner): prefix for prefix, owner in _owned_modules(module)}
+    entries = [
+        (prefixes[id(owner)] + name, owner, name, group, index)
+        for group, locations in zip(groups, group_locations)
+        for index, places in enumerate(locations)
+        for owner, name in places
+    ]
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for key, owner, name, group, index in entries:
+            param = owner._parameters.get(name)
+            # keep_vars=True holds the parameter itself; a tensor that replaced it is left alone.
+            if param is group.params[index] and state_dict.get(prefix + key) is not param and prefix + key in state_dict:
+                state_dict[prefix + key] = group.state_dict_tensor(index)
+
+    return hook
+
+
 def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The FSDP units directly below ``module`` (not inside another unit), with their paths."""
     for prefix, owner in _owned_modules(module):
@@ -391,5 +417,6 @@ def fully_shard(
     # load_state_dict(assign=True) registers the loaded tensors in place of the sharded
     # parameters: take their values over at once (the next forward would, too).
     module.register_load_state_dict_post_hook(lambda module, incompatible: state.adopt_replaced_parameters())
+    module.register_state_dict_post_hook(_state_dict_aliases(module, groups, group_locations))
     module.__class__ = _fsdp_class(type(module))
     return module

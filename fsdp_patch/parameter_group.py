@@ -21,14 +21,18 @@ Every cast, refresh and zeroing is one operation on a whole buffer, never one pe
 
 from __future__ import annotations
 
+import operator
 import weakref
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .dtensor_views import ShardSpecs
@@ -36,6 +40,8 @@ from .layout import GroupLayout
 from .mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["ParameterGroup", "parameter_group_of", "contained_in_parameter_group"]
+
+_VERSION = operator.attrgetter("_version")
 
 # Sharded parameter -> weak reference to its group. A registry rather than an attribute on the
 # parameter, so that copies of a parameter (deepcopy, pickling of an optimizer) are not mistaken
@@ -108,12 +114,21 @@ class ParameterGroup:
         self._grad_view_refs: list[weakref.ref[DTensor] | None] = [None] * len(params)
 
         self.params: list[nn.Parameter] = []
-        for param, view in zip(params, self._specs.views(self.main_weight)):
-            sharded = nn.Parameter(view, requires_grad=param.requires_grad)
+        for param, layout, spec in zip(params, self.layout.params, self._specs.specs(self.main_dtype)):
+            # Built as nn.Parameter builds a DTensor parameter, without its detach: that runs
+            # below autograd and would give the local shard a version counter of its own, and
+            # writes through to_local() would then escape detect_external_writes.
+            sharded = DTensor(layout.local_view(self.main_weight), spec, requires_grad=param.requires_grad)
+            sharded._is_param = True  # type: ignore[attr-defined]
             sharded.grad_dtype = self.grads_dtype
-            self.params.append(sharded)
+            self.params.append(sharded)  # type: ignore[arg-type]
         self._index_of = {id(param): index for index, param in enumerate(self.params)}
+        # Whether the compute copy lags the main weights (see refresh_compute_weight), the
+        # weights version it was refreshed at, and how many refreshes it has had (an all-gather
+        # is tagged with that count, so one issued before a refresh is not taken for current).
+        self._compute_stale = False
         self._refreshed_version = self.weights_version()
+        self._refreshes = 0
 
         # Unsharded state: one padded flat buffer whose storage is freed between uses; the
         # unsharded parameters are persistent leaf views into it, so tensors that autograd
@@ -131,8 +146,8 @@ class ParameterGroup:
             )
             for layout in self.layout.params
         ]
-        self._gathered_version: int | None = None
-        # (work, gathered buffer, weights version) of an all-gather issued and not yet waited.
+        self._gathered_refresh: int | None = None
+        # (work, gathered buffer, refresh count) of an all-gather issued and not yet waited.
         self._pending_gather: tuple[Any, torch.Tensor, int] | None = None
         self._free_unsharded()
 
@@ -144,10 +159,10 @@ class ParameterGroup:
         # (work, reduced shard, overwrite) of reduce-scatters issued and not yet added into
         # main_grad, in issue order.
         self._pending_reduces: list[tuple[Any, torch.Tensor, bool]] = []
-        # Parameter index -> DTensor view of the temporary cast buffer while grads are cast (the
-        # views keep the buffer alive), and the main-grad views they stand in for; empty otherwise.
-        self._cast_views: dict[int, DTensor] = {}
-        self._cast_saved: dict[int, torch.Tensor] = {}
+        # Run before backward, install_zero_grads or reset_iter_state next write the parameters'
+        # grads: whoever lent the parameters other grads (the optimizer adapter's cast) puts
+        # the main-grad views back first.
+        self._grad_write_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # weakly referable
 
     @property
     def requires_grad(self) -> bool:
@@ -206,11 +221,46 @@ class ParameterGroup:
     def weights_version(self) -> int:
         """A counter that changes whenever the main weights are modified in place.
 
-        Updates through the DTensor parameters (an optimizer step, ``load_state_dict``) bump
-        the parameters' own version counters but not the flat buffer's, since DTensor runs
-        the local op below autograd; direct writes to the buffer bump only the buffer's.
+        Updates through the DTensor parameters (an optimizer step, ``load_state_dict``, a manual
+        in-place edit) bump the parameters' own version counters but not the flat buffer's,
+        since DTensor runs the local op below autograd; direct writes to the buffer or to a
+        view of it (``dcp.load`` writes into the local shards) bump only the buffer's.
         """
-        return self.main_weight._version + sum(p._version for p in self.params)
+        return self.main_weight._version + sum(map(_VERSION, self.params))
+
+    @property
+    def compute_stale(self) -> bool:
+        """Whether the compute copy lags the main weights: the next gather refreshes it first."""
+        return self._compute_stale
+
+    def mark_weights_changed(self) -> None:
+        """Notes a write to the main weights made outside the optimizer adapter."""
+        self._compute_stale = True
+
+    def detect_external_writes(self) -> None:
+        """Marks the compute copy stale if the main weights changed since its last refresh.
+
+        Anything may write the main weights in place (a ``dcp.load`` into the tensors
+        ``get_model_state_dict`` returned, ``load_state_dict``, a manual edit under
+        ``no_grad``, an optimizer that is not adapted); version counters catch all of them.
+        Summing them costs one read per parameter, so this runs once per iteration (the root's
+        pre-forward) and at an explicit ``unshard``, not at every all-gather.
+
+        Alternatives considered:
+            - Summing at every all-gather (the first design): two to three sums per unit and
+              iteration, and one per optimizer step.
+            - A flag set by each known writer only (the adapter, ``load_state_dict``): an in-place
+              edit of a DTensor parameter or an unadapted optimizer's step would go unseen.
+        """
+        if not self._compute_stale and self.weights_version() != self._refreshed_version:
+            self._compute_stale = True
+
+    def state_dict_tensor(self, index: int) -> DTensor:
+        """``params[index]``'s entry in a state dict: a DTensor over the same memory whose local
+        shard shares the main weights' version counter (``Module.state_dict`` detaches below
+        autograd, which would not), so that a ``dcp.load`` into it is seen."""
+        layout = self.layout.params[index]
+        return DTensor(layout.local_view(self.main_weight).detach(), self._specs.specs(self.main_dtype)[index], requires_grad=False)
 
     def refresh_compute_weight(self) -> int:
         """Refreshes the compute copy from the main weights; one cast for the whole group.
@@ -223,7 +273,9 @@ class ParameterGroup:
             with torch.no_grad():
                 self.compute_weight.copy_(self.main_weight)
             written = self.compute_weight.numel() * self.compute_weight.element_size()
+        self._compute_stale = False
         self._refreshed_version = self.weights_version()
+        self._refreshes += 1
         return written
 
     def check_replacement(self, index: int, replacement: object) -> None:
@@ -273,12 +325,13 @@ class ParameterGroup:
             else:
                 local = replacement.detach()[layout.local_rows_slice]
             layout.local_view(self.main_weight).copy_(local)
+        self._compute_stale = True
         self.params[index].requires_grad_(replacement.requires_grad)
 
     @property
     def is_unsharded(self) -> bool:
         """Whether the unsharded parameters hold the gathered weights (or a gather is in flight)."""
-        return self._gathered_version is not None or self._pending_gather is not None
+        return self._gathered_refresh is not None or self._pending_gather is not None
 
     def unshard(self) -> None:
         """All-gathers the compute copy into the unsharded parameters (no cast)."""
@@ -288,13 +341,13 @@ class ParameterGroup:
     def start_unshard(self) -> None:
         """Issues the all-gather without waiting for it (a prefetch); :meth:`wait_unshard`
         completes it. A no-op when the current weights are gathered or in flight."""
-        version = self.weights_version()
-        if version != self._refreshed_version:
+        if self._compute_stale:
             # Main weights changed outside the optimizer adapter (a checkpoint load, a manual
             # edit): the compute copy must follow before anyone gathers it.
             self.refresh_compute_weight()
+        refresh = self._refreshes
         pending = self._pending_gather
-        if self._gathered_version == version or (pending is not None and pending[2] == version):
+        if self._gathered_refresh == refresh or (pending is not None and pending[2] == refresh):
             return
         if pending is not None:
             self._drop_pending_gather()
@@ -306,19 +359,19 @@ class ParameterGroup:
         if self.world_size == 1:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
                 flat.copy_(self.compute_weight)
-            self._gathered_version = version
+            self._gathered_refresh = refresh
             return
-        self._gathered_version = None
+        self._gathered_refresh = None
         gathered = torch.empty_like(flat)
         work = dist.all_gather_single(gathered, self.compute_weight, group=self.process_group, async_op=True)
-        self._pending_gather = (work, gathered, version)
+        self._pending_gather = (work, gathered, refresh)
 
     def wait_unshard(self) -> None:
         """Completes an all-gather :meth:`start_unshard` issued: waits for it and copies the
         ranks' slots out into the unsharded parameters."""
         if self._pending_gather is None:
             return
-        work, gathered, version = self._pending_gather
+        work, gathered, refresh = self._pending_gather
         self._pending_gather = None
         work.wait()
         flat = self._unsharded_flat
@@ -326,7 +379,7 @@ class ParameterGroup:
             torch.split_with_sizes_copy(
                 gathered.view(self.world_size, -1), self.layout.slot_sizes, dim=1, out=self._copy_out_views
             )
-        self._gathered_version = version
+        self._gathered_refresh = refresh
 
     def _drop_pending_gather(self) -> None:
         # A collective cannot be cancelled: wait for it, then forget its result.
@@ -338,7 +391,7 @@ class ParameterGroup:
     def _free_unsharded(self) -> None:
         self._drop_pending_gather()
         self._unsharded_flat.untyped_storage().resize_(0)
-        self._gathered_version = None
+        self._gathered_refresh = None
 
     def reshard(self) -> None:
         """Frees the unsharded parameters' storage (after an all-gather in flight completes)."""
@@ -432,7 +485,7 @@ class ParameterGroup:
     def _begin_accumulation(self) -> None:
         # Whatever the sharded parameters' .grad hold now is what the new gradient adds to:
         # nothing (after zero_grad(set_to_none=True)), our own views, or tensors a user assigned.
-        self.restore_grads()
+        self._before_grad_write()
         if all(p.grad is None for p in self.params):
             # A fresh buffer: a tensor someone kept from before zero_grad is not written to.
             self._main_grad_ref = None
@@ -474,7 +527,7 @@ class ParameterGroup:
         """Gives trainable parameters without a grad a zeroed main-grad view as ``.grad``."""
         if not self.requires_grad:
             return
-        self.restore_grads()
+        self._before_grad_write()
         main_grad = self._ensure_main_grad()
         with torch.no_grad():
             for param, layout in zip(self.params, self.layout.params):
@@ -490,7 +543,7 @@ class ParameterGroup:
         ``main_grad``, the buffer no longer holds what the parameters' ``.grad`` held before,
         so their grads become ``None``: the next backward then overwrites the buffer.
         """
-        self.restore_grads()
+        self._before_grad_write()
         self._drop_unsharded_grads()
         self._accumulated = None
         for work, _, _ in self._pending_reduces:
@@ -503,69 +556,55 @@ class ParameterGroup:
         self._overwrite_main_grad = False
         self.reshard()
 
-    # ------------------------------------------------------------------ temporary cast
+    # ------------------------------------------------------------------ lending grads
+    def register_grad_write_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Runs ``hook()`` before the group next writes its parameters' grads: at the start of
+        a backward's accumulation, in :meth:`install_zero_grads` and :meth:`reset_iter_state`.
+
+        For whoever replaced some ``.grad`` by other tensors for a while (the optimizer
+        adapter's temporary cast): the hook puts the main-grad views back. It stays registered
+        until its handle is removed.
+        """
+        handle = RemovableHandle(self._grad_write_hooks)
+        self._grad_write_hooks[handle.id] = hook
+        return handle
+
     @property
-    def grads_cast(self) -> bool:
-        return bool(self._cast_views)
+    def grad_write_hooks(self) -> tuple[Callable[[], None], ...]:
+        return tuple(self._grad_write_hooks.values())
 
-    def cast_grads(self, dtype: torch.dtype, indices: Sequence[int]) -> int:
-        """Temporarily replaces the grads of ``params[i]`` for ``i`` in ``indices`` (parameters
-        that have one) by ``dtype`` copies; one cast of the whole buffer.
+    def _before_grad_write(self) -> None:
+        if self._grad_write_hooks:
+            for hook in list(self._grad_write_hooks.values()):
+                hook()
 
-        Foreign grads a user assigned are first folded into ``main_grad`` so that the cast
-        reads exactly what the parameters' ``.grad`` held.
+    def grad_views(self, indices: Sequence[int]) -> list[DTensor | None]:
+        """The live main-grad views of ``params[i]`` for ``i`` in ``indices`` (``None`` where
+        none lives): what those parameters' ``.grad`` are when nobody replaced them."""
+        refs = self._grad_view_refs
+        if not refs:
+            return [None] * len(indices)
+        if len(indices) == len(refs):  # all of them (indices are sorted distinct positions)
+            return list(map(operator.call, refs))
+        return [refs[i]() for i in indices]
 
-        Returns:
-            Bytes written by the cast.
-        """
-        if not indices:
-            return 0
-        main_grad = self._absorb_foreign_grads(indices)
-        cast = main_grad.to(dtype)
-        views = self._specs.views(cast)
-        self._cast_views = {i: views[i] for i in indices}
-        # While cast, the original views are no .grad: hold them (and so main_grad) here.
-        self._cast_saved = {i: self.params[i].grad for i in indices}
-        for index, view in self._cast_views.items():
-            _install_grad(self.params[index], view)
-        return cast.numel() * cast.element_size()
+    def dtensor_specs(self, dtype: torch.dtype) -> list[Any]:
+        """One ``DTensorSpec`` per parameter for a shard of ``dtype`` (cached): to build
+        DTensor views of a flat buffer laid out as the group's (see :attr:`layout`)."""
+        return self._specs.specs(dtype)
 
-    def restore_grads(self, carry_back: bool = True) -> None:
-        """Puts the original grads back after :meth:`cast_grads`; a no-op otherwise.
-
-        What was done to a parameter's grad while it was cast is kept: a grad set to ``None``
-        (``zero_grad()`` after a failed step) stays ``None``; a tensor assigned in place of the
-        cast copy, and with ``carry_back`` the cast copy's current values (changed in place,
-        e.g. by ``zero_grad(set_to_none=False)``), are written back into ``main_grad``.
-        ``carry_back=False`` is for the end of a step whose update does not write grads.
-        """
-        if not self._cast_views:
-            return
-        saved = self._cast_saved
-        with torch.no_grad():
-            for index, view in self._cast_views.items():
-                param = self.params[index]
-                current = param.grad
-                param.grad = None
-                param.grad_dtype = self.grads_dtype
-                if current is None:
-                    continue
-                original = saved[index]
-                if current is not view or carry_back:
-                    _local(original).copy_(_local(current))
-                param.grad = original
-        self._cast_views = {}
-        self._cast_saved = {}
-
-    def _absorb_foreign_grads(self, indices: Sequence[int]) -> torch.Tensor:
-        """Makes ``params[i].grad`` for ``i`` in ``indices`` views of ``main_grad`` (holding
-        their values); returns ``main_grad``."""
+    def adopt_foreign_grads(self, indices: Sequence[int]) -> torch.Tensor:
+        """Makes ``params[i].grad``, for ``i`` in ``indices`` whose grad is not ``None``, views
+        of ``main_grad`` holding their values (copying tensors a user assigned); returns
+        ``main_grad``."""
         main_grad = self._ensure_main_grad()
-        foreign = [i for i in indices if self.params[i].grad is not self._grad_view(i)]
+        params = self.params
+        foreign = [i for i in indices if params[i].grad is not None and params[i].grad is not self._grad_view(i)]
         with torch.no_grad():
             for index in foreign:
-                self.layout.params[index].local_view(main_grad).copy_(_local(self.params[index].grad))
-        self._install_views(lambda param: self._index_of[id(param)] in foreign)
+                self.layout.params[index].local_view(main_grad).copy_(_local(params[index].grad))
+        chosen = set(foreign)
+        self._install_views(lambda param: self._index_of[id(param)] in chosen)
         return main_grad
 
     def __repr__(self) -> str:
@@ -577,11 +616,3 @@ class ParameterGroup:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _install_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    # A parameter refuses a grad whose dtype differs from its grad_dtype, and refuses a new
-    # grad_dtype while a grad of the old dtype is attached: clear, switch, assign.
-    param.grad = None
-    param.grad_dtype = grad.dtype
-    param.grad = grad

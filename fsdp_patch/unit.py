@@ -292,6 +292,13 @@ class UnitState:
             if context.interrupted():
                 context.reset()
             context.begin_forward()
+        if not recompute and (context.root is self or context._recording is None):
+            # Main weights written outside the optimizer adapter since the last refresh are
+            # found here, once per iteration (and for a unit called on its own), before any
+            # all-gather of the iteration is issued; every later gather tests a flag only.
+            for state in context.states if context.root is self else (self,):
+                for group in state.groups:
+                    group.detect_external_writes()
         replaced = self.swap(unsharded=True, sync_requires_grad=True)
         if replaced:
             self.adopt(replaced)

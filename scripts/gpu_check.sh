@@ -5,8 +5,9 @@
 #      adapter bitwise against the hand-cast reference on CUDA, CUDA-event step timings;
 #   2. `fsdp-patch demo` under `torchrun --nproc-per-node 1` on NCCL: 20 steps with a DCP
 #      checkpoint, then --resume to step 30;
-#   3. the GPU benchmark cases (BENCH_CASES below, one line each), timed with CUDA events, each
-#      writing JSON named after the GPU into benchmarks/results/.
+#   3. the benchmark suite's cases on the GPU (BENCH_CASES below, one line each: python -m benchmarks
+#      --device cuda --case N), timed with CUDA events, each writing JSON named after the GPU into
+#      benchmarks/results/.
 #
 # Without CUDA it still runs: the CUDA tests skip (each saying why), the demo runs under torchrun
 # on gloo for 2+1 steps, and the benchmarks are skipped; it says so. CI runs it that way
@@ -29,11 +30,16 @@ RESULTS_DIR="${GPU_CHECK_RESULTS_DIR:-benchmarks/results}"
 # Wall-clock limits per part, in seconds: together under 5 minutes.
 TESTS_LIMIT=100
 DEMO_LIMIT=45
-BENCH_LIMIT=90
+BENCH_LIMIT=40
 
 # Part 3's cases: NAME|python arguments. The script appends `--json FILE`; add a case with a line.
 BENCH_CASES=(
-    "telemetry_overhead|-m benchmarks.telemetry_overhead --device cuda --steps 30 --tiny-steps 400"
+    "suite-1-floor|-m benchmarks --device cuda --case 1"
+    "suite-2-step|-m benchmarks --device cuda --case 2"
+    "suite-3-scaling|-m benchmarks --device cuda --case 3"
+    "suite-4-attachments|-m benchmarks --device cuda --case 4"
+    "suite-5-telemetry|-m benchmarks --device cuda --case 5"
+    "suite-6-end_to_end|-m benchmarks --device cuda --case 6"
 )
 
 export PYTHONUNBUFFERED=1

@@ -33,10 +33,11 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     assert (out / "gpu_check.log").read_text() == run.stdout, "the log under $OUT is not the script's output"
     assert "gpu_check: all parts passed" in log, log[-2000:]
     if torch.cuda.is_available():
-        jsons = sorted(results.glob("telemetry_overhead-*.json"))
-        assert jsons, f"no benchmark JSON in {results}: {log[-2000:]}"
-        assert (out / jsons[0].name).exists(), f"{jsons[0].name} was not copied to $OUT"
-        assert json.loads(jsons[0].read_text())["timer"] == "cuda_events"
+        jsons = sorted(results.glob("suite-*.json"))
+        assert len(jsons) == 6, f"want one benchmark JSON per suite case in {results}, got {jsons}: {log[-2000:]}"
+        for path in jsons:
+            assert (out / path.name).exists(), f"{path.name} was not copied to $OUT"
+            assert json.loads(path.read_text())["timer"] == "cuda_events", f"{path.name}: not timed with CUDA events"
         return
     assert "no CUDA device: running what runs without one, skipping the CUDA parts" in log, log[:2000]
     assert "3 skipped" in log and "SKIPPED" in log and "scripts/gpu_check.sh runs the CUDA tests on a GPU machine" in log, log

@@ -10,13 +10,15 @@ from .copying import CopySupport
 from .events import NullObserver, StepObserver
 from .hook_attachment import HookAttachment
 from .state_init import init_optimizer_state
-from .step_core import StepCore
+from .step_sequence import StepSequence
 from .wrapt_attachment import WraptAttachment
 
 __all__ = [
     "adapt_optimizer",
     "adaptation_of",
+    "cast_buffer_bytes",
     "init_optimizer_state",
+    "keep_cast_buffers",
     "remove_fully_shard_optimizer",
     "Adaptation",
     "NullObserver",
@@ -26,7 +28,7 @@ __all__ = [
 
 
 class Adaptation:
-    """An optimizer's adaptation: its core, how the core is attached, and copy support.
+    """An optimizer's adaptation: its step sequence, how it is attached, and copy support.
 
     Everything that can fail (validation of the param groups, the observer factory) runs
     before the optimizer instance is touched; a failure while attaching undoes what was
@@ -49,15 +51,14 @@ class Adaptation:
         # Made by the telemetry instrumentor rather than by a fully_shard_optimizer call: an
         # explicit call with other settings replaces it instead of failing.
         self.implicit = implicit
-        self.core = StepCore(optimizer, precision_aware)
-        self.core.plan(check_grads=False)  # TypeError for a non-Parameter, before any change
+        self.sequence = StepSequence(optimizer, precision_aware)  # TypeError for a non-Parameter, before any change
         observer = observer_factory() if attachment == "wrapt" else None  # type: ignore[misc]
         self.copy_support = CopySupport(optimizer)
         try:
             if attachment == "hooks":
-                self.attachment: HookAttachment | WraptAttachment = HookAttachment(optimizer, self.core)
+                self.attachment: HookAttachment | WraptAttachment = HookAttachment(optimizer, self.sequence)
             else:
-                self.attachment = WraptAttachment(optimizer, self.core, observer)  # type: ignore[arg-type]
+                self.attachment = WraptAttachment(optimizer, self.sequence, observer)  # type: ignore[arg-type]
         except BaseException:
             self.copy_support.detach(optimizer)
             raise
@@ -78,6 +79,7 @@ class Adaptation:
         self.attachment.observer = observer
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.sequence.detach()
         self.attachment.detach(optimizer)
         self.copy_support.detach(optimizer)
 
@@ -146,7 +148,8 @@ def adapt_optimizer(
 def remove_fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Undoes ``fully_shard_optimizer``: hooks removed, instance attributes restored.
 
-    Grads still cast by a failed step are put back first. Afterwards the instance's
+    Grads still cast by a failed step are put back first, and the cast buffers' memory is
+    freed. Afterwards the instance's
     ``__dict__`` holds the same keys and values as before the adaptation, unless an LR
     scheduler created after the adaptation has wrapped ``step`` (its wrapper stays, and ours
     inside it passes calls through). A no-op on an optimizer that is not adapted.
@@ -154,3 +157,51 @@ def remove_fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
     adaptation = _ADAPTATIONS.pop(optimizer, None)
     if adaptation is not None:
         adaptation.detach(optimizer)
+
+
+def _adaptation(optimizer: torch.optim.Optimizer, caller: str) -> Adaptation:
+    adaptation = _ADAPTATIONS.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    if adaptation is None:
+        raise ValueError(
+            f"{caller} expected an optimizer adapted by fully_shard_optimizer, got "
+            f"{'an unadapted ' + type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else repr(optimizer)}"
+        )
+    return adaptation
+
+
+def cast_buffer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the adapter's grad-cast buffers hold for ``optimizer`` now.
+
+    Each FSDP group whose main grads are narrower than its main weights gets a buffer in the
+    main-weight dtype spanning the optimizer's parameters of the group (4 bytes per element
+    for fp32 main weights), allocated at the first step that casts.
+
+    Raises:
+        ValueError: ``optimizer`` is not adapted.
+    """
+    return _adaptation(optimizer, "cast_buffer_bytes").sequence.buffer_bytes()
+
+
+def keep_cast_buffers(optimizer: torch.optim.Optimizer, keep: bool | None) -> None:
+    """Whether ``optimizer``'s grad-cast buffers persist between steps.
+
+    ``True``: kept (no allocation per step; their DTensor views are built once either way).
+    ``False``: freed now and at the end of every step, so that between steps the adapter
+    holds no memory (the next step allocates them again: on the CPU that costs page faults,
+    on CUDA the caching allocator hands the block back). ``None``: the default, kept when
+    every cast group lives on the CPU, freed otherwise. ``remove_fully_shard_optimizer``
+    frees them in any case.
+
+    Alternatives considered:
+        - An environment variable: memory is a per-job decision usually, but a per-optimizer
+          call costs nothing more and composes (two optimizers, one kept).
+        - A keyword of ``fully_shard_optimizer``: its signature is the seed's.
+
+    Raises:
+        ValueError: ``optimizer`` is not adapted.
+        TypeError: ``keep`` is not a bool or ``None``.
+    """
+    adaptation = _adaptation(optimizer, "keep_cast_buffers")
+    if keep is not None and not isinstance(keep, bool):
+        raise TypeError(f"keep_cast_buffers expected keep to be True, False or None, got {keep!r}")
+    adaptation.sequence.keep_buffers(keep)

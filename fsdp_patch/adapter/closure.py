@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .step_core import StepCore, StepPlan
+if TYPE_CHECKING:
+    from .step_sequence import StepSequence, StepState
 
-__all__ = ["CastingClosure"]
+__all__ = ["CastingClosure", "find_closure", "replace_closure"]
 
 
 class CastingClosure:
@@ -16,42 +17,41 @@ class CastingClosure:
     Optimizers such as LBFGS call the closure several times per step and move the weights in
     between; each call first puts the original grads back (backward accumulates into them),
     refreshes the compute weights if an earlier call already ran (so that forward gathers the
-    weights the optimizer is evaluating), then validates and casts the new grads.
+    weights the optimizer is evaluating), then validates and casts the new grads through the
+    step sequence, which reports to the step's observer.
 
     Args:
         closure: The user's closure.
-        core: The adapter core.
-        on_plan: Called with each new plan (the attachment keeps the latest for refresh).
-        cast: Performs the cast of a plan (lets the wrapt attachment trace it).
-        refresh: Refreshes the compute weights of a plan's groups (lets the wrapt attachment
-            trace it).
+        sequence: The adapted step's sequence.
+        state: The running step.
     """
 
-    def __init__(
-        self,
-        closure: Callable[[], Any],
-        core: StepCore,
-        on_plan: Callable[[StepPlan], None],
-        cast: Callable[[StepPlan], int] | None = None,
-        refresh: Callable[[StepPlan], int] | None = None,
-    ) -> None:
+    def __init__(self, closure: Callable[[], Any], sequence: "StepSequence", state: "StepState") -> None:
         self._closure = closure
-        self._core = core
-        self._on_plan = on_plan
-        self._cast = cast or core.cast
-        self._refresh = refresh or core.refresh
-        self._last_plan: StepPlan | None = None
+        self._sequence = sequence
+        self._state = state
+        self._calls = 0
 
     def __call__(self) -> Any:
-        self._core.restore(carry_back=False)
-        if self._last_plan is not None:
-            self._refresh(self._last_plan)
+        self._sequence.restore(carry_back=False)
+        if self._calls:
+            self._sequence.refresh(self._state.observer)
+        self._calls += 1
         loss = self._closure()
-        plan = self._core.plan()
-        self._last_plan = plan
-        self._on_plan(plan)
-        self._cast(plan)
+        self._sequence.prepare(self._state)
         return loss
+
+
+def find_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    """The closure passed to ``optimizer.step`` and whether it came positionally.
+
+    ``args`` are the arguments after ``self``.
+    """
+    if "closure" in kwargs:
+        return kwargs["closure"], False
+    if args:
+        return args[0], True
+    return None, False
 
 
 def replace_closure(

@@ -3,8 +3,9 @@
 The adapter tells an observer *what happened* (a step began with this plan, this FSDP group's
 grads were cast, its compute weights refreshed, ...); the observer (``fsdp_patch.telemetry``)
 decides how that becomes spans, attributes and metrics, whose names live in
-``telemetry/semconv.py`` only. Any step sequence that calls these methods in the documented
-order can drive an observer; the wrapt attachment is the one that does today.
+``telemetry/semconv.py`` only. The step sequence (``step_sequence.py``) reports to an observer
+under both attachments: the wrapt attachment's (telemetry), or the hook attachment's
+:class:`NullObserver`.
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ _NOTHING = _Nothing()
 class NullObserver:
     """Observes nothing; counts steps so that a later observer continues the numbering.
 
-    Installed on a wrapt-attached optimizer whose telemetry was turned off (uninstrumented).
+    The hook attachment's observer, and the one installed on a wrapt-attached optimizer whose
+    telemetry was turned off (uninstrumented).
 
     Args:
         step_count: Steps already taken.

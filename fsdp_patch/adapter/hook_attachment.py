@@ -27,21 +27,22 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..fsdp2 import fsdp2_groups
-from .closure import CastingClosure, replace_closure
-from .settings_check import check_collective_settings
-from .step_core import StepCore, StepPlan, find_closure
+from .events import NullObserver
+from .step_sequence import StepSequence
 
 __all__ = ["HookAttachment"]
 
 
 class HookAttachment:
+    """Drives the step sequence from torch's step pre-hook (``begin``) and post-hook (``end``)."""
+
     kind = "hooks"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, core: StepCore) -> None:
-        self._core = core
-        self._settings_checked = False
-        self._plan: StepPlan | None = None
+    def __init__(self, optimizer: torch.optim.Optimizer, sequence: StepSequence) -> None:
+        self._sequence = sequence
+        # Telemetry is off here: the sequence reports to nothing, and tells peers so at the
+        # first step's settings check.
+        self._observer = NullObserver()
         self._handles: list[RemovableHandle] = []
         try:
             self._handles.append(optimizer.register_step_pre_hook(self._pre_hook))
@@ -50,38 +51,19 @@ class HookAttachment:
             self.detach(optimizer)
             raise
 
-    def _set_plan(self, plan: StepPlan) -> None:
-        self._plan = plan
-
     def _pre_hook(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self._settings_checked:
-            # Telemetry is off here; peers with it on must learn that before their diagnostics.
-            self._settings_checked = True
-            params = (p for group in optimizer.param_groups for p in group["params"])
-            groups = [*self._core.plan(check_grads=False).groups, *fsdp2_groups(params)]
-            check_collective_settings(groups, telemetry_on=False, precision_every=0)
-        self._core.restore(carry_back=True)
-        closure, positional = find_closure(args[1:], kwargs)
-        if closure is None:
-            plan = self._core.plan()
-            self._plan = plan
-            self._core.cast(plan)
-            return None
-        new_args, new_kwargs = replace_closure(
-            args[1:], kwargs, CastingClosure(closure, self._core, self._set_plan), positional
-        )
+        rest = args[1:]
+        new_args, new_kwargs = self._sequence.begin(self._observer, None, rest, kwargs)
+        if new_args is rest and new_kwargs is kwargs:
+            return None  # no closure to wrap
         return (args[0], *new_args), new_kwargs
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._core.restore(carry_back=False)
-        plan, self._plan = self._plan, None
-        if plan is not None:
-            self._core.refresh(plan)
+        self._sequence.end(completed=True)
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
-        self._core.restore(carry_back=True)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_patch import parameter_group_of, parameter_groups
 from fsdp_patch.adapter import adapt_optimizer
+from fsdp_patch.adapter.grad_cast import cast_in_flight
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 from fsdp_patch.optimizer import fully_shard_optimizer
 from tests.models import lm_loss, make_batches, make_model, rank_slice, shard_model
@@ -334,7 +335,7 @@ def grads_are_original(optimizer: torch.optim.Optimizer) -> str | None:
     buffer with ``grad_dtype`` bf16 and no group holds a cast copy; else what is wrong."""
     for p in fsdp_params(optimizer):
         group = parameter_group_of(p)
-        if group.grads_cast:
+        if cast_in_flight(group):
             return "a group still holds cast grads"
         if p.grad_dtype != group.grads_dtype:
             return f"grad_dtype {p.grad_dtype}, expected {group.grads_dtype}"

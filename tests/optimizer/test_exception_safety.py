@@ -23,6 +23,7 @@ import torch
 
 from fsdp_patch import parameter_groups
 from fsdp_patch.adapter import remove_fully_shard_optimizer
+from fsdp_patch.adapter.grad_cast import cast_in_flight
 from tests.optimizer.support import (
     ATTACHMENTS,
     EVEN,
@@ -47,7 +48,7 @@ CONTINUATIONS = ("step", "zero_grad", "zero_grad_keep", "accumulate", "undo")
 
 
 def _any_cast(model: torch.nn.Module) -> bool:
-    return any(g.grads_cast for g in parameter_groups(model))
+    return any(cast_in_flight(g) for g in parameter_groups(model))
 
 
 def _failing_update(attachment: str, continuation: str) -> dict[str, bool]:

@@ -1,0 +1,170 @@
+"""What every benchmark case shares: clocks, paired measurement, rows of the table, a process group.
+
+Measurement discipline (the machine may be shared and small): contenders run side by side in
+one process, alternating within each round in a rotating order, so that drift of the machine
+hits them alike; a ratio is the median of the per-round ratios, a time the median of its
+samples. On CUDA every duration is a pair of CUDA events read after a synchronize.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CaseResult",
+    "Clock",
+    "Row",
+    "device_name",
+    "device_slug",
+    "median",
+    "paired",
+    "paired_ratio",
+    "process_group",
+]
+
+
+class Clock:
+    """Times a stretch of code: CUDA events on a CUDA device (read after a synchronize), else perf_counter."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def start(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds_since(self, token: Any) -> float:
+        if not self.cuda:
+            return time.perf_counter() - token
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return token.elapsed_time(end) / 1000.0
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        """Seconds ``fn()`` takes."""
+        token = self.start()
+        fn()
+        return self.seconds_since(token)
+
+
+def paired(contenders: dict[str, Callable[[], float]], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Runs every contender once per round, in an order that rotates from round to round.
+
+    Args:
+        contenders: Name -> function returning the seconds of one measured run.
+        rounds: Measured rounds.
+        warmup: Unrecorded rounds first.
+
+    Returns:
+        Name -> its ``rounds`` durations, in round order (index ``i`` of two lists are neighbours).
+    """
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(warmup + rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds = contenders[name]()
+            if index >= warmup:
+                times[name].append(seconds)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def paired_ratio(times: dict[Any, list[float]], numerator: Any, denominator: Any) -> float:
+    """Median over rounds of ``numerator / denominator``: drift of the machine cancels out."""
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
+
+
+@dataclass
+class Row:
+    """One line of the suite's table.
+
+    Attributes:
+        case: The case's number and name (``"2 step"``).
+        measure: What is compared or measured.
+        value: The figure.
+        unit: ``"x"`` for a ratio, else the unit of ``value``.
+        target: The target as text (``"<= 1.3"``), or ``""`` where the issue sets none.
+        met: Whether the target is met; ``None`` without a target.
+        note: Context (absolute times, sizes).
+    """
+
+    case: str
+    measure: str
+    value: float
+    unit: str = "x"
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+
+def target_row(case: str, measure: str, value: float, *, at_most: float | None = None, at_least: float | None = None,
+               unit: str = "x", note: str = "") -> Row:
+    """A row whose target is an upper (``at_most``) or lower (``at_least``) bound."""
+    if at_most is not None:
+        return Row(case, measure, value, unit, f"<= {at_most:g}", value <= at_most, note)
+    if at_least is not None:
+        return Row(case, measure, value, unit, f">= {at_least:g}", value >= at_least, note)
+    return Row(case, measure, value, unit, "", None, note)
+
+
+@dataclass
+class CaseResult:
+    """A case's rows for the table and its raw figures for the JSON file."""
+
+    rows: list[Row] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rows": [asdict(row) for row in self.rows], "raw": self.raw}
+
+
+@contextlib.contextmanager
+def process_group(device: str) -> Iterator[torch.device]:
+    """A world-size-1 process group (gloo on the CPU, NCCL on CUDA) unless one exists; yields
+    the device tensors go on."""
+    cuda = device == "cuda"
+    if dist.is_initialized():
+        yield torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        if cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1
+        )
+        try:
+            yield torch.device("cuda", 0) if cuda else torch.device("cpu")
+        finally:
+            dist.destroy_process_group()
+
+
+def device_name(device: str) -> str:
+    """The GPU's name on CUDA (``NVIDIA H200``), else the CPU's architecture and core count."""
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"cpu-{platform.machine()}-{os.cpu_count()}cores"
+
+
+def device_slug(device: str) -> str:
+    """``device_name`` as a file-name part: ``nvidia-h200``, ``cpu-x86_64-2cores``."""
+    return re.sub(r"[^a-z0-9_]+", "-", device_name(device).lower()).strip("-")

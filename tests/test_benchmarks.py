@@ -1,0 +1,60 @@
+"""The benchmark suite runs end to end (small sizes) and writes what the README quotes.
+
+No time is asserted: the figures depend on the machine. What must hold is that every case of
+issue 8 runs, fills its rows (a finite value, a verdict wherever there is a target) and lands in
+the JSON document with its raw samples, and that bad arguments are refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CASES = ["1 floor", "2 step", "3 scaling", "4 attachments", "5 telemetry", "6 end_to_end"]
+
+
+def _suite(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_every_case_runs_and_lands_in_the_table_and_the_json(tmp_path: Path) -> None:
+    out = tmp_path / "suite.json"
+    run = _suite("--quick", "--json", str(out))
+    assert run.returncode == 0, f"python -m benchmarks --quick exited {run.returncode}:\n{run.stderr[-3000:]}"
+    document = json.loads(out.read_text())
+    assert sorted(document["cases"]) == CASES, f"cases in the JSON: got {sorted(document['cases'])}, want {CASES}"
+    assert document["timer"] == "perf_counter" and document["quick"] is True, document
+    for name, case in document["cases"].items():
+        assert case["rows"], f"{name}: no rows"
+        assert case["raw"], f"{name}: no raw figures"
+        for row in case["rows"]:
+            assert math.isfinite(row["value"]), f"{name}: {row['measure']} is {row['value']}"
+            want_verdict = bool(row["target"])
+            assert (row["met"] is not None) == want_verdict, f"{name}: {row['measure']}: target {row['target']!r}, met {row['met']!r}"
+            assert f"| {row['case']} | {row['measure']} |" in run.stdout, f"{row['measure']} missing from the printed table"
+    measures = [row["measure"] for case in document["cases"].values() for row in case["rows"]]
+    for needle in ("adapted step / bare step", "per-tensor cast loop / adapter", "per parameter", "hooks / no adapter",
+                   "wrapt (no telemetry) / hooks", "telemetry on (diagnostics off) / off", "diagnostics every step",
+                   "ours / FSDP2 step time, 1 microbatch", "ours / FSDP2 step time, 4 microbatches",
+                   "peak tensor bytes", "between steps tensor bytes"):
+        assert any(needle in m for m in measures), f"no row measures {needle!r}: {measures}"
+    end_to_end = document["cases"]["6 end_to_end"]["raw"]
+    assert end_to_end["world_size"] == 2, f"end to end ran on {end_to_end['world_size']} ranks, want 2"
+
+
+def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
+    run = _suite("--case", "7")
+    assert run.returncode == 2, f"unknown case: exit {run.returncode}"
+    assert "unknown case '7'" in run.stderr and "6 (end_to_end)" in run.stderr, run.stderr
+    if not torch.cuda.is_available():
+        run = _suite("--device", "cuda", "--case", "1")
+        assert run.returncode == 2, f"--device cuda without CUDA: exit {run.returncode}"
+        assert "torch sees no CUDA device" in run.stderr, run.stderr
