@@ -95,6 +95,11 @@ class RootContext:
             self.callback_task = None
 
     # ------------------------------------------------------------------ overlap
+    @property
+    def in_forward(self) -> bool:
+        """Whether the root's forward is running (its units' order being recorded)."""
+        return self._recording is not None
+
     def begin_forward(self) -> None:
         self._recording = {}
 
@@ -292,7 +297,7 @@ class UnitState:
             if context.interrupted():
                 context.reset()
             context.begin_forward()
-        if not recompute and (context.root is self or context._recording is None):
+        if not recompute and (context.root is self or not context.in_forward):
             # Main weights written outside the optimizer adapter since the last refresh are
             # found here, once per iteration (and for a unit called on its own), before any
             # all-gather of the iteration is issued; every later gather tests a flag only.
