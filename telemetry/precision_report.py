@@ -22,18 +22,8 @@ from . import precision_thresholds as thresholds
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
-# From the one module that spells them. The precision span's attributes are named after the
-# metrics they mirror (design.md).
-STEP_SPAN = semconv.SPAN_STEP
-PRECISION_SPAN = semconv.SPAN_PRECISION
-STEP_ATTRIBUTE = semconv.ATTR_STEP
-NONFINITE = semconv.METRIC_NONFINITE
-REFRESH_OVERFLOW = semconv.METRIC_REFRESH_OVERFLOW
-REFRESH_UNDERFLOW = semconv.METRIC_REFRESH_UNDERFLOW
-REFRESH_ERROR = semconv.METRIC_REFRESH_ERROR
-LOST_RATIO = semconv.METRIC_LOST_RATIO
-GRAD_AMAX = semconv.METRIC_GRAD_AMAX
-RESOURCE_WORLD_SIZE = semconv.RESOURCE_WORLD_SIZE
+# Span names and attribute keys come from semconv; the precision span's attributes are named
+# after the metrics they mirror (design.md).
 RESOURCE_SERVICE = "service.name"  # OpenTelemetry's own resource attribute
 # Written by the trace-file exporter next to the span attributes.
 SPAN_ID, PARENT_SPAN_ID, STATUS, STATUS_DESCRIPTION = "span_id", "parent_span_id", "status", "status_description"
@@ -41,12 +31,12 @@ RESOURCE = "otel.resource"
 
 # Report columns: (attribute, header, format).
 COLUMNS: tuple[tuple[str, str, str], ...] = (
-    (NONFINITE, "nonfinite", "{:>9.0f}"),
-    (REFRESH_OVERFLOW, "overflow", "{:>8.0f}"),
-    (REFRESH_UNDERFLOW, "underflow", "{:>9.0f}"),
-    (REFRESH_ERROR, "refresh err", "{:>11.3g}"),
-    (LOST_RATIO, "lost upd", "{:>8.3f}"),
-    (GRAD_AMAX, "grad amax", "{:>9.3g}"),
+    (semconv.METRIC_NONFINITE, "nonfinite", "{:>9.0f}"),
+    (semconv.METRIC_REFRESH_OVERFLOW, "overflow", "{:>8.0f}"),
+    (semconv.METRIC_REFRESH_UNDERFLOW, "underflow", "{:>9.0f}"),
+    (semconv.METRIC_REFRESH_ERROR, "refresh err", "{:>11.3g}"),
+    (semconv.METRIC_LOST_RATIO, "lost upd", "{:>8.3f}"),
+    (semconv.METRIC_GRAD_AMAX, "grad amax", "{:>9.3g}"),
 )
 DEFAULT_MAX_LINES = 10
 
@@ -107,15 +97,15 @@ def read_run(directory: str) -> RunTrace:
             args = event.get("args") or {}
             if event.get("ph") == "M" and event.get("name") == "process_name":
                 resource = args.get(RESOURCE) or {}
-                run.world_size = resource.get(RESOURCE_WORLD_SIZE, run.world_size)
+                run.world_size = resource.get(semconv.RESOURCE_WORLD_SIZE, run.world_size)
                 run.service = resource.get(RESOURCE_SERVICE, run.service)
-            elif event.get("ph") == "X" and event.get("name") == STEP_SPAN and isinstance(args.get(STEP_ATTRIBUTE), int):
-                step = args[STEP_ATTRIBUTE]
+            elif event.get("ph") == "X" and event.get("name") == semconv.SPAN_STEP and isinstance(args.get(semconv.ATTR_STEP), int):
+                step = args[semconv.ATTR_STEP]
                 step_of_span[args.get(SPAN_ID, "")] = step
                 run.last_step = max(run.last_step, step)
                 if args.get(STATUS) == "ERROR":
                     run.failed_steps.setdefault(step, str(args.get(STATUS_DESCRIPTION, "")))
-            elif event.get("ph") == "X" and event.get("name") == PRECISION_SPAN:
+            elif event.get("ph") == "X" and event.get("name") == semconv.SPAN_PRECISION:
                 values = {key: v for key, _, _ in COLUMNS if (v := _number(args.get(key))) is not None}
                 if values:
                     precision.append((args.get(PARENT_SPAN_ID), values))
