@@ -178,12 +178,14 @@ class ParameterGroup:
         main_grad = self.main_grad
         return 0 if main_grad is None else main_grad.untyped_storage().nbytes()
 
-    def _ensure_main_grad(self) -> torch.Tensor:
-        """The main-grad buffer (allocated zeroed if it was freed), held by the group until its
-        views are the parameters' grads again (:meth:`_install_views`)."""
+    def _ensure_main_grad(self, overwritten: bool = False) -> torch.Tensor:
+        """The main-grad buffer, held by the group until its views are the parameters' grads
+        again (:meth:`_install_views`). Allocated if it was freed: zeroed, unless the caller
+        overwrites all of it next (``overwritten``)."""
         main_grad = self.main_grad
         if main_grad is None:
-            main_grad = torch.zeros(self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
+            new = torch.empty if overwritten else torch.zeros
+            main_grad = new(self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
             self._main_grad_ref = weakref.ref(main_grad)
             self._grad_view_refs = [None] * len(self.params)
         self._main_grad_owned = main_grad
@@ -430,8 +432,8 @@ class ParameterGroup:
         with torch.no_grad():
             if not self._reduced_since_finalize:
                 self._begin_accumulation()
-            main_grad = self._ensure_main_grad()
             overwrite, self._overwrite_main_grad = self._overwrite_main_grad, False
+            main_grad = self._ensure_main_grad(overwritten=overwrite)  # the reduced shard covers it all
             packed = self._pack_unsharded_grads()
             if self._accumulated is not None:
                 packed.add_(self._accumulated)

@@ -25,7 +25,7 @@ reduces what it produced; ``torch.autograd.grad``, which fills no ``.grad``, red
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,9 +37,6 @@ from torch.utils.hooks import RemovableHandle
 from .mixed_precision import MixedPrecisionPolicy
 from .output_tensors import grad_tensors
 from .parameter_group import ParameterGroup
-
-if TYPE_CHECKING:
-    from .module import FSDPModule
 
 __all__ = ["RootContext", "TrainingState", "UnitState"]
 
