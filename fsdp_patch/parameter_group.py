@@ -5,9 +5,11 @@ A group owns, for this rank, three flat buffers in one layout (see :mod:`.layout
 - ``main_weight``: the sharded main weights (``main_params_dtype``), which the optimizer
   updates through the group's DTensor ``Shard(0)`` parameters, whose local tensors are views
   into this buffer;
-- ``compute_weight``: a persistent sharded copy in the compute dtype, all-gathered by forward
-  and backward without a cast, refreshed from the main weights once per optimizer step (the
-  same tensor as ``main_weight`` when the two dtypes agree);
+- ``compute_weight``: a sharded copy in the compute dtype, which forward and backward
+  all-gather (the same tensor as ``main_weight`` when the two dtypes agree). Its lifetime is
+  the policy's ``compute_copy``: ``"persistent"``, all-gathered without a cast and refreshed
+  from the main weights once per optimizer step; or ``"per_gather"``, cast from the main
+  weights for each all-gather and freed (storage resized to 0 bytes) once it completes;
 - ``main_grad``: the sharded main gradients (``main_grads_dtype``), which backward
   reduce-scatters into and whose DTensor views become the parameters' ``.grad``. The views own
   it: once ``zero_grad(set_to_none=True)`` drops them, its memory is freed (as FSDP2's sharded
@@ -106,6 +108,8 @@ class ParameterGroup:
                 self.compute_weight = self.main_weight
             else:
                 self.compute_weight = self.main_weight.to(self.compute_dtype)
+        self.compute_copy = policy.compute_copy
+        self._release_compute_weight()
         # main_grad is held strongly from its allocation until its views are installed as the
         # parameters' .grad, then only through them (see the module docstring).
         self._main_grad_ref: weakref.ref[torch.Tensor] | None = None
@@ -158,7 +162,7 @@ class ParameterGroup:
         self._accumulated: torch.Tensor | None = None
         # (work, reduced shard, overwrite) of reduce-scatters issued and not yet added into
         # main_grad, in issue order.
-        self._pending_reduces: list[tuple[Any, torch.Tensor, bool]] = []
+        self._pending_reduces: list[tuple[Any, torch.Tensor, torch.Tensor, bool]] = []
         # Run before backward, install_zero_grads or reset_iter_state next write the parameters'
         # grads: whoever lent the parameters other grads (the optimizer adapter's cast) puts
         # the main-grad views back first.
@@ -264,17 +268,50 @@ class ParameterGroup:
         layout = self.layout.params[index]
         return DTensor(layout.local_view(self.main_weight).detach(), self._specs.specs(self.main_dtype)[index], requires_grad=False)
 
+    @property
+    def compute_per_gather(self) -> bool:
+        """Whether the compute copy is a separate tensor that lives for one all-gather only
+        (``compute_copy="per_gather"``): the optimizer adapter then marks it stale instead of
+        refreshing it, and precision diagnostics derive it from the main weights."""
+        return self.compute_copy == "per_gather" and not self.compute_aliases_main
+
+    def compute_storage_bytes(self) -> int:
+        """Bytes the compute copy holds now (0 when it is the main weight, or released)."""
+        return 0 if self.compute_aliases_main else self.compute_weight.untyped_storage().nbytes()
+
+    def _release_compute_weight(self) -> None:
+        # per_gather: the all-gather that read the copy is complete.
+        if self.compute_per_gather:
+            storage = self.compute_weight.untyped_storage()
+            if storage.nbytes():
+                storage.resize_(0)
+
+    def _materialize_compute_weight(self) -> None:
+        """Casts the main weights into a released (per_gather) compute copy for an all-gather."""
+        compute = self.compute_weight
+        nbytes = compute.numel() * compute.element_size()
+        storage = compute.untyped_storage()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+            with torch.no_grad():
+                compute.copy_(self.main_weight)
+
     def refresh_compute_weight(self) -> int:
         """Refreshes the compute copy from the main weights; one cast for the whole group.
 
+        A ``per_gather`` group's copy is cast when an all-gather needs it; a refresh then
+        only notes that the main weights changed (unless the copy is materialized).
+
         Returns:
-            Bytes written by the cast (0 when the compute copy is the main weight itself).
+            Bytes written by the cast (0 when the compute copy is the main weight itself, or
+            none is kept).
         """
         written = 0
-        if not self.compute_aliases_main:
+        compute = self.compute_weight
+        if not self.compute_aliases_main and compute.untyped_storage().nbytes():
             with torch.no_grad():
-                self.compute_weight.copy_(self.main_weight)
-            written = self.compute_weight.numel() * self.compute_weight.element_size()
+                compute.copy_(self.main_weight)
+            written = compute.numel() * compute.element_size()
         self._compute_stale = False
         self._refreshed_version = self.weights_version()
         self._refreshes += 1
@@ -354,15 +391,15 @@ class ParameterGroup:
         if pending is not None:
             self._drop_pending_gather()
         flat = self._unsharded_flat
-        storage = flat.untyped_storage()
-        nbytes = flat.numel() * flat.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
         if self.world_size == 1:
+            self._materialize_unsharded()
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
-                flat.copy_(self.compute_weight)
+                flat.copy_(self.main_weight if self.compute_per_gather else self.compute_weight)
+            self._release_compute_weight()
             self._gathered_refresh = refresh
             return
+        if self.compute_per_gather:
+            self._materialize_compute_weight()
         self._gathered_refresh = None
         gathered = torch.empty_like(flat)
         work = dist.all_gather_single(gathered, self.compute_weight, group=self.process_group, async_op=True)
@@ -376,19 +413,33 @@ class ParameterGroup:
         work, gathered, refresh = self._pending_gather
         self._pending_gather = None
         work.wait()
-        flat = self._unsharded_flat
+        self._release_compute_weight()
+        # Allocated only now, as FSDP2 allocates its unsharded parameters at the copy-out:
+        # while the all-gather is in flight only its output buffer exists.
+        flat = self._materialize_unsharded()
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
             torch.split_with_sizes_copy(
                 gathered.view(self.world_size, -1), self.layout.slot_sizes, dim=1, out=self._copy_out_views
             )
+        _free(gathered)
         self._gathered_refresh = refresh
+
+    def _materialize_unsharded(self) -> torch.Tensor:
+        flat = self._unsharded_flat
+        storage = flat.untyped_storage()
+        nbytes = flat.numel() * flat.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        return flat
 
     def _drop_pending_gather(self) -> None:
         # A collective cannot be cancelled: wait for it, then forget its result.
         if self._pending_gather is not None:
-            work = self._pending_gather[0]
+            work, gathered, _ = self._pending_gather
             self._pending_gather = None
             work.wait()
+            _free(gathered)
+            self._release_compute_weight()
 
     def _free_unsharded(self) -> None:
         self._drop_pending_gather()
@@ -401,7 +452,11 @@ class ParameterGroup:
             self._free_unsharded()
 
     def unsharded_storage_bytes(self) -> int:
-        return self._unsharded_flat.untyped_storage().nbytes()
+        """Bytes held for the unsharded state: the unsharded parameters' storage and the output
+        of an all-gather in flight (whose copy-out allocates the former)."""
+        pending = self._pending_gather
+        in_flight = 0 if pending is None else pending[1].untyped_storage().nbytes()
+        return self._unsharded_flat.untyped_storage().nbytes() + in_flight
 
     # ------------------------------------------------------------------ grads
     def has_unsharded_grads(self) -> bool:
@@ -445,7 +500,7 @@ class ParameterGroup:
                 work = dist.reduce_scatter_single(
                     reduced, packed.view(-1), op=dist.ReduceOp.AVG, group=self.process_group, async_op=True
                 )
-                self._pending_reduces.append((work, reduced, overwrite))
+                self._pending_reduces.append((work, packed, reduced, overwrite))
         self._drop_unsharded_grads()
         self._reduced_since_finalize = True
 
@@ -456,10 +511,12 @@ class ParameterGroup:
     def wait_reduce(self) -> None:
         """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
         while self._pending_reduces:
-            work, reduced, overwrite = self._pending_reduces.pop(0)
+            work, packed, reduced, overwrite = self._pending_reduces.pop(0)
             work.wait()
+            _free(packed)
             with torch.no_grad():
                 self._apply_reduced(reduced, overwrite)
+            _free(reduced)
 
     def _apply_reduced(self, reduced: torch.Tensor, overwrite: bool) -> None:
         assert self.main_grad is not None
@@ -548,7 +605,7 @@ class ParameterGroup:
         self._before_grad_write()
         self._drop_unsharded_grads()
         self._accumulated = None
-        for work, _, _ in self._pending_reduces:
+        for work, _, _, _ in self._pending_reduces:
             work.wait()
         self._pending_reduces.clear()
         if self._reduced_since_finalize:
@@ -614,6 +671,13 @@ class ParameterGroup:
             f"ParameterGroup(params={len(self.params)}, compute={self.compute_dtype}, "
             f"main={self.main_dtype}, grads={self.grads_dtype}, shard_numel={self.layout.shard_numel})"
         )
+
+
+def _free(tensor: torch.Tensor) -> None:
+    """Frees a collective's buffer now: a completed asynchronous work may still hold a
+    reference to it until the backend's thread lets go, which would make the peak depend on
+    timing."""
+    tensor.untyped_storage().resize_(0)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

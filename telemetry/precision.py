@@ -78,7 +78,9 @@ class PrecisionView(Protocol):
     Attributes:
         main_weight: 1-D flat shard buffer in the main dtype (fp32). Padding is zero and stays zero.
         compute_weight: 1-D flat buffer in the compute dtype, same layout and numel; may be the
-            same tensor object as ``main_weight`` when the dtypes are equal.
+            same tensor object as ``main_weight`` when the dtypes are equal. A group whose
+            ``compute_per_gather`` is true keeps none between all-gathers: the diagnostics
+            then derive it by casting ``main_weight``, as each all-gather does.
         main_grad: 1-D flat buffer in the main-grad dtype, same numel; ``None`` for frozen groups.
         process_group: Group the shards are split over; ``None`` when not distributed.
     """
@@ -134,9 +136,12 @@ def _weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> _Weigh
             dtype = None
         return _Weights(mains, None, dtype, tuple(_flat(g) for g in group.main_grads))
     main = _flat(group.main_weight)
+    grads = () if group.main_grad is None else (_flat(group.main_grad),)
+    if getattr(group, "compute_per_gather", False):
+        # No copy is kept: every all-gather casts exactly this.
+        return _Weights((main,), None, group.compute_weight.dtype, grads)
     shared = group.compute_weight is group.main_weight
     computes = None if shared else (_flat(group.compute_weight),)
-    grads = () if group.main_grad is None else (_flat(group.main_grad),)
     if not shared and computes[0].numel() != main.numel():
         raise ValueError(
             f"precision diagnostics need equal numel: main_weight {main.numel()}, compute_weight {computes[0].numel()}"

@@ -211,9 +211,13 @@ class StepSequence:
             self._in_flight.pop().restore(carry_back)
 
     def refresh(self, observer: StepObserver) -> None:
-        """Refreshes the compute copy of every FSDP group the optimizer holds."""
+        """Refreshes the compute copy of every FSDP group the optimizer holds (marks it stale,
+        for ``compute_copy="per_gather"`` groups: every all-gather casts its own)."""
         with observer.phase(Phase.REFRESH):
             for group in self._shape.groups:
+                if group.compute_per_gather:
+                    group.mark_weights_changed()
+                    continue
                 nbytes = group.refresh_compute_weight()
                 if nbytes:
                     observer.weights_refreshed(GroupCast(group.main_dtype, group.compute_dtype, nbytes))
@@ -222,8 +226,11 @@ class StepSequence:
     def _default_keep(self) -> bool:
         # CPU: a fresh buffer costs page faults at every step, a kept one nothing. CUDA: the
         # caching allocator hands the same block back at once, and between steps it serves
-        # activations instead.
-        return all(cast.group.main_weight.device.type == "cpu" for cast in self._shape.casts)
+        # activations instead. A per_gather compute copy asks for FSDP2's memory: freed.
+        return all(
+            cast.group.main_weight.device.type == "cpu" and not cast.group.compute_per_gather
+            for cast in self._shape.casts
+        )
 
     def keep_buffers(self, keep: bool | None) -> None:
         """Whether cast buffers persist between steps (``None``: the device's default)."""

@@ -1,0 +1,169 @@
+"""Rank functions for the compute copy's lifetime (``MixedPrecisionPolicy.compute_copy``):
+``"persistent"`` (refreshed after each step) against ``"per_gather"`` (cast for each
+all-gather, freed once it completes) and torch FSDP2, which casts at every all-gather too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tests.fsdp.rank_fns import full_params, rank0, world
+from tests.models import TinyTransformer, lm_loss, make_batches, rank_slice
+
+BF16 = torch.bfloat16
+LAYERS = 3
+STEPS = 3
+BATCH = 8
+IMPLS = ("persistent", "per_gather", "fsdp2")
+
+
+class CheckpointedTransformer(TinyTransformer):
+    """Each block under non-reentrant checkpointing: backward recomputes, then re-gathers."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def build(impl: str, checkpointed: bool) -> nn.Module:
+    """bf16 compute, fp32 main weights, bf16 grads; FSDP2 starts from the same bf16 values."""
+    torch.manual_seed(0)
+    model = (CheckpointedTransformer if checkpointed else TinyTransformer)(layers=LAYERS)
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.to(BF16))
+        policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
+    else:
+        from fsdp_patch import MixedPrecisionPolicy, fully_shard
+
+        model.to(BF16)
+        policy = MixedPrecisionPolicy(compute_copy=impl)  # type: ignore[arg-type]
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _groups(model: nn.Module) -> list[Any]:
+    from fsdp_patch import parameter_groups
+
+    return list(parameter_groups(model))
+
+
+def train(impl: str, checkpointed: bool, microbatches: int) -> dict[str, Any]:
+    """STEPS AdamW steps (gradient sync on the last microbatch only), adapted unless FSDP2.
+
+    Records, for ours: at every unit's forward pre-hook and every weight grad of backward,
+    groups holding compute-copy memory without an all-gather in flight reading it; and after
+    each step (before ``zero_grad``) and after ``zero_grad``, the compute copies' bytes.
+    """
+    rank, world_size = world()
+    model = build(impl, checkpointed)
+    ours = impl != "fsdp2"
+    groups = _groups(model) if ours else []
+    unreferenced: list[int] = []
+
+    def note(*_: Any) -> None:
+        unreferenced.append(sum(1 for g in groups if g.compute_storage_bytes() and g._pending_gather is None))
+
+    if ours:
+        for module in model.modules():
+            module.register_forward_pre_hook(note)
+        for group in groups:
+            for param in group.unsharded_params:
+                param.register_hook(lambda grad: note())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    if ours:
+        from fsdp_patch.optimizer import fully_shard_optimizer
+
+        fully_shard_optimizer(optimizer)
+    facts: dict[str, Any] = {"losses": [], "compute_bytes_after_step": [], "compute_bytes_after_zero_grad": [], "stale_after_step": []}
+    for tokens in make_batches(STEPS, batch=BATCH):
+        pieces = rank_slice(tokens, rank, world_size).chunk(microbatches)
+        total = 0.0
+        for k, piece in enumerate(pieces):
+            model.set_requires_gradient_sync(k == len(pieces) - 1)  # type: ignore[operator]
+            loss = lm_loss(model, piece) / len(pieces)
+            loss.backward()
+            total += loss.item()
+        facts["losses"].append(total)
+        optimizer.step()
+        facts["compute_bytes_after_step"].append(sum(g.compute_storage_bytes() for g in groups))
+        facts["stale_after_step"].append([g.compute_stale for g in groups])
+        optimizer.zero_grad(set_to_none=True)
+        facts["compute_bytes_after_zero_grad"].append(sum(g.compute_storage_bytes() for g in groups))
+    facts["params"] = full_params(model)
+    facts["unreferenced_compute_copies"] = unreferenced
+    facts["shard_compute_bytes"] = sum(g.compute_weight.numel() * g.compute_weight.element_size() for g in groups)
+    return facts
+
+
+def lifetime_run(checkpointed: bool, microbatches: int) -> dict[str, Any]:
+    return rank0({impl: train(impl, checkpointed, microbatches) for impl in IMPLS})
+
+
+def telemetry_run() -> dict[str, Any]:
+    """Adapted AdamW under the wrapt attachment with diagnostics every step, per lifetime:
+    the refresh bytes counted and the precision gauges' values."""
+    from tests.integration.rank_fns import environment, in_memory_otel, metric_points
+
+    out: dict[str, Any] = {}
+    for impl in ("persistent", "per_gather"):
+        with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, reader):
+            facts = train(impl, checkpointed=False, microbatches=1)
+            points = metric_points(reader)
+            out[impl] = {
+                "losses": facts["losses"],
+                "refresh_bytes": sum(v for attrs, v in points.get("fsdp.optimizer.cast.size", [])
+                                     if attrs.get("fsdp.cast.kind") == "weight_refresh"),
+                "grad_bytes": sum(v for attrs, v in points.get("fsdp.optimizer.cast.size", [])
+                                  if attrs.get("fsdp.cast.kind") == "grad"),
+                "gauges": {name: sorted(v for _, v in points.get(name, [])) for name in (
+                    "fsdp.precision.refresh.error", "fsdp.precision.update.lost_ratio", "fsdp.precision.grad.amax")},
+                "counters": {name: sum(v for _, v in points.get(name, [])) for name in (
+                    "fsdp.precision.refresh.overflow", "fsdp.precision.refresh.underflow")},
+                "refresh_spans": sum(s.name == "fsdp.optimizer.refresh" for s in spans.get_finished_spans()),
+                "shard_compute_bytes": facts["shard_compute_bytes"],
+            }
+    return rank0(out)
+
+
+def external_write_run() -> dict[str, Any]:
+    """per_gather: a main-weight write outside the optimizer (``load_state_dict``, an in-place
+    edit) reaches the next forward, as with the persistent copy; an explicit ``unshard``
+    keeps no copy once its all-gather completed."""
+    rank, world_size = world()
+    tokens = rank_slice(make_batches(1, batch=BATCH)[0], rank, world_size)
+    out: dict[str, Any] = {}
+    for impl in ("persistent", "per_gather"):
+        model = build(impl, checkpointed=False)
+        before = lm_loss(model, tokens).item()
+        with torch.no_grad():
+            model.head.weight.mul_(0.5)  # exact in bf16 and fp32
+        halved = lm_loss(model, tokens).item()
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            model.head.weight.zero_()
+        model.load_state_dict(state)
+        loaded = lm_loss(model, tokens).item()
+        model.unshard()  # type: ignore[operator]
+        unsharded = sum(g.unsharded_storage_bytes() for g in _groups(model))
+        compute_while_unsharded = sum(g.compute_storage_bytes() for g in _groups(model))
+        model.reshard()  # type: ignore[operator]
+        out[impl] = {
+            "before": before,
+            "halved": halved,
+            "loaded": loaded,
+            "unsharded_after_unshard": unsharded,
+            "compute_bytes_while_unsharded": compute_while_unsharded,
+            "shard_compute_bytes": sum(g.compute_weight.numel() * g.compute_weight.element_size() for g in _groups(model)),
+        }
+    return rank0(out)
