@@ -87,17 +87,40 @@ def _fsdp2(config: Any, reduce: torch.dtype) -> tuple[torch.nn.Module, torch.opt
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, microbatches: list[torch.Tensor]) -> float:
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    microbatches: list[torch.Tensor],
+    clock: Clock | None = None,
+    phases: dict[str, list[float]] | None = None,
+) -> float:
+    """One optimizer step over ``microbatches``; with ``clock``, appends the seconds of each of
+    :data:`PHASES` (summed over microbatches) to ``phases``: where the step's time goes."""
     from fsdp_patch.demo.model import lm_loss
+
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def timed(phase: str, fn: Callable[[], Any]) -> Any:
+        if clock is None:
+            return fn()
+        start = clock.start()
+        out = fn()
+        spent[phase] += clock.seconds_since(start)
+        return out
 
     total = 0.0
     for index, tokens in enumerate(microbatches):
         model.set_requires_gradient_sync(index == len(microbatches) - 1)  # type: ignore[operator]
-        loss = lm_loss(model, tokens) / len(microbatches)
-        loss.backward()
+        loss = timed("forward", lambda: lm_loss(model, tokens) / len(microbatches))
+        timed("backward", loss.backward)
         total += loss.item()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    timed("optimizer", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
+    if phases is not None:
+        for phase in PHASES:
+            phases.setdefault(phase, []).append(spent[phase])
     return total
 
 
@@ -119,6 +142,7 @@ def _timings(config: Any, spec: dict[str, Any]) -> dict[str, Any]:
         for microbatches in MICROBATCHES:
             batches = _batches(config, spec["rows"], spec["steps"] + spec["warmup"], microbatches)
             losses: dict[str, list[float]] = {name: [] for name in models}
+            phases: dict[str, dict[str, list[float]]] = {name: {} for name in models}
 
             def contender(name: str) -> Callable[[], float]:
                 model, optimizer = models[name]
@@ -126,14 +150,16 @@ def _timings(config: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 def one_step() -> float:
                     step = batches[len(losses[name]) % len(batches)]
                     start = clock.start()
-                    losses[name].append(_train_step(model, optimizer, step))
+                    losses[name].append(_train_step(model, optimizer, step, clock, phases[name]))
                     return clock.seconds_since(start)
 
                 return one_step
 
             times = paired({name: contender(name) for name in models}, spec["steps"], spec["warmup"])
+            measured = slice(len(next(iter(phases.values()))["forward"]) - spec["steps"], None)  # after the warm-up
             out[f"{reduce_name}_mb{microbatches}"] = {
                 "step_s": {name: median(values) for name, values in times.items()},
+                "phase_s": {name: {phase: median(v[measured]) for phase, v in by_phase.items()} for name, by_phase in phases.items()},
                 "ratio_ours_fsdp2": paired_ratio(times, "ours", "fsdp2"),
                 "ratio_per_gather_fsdp2": paired_ratio(times, "ours_per_gather", "fsdp2"),
                 "ratio_no_overlap_fsdp2": paired_ratio(times, "ours_no_overlap", "fsdp2"),
@@ -252,6 +278,16 @@ def run(device: str, quick: bool) -> CaseResult:
             figures["ratio_per_gather_fsdp2"], at_most=0.9 if microbatches == 1 else 0.8,
             note=f"{steps['ours_per_gather'] * 1e3:.0f} vs {steps['fsdp2'] * 1e3:.0f} ms",
         ))
+        if reduce == "bf16":
+            spent = figures["phase_s"]
+            rows.append(target_row(
+                "6 end to end", f"ours / FSDP2 forward + backward time, {batch}",
+                (spent["ours"]["forward"] + spent["ours"]["backward"]) / (spent["fsdp2"]["forward"] + spent["fsdp2"]["backward"]),
+                note="ms forward / backward / optimizer: " + "; ".join(
+                    f"{name} " + " / ".join(f"{spent[name][phase] * 1e3:.0f}" for phase in PHASES)
+                    for name in ("ours", "ours_per_gather", "fsdp2")
+                ),
+            ))
     equal = [_bitwise(timing[key]["losses"][name], timing[key]["losses"]["fsdp2"])
              for key in timing if key.startswith("bf16") for name in ("ours", "ours_per_gather")]
     overlap_equal = [_bitwise(f["losses"]["ours"], f["losses"]["ours_no_overlap"]) for f in timing.values()]

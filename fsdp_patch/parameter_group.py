@@ -8,8 +8,8 @@ A group owns, for this rank, three flat buffers in one layout (see :mod:`.layout
 - ``compute_weight``: a sharded copy in the compute dtype, which forward and backward
   all-gather (the same tensor as ``main_weight`` when the two dtypes agree). Its lifetime is
   the policy's ``compute_copy``: ``"persistent"``, all-gathered without a cast and refreshed
-  from the main weights once per optimizer step; or ``"per_gather"``, cast from the main
-  weights for each all-gather and freed (storage resized to 0 bytes) once it completes;
+  from the main weights once per optimizer step; or ``"per_gather"``, none is kept (its
+  storage is 0 bytes): each all-gather casts the main weights into its own output;
 - ``main_grad``: the sharded main gradients (``main_grads_dtype``), which backward
   reduce-scatters into and whose DTensor views become the parameters' ``.grad``. The views own
   it: once ``zero_grad(set_to_none=True)`` drops them, its memory is freed (as FSDP2's sharded
@@ -109,7 +109,9 @@ class ParameterGroup:
             else:
                 self.compute_weight = self.main_weight.to(self.compute_dtype)
         self.compute_copy = policy.compute_copy
-        self._release_compute_weight()
+        if self.compute_per_gather:
+            # Only its dtype and layout remain: each all-gather casts into its own output.
+            self.compute_weight.untyped_storage().resize_(0)
         # main_grad is held strongly from its allocation until its views are installed as the
         # parameters' .grad, then only through them (see the module docstring).
         self._main_grad_ref: weakref.ref[torch.Tensor] | None = None
@@ -270,37 +272,21 @@ class ParameterGroup:
 
     @property
     def compute_per_gather(self) -> bool:
-        """Whether the compute copy is a separate tensor that lives for one all-gather only
-        (``compute_copy="per_gather"``): the optimizer adapter then marks it stale instead of
-        refreshing it, and precision diagnostics derive it from the main weights."""
+        """Whether no compute copy is kept, each all-gather casting the main weights itself
+        (``compute_copy="per_gather"``, compute dtype not the main dtype): the optimizer
+        adapter then marks the weights changed instead of refreshing, and precision
+        diagnostics derive the compute weights by the same cast."""
         return self.compute_copy == "per_gather" and not self.compute_aliases_main
 
     def compute_storage_bytes(self) -> int:
         """Bytes the compute copy holds now (0 when it is the main weight, or released)."""
         return 0 if self.compute_aliases_main else self.compute_weight.untyped_storage().nbytes()
 
-    def _release_compute_weight(self) -> None:
-        # per_gather: the all-gather that read the copy is complete.
-        if self.compute_per_gather:
-            storage = self.compute_weight.untyped_storage()
-            if storage.nbytes():
-                storage.resize_(0)
-
-    def _materialize_compute_weight(self) -> None:
-        """Casts the main weights into a released (per_gather) compute copy for an all-gather."""
-        compute = self.compute_weight
-        nbytes = compute.numel() * compute.element_size()
-        storage = compute.untyped_storage()
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
-            with torch.no_grad():
-                compute.copy_(self.main_weight)
-
     def refresh_compute_weight(self) -> int:
         """Refreshes the compute copy from the main weights; one cast for the whole group.
 
-        A ``per_gather`` group's copy is cast when an all-gather needs it; a refresh then
-        only notes that the main weights changed (unless the copy is materialized).
+        A ``per_gather`` group keeps no copy (each all-gather casts its own); a refresh then
+        only notes that the main weights changed.
 
         Returns:
             Bytes written by the cast (0 when the compute copy is the main weight itself, or
@@ -308,7 +294,7 @@ class ParameterGroup:
         """
         written = 0
         compute = self.compute_weight
-        if not self.compute_aliases_main and compute.untyped_storage().nbytes():
+        if not self.compute_aliases_main and not self.compute_per_gather:
             with torch.no_grad():
                 compute.copy_(self.main_weight)
             written = compute.numel() * compute.element_size()
@@ -395,14 +381,18 @@ class ParameterGroup:
             self._materialize_unsharded()
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
                 flat.copy_(self.main_weight if self.compute_per_gather else self.compute_weight)
-            self._release_compute_weight()
             self._gathered_refresh = refresh
             return
-        if self.compute_per_gather:
-            self._materialize_compute_weight()
         self._gathered_refresh = None
         gathered = torch.empty_like(flat)
-        work = dist.all_gather_single(gathered, self.compute_weight, group=self.process_group, async_op=True)
+        source = self.compute_weight
+        if self.compute_per_gather:
+            # Cast into this rank's slot of the output and gather in place, as FSDP2 does:
+            # the per-gather copy needs no memory of its own.
+            source = gathered.view(self.world_size, -1)[self.rank]
+            with torch.no_grad():
+                source.copy_(self.main_weight)
+        work = dist.all_gather_single(gathered, source, group=self.process_group, async_op=True)
         self._pending_gather = (work, gathered, refresh)
 
     def wait_unshard(self) -> None:
@@ -413,7 +403,6 @@ class ParameterGroup:
         work, gathered, refresh = self._pending_gather
         self._pending_gather = None
         work.wait()
-        self._release_compute_weight()
         # Allocated only now, as FSDP2 allocates its unsharded parameters at the copy-out:
         # while the all-gather is in flight only its output buffer exists.
         flat = self._materialize_unsharded()
@@ -439,7 +428,6 @@ class ParameterGroup:
             self._pending_gather = None
             work.wait()
             _free(gathered)
-            self._release_compute_weight()
 
     def _free_unsharded(self) -> None:
         self._drop_pending_gather()

@@ -61,18 +61,18 @@ def _groups(model: nn.Module) -> list[Any]:
 def train(impl: str, checkpointed: bool, microbatches: int) -> dict[str, Any]:
     """STEPS AdamW steps (gradient sync on the last microbatch only), adapted unless FSDP2.
 
-    Records, for ours: at every unit's forward pre-hook and every weight grad of backward,
-    groups holding compute-copy memory without an all-gather in flight reading it; and after
+    Records, for ours: at every unit's forward pre-hook and every weight grad of backward
+    (all-gathers in flight then), groups holding compute-copy memory; and after
     each step (before ``zero_grad``) and after ``zero_grad``, the compute copies' bytes.
     """
     rank, world_size = world()
     model = build(impl, checkpointed)
     ours = impl != "fsdp2"
     groups = _groups(model) if ours else []
-    unreferenced: list[int] = []
+    holding: list[int] = []
 
     def note(*_: Any) -> None:
-        unreferenced.append(sum(1 for g in groups if g.compute_storage_bytes() and g._pending_gather is None))
+        holding.append(sum(1 for g in groups if g.compute_storage_bytes()))
 
     if ours:
         for module in model.modules():
@@ -101,7 +101,7 @@ def train(impl: str, checkpointed: bool, microbatches: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         facts["compute_bytes_after_zero_grad"].append(sum(g.compute_storage_bytes() for g in groups))
     facts["params"] = full_params(model)
-    facts["unreferenced_compute_copies"] = unreferenced
+    facts["holding_compute_copies"] = holding
     facts["shard_compute_bytes"] = sum(g.compute_weight.numel() * g.compute_weight.element_size() for g in groups)
     return facts
 
