@@ -174,7 +174,7 @@ class StepSequence:
                 else:
                     main_grad, originals, all_present = group.main_grad, task.originals, task.all_present
                 self._in_flight.append(cast)
-                written.append((group, cast.cast(main_grad, originals, all_present)))
+                written.append((group, cast.cast(main_grad, originals, all_present, release=not self._keep)))
         except BaseException:
             self.restore(carry_back=False)
             raise
@@ -208,7 +208,10 @@ class StepSequence:
                 grads only; ``True`` when repairing a step that raised.
         """
         while self._in_flight:
-            self._in_flight.pop().restore(carry_back)
+            cast = self._in_flight.pop()
+            cast.restore(carry_back)
+            if not self._keep:
+                cast.release()  # now: the next group's restore allocates its main grads anew
 
     def refresh(self, observer: StepObserver) -> None:
         """Refreshes the compute copy of every FSDP group the optimizer holds (marks it stale,

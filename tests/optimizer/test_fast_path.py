@@ -40,6 +40,7 @@ from tests.optimizer.support import (
     compute_is_fresh,
     fsdp_params,
     grads_are_original,
+    grads_snapshot,
     local,
     local_tokens,
     main_weights,
@@ -197,8 +198,10 @@ def test_cached_views_stay_valid_across_changes(pool2: Any, attachment: str, tmp
     assert_all(pool2.run(_training_changes, attachment, str(tmp_path)))
 
 
-def _several_optimizers(attachment: str) -> dict[str, bool]:
-    """Three optimizers over one model: alternate parameters, and the head's bias alone."""
+def _several_optimizers(attachment: str, keep: bool | None = None) -> dict[str, bool]:
+    """Three optimizers over one model: alternate parameters, and the head's bias alone. With
+    ``keep=False`` the buffers are freed after each step; no optimizer covers a whole group
+    then, so none may free the main grads the others still step on."""
     data = batches(4)
     built = {kind: build_model() for kind in ("adapted", "ref")}
     opts: dict[str, list[torch.optim.Optimizer]] = {}
@@ -209,6 +212,8 @@ def _several_optimizers(attachment: str) -> dict[str, bool]:
         opts[kind] = [_adamw(rest[0::2]), _adamw(rest[1::2]), O.SGD([bias], lr=0.1)]
     for opt in opts["adapted"]:
         adapt(opt, attachment)
+        if keep is not None:
+            keep_cast_buffers(opt, keep)
     checks: dict[str, bool] = {}
     for step, tokens in enumerate(data):
         for kind, model in built.items():
@@ -222,6 +227,9 @@ def _several_optimizers(attachment: str) -> dict[str, bool]:
             ref_opt.zero_grad()
         checks[f"step {step}: main weights == reference"] = same(main_weights(built["adapted"]), main_weights(built["ref"]))
         checks[f"step {step}: compute copy fresh"] = compute_is_fresh(built["adapted"])
+    if keep is False:
+        checks["freed buffers: 0 bytes after the steps"] = all(cast_buffer_bytes(opt) == 0 for opt in opts["adapted"])
+        return checks
     for index, opt in enumerate(opts["adapted"]):
         want = _expected_cast_bytes(fsdp_params(opt))
         checks[f"optimizer {index}: cast buffer spans its own parameters ({cast_buffer_bytes(opt)} vs {want})"] = (
@@ -232,9 +240,122 @@ def _several_optimizers(attachment: str) -> dict[str, bool]:
     return checks
 
 
+@pytest.mark.parametrize("keep", (None, False), ids=("buffers default", "buffers freed"))
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_several_optimizers_over_one_model(pool2: Any, attachment: str) -> None:
-    assert_all(pool2.run(_several_optimizers, attachment))
+def test_several_optimizers_over_one_model(pool2: Any, attachment: str, keep: bool | None) -> None:
+    assert_all(pool2.run(_several_optimizers, attachment, keep))
+
+
+class _Planted(RuntimeError):
+    pass
+
+
+def _split_group(attachment: str) -> dict[str, bool]:
+    """Buffers freed; per FSDP group, one optimizer holds every parameter but a middle one, so
+    its cast spans the whole buffer, and a second optimizer holds the middle one: the first must
+    not free main grads the second steps on after it."""
+    data = batches(2)
+    built = {kind: build_model() for kind in ("adapted", "ref")}
+    opts: dict[str, list[torch.optim.Optimizer]] = {}
+    for kind, model in built.items():
+        middles = {id(g.params[len(g.params) // 2]) for g in parameter_groups(model) if len(g.params) >= 3}
+        params = list(model.parameters())
+        opts[kind] = [_adamw([p for p in params if id(p) not in middles]), _adamw([p for p in params if id(p) in middles])]
+    for opt in opts["adapted"]:
+        adapt(opt, attachment)
+        keep_cast_buffers(opt, False)
+    checks: dict[str, bool] = {"some group has a middle parameter": bool(fsdp_params(opts["adapted"][1]))}
+    fail = {"now": True}
+
+    def planted(opt: Any, args: Any, kwargs: Any) -> None:
+        if fail["now"]:
+            fail["now"] = False
+            raise _Planted("the first optimizer's first step fails after its cast")
+
+    opts["adapted"][0].register_step_pre_hook(planted)
+    for step, tokens in enumerate(data):
+        for model in built.values():
+            backward(model, tokens)
+        if step == 0:
+            # Under hooks the failed step's cast stays attached: the second optimizer steps
+            # while it is, on the middle parameters' main grads.
+            try:
+                opts["adapted"][0].step()
+            except _Planted:
+                checks["the planted failure propagated"] = True
+        # After the failure the second optimizer goes first (its parameters are disjoint from
+        # the first's, so the order changes nothing in the reference).
+        order = (1, 0) if step == 0 else (0, 1)
+        for index in order:
+            opt, ref_opt = opts["adapted"][index], opts["ref"][index]
+            opt.step()
+            HandCast(fsdp_params(ref_opt)).step(ref_opt)
+            if (step, index) != (0, 1):  # under hooks the failed step's cast is still attached then
+                checks[f"step {step}, optimizer {index}: grads original"] = grads_are_original(opt) is None
+        checks[f"step {step}: main weights == reference"] = same(main_weights(built["adapted"]), main_weights(built["ref"]))
+        for opt in (*opts["adapted"], *opts["ref"]):
+            opt.zero_grad()
+    return checks
+
+
+@pytest.mark.parametrize("attachment", ATTACHMENTS)
+def test_an_optimizer_spanning_a_group_frees_nothing_another_holds(pool2: Any, attachment: str) -> None:
+    assert_all(pool2.run(_split_group, attachment))
+
+
+def _main_grads_released_in_step(attachment: str) -> dict[str, bool]:
+    """Buffers freed between steps: while the update runs, the main grads' memory is free (the
+    fp32 copies stand in); afterwards they hold exactly what they held before the step, also
+    when the step raised after the cast."""
+    data = batches(3)
+    pair = Pair(attachment)
+    keep_cast_buffers(pair.opt, False)
+    groups = parameter_groups(pair.model)
+    during: list[list[int]] = []
+    before: dict[int, list[Any]] = {}
+    fail = {"now": False}
+
+    def record(opt: Any, args: Any, kwargs: Any) -> None:  # runs after the adapter's cast
+        during.append([g.main_grad_storage_bytes() for g in groups])
+        if fail["now"]:
+            raise _Planted("planted failure inside the step")
+
+    pair.opt.register_step_pre_hook(record)
+
+    def snapshot(model: torch.nn.Module, opt: Any) -> None:
+        before[id(model)] = grads_snapshot(model)
+
+    pair.step("released", data[0], zero=None, before_step=snapshot)
+    checks = pair.checks
+    checks[f"during the step: no main-grad memory ({during[-1]})"] = during[-1] == [0] * len(groups)
+    checks["after the step: main grads bitwise as before it"] = same(grads_snapshot(pair.model), before[id(pair.model)])
+    checks["after the step: main-grad memory back"] = all(g.main_grad_storage_bytes() for g in groups)
+    pair.both(lambda model, opt: opt.zero_grad(set_to_none=True))
+
+    backward(pair.model, data[1])
+    want = grads_snapshot(pair.model)
+    fail["now"] = True
+    try:
+        pair.opt.step()
+        checks["the planted failure propagated"] = False
+    except _Planted:
+        checks["the planted failure propagated"] = True
+    fail["now"] = False
+    # wrapt restores at once; hooks leave the fp32 copies attached until the next step or
+    # backward: either way the grads hold the same values.
+    got = [None if g is None else g.to(torch.bfloat16) for g in grads_snapshot(pair.model)]
+    checks["after the failed step: grads hold their values"] = same(got, want)
+    main_weights_before = main_weights(pair.model)
+    pair.opt.step()  # puts the main grads back (hooks), then steps on them
+    checks["after the failed step: main grads restored before the next step"] = same(grads_snapshot(pair.model), want)
+    checks["the retried step updated the weights"] = not same(main_weights(pair.model), main_weights_before)
+    checks["buffers freed after the retried step"] = cast_buffer_bytes(pair.opt) == 0
+    return checks
+
+
+@pytest.mark.parametrize("attachment", ATTACHMENTS)
+def test_main_grads_released_during_the_step(pool2: Any, attachment: str) -> None:
+    assert_all(pool2.run(_main_grads_released_in_step, attachment))
 
 
 def _undo_releases(attachment: str, fail: bool) -> dict[str, bool]:
