@@ -167,3 +167,56 @@ def external_write_run() -> dict[str, Any]:
             "shard_compute_bytes": sum(g.compute_weight.numel() * g.compute_weight.element_size() for g in _groups(model)),
         }
     return rank0(out)
+
+
+def exception_run() -> dict[str, Any]:
+    """A forward raises while the next blocks' all-gathers (and, per_gather, their casts) are in
+    flight; training then goes on. Per lifetime: what is left gathered or in flight, and the
+    losses of the steps around the failure."""
+    rank, world_size = world()
+    batches = [rank_slice(t, rank, world_size) for t in make_batches(3, batch=BATCH)]
+
+    class Boom(RuntimeError):
+        pass
+
+    out: dict[str, Any] = {}
+    for impl in ("persistent", "per_gather"):
+        model = build(impl, checkpointed=False)
+        model.set_overlap_limits(forward_prefetch=2, backward_prefetch=2)  # type: ignore[operator]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        from fsdp_patch.optimizer import fully_shard_optimizer
+
+        fully_shard_optimizer(optimizer)
+        losses = []
+
+        def step(tokens: torch.Tensor) -> None:
+            loss = lm_loss(model, tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+
+        step(batches[0])
+        in_flight: dict[str, int] = {}
+
+        def fail(module: nn.Module, args: Any) -> None:
+            in_flight["at_raise"] = sum(g._pending_gather is not None for g in _groups(model))
+            raise Boom("forward")
+
+        handle = model.blocks[0].register_forward_pre_hook(fail)
+        try:
+            lm_loss(model, batches[1])
+        except Boom:
+            in_flight["raised"] = 1
+        handle.remove()
+        out[impl] = {
+            "raised": in_flight.get("raised", 0),
+            "in_flight_at_raise": in_flight.get("at_raise", 0),
+            "in_flight_after": sum(g._pending_gather is not None for g in _groups(model)),
+            "unsharded_after": sum(g.unsharded_storage_bytes() for g in _groups(model)),
+            "compute_bytes_after": sum(g.compute_storage_bytes() for g in _groups(model)),
+        }
+        step(batches[1])
+        step(batches[2])
+        out[impl]["losses"] = losses
+    return rank0(out)

@@ -121,7 +121,8 @@ def rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def shard(model: Net, impl: str, reshard_after_forward: bool = True, dtype: torch.dtype | None = None,
-          main_grads_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> Net:
+          main_grads_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+          compute_copy: str = "persistent") -> Net:
     """Shards each block, then the root, with ``impl``; ``dtype`` is the compute dtype."""
     if impl == "reference":
         return model
@@ -130,7 +131,7 @@ def shard(model: Net, impl: str, reshard_after_forward: bool = True, dtype: torc
 
         if dtype is not None:
             model.to(dtype)
-        policy = MixedPrecisionPolicy(main_grads_dtype=main_grads_dtype)
+        policy = MixedPrecisionPolicy(main_grads_dtype=main_grads_dtype, compute_copy=compute_copy)  # type: ignore[arg-type]
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -286,7 +287,8 @@ def train_mixed(impl: str, pattern: str) -> dict[str, Any]:
     if impl == "fsdp2":
         model = build("fsdp2", net, dtype=BF16, reduce_dtype=torch.float32 if fp32_grads else BF16)
     else:
-        model = build("ours", net, dtype=BF16, main_grads_dtype=torch.float32 if fp32_grads else None)
+        model = build("ours", net, dtype=BF16, main_grads_dtype=torch.float32 if fp32_grads else None,
+                      compute_copy="per_gather" if impl == "ours_per_gather" else "persistent")
     if pattern == "two_optimizers":
         bias = model.head.bias
         optimizers = [sgd([p for p in model.parameters() if p is not bias]), torch.optim.SGD([bias], lr=0.1)]
@@ -337,7 +339,7 @@ def _accumulators(model: nn.Module) -> list[tuple[str, int] | None]:
 def mixed_run(pattern: str) -> dict[str, Any]:
     from tests.integration.rank_fns import environment, in_memory_otel
 
-    out = {impl: train_mixed(impl, pattern) for impl in ("ours", "fsdp2")}
+    out = {impl: train_mixed(impl, pattern) for impl in ("ours", "ours_per_gather", "fsdp2")}
     with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, _):
         out["ours_telemetry"] = train_mixed("ours_telemetry", pattern)
         out["ours_telemetry"]["step_spans"] = sum(s.name == "fsdp.optimizer.step" for s in spans.get_finished_spans())

@@ -101,3 +101,14 @@ def test_policy_refuses_an_unknown_lifetime() -> None:
     got = str(info.value)
     for want in ("compute_copy", "'persistent'", "'per_gather'", "'lazy'"):
         assert want in got, f"message {got!r} does not name {want}"
+
+
+def test_exception_mid_forward_leaves_nothing_behind_and_training_goes_on(run_once: Any) -> None:
+    facts = run_once(2, compute_copy_fns.exception_run)[0]
+    persistent, per_gather = facts["persistent"], facts["per_gather"]
+    assert per_gather["raised"] == 1, "the planted exception did not propagate"
+    assert per_gather["in_flight_at_raise"] >= 1, "no all-gather was in flight when the forward raised"
+    for key in ("in_flight_after", "unsharded_after", "compute_bytes_after"):
+        assert per_gather[key] == 0, f"per_gather after the exception: {key} = {per_gather[key]}"
+    assert len(per_gather["losses"]) == 3, f"steps trained: {per_gather['losses']}"
+    assert per_gather["losses"] == persistent["losses"], f"losses {per_gather['losses']} vs persistent {persistent['losses']}"

@@ -133,13 +133,13 @@ def test_zero_size_parameter_trains(run_once: Any) -> None:
 
 @pytest.mark.parametrize("pattern", ("ckpt", "multi_backward", "two_optimizers", "fp32_accum"))
 def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, pattern: str) -> None:
-    """bf16 compute with the optimizer adapter, hook attachment and wrapt attachment with
-    telemetry: losses and final weights bitwise those of FSDP2 with ``param_dtype=bf16`` (same
+    """bf16 compute with the optimizer adapter, hook attachment (compute copy persistent and
+    ``per_gather``) and wrapt attachment with telemetry: losses and final weights bitwise those of FSDP2 with ``param_dtype=bf16`` (same
     casts, same reduce dtype), for checkpointing, two optimizers over one group (bf16 main grads),
     two backwards and sync-off accumulation (fp32 main grads; FSDP2 ``reduce_dtype=fp32``)."""
     results = run_once(WORLD_SIZE, pattern_fns.mixed_run, pattern)[0]
     want = results["fsdp2"]
-    for impl in ("ours", "ours_telemetry"):
+    for impl in ("ours", "ours_per_gather", "ours_telemetry"):
         got = results[impl]
         assert got["losses"] == want["losses"], f"{pattern}/{impl}: losses {got['losses']}, FSDP2 {want['losses']}"
         differ = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
