@@ -188,9 +188,11 @@ def keep_cast_buffers(optimizer: torch.optim.Optimizer, keep: bool | None) -> No
     ``True``: kept (no allocation per step; their DTensor views are built once either way).
     ``False``: freed now and at the end of every step, so that between steps the adapter
     holds no memory (the next step allocates them again: on the CPU that costs page faults,
-    on CUDA the caching allocator hands the block back). ``None``: the default, kept when
-    every cast group lives on the CPU, freed otherwise. ``remove_fully_shard_optimizer``
-    frees them in any case.
+    on CUDA the caching allocator hands the block back); during the step the main grads of
+    every group the optimizer holds whole are freed too while their fp32 copies stand in
+    (cast back afterwards). ``None``: the default, kept when every cast group lives on the CPU
+    and keeps a persistent compute copy, freed otherwise (``compute_copy="per_gather"`` asks
+    for FSDP2's memory). ``remove_fully_shard_optimizer`` frees them in any case.
 
     Alternatives considered:
         - An environment variable: memory is a per-job decision usually, but a per-optimizer

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from tests.fsdp.overlap_fns import CheckpointedTransformer
 from tests.fsdp.rank_fns import full_params, rank0, world
 from tests.models import TinyTransformer, lm_loss, make_batches, rank_slice
 
@@ -18,16 +18,6 @@ LAYERS = 3
 STEPS = 3
 BATCH = 8
 IMPLS = ("persistent", "per_gather", "fsdp2")
-
-
-class CheckpointedTransformer(TinyTransformer):
-    """Each block under non-reentrant checkpointing: backward recomputes, then re-gathers."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return self.head(self.norm(x))
 
 
 def build(impl: str, checkpointed: bool) -> nn.Module:
