@@ -162,8 +162,8 @@ class ParameterGroup:
         # Unsharded grads of microbatches accumulated with gradient sync off, packed as the
         # reduce-scatter reads them, in the main-grad dtype; only when that is wider.
         self._accumulated: torch.Tensor | None = None
-        # (work, reduced shard, overwrite) of reduce-scatters issued and not yet added into
-        # main_grad, in issue order.
+        # (work, its input, reduced shard, overwrite) of reduce-scatters issued and not yet
+        # added into main_grad, in issue order; both buffers are freed once waited for.
         self._pending_reduces: list[tuple[Any, torch.Tensor, torch.Tensor, bool]] = []
         # Run before backward, install_zero_grads or reset_iter_state next write the parameters'
         # grads: whoever lent the parameters other grads (the optimizer adapter's cast) puts
