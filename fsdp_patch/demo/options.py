@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..mixed_precision import COMPUTE_COPY_LIFETIMES
 from .model import GPTConfig
 
 
@@ -148,6 +149,8 @@ class RunOptions:
         loss_log: JSON-lines file of per-step loss and learning rate, written by rank 0.
         progress: One of :data:`PROGRESS_MODES`.
         report_lines: Most lines of the precision report.
+        compute_copy: ``MixedPrecisionPolicy.compute_copy``; not a training option (both
+            lifetimes train bit for bit alike), so a checkpoint does not record it.
     """
 
     training: TrainingConfig
@@ -164,6 +167,7 @@ class RunOptions:
     loss_log: str | None
     progress: str
     report_lines: int
+    compute_copy: str = "persistent"
 
 
 # Training options: (flag, dest, type, help). Their default is None so that "given" is known.
@@ -203,6 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-log", default=None, help="write each step's loss and learning rate as JSON lines here")
     parser.add_argument("--progress", default="auto", help="auto (a bar on a terminal, lines otherwise), bar, lines or none")
     parser.add_argument("--report-lines", type=int, default=10, help="most lines of the precision report (default 10)")
+    parser.add_argument("--compute-copy", default="persistent",
+                        help="persistent (default: kept, refreshed after each step) or per_gather (cast at each all-gather: FSDP2's memory)")
 
 
 def _at_least(option: str, value: int, least: int) -> None:
@@ -322,4 +328,5 @@ def run_options(args: argparse.Namespace, training: TrainingConfig, explicit: fr
         loss_log=args.loss_log,
         progress=_choice("--progress", args.progress, PROGRESS_MODES),
         report_lines=args.report_lines,
+        compute_copy=_choice("--compute-copy", args.compute_copy, COMPUTE_COPY_LIFETIMES),
     )

@@ -25,12 +25,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def build(training: TrainingConfig, device: torch.device) -> tuple[GPT, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build(
+    training: TrainingConfig, device: torch.device, compute_copy: str = "persistent"
+) -> tuple[GPT, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The sharded model, its adapted AdamW and the warm-up + cosine schedule, as at step 0."""
     torch.manual_seed(training.seed)
     model = GPT(training.gpt_config()).to(device=device, dtype=training.dtype("compute_dtype"))
     policy = MixedPrecisionPolicy(
-        main_params_dtype=training.dtype("main_dtype"), main_grads_dtype=training.dtype("grad_dtype")
+        main_params_dtype=training.dtype("main_dtype"),
+        main_grads_dtype=training.dtype("grad_dtype"),
+        compute_copy=compute_copy,  # type: ignore[arg-type]
     )
     shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=training.weight_decay)
@@ -56,7 +60,7 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
     """Train on this rank; rank 0 shows progress and, at the end, the precision report."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     training = options.training
-    model, optimizer, scheduler = build(training, _device())
+    model, optimizer, scheduler = build(training, _device(), options.compute_copy)
     step, position, load_seconds = 0, 0, 0.0
     if resume_from is not None:
         started = time.perf_counter()

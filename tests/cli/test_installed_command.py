@@ -3,8 +3,9 @@
 A new venv (no system site-packages) gets the pinned CPU torch and then ``pip install`` of a copy of
 the package's files, which must bring every other dependency itself. Its ``fsdp-patch``:
 
-- ``demo --steps 6 --checkpoint-dir D`` then ``demo --resume --steps 10``: the losses and the final
-  model and optimizer state equal an uninterrupted 10-step run bitwise;
+- ``demo --steps 6 --checkpoint-dir D`` then ``demo --resume --steps 10 --compute-copy per_gather``:
+  the losses and the final model and optimizer state equal an uninterrupted 10-step run (with the
+  persistent copy) bitwise;
 - the trace files of both ranks load (Chrome and Jaeger JSON);
 - the precision report names each planted scenario's problem and calls the healthy run healthy;
 - bad input is one line and exit code 2 from the installed command too.
@@ -70,7 +71,9 @@ def runs(fresh_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     common = ["--progress", "lines"]
     out: dict[str, Any] = {"work": work}
     out["first"] = _run([command, "demo", "--steps", "6", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl", "--trace-dir", "t_first", *common], work)
-    out["resumed"] = _run([command, "demo", "--steps", "10", "--resume", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl", "--trace-dir", "t_resumed", *common], work)
+    # Resumed with the other compute-copy lifetime: it trains bit for bit alike.
+    out["resumed"] = _run([command, "demo", "--steps", "10", "--resume", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl",
+                           "--trace-dir", "t_resumed", "--compute-copy", "per_gather", *common], work)
     out["whole"] = _run([command, "demo", "--steps", "10", "--checkpoint-dir", "ckpt_whole", "--loss-log", "whole.jsonl", "--trace-dir", "t_whole", *common], work)
     for scenario in ("tiny-lr", "nan", "fp16-overflow"):
         _run([command, "demo", "--scenario", scenario, "--steps", "6", "--precision-every", "1", "--trace-dir", f"t_{scenario}", *common], work)
