@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .dtensor_views import ShardSpecs
 from .layout import GroupLayout
 from .mixed_precision import MixedPrecisionPolicy
+from .torch_compat import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["ParameterGroup", "parameter_group_of", "contained_in_parameter_group"]
 
@@ -392,7 +393,7 @@ class ParameterGroup:
             source = gathered.view(self.world_size, -1)[self.rank]
             with torch.no_grad():
                 source.copy_(self.main_weight)
-        work = dist.all_gather_single(gathered, source, group=self.process_group, async_op=True)
+        work = all_gather_flat(gathered, source, group=self.process_group, async_op=True)
         self._pending_gather = (work, gathered, refresh)
 
     def wait_unshard(self) -> None:
@@ -485,7 +486,7 @@ class ParameterGroup:
                 self._apply_reduced(packed.view(-1), overwrite)
             else:
                 reduced = torch.empty_like(main_grad)
-                work = dist.reduce_scatter_single(
+                work = reduce_scatter_flat(
                     reduced, packed.view(-1), op=dist.ReduceOp.AVG, group=self.process_group, async_op=True
                 )
                 self._pending_reduces.append((work, packed, reduced, overwrite))

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from fsdp_patch.torch_compat import all_gather_flat, foreach_clone
+
 from . import semconv
 
 if TYPE_CHECKING:
@@ -199,7 +201,7 @@ def take_snapshot(
         if old is not None and _same_layout(now, old):
             torch._foreach_copy_(list(old), list(now))
             return tuple(old)
-        return tuple(torch._foreach_clone(list(now)))
+        return tuple(foreach_clone(now))
 
     old_mains = reuse.main_weights if reuse is not None and len(reuse.main_weights) == len(weights) else None
     old_computes = reuse.compute_weights if old_mains is not None else None
@@ -440,9 +442,7 @@ def reduce_stats(local: torch.Tensor, process_group: ProcessGroup | None) -> tor
         return local
     # Flat output (the concatenation form): gloo rejects the stacked (world, n) form.
     flat = torch.empty(world * _STATS_LEN, dtype=local.dtype, device=local.device)
-    # all_gather_single replaces all_gather_into_tensor in recent torch; both are one collective.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(flat, local, group=process_group)
+    all_gather_flat(flat, local, group=process_group)
     gathered = flat.view(world, _STATS_LEN)
     reduced = gathered.sum(dim=0)
     reduced[_GRAD_AMAX] = gathered[:, _GRAD_AMAX].max()

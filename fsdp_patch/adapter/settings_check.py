@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..torch_compat import all_gather_flat
+
 __all__ = ["CollectiveSettingsError", "check_collective_settings", "process_group_and_device"]
 
 
@@ -72,8 +74,7 @@ def check_collective_settings(groups: Sequence[Any], telemetry_on: bool, precisi
         return
     mine = torch.tensor([int(telemetry_on), int(precision_every)], dtype=torch.int64, device=device)
     gathered = torch.empty(world * 2, dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, mine, group=pg)
+    all_gather_flat(gathered, mine, group=pg)
     values = gathered.view(world, 2).tolist()
     if any(v != values[0] for v in values):
         raise CollectiveSettingsError(_describe(values))

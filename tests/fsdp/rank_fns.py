@@ -205,21 +205,33 @@ def count_collectives() -> Iterator[dict[str, int]]:
     """Counts the all-gathers and reduce-scatters ``fsdp_patch`` issues (it calls them through
     ``torch.distributed``'s module attributes)."""
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    orig_ag, orig_rs = dist.all_gather_single, dist.reduce_scatter_single
+    # fsdp_patch.torch_compat looks up whichever flat collective this torch has at each call.
+    names = [
+        (name, kind)
+        for name, kind in (
+            ("all_gather_single", "all_gather"),
+            ("all_gather_into_tensor", "all_gather"),
+            ("reduce_scatter_single", "reduce_scatter"),
+            ("reduce_scatter_tensor", "reduce_scatter"),
+        )
+        if hasattr(dist, name)
+    ]
+    originals = {name: getattr(dist, name) for name, _ in names}
 
-    def all_gather_single(*args: Any, **kwargs: Any) -> Any:
-        counts["all_gather"] += 1
-        return orig_ag(*args, **kwargs)
+    def counting(name: str, kind: str) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            counts[kind] += 1
+            return originals[name](*args, **kwargs)
 
-    def reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
-        counts["reduce_scatter"] += 1
-        return orig_rs(*args, **kwargs)
+        return collective
 
-    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    for name, kind in names:
+        setattr(dist, name, counting(name, kind))
     try:
         yield counts
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = orig_ag, orig_rs
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def unsharded_bytes(model: nn.Module) -> dict[str, int]:
