@@ -102,14 +102,18 @@ def build_resource(rank_info: RankInfo) -> Resource:
     }
     if rank_info.run_id:
         ours[semconv.RESOURCE_RUN_ID] = rank_info.run_id
-    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+    detected_name = str(detected.attributes.get(SERVICE_NAME, ""))
+    if detected_name.startswith("unknown_service") or not detected_name.strip():  # unset, or set blank
         ours[SERVICE_NAME] = DEFAULT_SERVICE_NAME
-    return detected.merge(Resource(ours))
+    resource = detected.merge(Resource(ours))
+    otel_env.check_service_name(resource.attributes.get(SERVICE_NAME))
+    return resource
 
 
 def _build() -> _Embedded:
     info = current_rank_info()
     state = _Embedded(info, os.getpid())
+    otel_env.check_sdk_disabled()
     if env.sdk_disabled():
         return state
     resource: Resource | None = None
