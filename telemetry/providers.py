@@ -88,13 +88,8 @@ def _meter_provider_unset(provider: metrics.MeterProvider) -> bool:
     return not isinstance(provider, SdkMeterProvider)  # pragma: no cover
 
 
-def build_resource(rank_info: RankInfo) -> Resource:
-    """Resource of our providers: the ``OTEL_*`` resource plus the rank identity.
-
-    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` are honoured; without a service
-    name the service is ``fsdp_patch`` instead of the SDK's ``unknown_service``.
-    """
-    detected = Resource.create()
+def rank_attributes(rank_info: RankInfo) -> dict[str, Any]:
+    """The resource attributes of the rank identity (design page): rank, world size, local rank, run id."""
     ours: dict[str, Any] = {
         semconv.RESOURCE_RANK: rank_info.rank,
         semconv.RESOURCE_WORLD_SIZE: rank_info.world_size,
@@ -102,6 +97,43 @@ def build_resource(rank_info: RankInfo) -> Resource:
     }
     if rank_info.run_id:
         ours[semconv.RESOURCE_RUN_ID] = rank_info.run_id
+    return ours
+
+
+def add_rank_identity(provider: Any, rank_info: RankInfo) -> None:
+    """Add the rank identity to an SDK provider's resource, for the attributes it lacks.
+
+    The global providers of the application or of ``opentelemetry-instrument`` (whose SDK
+    configurator builds the resource from ``OTEL_*`` before any rank is known) would otherwise
+    export every span and series of this rank without ``fsdp.rank``/``fsdp.world_size``.
+    Attributes already there are kept. Uses the SDK providers' own resource update (what
+    they do after a fork); providers without one are left as they are.
+    """
+    if isinstance(provider, SdkTracerProvider):
+        current = provider.resource
+    elif isinstance(provider, SdkMeterProvider):
+        current = getattr(getattr(provider, "_sdk_config", None), "resource", None)
+    else:
+        return
+    update = getattr(provider, "_update_resource", None)
+    if current is None or update is None:
+        _warn("rank-identity", "fsdp_patch telemetry: cannot add %s to the resource of %s (this OpenTelemetry SDK "
+              "has no resource update); series are told apart by the %s metric attribute only.",
+              semconv.RESOURCE_RANK, type(provider).__name__, semconv.ATTR_RANK)  # fmt: skip
+        return
+    missing = {k: v for k, v in rank_attributes(rank_info).items() if k not in current.attributes}
+    if missing:
+        update(Resource(missing))
+
+
+def build_resource(rank_info: RankInfo) -> Resource:
+    """Resource of our providers: the ``OTEL_*`` resource plus the rank identity.
+
+    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` are honoured; without a service
+    name the service is ``fsdp_patch`` instead of the SDK's ``unknown_service``.
+    """
+    detected = Resource.create()
+    ours = rank_attributes(rank_info)
     detected_name = str(detected.attributes.get(SERVICE_NAME, ""))
     if detected_name.startswith("unknown_service") or not detected_name.strip():  # unset, or set blank
         ours[SERVICE_NAME] = DEFAULT_SERVICE_NAME
@@ -156,6 +188,7 @@ def tracer_provider() -> trace.TracerProvider:
         # Only when disabled (or after shutdown): a proxy would silently start recording if
         # someone installed a provider later; the decision was made now.
         return trace.NoOpTracerProvider()
+    add_rank_identity(provider, current_rank_info())
     return provider
 
 
@@ -167,6 +200,7 @@ def meter_provider() -> metrics.MeterProvider:
     provider = metrics.get_meter_provider()
     if _meter_provider_unset(provider):
         return metrics.NoOpMeterProvider()
+    add_rank_identity(provider, current_rank_info())
     return provider
 
 
