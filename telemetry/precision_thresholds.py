@@ -112,6 +112,8 @@ THRESHOLDS: tuple[Threshold, ...] = (
         above=0.9,
         severity=WARNING,
         alert="FsdpLostUpdateRatioHigh",
+        # NaN weights change bits without a finite update, which reads as lost updates.
+        unless="nonfinite",
         finding="lost updates: learning rate too small for the compute dtype (bf16/fp16 weights stop moving)",
         advice=(
             "over 90% of the main-weight changes are below half a unit in the last place of the compute "

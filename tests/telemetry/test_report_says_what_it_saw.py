@@ -7,6 +7,7 @@ batch processor) from real diagnostics of the observer, and read back through ``
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from telemetry_testing import Group, fake_optimizer, run_fake_step
 
 import fsdp_patch.telemetry as telemetry
 from fsdp_patch.cli import main as cli_main
-from fsdp_patch.telemetry import OptimizerObserver, precision, precision_report, precision_thresholds
+from fsdp_patch.telemetry import OptimizerObserver, env, precision, precision_report, precision_thresholds, providers
 
 FP16_RANGE_FINDING = precision_thresholds.BY_CHECK["grad_amax_fp16"].finding
 NONFINITE_FINDING = precision_thresholds.BY_CHECK["nonfinite"].finding
@@ -30,6 +31,9 @@ def _bf16_group(grad_scale: float, nan_at: int | None = None) -> Group:
 
 
 def _report_of_steps(trace_dir: Path, groups_per_step: list[Group]) -> str:
+    """The report of one run of the given steps, its trace files written to ``trace_dir``."""
+    providers.reset()  # a fresh embedded default for this run
+    os.environ[env.TRACE_DIR] = str(trace_dir)  # the autouse fixture restores the environment
     observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
     for group in groups_per_step:
         run_fake_step(observer, [group], [group.main_weight + 0.25])
@@ -58,6 +62,29 @@ def test_a_nan_grad_in_a_bf16_run_is_not_reported_as_grads_beyond_fp16(tmp_path:
 def test_a_finite_grad_beyond_fp16_is_still_reported(tmp_path: Path, every_step: None) -> None:
     text = _report_of_steps(tmp_path / "traces", [_bf16_group(0.01), _bf16_group(1.0e5)])
     assert FP16_RANGE_FINDING in text, f"a finite grad amax of 1e5 is not reported as beyond fp16:\n{text}"
+
+
+def _report_of_tiny_updates(trace_dir: Path, nan_in_weights: bool) -> str:
+    """Two steps whose main-weight updates (1e-6) are lost in bf16; with one NaN weight, or without."""
+    providers.reset()
+    os.environ[env.TRACE_DIR] = str(trace_dir)
+    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+    for _ in range(2):
+        group = _bf16_group(0.01)
+        new = group.main_weight + 1e-6
+        if nan_in_weights:
+            new[0] = math.nan
+        run_fake_step(observer, [group], [new])
+    telemetry.shutdown()
+    return precision_report.report(str(trace_dir))
+
+
+def test_lost_updates_are_not_reported_on_steps_whose_weights_hold_nan(tmp_path: Path, every_step: None) -> None:
+    lost = precision_thresholds.BY_CHECK["lost_updates"].finding
+    clean = _report_of_tiny_updates(tmp_path / "clean", nan_in_weights=False)
+    assert lost in clean, f"tiny updates without NaN are not reported as lost:\n{clean}"
+    text = _report_of_tiny_updates(tmp_path / "nan", nan_in_weights=True)
+    assert NONFINITE_FINDING in text and lost not in text, f"a NaN step is reported as lost updates:\n{text}"
 
 
 def test_the_reports_marker_is_the_value_the_diagnostics_record() -> None:
