@@ -9,8 +9,9 @@ the caller's span, which comes from the context, not from the provider. With
 ``OTEL_SDK_DISABLED=true`` nothing is built and no-op providers are used.
 
 Providers built here are flushed before ``torch.distributed.destroy_process_group`` tears the
-default group down, and flushed, summarised and shut down at interpreter exit. Both waits are
-bounded by ``FSDP_PATCH_FLUSH_TIMEOUT``. Everything installed for that (the ``atexit`` hook, the
+default group down, and flushed, summarised and shut down at interpreter exit. Every exporter
+flushes on its own helper thread, side by side, and the two waits together are bounded by
+``FSDP_PATCH_FLUSH_TIMEOUT``: one budget for the end of a run, however many exporters are stuck. Everything installed for that (the ``atexit`` hook, the
 ``destroy_process_group`` wrapper, logging filters) is removed again by :func:`uninstall`, and
 the wrapper and filters by :func:`shutdown`.
 """
