@@ -17,6 +17,7 @@ _EXPORTER_ENV = {
     "otlp": ("otlp,trace_file", "otlp"),
     "console": ("console,trace_file", "console"),
     "none": ("none", "none"),
+    "prometheus": ("trace_file", "prometheus"),
 }
 
 
@@ -29,7 +30,6 @@ def _set_environment(options: RunOptions) -> None:
         env["FSDP_PATCH_PRECISION_EVERY"] = str(options.precision_every)
     else:
         env.setdefault("FSDP_PATCH_PRECISION_EVERY", str(DEFAULT_PRECISION_EVERY))
-    env.setdefault("OTEL_SERVICE_NAME", "fsdp_patch_demo")
     # The precision report replaces the raw metric summary; FSDP_PATCH_SUMMARY=rank0 brings it back.
     env.setdefault("FSDP_PATCH_SUMMARY", "none")
     if options.exporter is not None:

@@ -55,9 +55,11 @@ if __name__ == "__main__":
 
 
 def _installed_here() -> bool:
-    try:
-        dist = metadata.distribution("fsdp-patch")
-    except metadata.PackageNotFoundError:
+    # The installed metadata, not the fsdp_patch.egg-info that `pip install -e` leaves in the
+    # checkout (on sys.path here as pytest's rootdir), which has no direct_url.json.
+    path = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+    dist = next(iter(metadata.distributions(name="fsdp-patch", path=path)), None)
+    if dist is None:
         return False
     url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
     names = [ep.name for ep in dist.entry_points if ep.group == "opentelemetry_instrumentor"]
@@ -79,14 +81,19 @@ def python_with_this_checkout(tmp_path_factory: pytest.TempPathFactory) -> str:
     return python
 
 
-def test_opentelemetry_instrument_traces_a_two_rank_job(python_with_this_checkout, tmp_path):
+@pytest.fixture(scope="module")
+def instrumented_job(python_with_this_checkout: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The 2-rank job run once under ``opentelemetry-instrument``: its stderr, the spans and the
+    metrics (console exporters) of each rank."""
     python = python_with_this_checkout
+    tmp_path = tmp_path_factory.mktemp("instrumented")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
     env.update(
         OTEL_TRACES_EXPORTER="console",
-        OTEL_METRICS_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="console",  # exported once, at exit
+        OTEL_METRIC_EXPORT_INTERVAL="600000",
         OTEL_LOGS_EXPORTER="none",
         OTEL_SERVICE_NAME="instrumented-job",
         FSDP_PATCH_PRECISION_EVERY="0",
@@ -99,15 +106,36 @@ def test_opentelemetry_instrument_traces_a_two_rank_job(python_with_this_checkou
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-4000:]}"
-    spans = [s for rank in range(WORLD) for s in _console_spans((tmp_path / f"rank{rank}.out").read_text())]
+    outputs = {rank: (tmp_path / f"rank{rank}.out").read_text() for rank in range(WORLD)}
+    return {
+        "stderr": result.stderr,
+        "spans": {rank: _console_spans(text) for rank, text in outputs.items()},
+        "metrics": {rank: _console_metrics(text) for rank, text in outputs.items()},
+        "trace_dir": tmp_path / "traces",
+    }
+
+
+def test_opentelemetry_instrument_traces_a_two_rank_job(instrumented_job):
+    spans = [s for rank in range(WORLD) for s in instrumented_job["spans"][rank]]
     steps = [s for s in spans if s["name"] == semconv.SPAN_STEP]
     got = sorted((s["attributes"][semconv.ATTR_RANK], s["attributes"][semconv.ATTR_STEP]) for s in steps)
     want = sorted((rank, step) for rank in range(WORLD) for step in range(1, STEPS + 1))
-    assert got == want, f"want step spans (rank, step) {want}, got {got}; stderr:\n{result.stderr[-2000:]}"
+    assert got == want, f"want step spans (rank, step) {want}, got {got}; stderr:\n{instrumented_job['stderr'][-2000:]}"
     assert {s["resource"]["attributes"]["service.name"] for s in steps} == {"instrumented-job"}
     assert {s["attributes"][semconv.ATTR_GROUPS_COUNT] for s in steps} == {3}  # two blocks and the root
     # the SDK the distro configured is used: nothing of the embedded default was written
-    assert not (tmp_path / "traces").exists()
+    assert not instrumented_job["trace_dir"].exists()
+
+
+def test_every_span_and_series_carries_the_rank_identity_under_opentelemetry_instrument(instrumented_job):
+    for rank in range(WORLD):
+        want = {semconv.RESOURCE_RANK: rank, semconv.RESOURCE_WORLD_SIZE: WORLD}
+        resources = [s["resource"]["attributes"] for s in instrumented_job["spans"][rank]]
+        resources += [rm["resource"]["attributes"] for doc in instrumented_job["metrics"][rank] for rm in doc["resource_metrics"]]
+        assert instrumented_job["metrics"][rank], f"rank {rank} exported no metrics"
+        wrong = [r for r in resources if {k: r.get(k) for k in want} != want]
+        assert not wrong, f"rank {rank}: {len(wrong)} of {len(resources)} resources lack {want}, e.g. {wrong[0]}"
+        assert {r["service.name"] for r in resources} == {"instrumented-job"}, "the configured service name was replaced"
 
 
 def _console_spans(stdout: str) -> list[dict]:
@@ -123,3 +151,18 @@ def _console_spans(stdout: str) -> list[dict]:
         if isinstance(document, dict) and "name" in document and "context" in document:
             spans.append(document)
     return spans
+
+
+def _console_metrics(stdout: str) -> list[dict]:
+    """The JSON documents ConsoleMetricExporter prints, one per export."""
+    decoder = json.JSONDecoder()
+    documents, index = [], 0
+    while (start := stdout.find("{", index)) != -1:
+        try:
+            document, index = decoder.raw_decode(stdout, start)
+        except json.JSONDecodeError:
+            index = start + 1
+            continue
+        if isinstance(document, dict) and "resource_metrics" in document:
+            documents.append(document)
+    return documents
