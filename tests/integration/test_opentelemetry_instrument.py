@@ -3,10 +3,14 @@
 A 2-rank training script that never calls ``fully_shard_optimizer`` nor sets
 ``FSDP_PATCH_TELEMETRY`` runs under ``opentelemetry-instrument`` with the console span exporter;
 its step spans must appear, from both ranks. The entry point is found the way the command finds
-it, through the ``opentelemetry_instrumentor`` entry points of installed distributions: those of
-this checkout after ``make test``'s ``pip install -e .[dev]``; where the installed
-``fsdp-patch`` is another checkout (or none), a throwaway virtual environment that sees the
-system's packages gets this checkout installed in editable mode first.
+it, through the ``opentelemetry_instrumentor`` entry points of installed distributions.
+
+Which installation: the one the job itself sees, asked of the interpreter run outside the checkout
+(inside it, the ``fsdp_patch.egg-info`` that an editable install leaves in the source tree would be
+found first, and it records no install location). That is this checkout's after ``make test``'s
+editable install; where it is another checkout's (or none), this checkout is installed for the
+job alone, into a folder put first on its path, by the interpreter's own pip (never by the base
+interpreter, whose packages, such as ``wheel``, the test must not depend on).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -54,36 +57,58 @@ if __name__ == "__main__":
 """
 
 
-def _installed_here() -> bool:
-    try:
-        dist = metadata.distribution("fsdp-patch")
-    except metadata.PackageNotFoundError:
-        return False
-    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+_FIND_INSTALLATION = """
+import json
+from importlib import metadata
+try:
+    dist = metadata.distribution("fsdp-patch")
+except metadata.PackageNotFoundError:
+    print("{}")
+else:
     names = [ep.name for ep in dist.entry_points if ep.group == "opentelemetry_instrumentor"]
-    return url == REPO.as_uri() and names == ["fsdp_patch"]
+    print(json.dumps({"direct_url": json.loads(dist.read_text("direct_url.json") or "{}"), "entry_points": names}))
+"""
+
+
+def installation_seen_by_jobs(python: str, cwd: Path, env: dict[str, str]) -> dict:
+    """What ``importlib.metadata`` finds for ``fsdp-patch`` in a job run by ``python`` from ``cwd``."""
+    found = subprocess.run(
+        [python, "-c", _FIND_INSTALLATION], cwd=cwd, env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    return json.loads(found.stdout)
+
+
+def _job_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
 
 
 @pytest.fixture(scope="module")
-def python_with_this_checkout(tmp_path_factory: pytest.TempPathFactory) -> str:
-    if _installed_here():
-        return sys.executable
-    venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
+def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """PYTHONPATH for the job: empty where this checkout is the installation it sees."""
+    outside = tmp_path_factory.mktemp("outside")
+    seen = installation_seen_by_jobs(sys.executable, outside, _job_env())
+    direct_url = seen.get("direct_url", {})
+    if direct_url.get("url") == REPO.as_uri() and seen.get("entry_points") == ["fsdp_patch"]:
+        return ""
+    target = tmp_path_factory.mktemp("installed")
     install = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(REPO)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert install.returncode == 0, f"pip install -e {REPO} failed:\n{install.stderr}"
-    return python
+    assert install.returncode == 0, f"the job sees {seen or 'no fsdp-patch'}, and pip install {REPO} failed:\n{install.stderr}"
+    env = {**_job_env(), "PYTHONPATH": str(target)}
+    seen = installation_seen_by_jobs(sys.executable, outside, env)
+    assert seen.get("entry_points") == ["fsdp_patch"], f"installed into {target}, the job sees {seen}"
+    return str(target)
 
 
-def test_opentelemetry_instrument_traces_a_two_rank_job(python_with_this_checkout, tmp_path):
-    python = python_with_this_checkout
+def test_opentelemetry_instrument_traces_a_two_rank_job(job_python_path, tmp_path):
+    python = sys.executable
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
+    env = _job_env()
+    if job_python_path:
+        env["PYTHONPATH"] = job_python_path
     env.update(
         OTEL_TRACES_EXPORTER="console",
         OTEL_METRICS_EXPORTER="none",
