@@ -50,7 +50,8 @@ test-torch:
 bench: setup
 	$(VENV_PYTHON) -m benchmarks
 
-# The prepared GPU check (CUDA tests, demo under torchrun on NCCL, GPU benchmarks); on a machine
-# without CUDA it runs what it can and says what it skipped.
+# The GPU check (CUDA tests, demo under torchrun on NCCL, GPU benchmarks); on a machine without
+# CUDA it runs what it can and says what it skipped. Its summary, logs and JSON go to GPU_CHECK_OUT.
+GPU_CHECK_OUT ?= benchmarks/results/gpu-check
 gpu-check: setup
-	bash scripts/gpu_check.sh --python $(VENV_PYTHON) --out gpu-check
+	bash scripts/gpu_check.sh --python $(VENV_PYTHON) --out $(GPU_CHECK_OUT)

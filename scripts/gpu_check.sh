@@ -29,7 +29,6 @@
 # Exit status: 0 when no part failed.
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$REPO"
 
 usage() {
     echo "usage: scripts/gpu_check.sh --out DIR [--python PY] [--wheels DIR] [--budget SECONDS]" >&2
@@ -58,8 +57,12 @@ if [ -n "$WHEELS" ] && ! compgen -G "$WHEELS/*.whl" >/dev/null; then
     exit 2
 fi
 command -v "$PY" >/dev/null 2>&1 || { echo "gpu_check: interpreter '$PY' not found (--python PY)" >&2; exit 2; }
+# Paths given relative to where the script was called from, before it moves to the checkout.
 mkdir -p "$OUT/logs" || exit 2
 OUT="$(cd "$OUT" && pwd)"
+[ -n "$WHEELS" ] && WHEELS="$(cd "$WHEELS" && pwd)"
+[[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
+cd "$REPO"
 
 # Wall-clock limits per part, in seconds (each also capped by what is left of the budget).
 TESTS_LIMIT=100
@@ -88,6 +91,28 @@ record() {  # record PART STATUS DETAIL
     SUMMARY+=("$1|$2|$3")
     [ "$2" = FAIL ] && FAILED=1
     return 0
+}
+
+note_last() {  # note_last TEXT: appends TEXT to the detail of the last part recorded
+    local last="${SUMMARY[-1]}"
+    SUMMARY[-1]="$last; $1"
+}
+
+demo_outcome() {  # what a demo log says of its run: telemetry, the report's verdict, the last loss
+    local log="$1" telemetry verdict loss
+    telemetry=$(grep -q '^fsdp-patch demo: telemetry off' "$log" && echo "telemetry off" || echo "telemetry on")
+    verdict=$(grep -Eo '^overall: [a-z]+' "$log" | tail -1)
+    loss=$(grep -Eo '^step [0-9]+/[0-9]+ +loss [0-9.naif]+' "$log" | tail -1 | sed -E 's/ +/ /g')
+    echo "$telemetry${verdict:+, $verdict}${loss:+, last $loss}"
+}
+
+checkout_id() {  # the commit checked, "+ local changes" when the tree differs from it (git reads only)
+    local head
+    head=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null) || { echo "unknown (not a git checkout)"; return; }
+    if [ -n "$(GIT_OPTIONAL_LOCKS=0 git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+        head="$head + local changes"
+    fi
+    echo "$head"
 }
 
 slug_of() { echo "$1" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g'; }
@@ -163,7 +188,7 @@ EOF
 }
 
 check() {
-    echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), checkout $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), checkout $(checkout_id)"
     command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
     install_wheels
     if ! ENVIRONMENT=$(environment 2>&1); then
@@ -183,8 +208,9 @@ check() {
         echo "gpu_check: WARNING: fsdp_patch supports torch >= 2.11; this torch is older, failures may come from that"
     fi
 
-    # 1. CUDA-marked tests.
-    local pytest=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider tests)
+    # 1. CUDA-marked tests. Collected from tests/cuda only: the rest of the suite needs packages
+    # (yaml, the exporters) that this check does not ask the machine for.
+    local pytest=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider tests/cuda)
     if [ "$HAS_CUDA" = 1 ]; then
         run_part "1 CUDA tests" "$TESTS_LIMIT" "${pytest[@]}"
     else
@@ -202,7 +228,9 @@ check() {
     [ "$HAS_CUDA" = 1 ] || { echo; echo "== 2 demo: no CUDA device, so it runs under torchrun on gloo (CPU), $steps+$((resume - steps)) steps"; }
     local demo=(-m fsdp_patch demo --progress lines --checkpoint-every 10 --checkpoint-dir "$work/ckpt" --trace-dir "$work/traces")
     run_part "2 demo, torchrun" "$DEMO_LIMIT" "$PY" -m torch.distributed.run --nproc-per-node 1 "${demo[@]}" --steps "$steps"
+    [ -n "$PART_LOG" ] && note_last "$(demo_outcome "$PART_LOG")"
     run_part "2 demo, torchrun --resume" "$DEMO_LIMIT" "$PY" -m torch.distributed.run --nproc-per-node 1 "${demo[@]}" --steps "$resume" --resume
+    [ -n "$PART_LOG" ] && note_last "$(demo_outcome "$PART_LOG")"
 
     # 3. GPU benchmark cases.
     if [ "$HAS_CUDA" != 1 ]; then
@@ -226,7 +254,7 @@ write_summary() {  # the readable record of the run, summary.md
     {
         echo "# GPU check on $SLUG"
         echo
-        echo "$(date -u +%Y-%m-%d), checkout $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown), ${SECONDS}s in all (budget ${BUDGET}s)."
+        echo "$(date -u +%Y-%m-%d), checkout $(checkout_id), ${SECONDS}s in all (budget ${BUDGET}s)."
         echo
         echo '```'
         echo "${ENVIRONMENT:-environment unknown}"
