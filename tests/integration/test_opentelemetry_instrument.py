@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -90,9 +91,15 @@ def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     direct_url = seen.get("direct_url", {})
     if direct_url.get("url") == REPO.as_uri() and seen.get("entry_points") == ["fsdp_patch"]:
         return ""
-    target = tmp_path_factory.mktemp("installed")
+    target, source = tmp_path_factory.mktemp("installed"), tmp_path_factory.mktemp("source")
+    # Built from a copy of what `pip install .` reads, so that the build leaves nothing in the checkout.
+    for name in ("pyproject.toml", "README.md", "fsdp_patch", "telemetry"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, source / name)
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(REPO)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert install.returncode == 0, f"the job sees {seen or 'no fsdp-patch'}, and pip install {REPO} failed:\n{install.stderr}"
