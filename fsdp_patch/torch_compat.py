@@ -12,7 +12,7 @@ that its features allow.
 - ``torch._foreach_clone`` is missing from some builds; a list of ``clone()`` is equivalent.
 - torch FSDP2's private state (read by ``fsdp_patch.fsdp2`` only): an ``FSDPState`` holds its
   parameter groups as the list ``_fsdp_param_groups`` where torch supports a mesh per parameter
-  (2.13 on), before that as the single ``_fsdp_param_group`` (or ``None``). The mixed-precision
+  (2.12 on), before that as the single ``_fsdp_param_group`` (or ``None``). The mixed-precision
   policy is kept per ``FSDPParam`` (``FSDPParam.mp_policy``, resolved for that parameter on
   torches whose policy can override the dtype per parameter, 2.15 on); ``FSDPParamGroup.mp_policy``
   is the older, per-group place and is gone on the newest torch. Where neither shape is found

@@ -1,7 +1,7 @@
 """fsdp_patch.torch_compat: each shape of torch's internals it papers over, and the shape this torch has.
 
 The stand-in objects below have the attributes of torch FSDP2's private state on each supported
-release (one ``_fsdp_param_group`` up to 2.12, the list ``_fsdp_param_groups`` from 2.13; the
+release (one ``_fsdp_param_group`` on 2.11, the list ``_fsdp_param_groups`` from 2.12; the
 mixed-precision policy on the group, or on each ``FSDPParam`` on the newest), so every branch runs
 on any torch; the rank functions check that this torch's real FSDP2 objects are read right.
 """
@@ -36,7 +36,7 @@ class _SingleGroupState:
 
 
 class _ManyGroupsState:
-    """An FSDPState of torch >= 2.13, whose ``_fsdp_param_group`` property refuses several groups."""
+    """An FSDPState of torch >= 2.12, whose ``_fsdp_param_group`` property refuses several groups."""
 
     def __init__(self, groups: list[Any]) -> None:
         self._fsdp_param_groups = groups

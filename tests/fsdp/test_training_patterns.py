@@ -27,7 +27,7 @@ def _fsdp2_sees_dataclass_outputs() -> bool:
     """Whether torch's FSDP2 finds the tensors inside a dataclass a module returns.
 
     FSDP2 registers its pre-backward hooks (which re-gather resharded parameters) on the output's
-    tensors. Where it finds them with ``collect_grad_tensors`` (torch 2.13 on), it looks inside
+    tensors. Where it finds them with ``collect_grad_tensors`` (torch 2.12 on), it looks inside
     dataclasses; before, it flattened the output with pytree, which keeps an unregistered dataclass
     whole, so no hook is registered and backward meets freed parameters.
     """
