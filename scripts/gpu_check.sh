@@ -35,14 +35,14 @@ usage() {
     exit 2
 }
 
-OUT=""
+OUT_DIR=""
 PY="${PYTHON:-python3}"
 WHEELS=""
 BUDGET=285
 while [ $# -gt 0 ]; do
     [ $# -ge 2 ] || usage
     case "$1" in
-        --out) OUT="$2" ;;
+        --out) OUT_DIR="$2" ;;
         --python) PY="$2" ;;
         --wheels) WHEELS="$2" ;;
         --budget) BUDGET="$2" ;;
@@ -50,7 +50,7 @@ while [ $# -gt 0 ]; do
     esac
     shift 2
 done
-[ -n "$OUT" ] || { echo "gpu_check: --out DIR is required (where the summary and logs go)" >&2; usage; }
+[ -n "$OUT_DIR" ] || { echo "gpu_check: --out DIR is required (where the summary and logs go)" >&2; usage; }
 [[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget wants whole seconds, got '$BUDGET'" >&2; exit 2; }
 if [ -n "$WHEELS" ] && ! compgen -G "$WHEELS/*.whl" >/dev/null; then
     echo "gpu_check: --wheels $WHEELS holds no .whl files (scripts/gpu_wheels.sh --dest $WHEELS makes them)" >&2
@@ -58,8 +58,8 @@ if [ -n "$WHEELS" ] && ! compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 command -v "$PY" >/dev/null 2>&1 || { echo "gpu_check: interpreter '$PY' not found (--python PY)" >&2; exit 2; }
 # Paths given relative to where the script was called from, before it moves to the checkout.
-mkdir -p "$OUT/logs" || exit 2
-OUT="$(cd "$OUT" && pwd)"
+mkdir -p "$OUT_DIR/logs" || exit 2
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 [ -n "$WHEELS" ] && WHEELS="$(cd "$WHEELS" && pwd)"
 [[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
 cd "$REPO"
@@ -129,7 +129,7 @@ run_part() {  # run_part NAME LIMIT COMMAND...: runs it within its limit and the
         return 1
     fi
     [ "$limit" -gt "$left" ] && limit=$left
-    local log="$OUT/logs/$(slug_of "$name").log"
+    local log="$OUT_DIR/logs/$(slug_of "$name").log"
     echo
     echo "== $name (limit ${limit}s): $*"
     local started=$SECONDS
@@ -244,13 +244,13 @@ check() {
         name="${case%%|*}"
         args="${case#*|}"
         # shellcheck disable=SC2086 # the case's arguments are words by design
-        run_part "3 bench $name" "$BENCH_LIMIT" "$PY" $args --json "$OUT/$name-$SLUG.json"
+        run_part "3 bench $name" "$BENCH_LIMIT" "$PY" $args --json "$OUT_DIR/$name-$SLUG.json"
         [ -n "${PART_LOG:-}" ] && BENCH_LOGS+=("$PART_LOG")
     done
 }
 
 write_summary() {  # the readable record of the run, summary.md
-    local file="$OUT/summary.md" row part status detail
+    local file="$OUT_DIR/summary.md" row part status detail
     {
         echo "# GPU check on $SLUG"
         echo
@@ -290,7 +290,7 @@ main() {
     check
     write_summary
     echo
-    echo "== summary ($SECONDS s in all; $OUT/summary.md)"
+    echo "== summary ($SECONDS s in all; $OUT_DIR/summary.md)"
     local row part status detail
     for row in "${SUMMARY[@]}"; do
         IFS='|' read -r part status detail <<<"$row"
@@ -300,5 +300,5 @@ main() {
     return "$FAILED"
 }
 
-main 2>&1 | tee "$OUT/gpu_check.log"
+main 2>&1 | tee "$OUT_DIR/gpu_check.log"
 exit "${PIPESTATUS[0]}"
