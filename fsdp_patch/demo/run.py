@@ -24,6 +24,14 @@ _EXPORTER_ENV = {
 def _set_environment(options: RunOptions) -> None:
     """Telemetry's variables for every rank (spawned ranks inherit them; torchrun's set their own)."""
     env = os.environ
+    from fsdp_patch import telemetry
+
+    missing = telemetry.opentelemetry_missing()
+    if missing is not None:
+        # The job trains the same without telemetry; a machine without OpenTelemetry still runs it.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"fsdp-patch demo: telemetry off: {missing}", flush=True)
+        env["FSDP_PATCH_TELEMETRY"] = "0"
     env.setdefault("FSDP_PATCH_TELEMETRY", "1")
     env["FSDP_PATCH_TRACE_DIR"] = options.trace_dir
     if options.precision_every is not None:

@@ -139,6 +139,9 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
         return
     steps = options.steps - start_step
     print(f"done: {steps} step{'s' if steps != 1 else ''} in {elapsed:.1f} s", flush=True)
+    if not telemetry.telemetry_active():
+        print("no precision report: telemetry is off", flush=True)
+        return
     from fsdp_patch.telemetry.exporters import trace_files_off_reason
     from fsdp_patch.telemetry.precision_report import report
     from fsdp_patch.telemetry.trace_reading import TraceFileError

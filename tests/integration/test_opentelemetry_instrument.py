@@ -3,20 +3,24 @@
 A 2-rank training script that never calls ``fully_shard_optimizer`` nor sets
 ``FSDP_PATCH_TELEMETRY`` runs under ``opentelemetry-instrument`` with the console span exporter;
 its step spans must appear, from both ranks. The entry point is found the way the command finds
-it, through the ``opentelemetry_instrumentor`` entry points of installed distributions: those of
-this checkout after ``make test``'s ``pip install -e .[dev]``; where the installed
-``fsdp-patch`` is another checkout (or none), a throwaway virtual environment that sees the
-system's packages gets this checkout installed in editable mode first.
+it, through the ``opentelemetry_instrumentor`` entry points of installed distributions.
+
+Which installation: the one the job itself sees, asked of the interpreter run outside the checkout
+(inside it, the ``fsdp_patch.egg-info`` that an editable install leaves in the source tree would be
+found first, and it records no install location). That is this checkout's after ``make test``'s
+editable install; where it is another checkout's (or none), this checkout is installed for the
+job alone, into a folder put first on its path, by the interpreter's own pip (never by the base
+interpreter, whose packages, such as ``wheel``, the test must not depend on).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -54,42 +58,68 @@ if __name__ == "__main__":
 """
 
 
-def _installed_here() -> bool:
-    # The installed metadata, not the fsdp_patch.egg-info that `pip install -e` leaves in the
-    # checkout (on sys.path here as pytest's rootdir), which has no direct_url.json.
-    path = [p for p in sys.path if Path(p or ".").resolve() != REPO]
-    dist = next(iter(metadata.distributions(name="fsdp-patch", path=path)), None)
-    if dist is None:
-        return False
-    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+_FIND_INSTALLATION = """
+import json
+from importlib import metadata
+try:
+    dist = metadata.distribution("fsdp-patch")
+except metadata.PackageNotFoundError:
+    print("{}")
+else:
     names = [ep.name for ep in dist.entry_points if ep.group == "opentelemetry_instrumentor"]
-    return url == REPO.as_uri() and names == ["fsdp_patch"]
+    print(json.dumps({"direct_url": json.loads(dist.read_text("direct_url.json") or "{}"), "entry_points": names}))
+"""
+
+
+def installation_seen_by_jobs(python: str, cwd: Path, env: dict[str, str]) -> dict:
+    """What ``importlib.metadata`` finds for ``fsdp-patch`` in a job run by ``python`` from ``cwd``."""
+    found = subprocess.run(
+        [python, "-c", _FIND_INSTALLATION], cwd=cwd, env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    return json.loads(found.stdout)
+
+
+def _job_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
 
 
 @pytest.fixture(scope="module")
-def python_with_this_checkout(tmp_path_factory: pytest.TempPathFactory) -> str:
-    if _installed_here():
-        return sys.executable
-    venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
+def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """PYTHONPATH for the job: empty where this checkout is the installation it sees."""
+    outside = tmp_path_factory.mktemp("outside")
+    seen = installation_seen_by_jobs(sys.executable, outside, _job_env())
+    direct_url = seen.get("direct_url", {})
+    if direct_url.get("url") == REPO.as_uri() and seen.get("entry_points") == ["fsdp_patch"]:
+        return ""
+    target, source = tmp_path_factory.mktemp("installed"), tmp_path_factory.mktemp("source")
+    # Built from a copy of what `pip install .` reads, so that the build leaves nothing in the checkout.
+    for name in ("pyproject.toml", "README.md", "fsdp_patch", "telemetry"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, source / name)
     install = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert install.returncode == 0, f"pip install -e {REPO} failed:\n{install.stderr}"
-    return python
+    assert install.returncode == 0, f"the job sees {seen or 'no fsdp-patch'}, and pip install {REPO} failed:\n{install.stderr}"
+    env = {**_job_env(), "PYTHONPATH": str(target)}
+    seen = installation_seen_by_jobs(sys.executable, outside, env)
+    assert seen.get("entry_points") == ["fsdp_patch"], f"installed into {target}, the job sees {seen}"
+    return str(target)
 
 
 @pytest.fixture(scope="module")
-def instrumented_job(python_with_this_checkout: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def instrumented_job(job_python_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The 2-rank job run once under ``opentelemetry-instrument``: its stderr, the spans and the
     metrics (console exporters) of each rank."""
-    python = python_with_this_checkout
+    python = sys.executable
     tmp_path = tmp_path_factory.mktemp("instrumented")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
+    env = _job_env()
+    if job_python_path:
+        env["PYTHONPATH"] = job_python_path
     env.update(
         OTEL_TRACES_EXPORTER="console",
         OTEL_METRICS_EXPORTER="console",  # exported once, at exit
