@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+_ENDPOINT = re.compile(r"serves Prometheus metrics at (http://[^\s/]+/metrics)")
 
 RULES = Path(__file__).resolve().parent / "prometheus" / "rules.yml"
 # The alert each scenario plants its bug for (healthy: none may fire).
@@ -181,8 +184,8 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
         assert process.stderr is not None
         for line in process.stderr:
             stderr.append(line)
-            if "serves Prometheus metrics at" in line:
-                result.endpoints.append(line.strip().split(" at ", 1)[1])
+            # Several ranks write to one pipe: read every endpoint a line holds, not one per line.
+            result.endpoints.extend(_ENDPOINT.findall(line))
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()

@@ -254,7 +254,10 @@ def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | N
     url = f"http://{host}:{server.server_address[1]}/metrics"
     setup.endpoints.append(f"Prometheus: {url}")
     # Every rank serves its own endpoint: each names it when it starts, where the job's output is read.
-    print(f"fsdp_patch telemetry: rank {rank_info.rank} serves Prometheus metrics at {url}", file=sys.stderr, flush=True)
+    # One write per line: ranks share the job's stderr, and print() writes the text and its newline
+    # separately, which lets another rank's line land between them.
+    sys.stderr.write(f"fsdp_patch telemetry: rank {rank_info.rank} serves Prometheus metrics at {url}\n")
+    sys.stderr.flush()
 
 
 def build_metric_readers(
