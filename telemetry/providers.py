@@ -108,7 +108,7 @@ def _meter_provider_unset(provider: metrics.MeterProvider) -> bool:
 
 
 def rank_attributes(rank_info: RankInfo) -> dict[str, Any]:
-    """The resource attributes of the rank identity (design page): rank, world size, local rank, run id."""
+    """The resource attributes of the rank identity (docs/conventions.md): rank, world size, local rank, run id."""
     ours: dict[str, Any] = {
         semconv.RESOURCE_RANK: rank_info.rank,
         semconv.RESOURCE_WORLD_SIZE: rank_info.world_size,

@@ -1,6 +1,6 @@
 """Validation with Prometheus' own promtool: the config, the rules and their unit tests, and every
 PromQL query of the dashboards, parsed by promtool and evaluated against series named and labelled
-exactly as the real OpenTelemetry Prometheus exporter exposes design.md's instruments.
+exactly as the real OpenTelemetry Prometheus exporter exposes the instruments of docs/conventions.md.
 
 promtool must be installed (dashboards/install_promtool.sh); without it these tests fail."""
 

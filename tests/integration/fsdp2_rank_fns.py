@@ -36,7 +36,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _lost_counts(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[int, int]:
-    """This rank's (changed, lost) elements of one step, from the design page's definition: main
+    """This rank's (changed, lost) elements of one step, from the definition in docs/conventions.md: main
     weight bits changed; the bf16 cast FSDP2 gathers did not."""
     changed = lost = 0
     for b, a in zip(before, after, strict=True):

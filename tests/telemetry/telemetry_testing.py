@@ -148,7 +148,7 @@ def reference_stats(
     compute_after: Sequence[np.ndarray | None],
     grads: Sequence[np.ndarray | None],
 ) -> dict[str, Any]:
-    """The design page's diagnostics computed independently with numpy over all elements
+    """The diagnostics of docs/conventions.md computed independently with numpy over all elements
     (norms over finite elements; amax float32's largest value once any grad is NaN/Inf, as
     telemetry.precision documents).
 
