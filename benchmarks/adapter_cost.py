@@ -5,8 +5,8 @@
    (main grads into an fp32 buffer, main weights into the compute copy). Also: the cast buffer
    freed after every step (``keep_cast_buffers(opt, False)``) against kept.
 2. ``step``: 2000 x 256 elements, SGD foreach: the adapted step (bf16 main grads) against the
-   bare step (fp32 main grads, no adapter); and the adapter's work against the seed's style, a
-   cast, restore and refresh per tensor.
+   bare step (fp32 main grads, no adapter); and the adapter's work against a per-tensor loop
+   (a cast, restore and refresh per tensor, as a hand-written adapter would do).
 3. ``scaling``: 10 to 10,000 tensors at 2.56M elements in all: (adapter - floor) per parameter,
    and the slope of a least-squares line through it.
 4. ``attachments``: fp32 everywhere, nothing cast: the hook attachment against no adapter, the

@@ -103,7 +103,7 @@ class Row:
         measure: What is compared or measured.
         value: The figure.
         unit: ``"x"`` for a ratio, else the unit of ``value``.
-        target: The target as text (``"<= 1.3"``), or ``""`` where the issue sets none.
+        target: The target as text (``"<= 1.3"``), or ``""`` where the case sets none.
         met: Whether the target is met; ``None`` without a target.
         note: Context (absolute times, sizes).
     """

@@ -5,7 +5,7 @@ Both train ``fsdp_patch.demo.model.GPT`` with bf16 compute and fp32 main weights
 (gradient sync on the last one only):
 
 - ours: ``model.bfloat16()`` then ``fully_shard`` with ``main_grads_dtype`` bf16 (or fp32),
-  ``fully_shard_optimizer``; with the overlap of issue 11 at its defaults, and again with every
+  ``fully_shard_optimizer``; with the collective overlap at its defaults, and again with every
   overlap knob at 0 (``set_overlap_limits(forward_prefetch=0, backward_prefetch=0,
   reduce_scatters_in_flight=0)``: each collective blocks where it is issued);
 - FSDP2: ``torch.distributed.fsdp.fully_shard`` with ``param_dtype=bf16`` and ``reduce_dtype``
@@ -19,8 +19,8 @@ counters): the peak tensor bytes of the second step, the tensor bytes between st
 ``zero_grad(set_to_none=True)``), and the RSS high-water mark of that stretch; ours also with
 its cast buffers freed between steps (``keep_cast_buffers(optimizer, False)``).
 
-Targets are issue 11's: step time at most 0.9x FSDP2's with 1 microbatch and 0.8x with 4; peak
-and between-step tensor bytes at most FSDP2's.
+Targets: step time at most 0.9x FSDP2's with 1 microbatch and 0.8x with 4; peak and
+between-step tensor bytes at most FSDP2's.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class NoStep(torch.optim.Optimizer):
 
 
 class PerTensorCast:
-    """The seed's style done by hand: a cast, a restore and a refresh per tensor, around a step.
+    """A per-tensor adapter done by hand: a cast, a restore and a refresh per tensor, around a step.
 
     Args:
         model: A module from :func:`many_params` with bf16 main grads.

@@ -197,7 +197,7 @@ def keep_cast_buffers(optimizer: torch.optim.Optimizer, keep: bool | None) -> No
     Alternatives considered:
         - An environment variable: memory is a per-job decision usually, but a per-optimizer
           call costs nothing more and composes (two optimizers, one kept).
-        - A keyword of ``fully_shard_optimizer``: its signature is the seed's.
+        - A keyword of ``fully_shard_optimizer``: its signature is Megatron-FSDP's API.
 
     Raises:
         ValueError: ``optimizer`` is not adapted.

@@ -1,4 +1,4 @@
-"""The CUDA/NCCL path, at world size 1 on one GPU (issue 10): skipped, saying why, without CUDA.
+"""The CUDA/NCCL path, at world size 1 on one GPU: skipped, saying why, without CUDA.
 
 - ``fully_shard`` trains like torch's FSDP2 on CUDA (fp32, AdamW; losses and weights within 1e-6).
 - The adapter on CUDA tensors equals the hand-cast reference bit for bit (bf16 compute, fp32 main,

@@ -29,9 +29,9 @@ from tests.models import lm_loss, make_batches, make_model, rank_slice, shard_mo
 O = torch.optim
 BF16, FP32 = torch.bfloat16, torch.float32
 
-# Issue #3's list. Hyperparameters switch on the branches that touch state or grads
-# (weight decay, momentum, nesterov, centered, decoupled decay) so that a wrong grad dtype or
-# a stale state shows up in the bits.
+# The optimizers of torch.optim the adapter is tested with. Hyperparameters switch on the
+# branches that touch state or grads (weight decay, momentum, nesterov, centered, decoupled
+# decay) so that a wrong grad dtype or a stale state shows up in the bits.
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd_momentum": lambda p: O.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
     "sgd_nesterov": lambda p: O.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),

@@ -1,4 +1,4 @@
-"""Issue #3: bad input is refused clearly, before anything changes.
+"""Bad input is refused clearly, before anything changes.
 
 - A non-Parameter in a param group: TypeError naming the group and index, at adaptation
   (the optimizer is left unadapted) or, for a group added later, at the step.

@@ -1,4 +1,4 @@
-"""Issue #3: the adapted optimizer composes with the rest of torch.optim and with copies.
+"""The adapted optimizer composes with the rest of torch.optim and with copies.
 
 - torch's instance and global step hooks still run, once per step, and see what the
   attachment documents (``hook_attachment.py``; wrapt: every hook is inside the wrapped

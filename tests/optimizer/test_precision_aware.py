@@ -1,4 +1,4 @@
-"""Issue #3: ``precision_aware=True`` casts nothing, the update sees the bf16 grads, and the
+"""``precision_aware=True`` casts nothing, the update sees the bf16 grads, and the
 compute copy is still refreshed.
 
 Two optimizers that accept bf16 grads on fp32 parameters: torch's SGD without momentum

@@ -1,4 +1,4 @@
-"""Issue #3: every LR scheduler of ``torch.optim.lr_scheduler`` drives the adapted step.
+"""Every LR scheduler of ``torch.optim.lr_scheduler`` drives the adapted step.
 
 ``LRScheduler`` re-wraps ``optimizer.step`` by binding ``optimizer.step.__func__`` to the
 optimizer, and warns ("optimizer.step() has been overridden ...") when the step it finds at

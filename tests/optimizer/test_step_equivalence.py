@@ -1,4 +1,4 @@
-"""Issue #3: the adapted step is the hand-cast fp32 step, bit for bit, under both attachments.
+"""The adapted step is the hand-cast fp32 step, bit for bit, under both attachments.
 
 For every optimizer of the issue's list, on 2 ranks, three copies of the bf16 TinyTransformer
 (fp32 main weights, bf16 main grads) train side by side from the same initialization on the

@@ -1,4 +1,4 @@
-"""Bounded trace files (issue 9): a size cap per rank with rotation, and streaming conversions.
+"""Bounded trace files: a size cap per rank with rotation, and streaming conversions.
 
 A long run under a small ``max_bytes`` cap keeps each rank's files (Chrome segments and the
 Jaeger file written at exit) under the cap, keeps the newest steps, and leaves every file
