@@ -25,8 +25,13 @@ class _Many(nn.Module):
 
 
 def many_params(
-    count: int, numel: int, device: torch.device, *, compute: torch.dtype = torch.bfloat16,
-    grads: torch.dtype | None = None, variant: int = 0,
+    count: int,
+    numel: int,
+    device: torch.device,
+    *,
+    compute: torch.dtype = torch.bfloat16,
+    grads: torch.dtype | None = None,
+    variant: int = 0,
 ) -> nn.Module:
     """A sharded module of ``count`` parameters of ``numel`` elements with main grads on all.
 

@@ -24,7 +24,7 @@ def section(heading: str, text: str | None = None) -> str:
     match = re.search(rf"^(#+) {re.escape(heading)}\n", text, re.M)
     assert match, f"{CONVENTIONS.name} has no heading {heading!r}"
     level = len(match[1])
-    rest = text[match.end():]
+    rest = text[match.end() :]
     end = re.search(rf"^#{{1,{level}}} ", rest, re.M)
     return rest[: end.start()] if end else rest
 
@@ -37,7 +37,7 @@ def table_rows(body: str, first_column: str) -> list[list[str]]:
         cells = _cells(line)
         if cells and cells[0] == first_column:
             rows = []
-            for row in lines[i + 2:]:
+            for row in lines[i + 2 :]:
                 if not row.startswith("|"):
                     break
                 rows.append(_cells(row))

@@ -11,6 +11,7 @@ import re
 from importlib import metadata
 
 from fsdp_patch.telemetry import env, instruments, semconv, trace_limits
+
 from tests.conventions_doc import REPO, code_spans, conventions_text, section, table_rows
 
 # Where the product's code lives: every FSDP_PATCH_* variable spelled there is a setting users set.

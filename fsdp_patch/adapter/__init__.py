@@ -88,7 +88,7 @@ class Adaptation:
 # an adapted optimizer is freed like any other. A copy or an unpickled optimizer (whose
 # __getstate__ keeps only defaults, state and param_groups) is a plain optimizer again: see
 # .copying.
-_ADAPTATIONS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+_ADAPTATIONS: torch.utils.weak.WeakIdKeyDictionary = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def adaptation_of(optimizer: torch.optim.Optimizer) -> Adaptation | None:

@@ -69,8 +69,11 @@ def panel_queries() -> list[Query]:
 @pytest.fixture(scope="session")
 def rule_queries() -> list[Query]:
     doc = load_yaml(DASHBOARDS / "prometheus" / "rules.yml")
-    return [Query(f"rules.yml: {r.get('record') or r.get('alert')}", r["expr"], kind="rule")
-            for g in doc["groups"] for r in g["rules"]]
+    return [
+        Query(f"rules.yml: {r.get('record') or r.get('alert')}", r["expr"], kind="rule")
+        for g in doc["groups"]
+        for r in g["rules"]
+    ]
 
 
 @pytest.fixture(scope="session")

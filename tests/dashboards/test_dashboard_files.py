@@ -13,12 +13,11 @@ import pytest
 import yaml
 
 from fsdp_patch.telemetry import semconv
-from tests.conventions_doc import code_spans, section, table_rows
+from tests import conventions_doc as conventions
 from dashboards_support import (  # conftest.py puts this folder on sys.path
     DASHBOARDS,
     ATTRIBUTE_VALUES,
     LABEL_VALUES,
-    REPO,
     all_panels,
     dashboard_files,
     design_prometheus_names,
@@ -62,10 +61,10 @@ def test_config_file_parses(path: Path):
 def _page_prometheus_names() -> dict[str, list[str]]:
     """docs/conventions.md's Prometheus table, ``_{bucket,count,sum}`` written out."""
     names = {}
-    for instrument, exposed in table_rows(section("Metrics"), "instrument"):
-        written = code_spans(exposed)[0]
+    for instrument, exposed in conventions.table_rows(conventions.section("Metrics"), "instrument"):
+        written = conventions.code_spans(exposed)[0]
         stem, _, suffixes = written.partition("{")
-        names[code_spans(instrument)[0]] = (sorted(stem + s for s in suffixes.rstrip("}").split(",")) if suffixes
+        names[conventions.code_spans(instrument)[0]] = (sorted(stem + s for s in suffixes.rstrip("}").split(",")) if suffixes
                                             else [written])
     return names
 
@@ -89,8 +88,8 @@ def test_exporter_names_are_the_conventions_pages(exporter_names):
 def test_instrument_table_and_attribute_values_are_the_conventions_pages():
     """The dashboards are built on telemetry.instruments: that table, and the attribute values the
     series here are made for, are docs/conventions.md's metric table."""
-    rows = table_rows(section("Metrics"), "name")
-    table = {code_spans(name)[0]: (kind, code_spans(unit)[0], set(re.findall(r"`(fsdp\.[\w.]+)`", attrs)))
+    rows = conventions.table_rows(conventions.section("Metrics"), "name")
+    table = {conventions.code_spans(name)[0]: (kind, conventions.code_spans(unit)[0], set(re.findall(r"`(fsdp\.[\w.]+)`", attrs)))
              for name, kind, unit, attrs in rows}
     ours = {m.name: (m.kind, m.unit, set(m.attributes)) for m in instrument_table()}
     assert table == ours, f"docs/conventions.md {table}, telemetry.instruments {ours}"

@@ -55,7 +55,10 @@ def fsdp2_training(scenario: str, telemetry_on: bool, steps: int = 3) -> dict[st
     rank, world_size = dist.get_rank(), dist.get_world_size()
     lr = 1e-7 if scenario == "tiny_lr" else 1e-2
     telemetry = "1" if telemetry_on else None
-    with environment(FSDP_PATCH_TELEMETRY=telemetry, FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, reader):
+    with (
+        environment(FSDP_PATCH_TELEMETRY=telemetry, FSDP_PATCH_PRECISION_EVERY="1"),
+        in_memory_otel() as (spans, reader),
+    ):
         model = fsdp2_model()
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         fully_shard_optimizer(optimizer)

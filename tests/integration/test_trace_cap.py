@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from fsdp_patch.telemetry import precision_report
+
 from tests.integration import rank_fns
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,6 @@ from tests.optimizer.support import (
     same,
 )
 
-
 # AdamW refuses a bf16 grad for an fp32 parameter; SGD with momentum takes it and updates the
 # weights with it, so a grad left uncast shows only in the bits and in the refresh.
 OPTIMIZERS = {
@@ -84,7 +83,9 @@ def replacement_run(attachment: str, how: str, optimizer: str) -> None:
         if observer is not None:
             planned = observer.steps[-1].planned[-1]
             want_count = len(opt.param_groups[0]["params"])
-            assert planned.params_count == want_count, f"{where}: planned {planned.params_count} params, want {want_count}"
+            assert planned.params_count == want_count, (
+                f"{where}: planned {planned.params_count} params, want {want_count}"
+            )
         opt.zero_grad()
         ref_opt.zero_grad()
 
@@ -92,5 +93,7 @@ def replacement_run(attachment: str, how: str, optimizer: str) -> None:
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("how", ("module_swapped", "one_replaced_in_place"))
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_a_replaced_parameter_is_cast_and_refreshed_as_its_own(pool2: Any, attachment: str, how: str, optimizer: str) -> None:
+def test_a_replaced_parameter_is_cast_and_refreshed_as_its_own(
+    pool2: Any, attachment: str, how: str, optimizer: str
+) -> None:
     pool2.run(replacement_run, attachment, how, optimizer)

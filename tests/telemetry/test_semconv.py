@@ -4,6 +4,7 @@ span attributes and scope must spell them as the page fixes them."""
 from __future__ import annotations
 
 from fsdp_patch.telemetry import semconv
+
 from tests.conventions_doc import code_spans, section, table_rows
 
 
@@ -36,6 +37,9 @@ def test_precision_span_attributes_are_the_pages():
 
 def test_scope_and_entry_point_names_are_the_pages():
     conventions = " ".join(section("Instrumentation scope and entry point").split())
-    for want in (f"name `{semconv.SCOPE_NAME}`", f"schema URL `{semconv.SCHEMA_URL}`",
-                 "entry point `fsdp_patch` in the group `opentelemetry_instrumentor`"):
+    for want in (
+        f"name `{semconv.SCOPE_NAME}`",
+        f"schema URL `{semconv.SCHEMA_URL}`",
+        "entry point `fsdp_patch` in the group `opentelemetry_instrumentor`",
+    ):
         assert want in conventions, f"{want!r} not in conventions.md's scope section: {conventions}"
