@@ -65,7 +65,7 @@ def _grad_records(params: list[nn.Parameter]) -> list[Any]:
 
 
 def _same_grad_records(a: list[Any], b: list[Any]) -> bool:
-    return all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b, strict=True))
 
 
 def _adapt_time_errors() -> dict[str, bool]:
