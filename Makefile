@@ -17,7 +17,7 @@ SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 OLDEST_TORCH ?= 2.11.0
 TORCH_RANGE_TESTS := tests --ignore=tests/dashboards --ignore=tests/test_setup_script.py --ignore=tests/cli/test_installed_command.py
 
-.PHONY: setup demo test test-torch bench gpu-check
+.PHONY: setup demo test test-torch lint bench gpu-check
 
 setup: $(SETUP_STAMP)
 
@@ -41,6 +41,13 @@ test: setup
 ifneq ($(OLDEST_TORCH),)
 	$(MAKE) --no-print-directory test-torch TORCH=$(OLDEST_TORCH)
 endif
+
+# ruff (lint rules and formatting) and mypy, configured in pyproject.toml; the tools come with the
+# dev extras. Not yet part of `make test`: some files still carry findings.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test-torch:
 	@[ -n "$(TORCH)" ] || { echo "make test-torch: say which torch release, e.g. make test-torch TORCH=2.15.0" >&2; exit 2; }

@@ -5,8 +5,8 @@
    (main grads into an fp32 buffer, main weights into the compute copy). Also: the cast buffer
    freed after every step (``keep_cast_buffers(opt, False)``) against kept.
 2. ``step``: 2000 x 256 elements, SGD foreach: the adapted step (bf16 main grads) against the
-   bare step (fp32 main grads, no adapter); and the adapter's work against the seed's style, a
-   cast, restore and refresh per tensor.
+   bare step (fp32 main grads, no adapter); and the adapter's work against a per-tensor loop
+   (a cast, restore and refresh per tensor, as a hand-written adapter would do).
 3. ``scaling``: 10 to 10,000 tensors at 2.56M elements in all: (adapter - floor) per parameter,
    and the slope of a least-squares line through it.
 4. ``attachments``: fp32 everywhere, nothing cast: the hook attachment against no adapter, the
@@ -60,7 +60,11 @@ def floor(device: str, quick: bool) -> CaseResult:
         keep_cast_buffers(kept, True)
         keep_cast_buffers(freed, False)
         times = paired(
-            {"adapter": _timed(clock, kept.step), "freed": _timed(clock, freed.step), "floor": _timed(clock, _floor_fn(model))},
+            {
+                "adapter": _timed(clock, kept.step),
+                "freed": _timed(clock, freed.step),
+                "floor": _timed(clock, _floor_fn(model)),
+            },
             rounds,
         )
     ratio = paired_ratio(times, "adapter", "floor")
@@ -68,10 +72,19 @@ def floor(device: str, quick: bool) -> CaseResult:
     elements = f"{count} x {numel / 1e6:.2f}M elements"
     return CaseResult(
         [
-            target_row("1 floor", "adapter work / flat-copy floor", ratio, at_most=1.3,
-                       note=f"{elements}: {medians['adapter']:.1f} vs {medians['floor']:.1f} ms"),
-            target_row("1 floor", "cast buffer freed per step / kept", paired_ratio(times, "freed", "adapter"),
-                       note=f"{medians['freed']:.1f} vs {medians['adapter']:.1f} ms"),
+            target_row(
+                "1 floor",
+                "adapter work / flat-copy floor",
+                ratio,
+                at_most=1.3,
+                note=f"{elements}: {medians['adapter']:.1f} vs {medians['floor']:.1f} ms",
+            ),
+            target_row(
+                "1 floor",
+                "cast buffer freed per step / kept",
+                paired_ratio(times, "freed", "adapter"),
+                note=f"{medians['freed']:.1f} vs {medians['adapter']:.1f} ms",
+            ),
         ],
         {"count": count, "numel": numel, "rounds": rounds, "ms": medians, "samples_s": times},
     )
@@ -101,11 +114,20 @@ def step(device: str, quick: bool) -> CaseResult:
     size = f"{count} x {numel}"
     return CaseResult(
         [
-            target_row("2 step", "adapted step / bare step (fp32 main grads)", paired_ratio(times, "adapted", "bare"),
-                       at_most=1.3, note=f"{size}, SGD foreach: {medians['adapted']:.2f} vs {medians['bare']:.2f} ms"),
-            target_row("2 step", "per-tensor cast loop / adapter (work around the step)",
-                       paired_ratio(times, "per_tensor", "adapter_only"), at_least=10.0,
-                       note=f"{medians['per_tensor']:.2f} vs {medians['adapter_only']:.2f} ms"),
+            target_row(
+                "2 step",
+                "adapted step / bare step (fp32 main grads)",
+                paired_ratio(times, "adapted", "bare"),
+                at_most=1.3,
+                note=f"{size}, SGD foreach: {medians['adapted']:.2f} vs {medians['bare']:.2f} ms",
+            ),
+            target_row(
+                "2 step",
+                "per-tensor cast loop / adapter (work around the step)",
+                paired_ratio(times, "per_tensor", "adapter_only"),
+                at_least=10.0,
+                note=f"{medians['per_tensor']:.2f} vs {medians['adapter_only']:.2f} ms",
+            ),
         ],
         {"count": count, "numel": numel, "rounds": rounds, "ms": medians, "samples_s": times},
     )
@@ -115,7 +137,7 @@ def _slope(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares line through ``(n, seconds)``: (seconds per unit of n, intercept)."""
     xs, ys = [float(n) for n, _ in points], [s for _, s in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return slope, my - slope * mx
 
 
@@ -129,16 +151,33 @@ def scaling(device: str, quick: bool) -> CaseResult:
             adapted = _adapt(NoStep(model.parameters()))
             times = paired({"adapter": _timed(clock, adapted.step), "floor": _timed(clock, _floor_fn(model))}, rounds)
             adapter_s, floor_s = median(times["adapter"]), median(times["floor"])
-            per_count[count] = {"adapter_ms": adapter_s * 1e3, "floor_ms": floor_s * 1e3,
-                                "per_param_us": (adapter_s - floor_s) / count * 1e6}
+            per_count[count] = {
+                "adapter_ms": adapter_s * 1e3,
+                "floor_ms": floor_s * 1e3,
+                "per_param_us": (adapter_s - floor_s) / count * 1e6,
+            }
             del model, adapted
     slope, intercept = _slope([(n, (f["adapter_ms"] - f["floor_ms"]) / 1e3) for n, f in per_count.items()])
     spread = ", ".join(f"{n}: {f['per_param_us']:.2f}" for n, f in per_count.items())
     return CaseResult(
-        [target_row("3 scaling", "adapter cost per parameter (slope)", slope * 1e6, at_most=3.0, unit="us",
-                    note=f"{counts[0]}-{counts[-1]} tensors, {total / 1e6:.2f}M elements; fixed {intercept * 1e6:.0f} us; "
-                         f"per count (us/param) {spread}")],
-        {"total": total, "rounds": rounds, "by_count": per_count, "slope_us": slope * 1e6, "intercept_us": intercept * 1e6},
+        [
+            target_row(
+                "3 scaling",
+                "adapter cost per parameter (slope)",
+                slope * 1e6,
+                at_most=3.0,
+                unit="us",
+                note=f"{counts[0]}-{counts[-1]} tensors, {total / 1e6:.2f}M elements; fixed {intercept * 1e6:.0f} us; "
+                f"per count (us/param) {spread}",
+            )
+        ],
+        {
+            "total": total,
+            "rounds": rounds,
+            "by_count": per_count,
+            "slope_us": slope * 1e6,
+            "intercept_us": intercept * 1e6,
+        },
     )
 
 
@@ -159,13 +198,36 @@ def attachments(device: str, quick: bool) -> CaseResult:
         units = hook_overhead.run(rounds=60 if quick else 300) if device == "cpu" else None
     medians = {name: median(values) * 1e3 for name, values in times.items()}
     rows = [
-        target_row("4 attachments", "hooks / no adapter (fp32, nothing cast)", paired_ratio(times, "hooks", "bare"),
-                   note=f"{count} x {numel}, SGD foreach: {medians['hooks']:.2f} vs {medians['bare']:.2f} ms"),
-        target_row("4 attachments", "wrapt (no telemetry) / hooks", paired_ratio(times, "wrapt", "hooks"),
-                   note=f"{medians['wrapt']:.2f} vs {medians['hooks']:.2f} ms"),
+        target_row(
+            "4 attachments",
+            "hooks / no adapter (fp32, nothing cast)",
+            paired_ratio(times, "hooks", "bare"),
+            note=f"{count} x {numel}, SGD foreach: {medians['hooks']:.2f} vs {medians['bare']:.2f} ms",
+        ),
+        target_row(
+            "4 attachments",
+            "wrapt (no telemetry) / hooks",
+            paired_ratio(times, "wrapt", "hooks"),
+            note=f"{medians['wrapt']:.2f} vs {medians['hooks']:.2f} ms",
+        ),
     ]
     if units is not None:
-        rows.append(target_row("4 attachments", "fully_shard fwd+bwd / unsharded (tiny units)", units["ratio"],
-                               note=f"{units['units']} units: {units['overhead_per_unit_us']:.0f} us per unit"))
-    return CaseResult(rows, {"count": count, "numel": numel, "rounds": rounds, "ms": medians, "samples_s": times,
-                             "fully_shard_hooks": units})
+        rows.append(
+            target_row(
+                "4 attachments",
+                "fully_shard fwd+bwd / unsharded (tiny units)",
+                units["ratio"],
+                note=f"{units['units']} units: {units['overhead_per_unit_us']:.0f} us per unit",
+            )
+        )
+    return CaseResult(
+        rows,
+        {
+            "count": count,
+            "numel": numel,
+            "rounds": rounds,
+            "ms": medians,
+            "samples_s": times,
+            "fully_shard_hooks": units,
+        },
+    )

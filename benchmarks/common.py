@@ -91,7 +91,7 @@ def median(values: list[float]) -> float:
 
 def paired_ratio(times: dict[Any, list[float]], numerator: Any, denominator: Any) -> float:
     """Median over rounds of ``numerator / denominator``: drift of the machine cancels out."""
-    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator], strict=True))
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Row:
         measure: What is compared or measured.
         value: The figure.
         unit: ``"x"`` for a ratio, else the unit of ``value``.
-        target: The target as text (``"<= 1.3"``), or ``""`` where the issue sets none.
+        target: The target as text (``"<= 1.3"``), or ``""`` where the case sets none.
         met: Whether the target is met; ``None`` without a target.
         note: Context (absolute times, sizes).
     """
@@ -117,8 +117,16 @@ class Row:
     note: str = ""
 
 
-def target_row(case: str, measure: str, value: float, *, at_most: float | None = None, at_least: float | None = None,
-               unit: str = "x", note: str = "") -> Row:
+def target_row(
+    case: str,
+    measure: str,
+    value: float,
+    *,
+    at_most: float | None = None,
+    at_least: float | None = None,
+    unit: str = "x",
+    note: str = "",
+) -> Row:
     """A row whose target is an upper (``at_most``) or lower (``at_least``) bound."""
     if at_most is not None:
         return Row(case, measure, value, unit, f"<= {at_most:g}", value <= at_most, note)

@@ -25,8 +25,13 @@ class _Many(nn.Module):
 
 
 def many_params(
-    count: int, numel: int, device: torch.device, *, compute: torch.dtype = torch.bfloat16,
-    grads: torch.dtype | None = None, variant: int = 0,
+    count: int,
+    numel: int,
+    device: torch.device,
+    *,
+    compute: torch.dtype = torch.bfloat16,
+    grads: torch.dtype | None = None,
+    variant: int = 0,
 ) -> nn.Module:
     """A sharded module of ``count`` parameters of ``numel`` elements with main grads on all.
 
@@ -61,7 +66,7 @@ class NoStep(torch.optim.Optimizer):
 
 
 class PerTensorCast:
-    """The seed's style done by hand: a cast, a restore and a refresh per tensor, around a step.
+    """A per-tensor adapter done by hand: a cast, a restore and a refresh per tensor, around a step.
 
     Args:
         model: A module from :func:`many_params` with bf16 main grads.

@@ -58,7 +58,10 @@ def run(rounds: int = ROUNDS) -> dict[str, Any]:
     if owns_group:
         tmp = tempfile.mkdtemp()
         dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(tmp, 'rdv')}", rank=0, world_size=1,
+            "gloo",
+            init_method=f"file://{os.path.join(tmp, 'rdv')}",
+            rank=0,
+            world_size=1,
             timeout=datetime.timedelta(seconds=60),
         )
     threads = torch.get_num_threads()

@@ -74,7 +74,7 @@ class StorageMeter(TorchDispatchMode):
                 self._count_tensor(leaf)
         return out
 
-    def __enter__(self) -> "StorageMeter":
+    def __enter__(self) -> StorageMeter:
         meter = self
         original = self._original_resize = torch.UntypedStorage.resize_
 

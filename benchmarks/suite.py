@@ -107,20 +107,30 @@ def document(results: dict[str, CaseResult], device: str, quick: bool) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--case", action="append", type=_case_key, help="a case by number or name (repeatable; default: all)")
+    parser.add_argument(
+        "--case", action="append", type=_case_key, help="a case by number or name (repeatable; default: all)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: CUDA-event timing on GPU 0")
     parser.add_argument("--quick", action="store_true", help="small sizes and few rounds (a smoke run)")
-    parser.add_argument("--json", default=None, help="where to write the figures (default: benchmarks/results/suite-DEVICE.json)")
+    parser.add_argument(
+        "--json", default=None, help="where to write the figures (default: benchmarks/results/suite-DEVICE.json)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("python -m benchmarks: --device cuda, but torch sees no CUDA device", file=sys.stderr)
         return 2
     keys = sorted(set(args.case or CASES), key=int)
     results = run_cases(keys, args.device, args.quick)
-    print(f"\nfsdp_patch benchmark suite on {device_name(args.device)}, torch {torch.__version__}"
-          f"{' (quick sizes)' if args.quick else ''}:\n")
+    print(
+        f"\nfsdp_patch benchmark suite on {device_name(args.device)}, torch {torch.__version__}"
+        f"{' (quick sizes)' if args.quick else ''}:\n"
+    )
     print(table([row for result in results.values() for row in result.rows]))
-    path = Path(args.json) if args.json else RESULTS / f"suite-{device_slug(args.device)}{'-quick' if args.quick else ''}.json"
+    path = (
+        Path(args.json)
+        if args.json
+        else RESULTS / f"suite-{device_slug(args.device)}{'-quick' if args.quick else ''}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document(results, args.device, args.quick), indent=1) + "\n", encoding="utf-8")
     print(f"\nwrote {path}")

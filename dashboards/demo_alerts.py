@@ -119,7 +119,7 @@ class Prometheus:
             f"global:\n  scrape_interval: {SCRAPE_INTERVAL}\n  evaluation_interval: {SCRAPE_INTERVAL}\n"
             f"rule_files:\n  - {json.dumps(str(RULES))}\nscrape_configs:\n{scrape}\n"
         )
-        self._log = open(workdir / "prometheus.log", "w", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self._log = open(workdir / "prometheus.log", "w", encoding="utf-8")
         self._process = subprocess.Popen(
             [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
@@ -128,7 +128,9 @@ class Prometheus:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self._process.returncode}; see {workdir / 'prometheus.log'}")
+                raise RuntimeError(
+                    f"prometheus exited with {self._process.returncode}; see {workdir / 'prometheus.log'}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2):
                     return
@@ -206,7 +208,9 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
             if labels.get("fsdp_rank") and labels["fsdp_rank"] not in fired.ranks:
                 fired.ranks.append(labels["fsdp_rank"])
         if not done and not result.service_names:
-            result.service_names = sorted({s["metric"].get("service_name", "") for s in prometheus.query(f'target_info{{job="{scenario}"}}')})
+            result.service_names = sorted(
+                {s["metric"].get("service_name", "") for s in prometheus.query(f'target_info{{job="{scenario}"}}')}
+            )
         if done:
             break
         time.sleep(POLL_S)
@@ -214,7 +218,9 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
     reader.join(timeout=10)
     result.seconds = round(time.monotonic() - started, 1)
     if process.returncode != 0:
-        raise RuntimeError(f"demo --scenario {scenario} exited {process.returncode}:\n{stdout[-2000:]}\n{''.join(stderr)[-3000:]}")
+        raise RuntimeError(
+            f"demo --scenario {scenario} exited {process.returncode}:\n{stdout[-2000:]}\n{''.join(stderr)[-3000:]}"
+        )
     # Alerts that fired between two polls still left their ALERTS series behind.
     for sample in prometheus.query(f'max_over_time(ALERTS{{job="{scenario}",alertstate="firing"}}[30m])'):
         name = sample["metric"]["alertname"]
@@ -234,9 +240,15 @@ def describe(run: ScenarioRun) -> list[str]:
         lines.append("  no alert fired")
     for fired in run.fired:
         when = f"firing at step {fired.step}" if fired.step is not None else "fired"
-        after = f", {fired.seconds_after_first_step:.1f} s after the first step" if fired.seconds_after_first_step is not None else ""
+        after = (
+            f", {fired.seconds_after_first_step:.1f} s after the first step"
+            if fired.seconds_after_first_step is not None
+            else ""
+        )
         lines.append(f"  {fired.alert}: {when}{after} (ranks {', '.join(fired.ranks)})")
-    lines.append(f"  endpoints: {', '.join(run.endpoints) or 'none printed'}; service {', '.join(run.service_names) or '?'}")
+    lines.append(
+        f"  endpoints: {', '.join(run.endpoints) or 'none printed'}; service {', '.join(run.service_names) or '?'}"
+    )
     return lines
 
 

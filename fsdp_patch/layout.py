@@ -103,7 +103,7 @@ class GroupLayout:
     shard_numel: int
 
     @classmethod
-    def build(cls, shapes: list[torch.Size], world_size: int, rank: int) -> "GroupLayout":
+    def build(cls, shapes: list[torch.Size], world_size: int, rank: int) -> GroupLayout:
         layouts, offset, unsharded_offset = [], 0, 0
         for shape in shapes:
             layout = ParamLayout(torch.Size(shape), world_size, rank, offset, unsharded_offset)

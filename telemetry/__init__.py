@@ -23,8 +23,10 @@ if TYPE_CHECKING:
     import torch
 
     from .instrumentor import FSDPOptimizerInstrumentor
-    from .observer import OptimizerObserver, StepScope
-    from .precision import PrecisionSnapshot, PrecisionView
+    from .observer import OptimizerObserver
+    from .observer import StepScope as StepScope
+    from .precision import PrecisionSnapshot as PrecisionSnapshot
+    from .precision import PrecisionView
 
 __all__ = [
     "FSDPOptimizerInstrumentor",

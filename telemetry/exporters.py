@@ -83,7 +83,9 @@ def trace_files_off_reason(world_size: int = 1) -> str | None:
     except ValueError:
         return None  # reported when the optimizer was adapted
     if ranks is not None and not ranks & set(range(world_size)):
-        return f"{env.TRACE_RANKS}={os.environ.get(env.TRACE_RANKS, '').strip()} traces none of ranks 0-{world_size - 1}"
+        return (
+            f"{env.TRACE_RANKS}={os.environ.get(env.TRACE_RANKS, '').strip()} traces none of ranks 0-{world_size - 1}"
+        )
     return None
 
 
@@ -161,9 +163,7 @@ def _trace_file_exporter(rank_info: RankInfo, resource: Resource) -> TraceFileEx
     return TraceFileExporter(directory, rank_info.rank, dict(resource.attributes), max_bytes=max_bytes)
 
 
-def build_span_exporters(
-    rank_info: RankInfo, resource: Resource
-) -> tuple[list[SpanExporter], list[TraceFileExporter]]:
+def build_span_exporters(rank_info: RankInfo, resource: Resource) -> tuple[list[SpanExporter], list[TraceFileExporter]]:
     """Span exporters named by ``OTEL_TRACES_EXPORTER``, each guarded.
 
     Returns:
@@ -229,9 +229,8 @@ class MetricSetup:
 
 def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | None) -> None:
     try:
-        from prometheus_client import REGISTRY, start_http_server
-
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import REGISTRY, start_http_server
     except ImportError as exc:
         _logger.warning(
             "OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus (%s); install it with "
@@ -300,8 +299,6 @@ def build_metric_readers(
                 setup.readers.append(exporter)
                 continue
         if exporter is not None:
-            setup.readers.append(
-                PeriodicExportingMetricReader(GuardedMetricExporter(exporter), **reader_arguments)
-            )
+            setup.readers.append(PeriodicExportingMetricReader(GuardedMetricExporter(exporter), **reader_arguments))
             setup.endpoints.append(f"{name} ({type(exporter).__name__})")
     return setup

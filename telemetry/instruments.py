@@ -1,6 +1,6 @@
 """The one table of metric instruments, and the code that creates them from it.
 
-Names, kinds, units and attributes are fixed by the project's design page; dashboards
+Names, kinds, units and attributes are fixed by docs/conventions.md; dashboards
 query them, so change them only together with ``dashboards/``. ``fsdp.rank`` is added
 to every data point on top of the attributes listed here, because Prometheus drops
 resource attributes and dashboards split by rank.

@@ -78,7 +78,8 @@ class _Guard:
 
     def call(self, what: str, fn: Callable[[], _T], failed: Callable[[_T], bool], fallback: _T) -> _T:
         outer = getattr(_capture, "held", None)
-        _capture.held = held = []
+        held: list[str] = []
+        _capture.held = held
         try:
             result = fn()
             reason = held[0] if held else None
@@ -135,9 +136,7 @@ class GuardedSpanExporter(SpanExporter):
         self._guard.call("shut down", self.inner.shutdown, lambda _: False, None)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._guard.call(
-            "flush", lambda: self.inner.force_flush(timeout_millis), lambda r: r is False, False
-        )
+        return self._guard.call("flush", lambda: self.inner.force_flush(timeout_millis), lambda r: r is False, False)
 
 
 class GuardedMetricExporter(MetricExporter):

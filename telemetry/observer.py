@@ -84,7 +84,7 @@ def _fail(span: Span, exc: BaseException) -> None:
 
 
 class OptimizerObserver:
-    """Emits the design page's spans and metrics for one optimizer (a ``StepObserver``).
+    """Emits the spans and metrics of docs/conventions.md for one optimizer (a ``StepObserver``).
 
     Construction parses every ``FSDP_PATCH_*`` variable, so a malformed one fails when the
     optimizer is adapted. Providers, rank and device are resolved on first use, so an

@@ -62,6 +62,7 @@ def _number(variable: str, default: Any, zero_ok: bool, kind: Callable[[str], An
 def _table(table: dict[str, tuple[str, Any, bool]]) -> dict[str, Any]:
     out = {}
     for variable, (argument, default, zero_ok) in table.items():
+        kind: type[int] | type[float]
         if isinstance(default, int):
             kind, accepted = int, "a positive integer"
         else:

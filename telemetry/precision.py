@@ -15,7 +15,7 @@ A first fused pass of norms tells, with one device-to-host copy, which tensors h
 Inf; only those pay for counting them. Every rank contributes one small stats vector to a single
 all-gather and then reduces it locally, so the results are global and identical on every rank.
 
-Definitions follow the project's design page:
+Definitions follow docs/conventions.md:
 
 * ``nonfinite``: NaN and Inf elements, counted separately, of ``main_grad``, ``main_weight``
   and ``compute_weight``.

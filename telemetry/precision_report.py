@@ -23,7 +23,7 @@ from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
 # Span names and attribute keys come from semconv; the precision span's attributes are named
-# after the metrics they mirror (design.md).
+# after the metrics they mirror (docs/conventions.md).
 RESOURCE_SERVICE = "service.name"  # OpenTelemetry's own resource attribute
 # Written by the trace-file exporter next to the span attributes.
 SPAN_ID, PARENT_SPAN_ID, STATUS, STATUS_DESCRIPTION = "span_id", "parent_span_id", "status", "status_description"

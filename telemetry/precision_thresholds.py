@@ -43,7 +43,7 @@ class Threshold:
 
     Attributes:
         check: Short name of the check.
-        metric: The design page's instrument the value comes from.
+        metric: The instrument (docs/conventions.md) the value comes from.
         above: The check fires when the value is strictly greater than this...
         at_most: ...or, when set instead, when the value is at most this.
         severity: :data:`WARNING` or :data:`PROBLEM` when it fires.

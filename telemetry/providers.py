@@ -108,7 +108,7 @@ def _meter_provider_unset(provider: metrics.MeterProvider) -> bool:
 
 
 def rank_attributes(rank_info: RankInfo) -> dict[str, Any]:
-    """The resource attributes of the rank identity (design page): rank, world size, local rank, run id."""
+    """The resource attributes of the rank identity (docs/conventions.md): rank, world size, local rank, run id."""
     ours: dict[str, Any] = {
         semconv.RESOURCE_RANK: rank_info.rank,
         semconv.RESOURCE_WORLD_SIZE: rank_info.world_size,
@@ -369,14 +369,18 @@ def shutdown() -> None:
         written = [path for exporter in state.trace_files for path in exporter.written_paths()]
         if written:
             summary.footer.append("  traces: " + ", ".join(written))
-            summary.footer.append("      open *.trace.json in https://ui.perfetto.dev; upload *.jaeger.json in the Jaeger UI")
+            summary.footer.append(
+                "      open *.trace.json in https://ui.perfetto.dev; upload *.jaeger.json in the Jaeger UI"
+            )
         summary.footer.extend(f"  metrics also sent to {e}" for e in state.metric_setup.endpoints)
         emitted = BoundedCall("metric summary", summary.emit)
         emitted.wait(started + budget + LOCAL_GRACE_S)
         calls.append((emitted, True))
     if state.meter_provider is not None:
         meter_provider = state.meter_provider
-        calls.append((BoundedCall("metric export at shutdown", lambda: meter_provider.shutdown(timeout_millis=millis)), False))
+        calls.append(
+            (BoundedCall("metric export at shutdown", lambda: meter_provider.shutdown(timeout_millis=millis)), False)
+        )
     _wait(calls, started, budget)
     if state.tracer_provider is not None and all(call.wait(0.0) for call, _ in spans):
         # Its processors are shut down above (a stuck one is abandoned, and must not be waited

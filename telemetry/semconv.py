@@ -3,7 +3,7 @@
 Semantic-convention style (as ``opentelemetry.semconv`` does for the standard names): every
 span name, metric name, attribute key and enumerated attribute value that the package emits is
 a constant here, and nothing else spells them: the observer, the instrument table, the tests and
-the dashboards' checks import them. The values are fixed by the project's design page;
+the dashboards' checks import them. The values are fixed by docs/conventions.md;
 dashboards and alert rules query them, so a change here is a change of that contract.
 
 Imports nothing (no torch, no OpenTelemetry): naming a constant costs nothing.
@@ -47,7 +47,7 @@ ATTR_ZERO_GRAD_SET_TO_NONE = "fsdp.zero_grad.set_to_none"
 ATTR_ERROR_TYPE = "error.type"  # OpenTelemetry semantic conventions
 ATTR_EXCEPTION_TYPE = "exception.type"  # on the exception event
 
-# Every attribute of a SPAN_STEP span, rejected steps included (design page).
+# Every attribute of a SPAN_STEP span, rejected steps included (docs/conventions.md).
 STEP_ATTRIBUTES = (
     ATTR_STEP, ATTR_RANK, ATTR_WORLD_SIZE, ATTR_OPTIMIZER_CLASS,
     ATTR_PARAMS_COUNT, ATTR_GROUPS_COUNT, ATTR_CAST_BYTES, ATTR_PRECISION_AWARE,

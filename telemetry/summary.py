@@ -8,9 +8,10 @@ from typing import Any, TextIO
 
 from opentelemetry.sdk.metrics.export import (
     Gauge,
-    Histogram,
+    HistogramDataPoint,
     InMemoryMetricReader,
     MetricsData,
+    NumberDataPoint,
     Sum,
 )
 
@@ -61,15 +62,16 @@ def render(metrics_data: MetricsData | None, header: str, footer: Iterable[str] 
     for metric in sorted(metrics, key=lambda m: m.name):
         lines.append(f"  {metric.name} [{metric.unit}]")
         for point in metric.data.data_points:
-            if isinstance(metric.data, Histogram):
+            text: str
+            if isinstance(point, HistogramDataPoint):
                 mean = point.sum / point.count if point.count else 0.0
                 text = (
                     f"count {point.count}, mean {_number(mean)}, min {_number(point.min)}, "
                     f"max {_number(point.max)}, total {_number(point.sum)}"
                 )
-            elif isinstance(metric.data, Sum):
+            elif isinstance(point, NumberDataPoint) and isinstance(metric.data, Sum):
                 text = _bytes(point.value) if metric.unit == "By" else _number(point.value)
-            elif isinstance(metric.data, Gauge):
+            elif isinstance(point, NumberDataPoint) and isinstance(metric.data, Gauge):
                 text = f"last {_number(point.value)}"
             else:  # pragma: no cover - exponential histograms are not used here
                 text = str(point)

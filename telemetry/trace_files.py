@@ -72,7 +72,7 @@ class JsonDocumentFile:
 
     def _open(self) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        self._file = open(self.path, "wb")  # noqa: SIM115 - kept open across appends
+        self._file = open(self.path, "wb")
         self._file.write(self._prefix + self._leading)
         self._end_of_items = len(self._prefix) + len(self._leading)
         self._has_items = bool(self._leading)
@@ -267,7 +267,9 @@ class TraceFileExporter(SpanExporter):
     def _remove_earlier_run(self) -> None:
         # Older segments and a Jaeger file of an earlier run in this directory would read as
         # this run's (the newest segment is truncated when opened anyway).
-        stale = [trace_reading.chrome_path(self.directory, self.rank, age) for age in range(1, trace_limits.CHROME_SEGMENTS)]
+        stale = [
+            trace_reading.chrome_path(self.directory, self.rank, age) for age in range(1, trace_limits.CHROME_SEGMENTS)
+        ]
         for path in [*stale, trace_reading.jaeger_path(self.directory, self.rank)]:
             try:
                 os.remove(path)

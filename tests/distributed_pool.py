@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import pickle
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -44,7 +44,7 @@ def _worker(rank: int, world_size: int, init_file: str, inbox: mp.Queue, outbox:
             # Pickled here, not in the queue's feeder thread, so that an unpicklable result
             # is an error of this call rather than a hang.
             outbox.put((rank, "ok", pickle.dumps(result)))
-        except BaseException as exc:  # noqa: BLE001 - reported to the test process
+        except BaseException as exc:
             outbox.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
 
@@ -66,7 +66,9 @@ class DistributedPool:
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._outbox = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, init_file, self._inboxes[r], self._outbox), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, self.world_size, init_file, self._inboxes[r], self._outbox), daemon=True
+            )
             for r in range(self.world_size)
         ]
         for proc in self._procs:
@@ -81,7 +83,9 @@ class DistributedPool:
                 rank, status, payload = self._outbox.get(timeout=_TIMEOUT_S)
             except queue.Empty:
                 self.restart()
-                raise RankError(f"ranks {sorted(set(range(self.world_size)) - set(results) - set(errors))} timed out")
+                raise RankError(
+                    f"ranks {sorted(set(range(self.world_size)) - set(results) - set(errors))} timed out"
+                ) from None
             if status == "error":
                 errors[rank] = payload
                 # A rank that failed inside a collective leaves its peers waiting for the gloo
@@ -109,7 +113,7 @@ class DistributedPool:
         for inbox in getattr(self, "_inboxes", []):
             try:
                 inbox.put(None)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         for proc in self._procs:
             proc.join(timeout=5)

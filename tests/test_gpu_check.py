@@ -38,7 +38,12 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     )  # fmt: skip
     assert made.returncode == 0, f"gpu_wheels.sh exited {made.returncode}:\n{made.stderr[-3000:]}"
     names = sorted(p.name.split("-")[0] for p in wheels.glob("*.whl"))
-    want_names = ["opentelemetry_api", "opentelemetry_instrumentation", "opentelemetry_sdk", "opentelemetry_semantic_conventions"]
+    want_names = [
+        "opentelemetry_api",
+        "opentelemetry_instrumentation",
+        "opentelemetry_sdk",
+        "opentelemetry_semantic_conventions",
+    ]
     assert names == want_names, f"want the wheels {want_names}, got {names}"
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH")}
@@ -64,7 +69,9 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
         return
     assert "no CUDA device: running what runs without one, skipping the CUDA parts" in log, log[:2000]
     tests_log = (out / "logs" / "1-cuda-tests.log").read_text()
-    assert "3 skipped" in tests_log and "scripts/gpu_check.sh runs the CUDA tests on a GPU machine" in tests_log, tests_log
+    assert "3 skipped" in tests_log and "scripts/gpu_check.sh runs the CUDA tests on a GPU machine" in tests_log, (
+        tests_log
+    )
     assert parts["1 CUDA tests"] == ("SKIP", "no CUDA device: 3 skipped, each saying why"), parts
     for part in ("2 demo, torchrun", "2 demo, torchrun --resume"):
         status, detail = parts[part]
@@ -73,7 +80,14 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     assert "resuming from" in (out / "logs" / "2-demo-torchrun-resume.log").read_text()
     assert not list(out.glob("suite-*.json")), f"a CPU run wrote GPU results: {list(out.iterdir())}"
     # Every part is in the summary, each line saying how it went.
-    want = ["0 wheels", "0 environment", "1 CUDA tests", "2 demo, torchrun", "2 demo, torchrun --resume", "3 GPU benchmarks"]
+    want = [
+        "0 wheels",
+        "0 environment",
+        "1 CUDA tests",
+        "2 demo, torchrun",
+        "2 demo, torchrun --resume",
+        "3 GPU benchmarks",
+    ]
     assert list(parts) == want, f"want the parts {want}, got {list(parts)}"
 
 
@@ -84,7 +98,11 @@ def test_a_spent_budget_skips_the_parts_saying_so(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, f"exit {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
     parts = _parts((tmp_path / "summary.md").read_text())
-    spent = {part for part, (status, detail) in parts.items() if (status, detail) == ("SKIP", "the 0s budget was spent before it")}
+    spent = {
+        part
+        for part, (status, detail) in parts.items()
+        if (status, detail) == ("SKIP", "the 0s budget was spent before it")
+    }
     want = {"2 demo, torchrun", "2 demo, torchrun --resume", "1 CUDA tests"}
     if not torch.cuda.is_available():
         assert parts["3 GPU benchmarks"] == ("SKIP", "no CUDA device"), parts
@@ -97,15 +115,27 @@ def test_a_spent_budget_skips_the_parts_saying_so(tmp_path: Path) -> None:
         ([], "gpu_check: --out DIR is required (where the summary and logs go)"),
         (["--out", "x", "--budget", "soon"], "gpu_check: --budget wants whole seconds, got 'soon'"),
         (["--out", "x", "--wheels", "WHEELS"], "holds no .whl files (scripts/gpu_wheels.sh --dest"),
-        (["--out", "x", "--python", "no-such-python"], "gpu_check: interpreter 'no-such-python' not found (--python PY)"),
+        (
+            ["--out", "x", "--python", "no-such-python"],
+            "gpu_check: interpreter 'no-such-python' not found (--python PY)",
+        ),
         (["--out"], "usage: scripts/gpu_check.sh --out DIR"),
     ],
 )
 def test_bad_arguments_exit_2_saying_what_is_expected(tmp_path: Path, args: list[str], message: str) -> None:
     args = [str(tmp_path / "empty") if a == "WHEELS" else a for a in args]
     (tmp_path / "empty").mkdir()
-    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
-    assert run.returncode == 2 and message in run.stderr, f"exit {run.returncode}, stderr {run.stderr!r}, want 2 and {message!r}"
+    run = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 2 and message in run.stderr, (
+        f"exit {run.returncode}, stderr {run.stderr!r}, want 2 and {message!r}"
+    )
     assert not (tmp_path / "x").exists(), "a refused run made its output folder"
 
 
@@ -115,5 +145,7 @@ def test_gpu_wheels_refuses_bad_arguments(tmp_path: Path) -> None:
         ("--dest", str(tmp_path), "--python-version", "3"): "--python-version wants X.Y (such as 3.12), got '3'",
     }
     for args, message in cases.items():
-        run = subprocess.run(["bash", "scripts/gpu_wheels.sh", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+        run = subprocess.run(
+            ["bash", "scripts/gpu_wheels.sh", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+        )
         assert run.returncode == 2 and message in run.stderr, f"{args}: exit {run.returncode}, stderr {run.stderr!r}"

@@ -74,7 +74,9 @@ def _stand_in(folder: Path, log: Path, torch_version: str | None) -> Path:
     return python
 
 
-def _setup(tmp_path: Path, *args: str, base_torch: str | None = None, env_torch: str | None = None) -> tuple[str, list[str]]:
+def _setup(
+    tmp_path: Path, *args: str, base_torch: str | None = None, env_torch: str | None = None
+) -> tuple[str, list[str]]:
     """Runs setup.sh with a stand-in base interpreter (and environment, when ``env_torch``);
     returns its stderr and the stand-ins' pip/venv calls."""
     log = tmp_path / "calls.log"
@@ -88,7 +90,11 @@ def _setup(tmp_path: Path, *args: str, base_torch: str | None = None, env_torch:
     result = subprocess.run(["bash", "scripts/setup.sh", "--venv", str(venv), *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
-    calls = [" ".join(shlex.split(line)[1:]) for line in log.read_text().splitlines() if " -m pip " in line or " -m venv " in line]
+    calls = [
+        " ".join(shlex.split(line)[1:])
+        for line in log.read_text().splitlines()
+        if " -m pip " in line or " -m venv " in line
+    ]
     return result.stderr, calls
 
 
@@ -100,13 +106,25 @@ EDITABLE = "-m pip install --quiet -e .[dev]"
     [
         ("2.11.0+cu130", (), [f"{EDITABLE} torch==2.11.0"], "keeping torch 2.11.0"),
         ("2.16.0a0+git123", (), [f"{EDITABLE} torch==2.16.0a0"], "keeping torch 2.16.0a0"),
-        ("2.10.2", (), ["-m pip install --quiet torch==2.13.0", f"{EDITABLE} torch==2.13.0"], "its torch 2.10.2 is older than 2.11"),
+        (
+            "2.10.2",
+            (),
+            ["-m pip install --quiet torch==2.13.0", f"{EDITABLE} torch==2.13.0"],
+            "its torch 2.10.2 is older than 2.11",
+        ),
         ("", (), ["-m pip install --quiet torch==2.13.0", f"{EDITABLE} torch==2.13.0"], "installing torch==2.13.0"),
-        ("2.13.0+cpu", ("--torch", "2.11.0"), ["-m pip install --quiet torch==2.11.0", f"{EDITABLE} torch==2.11.0"], "(it has 2.13.0)"),
+        (
+            "2.13.0+cpu",
+            ("--torch", "2.11.0"),
+            ["-m pip install --quiet torch==2.11.0", f"{EDITABLE} torch==2.11.0"],
+            "(it has 2.13.0)",
+        ),
         ("2.11.0+cu130", ("--torch", "2.11.0"), [f"{EDITABLE} torch==2.11.0"], "with torch 2.11.0"),
     ],
 )
-def test_torch_kept_or_installed(tmp_path: Path, env_torch: str, args: tuple[str, ...], want_calls: list[str], want_said: str) -> None:
+def test_torch_kept_or_installed(
+    tmp_path: Path, env_torch: str, args: tuple[str, ...], want_calls: list[str], want_said: str
+) -> None:
     said, calls = _setup(tmp_path, *args, env_torch=env_torch)
     assert calls == want_calls, f"want pip calls {want_calls}, got {calls}"
     assert want_said in said, f"stderr {said!r} does not say {want_said!r}"

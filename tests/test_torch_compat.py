@@ -74,8 +74,16 @@ def test_unknown_state_shape_warns_once_and_gives_no_groups() -> None:
 def test_param_dtype_prefers_the_parameters_own_policy() -> None:
     bf16, fp16 = SimpleNamespace(param_dtype=torch.bfloat16), SimpleNamespace(param_dtype=torch.float16)
     cases = {
-        "per parameter (newest torch, no group policy)": (SimpleNamespace(), SimpleNamespace(mp_policy=fp16), torch.float16),
-        "per parameter, resolved for it over the group's": (SimpleNamespace(mp_policy=bf16), SimpleNamespace(mp_policy=fp16), torch.float16),
+        "per parameter (newest torch, no group policy)": (
+            SimpleNamespace(),
+            SimpleNamespace(mp_policy=fp16),
+            torch.float16,
+        ),
+        "per parameter, resolved for it over the group's": (
+            SimpleNamespace(mp_policy=bf16),
+            SimpleNamespace(mp_policy=fp16),
+            torch.float16,
+        ),
         "per group only": (SimpleNamespace(mp_policy=bf16), SimpleNamespace(), torch.bfloat16),
         "no cast": (SimpleNamespace(), SimpleNamespace(mp_policy=SimpleNamespace(param_dtype=None)), None),
     }
@@ -90,7 +98,10 @@ def test_param_dtype_prefers_the_parameters_own_policy() -> None:
 def test_foreach_clone_copies_into_new_storage() -> None:
     tensors = [torch.arange(4.0), torch.ones(2, 3, dtype=torch.bfloat16)]
     clones = torch_compat.foreach_clone(tensors)
-    got = [(torch.equal(c, t), c.dtype == t.dtype, c.data_ptr() != t.data_ptr()) for c, t in zip(clones, tensors, strict=True)]
+    got = [
+        (torch.equal(c, t), c.dtype == t.dtype, c.data_ptr() != t.data_ptr())
+        for c, t in zip(clones, tensors, strict=True)
+    ]
     assert got == [(True, True, True)] * 2, f"want equal values and dtype in new storage, got {got}"
 
 
@@ -132,7 +143,9 @@ def fsdp2_internals_on_ranks() -> None:
         f"rank {rank}, torch {torch.__version__}: want FSDP2 groups (params, compute dtype) {want}, got {got}"
     )
     in_groups = sorted(id(p) for g in groups for p in g.params)
-    assert in_groups == sorted(id(p) for p in model.parameters()), f"rank {rank}: groups do not hold exactly the model's parameters"
+    assert in_groups == sorted(id(p) for p in model.parameters()), (
+        f"rank {rank}: groups do not hold exactly the model's parameters"
+    )
 
 
 def test_fsdp2_groups_of_this_torch(dist_pool) -> None:
@@ -163,6 +176,9 @@ def fsdp2_override_on_ranks() -> None:
     assert got == want, f"rank {rank}: want one group per compute dtype (params, dtype) {want}, got {got}"
 
 
-@pytest.mark.skipif(not _has_param_dtype_override(), reason="this torch's MixedPrecisionPolicy sets one param_dtype per group (no param_dtype_override_fn)")
+@pytest.mark.skipif(
+    not _has_param_dtype_override(),
+    reason="this torch's MixedPrecisionPolicy sets one param_dtype per group (no param_dtype_override_fn)",
+)
 def test_fsdp2_per_parameter_dtype_splits_the_group(dist_pool) -> None:
     dist_pool(WORLD).run(fsdp2_override_on_ranks)

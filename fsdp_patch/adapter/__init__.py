@@ -88,7 +88,7 @@ class Adaptation:
 # an adapted optimizer is freed like any other. A copy or an unpickled optimizer (whose
 # __getstate__ keeps only defaults, state and param_groups) is a plain optimizer again: see
 # .copying.
-_ADAPTATIONS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+_ADAPTATIONS: torch.utils.weak.WeakIdKeyDictionary = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def adaptation_of(optimizer: torch.optim.Optimizer) -> Adaptation | None:
@@ -197,7 +197,7 @@ def keep_cast_buffers(optimizer: torch.optim.Optimizer, keep: bool | None) -> No
     Alternatives considered:
         - An environment variable: memory is a per-job decision usually, but a per-optimizer
           call costs nothing more and composes (two optimizers, one kept).
-        - A keyword of ``fully_shard_optimizer``: its signature is the seed's.
+        - A keyword of ``fully_shard_optimizer``: its signature is Megatron-FSDP's API.
 
     Raises:
         ValueError: ``optimizer`` is not adapted.

@@ -26,7 +26,7 @@ class CastingClosure:
         state: The running step.
     """
 
-    def __init__(self, closure: Callable[[], Any], sequence: "StepSequence", state: "StepState") -> None:
+    def __init__(self, closure: Callable[[], Any], sequence: StepSequence, state: StepState) -> None:
         self._closure = closure
         self._sequence = sequence
         self._state = state

@@ -21,14 +21,14 @@ step then holds each grad once, in the main-weight dtype, as FSDP2's step holds 
 at most 16 bytes per element with AdamW instead of 18.
 
 Alternatives considered:
-    - The cast inside ``ParameterGroup`` (the first design): the group then had to undo the
-      optimizer's temporary state before backward and reset; now the group only offers a hook
-      before it writes grads (``register_grad_write_hook``), registered while a cast is attached.
+    - The cast inside ``ParameterGroup``: the group would have to undo the optimizer's
+      temporary state before backward and reset. Instead the group only offers a hook before it
+      writes grads (``register_grad_write_hook``), registered while a cast is attached.
     - A fresh buffer and fresh DTensor views at every step: building a ``DTensor`` costs
       ~2.4 µs per parameter, and a fresh 96 MiB CPU buffer ~24,500 page faults (~38 ms).
     - ``grad_dtype`` set to the cast dtype while cast: two more attribute writes per parameter
       and step (~0.5 µs); torch's optimizers never read ``grad_dtype``.
-    - Keeping the main grads through the step (the first design): 2 bytes per element more
+    - Keeping the main grads through the step: 2 bytes per element more
       than FSDP2 at the step's peak. Releasing them also when the buffers are kept would buy
       that at a page-faulting re-allocation of the main grads at every CPU step.
     - One buffer per group shared by every optimizer holding part of it: optimizers step one

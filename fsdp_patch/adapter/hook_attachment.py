@@ -1,4 +1,4 @@
-"""Default attachment: torch's per-instance step pre/post hooks (the seed's design).
+"""Default attachment: torch's per-instance step pre/post hooks (Megatron-FSDP's adapter design).
 
 No OpenTelemetry call is made on this path.
 

@@ -14,7 +14,7 @@ Two levels:
   group's live main-grad views: equal means every grad is the group's own view or absent, the
   common case; otherwise (grads replaced by a user, some grads set to ``None``) the plan looks
   closer at that group. Plain parameters' grads are checked one by one, as before: torch lets a
-  plain parameter whose ``grad_dtype`` was changed take a grad of another dtype.
+  plain parameter whose ``grad_dtype`` differs from its dtype take a grad of another dtype.
 
 Alternatives considered:
     - Detecting grad changes without reading ``.grad``: torch has no hook on ``.grad``
@@ -132,7 +132,7 @@ class OptimizerShape:
         """Whether a plain parameter may hold a grad of another dtype than its own.
 
         Torch refuses such a grad (assigned or accumulated) unless the parameter's
-        ``grad_dtype`` was changed from its dtype, which one ``map`` over the plain parameters
+        ``grad_dtype`` differs from its dtype, which one ``map`` over the plain parameters
         tells; only then are their grads read one by one.
         """
         return list(map(_GRAD_DTYPE, self._plain_params)) != self._plain_dtypes

@@ -15,8 +15,8 @@ every FSDP group the optimizer holds are refreshed; precision diagnostics run wh
 
 Alternatives considered:
     - A shared core of steps (plan, cast, restore, refresh) that each attachment sequences
-      itself (the first design): the sequence was written four times (pre/post hooks, the
-      wrapt wrapper, closures, the wrapt refresh) and drifted; now an attachment only decides
+      itself: the sequence is then written four times (pre/post hooks, the wrapt wrapper,
+      closures, the wrapt refresh) and the copies drift apart. Here an attachment only decides
       when ``begin`` and ``end`` run.
     - Telemetry calls inside the sequence behind ``if telemetry``: the sequence reports to an
       observer either way; the hook attachment's ``NullObserver`` makes no OpenTelemetry call.
@@ -84,7 +84,7 @@ class StepSequence:
     def optimizer(self) -> torch.optim.Optimizer:
         optimizer = self._optimizer_ref()
         if optimizer is None:
-            raise ReferenceError("the adapted optimizer no longer exists")
+            raise ReferenceError("the adapted optimizer has been garbage-collected")
         return optimizer
 
     def shape(self) -> OptimizerShape:

@@ -30,7 +30,7 @@ _MISSING = object()
 
 class _BoundMethodWrapper(wrapt.BoundFunctionWrapper):
     @property
-    def __func__(self) -> Any:  # type: ignore[override]
+    def __func__(self) -> Any:
         return self._self_parent
 
 
@@ -53,6 +53,7 @@ class WraptAttachment:
         bound_wrappers: dict[str, Any] = {}
         for name, wrapper in (("step", self._step), ("zero_grad", self._zero_grad)):
             previous = optimizer.__dict__.get(name, _MISSING)
+            bound: Any
             if previous is _MISSING:
                 # Wrap the class's function and bind it, so __func__ re-binding keeps us.
                 bound = _MethodWrapper(getattr(type(optimizer), name), wrapper).__get__(optimizer, type(optimizer))

@@ -111,7 +111,9 @@ def save(
 
 
 def _prune(directory: str, keep: int) -> None:
-    names = sorted(n for n in os.listdir(directory) if n.startswith(_PREFIX) and os.path.isdir(os.path.join(directory, n)))
+    names = sorted(
+        n for n in os.listdir(directory) if n.startswith(_PREFIX) and os.path.isdir(os.path.join(directory, n))
+    )
     for name in names[:-keep]:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
@@ -154,7 +156,9 @@ def find_latest(directory: str) -> SavedState:
     except (ValueError, KeyError, TypeError) as exc:
         if isinstance(exc, DemoInputError):
             raise
-        raise DemoInputError(f"incompatible checkpoint: {state_file} is not a demo checkpoint's state ({exc})") from None
+        raise DemoInputError(
+            f"incompatible checkpoint: {state_file} is not a demo checkpoint's state ({exc})"
+        ) from None
 
 
 def load(

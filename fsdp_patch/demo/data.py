@@ -1,7 +1,7 @@
 """Synthetic token batches with learnable structure, addressed by position.
 
-Batch ``index`` depends only on the seed and the index, never on what was drawn before, so a
-run resumed at data position ``p`` reads exactly the batches an uninterrupted run reads there.
+Batch ``index`` depends only on the random seed and the index, never on what was drawn before,
+so a run resumed at data position ``p`` reads exactly the batches an uninterrupted run reads there.
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ class Progress:
         stream: Where to write; stdout by default.
     """
 
-    def __init__(self, start_step: int, total_steps: int, tokens_per_step: int, mode: str = "auto", stream: TextIO | None = None) -> None:
+    def __init__(
+        self, start_step: int, total_steps: int, tokens_per_step: int, mode: str = "auto", stream: TextIO | None = None
+    ) -> None:
         self._stream = stream or sys.stdout
         if mode == "auto":
             mode = "bar" if self._stream.isatty() else "lines"
@@ -55,7 +57,9 @@ class Progress:
         """Report one finished step that took ``seconds``."""
         # The first step pays for start-up (allocations, telemetry set-up): keep it out of the average.
         if step > self._start_step + 1 or self._total == self._start_step + 1:
-            self._average = seconds if self._average is None else (1 - _SMOOTHING) * self._average + _SMOOTHING * seconds
+            self._average = (
+                seconds if self._average is None else (1 - _SMOOTHING) * self._average + _SMOOTHING * seconds
+            )
         per_step = self._average or seconds
         eta = per_step * (self._total - step)
         text = (

@@ -42,11 +42,15 @@ def _demo(cwd: Path, trace_dir: Path, *args: str, **env: str) -> tuple[int, list
     )
     command = [sys.executable, "-m", "fsdp_patch", "demo", "--steps", str(STEPS), "--precision-every", "1",
                "--progress", "lines", "--trace-dir", str(trace_dir), *args]  # fmt: skip
-    process = subprocess.Popen(command, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     lines: list[tuple[float, str]] = []
     errors: list[str] = []
     readers = [
-        threading.Thread(target=lambda: [lines.append((time.monotonic(), line)) for line in process.stdout], daemon=True),
+        threading.Thread(
+            target=lambda: [lines.append((time.monotonic(), line)) for line in process.stdout], daemon=True
+        ),
         threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True),
     ]
     for reader in readers:
@@ -90,7 +94,9 @@ def test_without_trace_files_the_demo_says_so_and_reports_no_earlier_run(runs) -
     text = "".join(line for _, line in lines)
     assert code == 0, f"exit {code}:\n{text}\n{stderr[-3000:]}"
     want = "no precision report: OTEL_TRACES_EXPORTER=otlp does not list trace_file"
-    assert want in text and "set OTEL_TRACES_EXPORTER=otlp,trace_file" in text, f"want {want!r} and how to keep them:\n{text}"
+    assert want in text and "set OTEL_TRACES_EXPORTER=otlp,trace_file" in text, (
+        f"want {want!r} and how to keep them:\n{text}"
+    )
     reported = [line for _, line in lines if line.startswith("precision report:")]
     assert not reported, f"an earlier run's trace files were reported as this run's: {reported}"
     took = _arrived(lines, "done:") - _arrived(lines, f"step {STEPS}/{STEPS}")

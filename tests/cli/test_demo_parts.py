@@ -21,7 +21,7 @@ def test_warmup_then_cosine_to_the_floor() -> None:
     got = [schedule(step) for step in range(25)]
     assert got[:4] == [0.25, 0.5, 0.75, 1.0], got[:4]
     assert got[4] == 1.0, f"the decay starts at the peak, got {got[4]}"
-    assert all(a >= b for a, b in zip(got[4:], got[5:])), "the decay is not monotone"
+    assert all(a >= b for a, b in zip(got[4:], got[5:], strict=False)), "the decay is not monotone"
     assert math.isclose(got[12], 0.1 + 0.9 * 0.5, rel_tol=1e-12), f"halfway: {got[12]}"
     assert got[20:] == [0.1] * 5, f"after decay_steps: {got[20:]}"
 
@@ -90,7 +90,9 @@ def test_resume_takes_the_checkpoints_settings_unless_given() -> None:
     assert same == saved and given == {"batch"}
     with pytest.raises(DemoInputError) as info:
         training_from_args(_args("--scenario", "nan"), saved=saved.__dict__)
-    assert "it was trained with --scenario tiny-lr, this run asks for --scenario nan" in str(info.value), str(info.value)
+    assert "it was trained with --scenario tiny-lr, this run asks for --scenario nan" in str(info.value), str(
+        info.value
+    )
 
 
 def test_scenario_defaults_and_plant_step() -> None:

@@ -26,10 +26,12 @@ WHY = (
 def env_without_opentelemetry(tmp_path: Path) -> dict[str, str]:
     hidden = tmp_path / "hide"
     (hidden / "opentelemetry").mkdir(parents=True)
-    (hidden / "opentelemetry" / "__init__.py").write_text('raise ImportError("No module named \'opentelemetry\'")\n')
+    (hidden / "opentelemetry" / "__init__.py").write_text("raise ImportError(\"No module named 'opentelemetry'\")\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(hidden), str(REPO)])
-    probe = subprocess.run([sys.executable, "-c", "import opentelemetry.sdk"], env=env, capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import opentelemetry.sdk"], env=env, capture_output=True, text=True, check=False
+    )
     assert probe.returncode != 0, "OpenTelemetry is still importable with the hiding folder first on the path"
     return env
 
@@ -44,7 +46,9 @@ def test_demo_runs_with_telemetry_off_and_says_why(env_without_opentelemetry: di
     assert run.returncode == 0, f"want exit 0, got {run.returncode}:\n{out[-3000:]}"
     lines = run.stdout.splitlines()
     said = [line for line in lines if "telemetry off" in line]
-    assert said == [f"fsdp-patch demo: telemetry off: {WHY}"], f"want the one line saying why, got {said}:\n{out[-3000:]}"
+    assert said == [f"fsdp-patch demo: telemetry off: {WHY}"], (
+        f"want the one line saying why, got {said}:\n{out[-3000:]}"
+    )
     assert lines[0] == said[0], f"want the reason first, got first line {lines[0]!r}"
     assert "done: 2 steps" in run.stdout and lines[-1] == "no precision report: telemetry is off", out[-2000:]
     assert "Traceback" not in out, out[-3000:]
@@ -68,9 +72,18 @@ print("adapted:", adaptation_of(optimizer) is not None, "stepped:", param.tolist
 """
 
 
-def test_fully_shard_optimizer_with_telemetry_on_refuses_and_changes_nothing(env_without_opentelemetry: dict[str, str]) -> None:
+def test_fully_shard_optimizer_with_telemetry_on_refuses_and_changes_nothing(
+    env_without_opentelemetry: dict[str, str],
+) -> None:
     env = {**env_without_opentelemetry, "FSDP_PATCH_TELEMETRY": "1"}
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(ADAPT)], env=env, capture_output=True, text=True, timeout=120, check=False)
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(ADAPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert run.returncode == 0, f"exit {run.returncode}:\n{run.stderr[-3000:]}"
     want = [
         f"refused: fsdp_patch telemetry is on (FSDP_PATCH_TELEMETRY=1 or instrumented), but {WHY}; "

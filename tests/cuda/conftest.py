@@ -38,7 +38,7 @@ def _rank(fn: Callable[..., Any], args: tuple[Any, ...], init_file: str, backend
             out.put(("ok", pickle.dumps(fn(*args))))
         finally:
             dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 

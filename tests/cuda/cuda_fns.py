@@ -68,11 +68,13 @@ def adapter_vs_hand_cast(device: str) -> dict[str, Any]:
     reference = HandCast(fsdp_params(models["ref"]))
     mismatches: list[str] = []
     for step, tokens in enumerate(make_batches(STEPS)):
-        for kind, model in models.items():
+        for model in models.values():
             lm_loss(model, tokens.to(device)).backward()
         optimizers["adapted"].step()
         reference.step(optimizers["ref"])
-        for (name, a), (_, b) in zip(models["adapted"].named_parameters(), models["ref"].named_parameters()):
+        for (name, a), (_, b) in zip(
+            models["adapted"].named_parameters(), models["ref"].named_parameters(), strict=True
+        ):
             if not same(a, b):
                 mismatches.append(f"step {step + 1}: main weight {name}")
         state_a, state_b = optimizers["adapted"].state_dict()["state"], optimizers["ref"].state_dict()["state"]
@@ -87,7 +89,9 @@ def adapter_vs_hand_cast(device: str) -> dict[str, Any]:
         "mismatches": mismatches,
         "devices": sorted({g.main_weight.device.type for g in groups}),
         "dtypes": sorted({f"{g.main_weight.dtype}/{g.compute_weight.dtype}" for g in groups}),
-        "compute_is_cast_of_main": all(torch.equal(g.compute_weight, g.main_weight.to(g.compute_weight.dtype)) for g in groups),
+        "compute_is_cast_of_main": all(
+            torch.equal(g.compute_weight, g.main_weight.to(g.compute_weight.dtype)) for g in groups
+        ),
     }
 
 
@@ -96,13 +100,13 @@ def event_timings(device: str, steps: int = 8) -> dict[str, Any]:
 
     The model is made wide enough that a step's device work dominates its launch overhead.
     """
+    from fsdp_patch.telemetry import OptimizerObserver
+    from fsdp_patch.telemetry.timing import DeviceEventDurationRecorder, duration_recorder_for
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
 
     from fsdp_patch.adapter import adapt_optimizer
-    from fsdp_patch.telemetry import OptimizerObserver
-    from fsdp_patch.telemetry.timing import DeviceEventDurationRecorder, duration_recorder_for
 
     def synchronize() -> None:
         if device == "cuda":
@@ -137,7 +141,9 @@ def event_timings(device: str, steps: int = 8) -> dict[str, Any]:
     }
     step_point = recorded["fsdp.optimizer.step.duration"]
     return {
-        "event_recorder": isinstance(duration_recorder_for(torch.device(device), lambda s: None), DeviceEventDurationRecorder),
+        "event_recorder": isinstance(
+            duration_recorder_for(torch.device(device), lambda s: None), DeviceEventDurationRecorder
+        ),
         "count": step_point.count,
         "device_sum": step_point.sum,
         "device_min": step_point.min,

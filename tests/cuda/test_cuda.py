@@ -1,4 +1,4 @@
-"""The CUDA/NCCL path, at world size 1 on one GPU (issue 10): skipped, saying why, without CUDA.
+"""The CUDA/NCCL path, at world size 1 on one GPU: skipped, saying why, without CUDA.
 
 - ``fully_shard`` trains like torch's FSDP2 on CUDA (fp32, AdamW; losses and weights within 1e-6).
 - The adapter on CUDA tensors equals the hand-cast reference bit for bit (bf16 compute, fp32 main,
@@ -21,7 +21,7 @@ def test_fully_shard_matches_fsdp2_on_cuda(on_cuda) -> None:
     result = on_cuda(cuda_fns.fsdp2_parity, "cuda")
     ours, theirs = result["ours"], result["fsdp2"]
     assert ours["devices"] == theirs["devices"] == ["cuda"], f"shards on {ours['devices']} / {theirs['devices']}"
-    for step, (a, b) in enumerate(zip(ours["losses"], theirs["losses"]), start=1):
+    for step, (a, b) in enumerate(zip(ours["losses"], theirs["losses"], strict=True), start=1):
         assert abs(a - b) <= TOL, f"step {step}: loss {a} (fully_shard) vs {b} (FSDP2)"
     for name, want in theirs["params"].items():
         diff = (ours["params"][name] - want).abs().max().item()

@@ -29,7 +29,7 @@ from dashboards_support import (  # noqa: E402
 
 @pytest.fixture(scope="session")
 def exporter_series() -> list[Series]:
-    """Every sample the real exporter exposes for design.md's instruments, both ranks, with the
+    """Every sample the real exporter exposes for the instruments of docs/conventions.md, both ranks, with the
     `job` and `instance` labels Prometheus adds when scraping the per-rank endpoints."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,8 +69,11 @@ def panel_queries() -> list[Query]:
 @pytest.fixture(scope="session")
 def rule_queries() -> list[Query]:
     doc = load_yaml(DASHBOARDS / "prometheus" / "rules.yml")
-    return [Query(f"rules.yml: {r.get('record') or r.get('alert')}", r["expr"], kind="rule")
-            for g in doc["groups"] for r in g["rules"]]
+    return [
+        Query(f"rules.yml: {r.get('record') or r.get('alert')}", r["expr"], kind="rule")
+        for g in doc["groups"]
+        for r in g["rules"]
+    ]
 
 
 @pytest.fixture(scope="session")

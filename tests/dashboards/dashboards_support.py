@@ -2,10 +2,10 @@
 
 The Prometheus names the dashboards may use are not written down here: they are read off the real
 OpenTelemetry Prometheus exporter (opentelemetry-exporter-prometheus + prometheus_client), after
-creating every instrument of the telemetry package's table (telemetry.instruments, design.md's
-metrics) with its own create_instruments() on an SDK MeterProvider, and recording a point for every
-combination of design.md's attribute values, once per rank, the way a job of two ranks exposes
-them on its pull endpoints (port 9464 + local_rank).
+creating every instrument of the telemetry package's table (telemetry.instruments, the metrics of
+docs/conventions.md) with its own create_instruments() on an SDK MeterProvider, and recording a
+point for every combination of the attribute values the page lists, once per rank, the way a job
+of two ranks exposes them on its pull endpoints (port 9464 + local_rank).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ RANKS = ("0", "1")
 WORLD_SIZE = 2
 
 # The instrument table is the telemetry package's own (telemetry.instruments.INSTRUMENTS, which
-# follows design.md's "Metrics" table); the series are made by its own create_instruments().
-# design.md lists the attribute keys and their enumerated values; the values below are those, the
-# dtype ones (free-form in design.md) are examples.
+# follows docs/conventions.md's "Metrics" table); the series are made by its own create_instruments().
+# The page lists the attribute keys and their enumerated values; the values below are those, the
+# dtype ones (free-form on the page) are examples.
 DTYPES = ("bfloat16", "float32")
 ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
     semconv.ATTR_CAST_KIND: semconv.CAST_KINDS,

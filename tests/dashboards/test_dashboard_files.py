@@ -1,5 +1,5 @@
 """Static checks of dashboards/: files parse, dashboards use only the Prometheus names and labels
-the real exporter produces for design.md's instruments, every design metric is on a panel,
+the real exporter produces for the instruments of docs/conventions.md, every design metric is on a panel,
 template variables resolve, and the compose stack's files and addresses fit together."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from fsdp_patch.telemetry import semconv
+from tests import conventions_doc as conventions
 from dashboards_support import (  # conftest.py puts this folder on sys.path
     DASHBOARDS,
     ATTRIBUTE_VALUES,
     LABEL_VALUES,
-    REPO,
     all_panels,
     dashboard_files,
     design_prometheus_names,
@@ -58,28 +58,26 @@ def test_config_file_parses(path: Path):
 
 # --- the instruments' Prometheus names ------------------------------------------------------------
 
-def test_exporter_names_are_what_the_dashboards_expect(exporter_names):
-    """Pins the translation of opentelemetry-exporter-prometheus: if an exporter release renames
-    these, this fails first and says how."""
+def _page_prometheus_names() -> dict[str, list[str]]:
+    """docs/conventions.md's Prometheus table, ``_{bucket,count,sum}`` written out."""
+    names = {}
+    for instrument, exposed in conventions.table_rows(conventions.section("Metrics"), "instrument"):
+        written = conventions.code_spans(exposed)[0]
+        stem, _, suffixes = written.partition("{")
+        names[conventions.code_spans(instrument)[0]] = (sorted(stem + s for s in suffixes.rstrip("}").split(",")) if suffixes
+                                            else [written])
+    return names
+
+
+def test_exporter_names_are_the_conventions_pages(exporter_names):
+    """Pins the translation of opentelemetry-exporter-prometheus to the names docs/conventions.md
+    promises the dashboards and users: if an exporter release renames these, this fails first and
+    says how."""
     per_metric = design_prometheus_names(exporter_names)
     got = {m: sorted(n) for m, n in per_metric.items()}
-    hist = ["_bucket", "_count", "_sum"]
-    expected = {
-        semconv.METRIC_CAST_SIZE: ["fsdp_optimizer_cast_size_bytes_total"],
-        semconv.METRIC_REFRESH_DURATION: [f"fsdp_optimizer_refresh_duration_seconds{s}" for s in hist],
-        semconv.METRIC_STEP_DURATION: [f"fsdp_optimizer_step_duration_seconds{s}" for s in hist],
-        semconv.METRIC_DTYPE_MISMATCHES: ["fsdp_optimizer_dtype_mismatches_total"],
-        semconv.METRIC_NONFINITE: ["fsdp_precision_nonfinite_total"],
-        semconv.METRIC_REFRESH_OVERFLOW: ["fsdp_precision_refresh_overflow_total"],
-        semconv.METRIC_REFRESH_UNDERFLOW: ["fsdp_precision_refresh_underflow_total"],
-        semconv.METRIC_REFRESH_ERROR: ["fsdp_precision_refresh_error"],
-        semconv.METRIC_LOST_RATIO: ["fsdp_precision_update_lost_ratio"],
-        semconv.METRIC_GRAD_AMAX: ["fsdp_precision_grad_amax"],
-        semconv.METRIC_PRECISION_STEPS: ["fsdp_precision_steps_total"],
-        semconv.METRIC_NONFINITE_STEPS: ["fsdp_precision_nonfinite_steps_total"],
-    }
-    assert got == expected
-    # distinct after translation (design.md), and every series split by rank
+    want = _page_prometheus_names()
+    assert got == want, f"the exporter exposes {got}, docs/conventions.md says {want}"
+    # distinct after translation, and every series split by rank
     assert sum(len(v) for v in per_metric.values()) == len(set().union(*per_metric.values()))
     for name, labels in exporter_names.items():
         if name != "target_info":
@@ -87,27 +85,21 @@ def test_exporter_names_are_what_the_dashboards_expect(exporter_names):
     assert {"fsdp_rank", "fsdp_world_size"} <= exporter_names["target_info"]
 
 
-def test_instrument_table_matches_design_md():
-    """The dashboards are built on telemetry.instruments; where design.md is at hand (shared/ beside
-    the checkout), check that table, and the attribute values used here, against it."""
-    candidates = [REPO.parent / "shared" / "design.md", REPO / "shared" / "design.md"]
-    design = next((p for p in candidates if p.is_file()), None)
-    if design is None:
-        pytest.skip("design.md (shared/) is not beside this checkout")
-    section = design.read_text().split("## Metrics", 1)[1]
-    rows = re.findall(r"^\| `([\w.]+)` \| (\w+) \| `([^`]*)` \| (.*) \|$", section, re.M)
-    table = {name: (kind, unit, set(re.findall(r"`(fsdp\.[\w.]+)`", attrs)))
+def test_instrument_table_and_attribute_values_are_the_conventions_pages():
+    """The dashboards are built on telemetry.instruments: that table, and the attribute values the
+    series here are made for, are docs/conventions.md's metric table."""
+    rows = conventions.table_rows(conventions.section("Metrics"), "name")
+    table = {conventions.code_spans(name)[0]: (kind, conventions.code_spans(unit)[0], set(re.findall(r"`(fsdp\.[\w.]+)`", attrs)))
              for name, kind, unit, attrs in rows}
     ours = {m.name: (m.kind, m.unit, set(m.attributes)) for m in instrument_table()}
-    # Beyond design.md's table: the counts of diagnosed steps that per-step panels divide by and
-    # the lost-update alert counts (semconv's block of them).
-    beyond = {semconv.METRIC_PRECISION_STEPS, semconv.METRIC_NONFINITE_STEPS}
-    assert table == {name: spec for name, spec in ours.items() if name not in beyond or name in table}
+    assert table == ours, f"docs/conventions.md {table}, telemetry.instruments {ours}"
     for name, _, _, attrs in rows:
         for key in re.findall(r"`(fsdp\.[\w.]+)`", attrs):
             listed = re.findall(rf"`{re.escape(key)}` \(([^)]*)\)", attrs)
-            if listed:  # an enumerated attribute: produce exactly design.md's values
-                assert set(re.findall(r"`(\w+)`", listed[0])) == set(ATTRIBUTE_VALUES[key]), key
+            if listed:  # an enumerated attribute: produce exactly the page's values
+                got = set(ATTRIBUTE_VALUES[key])
+                want = set(re.findall(r"`(\w+)`", listed[0]))
+                assert got == want, f"{name} {key}: series made for {sorted(got)}, the page lists {sorted(want)}"
 
 
 # --- PromQL in dashboards and rules -------------------------------------------------------------
@@ -122,7 +114,7 @@ def _check_names_and_labels(q, exporter_names):
     assert refs.metrics, f"{q.source}: no metric in {q.expr!r}"
     unknown = refs.metrics - set(exporter_names)
     assert not unknown, (f"{q.source}: {sorted(unknown)} are not names the Prometheus exporter "
-                         f"produces for design.md's instruments (known: {sorted(exporter_names)})")
+                         f"produces for the telemetry instruments (known: {sorted(exporter_names)})")
     known_labels = set().union(*(exporter_names[m] for m in refs.metrics)) | SCRAPE_LABELS
     for metric, labels in refs.matchers:
         allowed = (exporter_names[metric] if metric in exporter_names else known_labels) | SCRAPE_LABELS
@@ -170,7 +162,7 @@ def test_every_design_metric_is_on_a_panel(dashboards, panel_queries, exporter_n
         if q.source.startswith(MAIN_DASHBOARD) and q.kind == "panel":
             used |= promql_refs(q.expr).metrics
     missing = {m for m, names in design_prometheus_names(exporter_names).items() if not names & used}
-    assert not missing, f"design.md metrics on no panel of {MAIN_DASHBOARD}: {sorted(missing)}"
+    assert not missing, f"metrics on no panel of {MAIN_DASHBOARD}: {sorted(missing)}"
 
 
 def test_histogram_quantiles_use_rate_of_buckets_by_le(panel_queries):

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dashboards_support import DASHBOARDS  # conftest.py puts this folder on sys.path
 
 pytestmark = pytest.mark.slow
@@ -48,7 +47,9 @@ def demo_alerts(prometheus_binary: str, tmp_path_factory: pytest.TempPathFactory
          "--json", str(out)],
         capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
-    assert out.exists(), f"demo_alerts.py exited {result.returncode} without results:\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert out.exists(), (
+        f"demo_alerts.py exited {result.returncode} without results:\n{result.stdout}\n{result.stderr[-3000:]}"
+    )
     runs = {run["scenario"]: run for run in json.loads(out.read_text())}
     runs["_output"] = {"stdout": result.stdout, "returncode": result.returncode}
     return runs
@@ -61,10 +62,14 @@ def demo_alerts(prometheus_binary: str, tmp_path_factory: pytest.TempPathFactory
 def test_each_planted_scenario_fires_its_alert_for_both_ranks(demo_alerts: dict, scenario: str, alert: str) -> None:
     run = demo_alerts[scenario]
     fired = {f["alert"]: f for f in run["fired"]}
-    assert alert in fired, f"{scenario}: want {alert} firing, fired {sorted(fired)}:\n{demo_alerts['_output']['stdout']}"
+    assert alert in fired, (
+        f"{scenario}: want {alert} firing, fired {sorted(fired)}:\n{demo_alerts['_output']['stdout']}"
+    )
     assert fired[alert]["ranks"] == ["0", "1"], f"{scenario}: {alert} fired for ranks {fired[alert]['ranks']}"
     if fired[alert]["step"] is not None and run["plant_step"]:
-        assert fired[alert]["step"] >= run["plant_step"], f"{scenario}: {alert} fired at step {fired[alert]['step']}, before the plant"
+        assert fired[alert]["step"] >= run["plant_step"], (
+            f"{scenario}: {alert} fired at step {fired[alert]['step']}, before the plant"
+        )
 
 
 def test_a_healthy_run_fires_no_alert(demo_alerts: dict) -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from dashboards_support import Query, query_as_promql  # conftest.py puts this folder on sys.path
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboards_support import Query, query_as_promql  # conftest.py puts this folder on sys.path
 from tests.telemetry.telemetry_testing import Group, fake_optimizer, run_fake_step
 
 STEPS = 6
@@ -41,12 +41,11 @@ def _group(step: int) -> tuple[Group, torch.Tensor]:
 @pytest.fixture(scope="module")
 def scraped_run() -> list[dict[str, float]]:
     """Per scrape (one per step), every fsdp_* sample of the run: series text -> value."""
+    from fsdp_patch.telemetry import OptimizerObserver
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
     from prometheus_client import CollectorRegistry, generate_latest
-
-    from fsdp_patch.telemetry import OptimizerObserver
 
     registry = CollectorRegistry()
     meter_provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)])
@@ -72,13 +71,15 @@ def scraped_run() -> list[dict[str, float]]:
 
 
 def _panel_query(dashboards: dict, panel_id: int, ref_id: str = "A") -> str:
-    (name, dashboard), = [(n, d) for n, d in dashboards.items() if n == "fsdp_optimizer.json"]
+    ((name, dashboard),) = [(n, d) for n, d in dashboards.items() if n == "fsdp_optimizer.json"]
     (panel,) = [p for p in dashboard["panels"] if p.get("id") == panel_id]
     (target,) = [t for t in panel["targets"] if t["refId"] == ref_id]
     return query_as_promql(Query(f"{name}: panel {panel['title']!r} {ref_id}", target["expr"]), dashboards)
 
 
-def _evaluate(promtool: str, tmp_path: Path, scrapes: list[dict[str, float]], expr: str, want: list[tuple[str, float]]) -> None:
+def _evaluate(
+    promtool: str, tmp_path: Path, scrapes: list[dict[str, float]], expr: str, want: list[tuple[str, float]]
+) -> None:
     keys = sorted({key for scrape in scrapes for key in scrape})
     series = [{"series": key, "values": " ".join(f"{s[key]:g}" if key in s else "_" for s in scrapes)} for key in keys]
     test = {"expr": expr, "eval_time": f"{STEPS - 1}m",
@@ -87,7 +88,9 @@ def _evaluate(promtool: str, tmp_path: Path, scrapes: list[dict[str, float]], ex
     suite = {"rule_files": ["empty_rules.yml"], "evaluation_interval": SCRAPE,
              "tests": [{"interval": SCRAPE, "input_series": series, "promql_expr_test": [test]}]}  # fmt: skip
     (tmp_path / "panel_test.yml").write_text(yaml.safe_dump(suite, sort_keys=False, width=10_000))
-    proc = subprocess.run([promtool, "test", "rules", "panel_test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [promtool, "test", "rules", "panel_test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, f"{expr}\nwant {want}; promtool says:\n{proc.stdout}\n{proc.stderr}"
 
 
@@ -98,7 +101,7 @@ def test_the_overview_stat_counts_diagnosed_steps_with_nan_or_inf(promtool, dash
 
 def test_the_non_finite_panel_shows_a_diagnosed_steps_elements(promtool, dashboards, scraped_run, tmp_path) -> None:
     want = [
-        ('{fsdp_rank="0",fsdp_tensor="%s",fsdp_nonfinite_kind="%s"}' % (tensor, kind), count)
+        (f'{{fsdp_rank="0",fsdp_tensor="{tensor}",fsdp_nonfinite_kind="{kind}"}}', count)
         for tensor, kind, count in (
             ("main_grad", "nan", 0), ("main_grad", "inf", 0),
             ("main_weight", "nan", NAN_ELEMENTS), ("main_weight", "inf", 0),
@@ -109,5 +112,7 @@ def test_the_non_finite_panel_shows_a_diagnosed_steps_elements(promtool, dashboa
 
 
 def test_the_overflow_panel_shows_a_diagnosed_steps_elements(promtool, dashboards, scraped_run, tmp_path) -> None:
-    _evaluate(promtool, tmp_path, scraped_run, _panel_query(dashboards, 18, "A"), [('{fsdp_rank="0"}', OVERFLOW_ELEMENTS)])
+    _evaluate(
+        promtool, tmp_path, scraped_run, _panel_query(dashboards, 18, "A"), [('{fsdp_rank="0"}', OVERFLOW_ELEMENTS)]
+    )
     _evaluate(promtool, tmp_path, scraped_run, _panel_query(dashboards, 18, "B"), [('{fsdp_rank="0"}', 0)])

@@ -1,6 +1,6 @@
 """Validation with Prometheus' own promtool: the config, the rules and their unit tests, and every
 PromQL query of the dashboards, parsed by promtool and evaluated against series named and labelled
-exactly as the real OpenTelemetry Prometheus exporter exposes design.md's instruments.
+exactly as the real OpenTelemetry Prometheus exporter exposes the instruments of docs/conventions.md.
 
 promtool must be installed (dashboards/install_promtool.sh); without it these tests fail."""
 
@@ -10,14 +10,12 @@ import subprocess
 from pathlib import Path
 
 import yaml
-
 from dashboards_support import DASHBOARDS, RANKS, query_as_promql  # conftest.py puts this folder on sys.path
-
 from fsdp_patch.telemetry import semconv
 
 PROM_DIR = DASHBOARDS / "prometheus"
 SCRAPE_INTERVAL = "15s"
-SAMPLES = 60          # 15 minutes of scrapes
+SAMPLES = 60  # 15 minutes of scrapes
 EVAL_TIME = "10m"
 
 
@@ -57,13 +55,20 @@ def _queries(panel_queries, rule_queries, dashboards):
 def test_every_query_parses(promtool, panel_queries, rule_queries, dashboards, tmp_path):
     """promtool has no offline `query`; `check rules` parses each expr of a rules file."""
     queries = _queries(panel_queries, rule_queries, dashboards)
-    rules = {"groups": [{"name": "dashboard_queries", "rules": [
-        {"record": f"dashboard:query_{i}", "expr": expr} for i, (_, expr) in enumerate(queries)]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard_queries",
+                "rules": [{"record": f"dashboard:query_{i}", "expr": expr} for i, (_, expr) in enumerate(queries)],
+            }
+        ]
+    }
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump(rules, sort_keys=False))
     proc = _run([promtool, "check", "rules", str(path)])
-    assert _ok(proc), _explain(proc) + "\n" + "\n".join(
-        f"query_{i}: {q.source}: {expr}" for i, (q, expr) in enumerate(queries))
+    assert _ok(proc), (
+        _explain(proc) + "\n" + "\n".join(f"query_{i}: {q.source}: {expr}" for i, (q, expr) in enumerate(queries))
+    )
     assert f"SUCCESS: {len(queries)} rules found" in proc.stdout
 
 
@@ -80,7 +85,8 @@ def _input_series(exporter_series) -> list[dict]:
 
 
 def test_every_query_returns_data_per_rank_from_the_exporters_series(
-        promtool, panel_queries, rule_queries, dashboards, exporter_series, tmp_path):
+    promtool, panel_queries, rule_queries, dashboards, exporter_series, tmp_path
+):
     """Each dashboard query, evaluated on the exporter's real series of a 2-rank job, must return
     one or more series for each rank (so names, labels, grouping and `$rank`/`$job` expansion are
     all right); each variable query must list values; each rule expr must evaluate to a vector
@@ -89,22 +95,35 @@ def test_every_query_returns_data_per_rank_from_the_exporters_series(
     queries = _queries(panel_queries, rule_queries, dashboards)
     for q, expr in queries:
         if q.kind == "panel":
-            tests.append({"expr": f"count(count by (fsdp_rank) ({expr}))", "eval_time": EVAL_TIME,
-                          "exp_samples": [{"labels": "{}", "value": len(RANKS)}]})
+            tests.append(
+                {
+                    "expr": f"count(count by (fsdp_rank) ({expr}))",
+                    "eval_time": EVAL_TIME,
+                    "exp_samples": [{"labels": "{}", "value": len(RANKS)}],
+                }
+            )
         elif q.kind == "variable":
-            tests.append({"expr": f"clamp_max(count({expr}), 1)", "eval_time": EVAL_TIME,
-                          "exp_samples": [{"labels": "{}", "value": 1}]})
+            tests.append(
+                {
+                    "expr": f"clamp_max(count({expr}), 1)",
+                    "eval_time": EVAL_TIME,
+                    "exp_samples": [{"labels": "{}", "value": 1}],
+                }
+            )
     rules_file = tmp_path / "empty_rules.yml"
     rules_file.write_text("groups: []\n")
-    suite = {"rule_files": [rules_file.name], "evaluation_interval": SCRAPE_INTERVAL,
-             "tests": [{"interval": SCRAPE_INTERVAL, "input_series": _input_series(exporter_series),
-                        "promql_expr_test": tests}]}
+    suite = {
+        "rule_files": [rules_file.name],
+        "evaluation_interval": SCRAPE_INTERVAL,
+        "tests": [
+            {"interval": SCRAPE_INTERVAL, "input_series": _input_series(exporter_series), "promql_expr_test": tests}
+        ],
+    }
     path = tmp_path / "queries_test.yml"
     path.write_text(yaml.safe_dump(suite, sort_keys=False, width=10_000))
     assert len(tests) == len([q for q, _ in queries if q.kind in {"panel", "variable"}]) >= 15
     proc = _run([promtool, "test", "rules", path.name], cwd=tmp_path)
-    assert _ok(proc), _explain(proc) + "\nqueries:\n" + "\n".join(
-        f"{q.source}: {expr}" for q, expr in queries)
+    assert _ok(proc), _explain(proc) + "\nqueries:\n" + "\n".join(f"{q.source}: {expr}" for q, expr in queries)
 
 
 def test_rule_exprs_evaluate_on_the_exporters_series(promtool, rule_queries, exporter_series, tmp_path):
@@ -118,33 +137,41 @@ def test_rule_exprs_evaluate_on_the_exporters_series(promtool, rule_queries, exp
             expr = f"count(count by (fsdp_rank) ({q.expr})) or vector(0)"
         else:
             expected, expr = len(RANKS), f"count(count by (fsdp_rank) ({q.expr}))"
-        tests.append({"expr": expr, "eval_time": EVAL_TIME,
-                      "exp_samples": [{"labels": "{}", "value": expected}]})
+        tests.append({"expr": expr, "eval_time": EVAL_TIME, "exp_samples": [{"labels": "{}", "value": expected}]})
     (tmp_path / "empty_rules.yml").write_text("groups: []\n")
-    suite = {"rule_files": ["empty_rules.yml"], "evaluation_interval": SCRAPE_INTERVAL,
-             "tests": [{"interval": SCRAPE_INTERVAL, "input_series": _input_series(exporter_series),
-                        "promql_expr_test": tests}]}
+    suite = {
+        "rule_files": ["empty_rules.yml"],
+        "evaluation_interval": SCRAPE_INTERVAL,
+        "tests": [
+            {"interval": SCRAPE_INTERVAL, "input_series": _input_series(exporter_series), "promql_expr_test": tests}
+        ],
+    }
     path = tmp_path / "rules_exprs_test.yml"
     path.write_text(yaml.safe_dump(suite, sort_keys=False, width=10_000))
     proc = _run([promtool, "test", "rules", path.name], cwd=tmp_path)
     assert _ok(proc), _explain(proc)
 
 
-def test_rejected_mismatches_stat_reads_zero_in_a_healthy_run(promtool, panel_queries, dashboards, exporter_series,
-                                                              tmp_path):
+def test_rejected_mismatches_stat_reads_zero_in_a_healthy_run(
+    promtool, panel_queries, dashboards, exporter_series, tmp_path
+):
     """A run that rejected nothing has no `rejected` series at all; the stat panel must still show
     0 for every rank, not "No data" (which reads as a broken dashboard)."""
     (panel,) = [q for q in panel_queries if "'Rejected dtype mismatches'" in q.source]
-    healthy = [s for s in exporter_series
-               if dict(s.labels).get("fsdp_mismatch_action") != semconv.MISMATCH_REJECTED]
+    healthy = [s for s in exporter_series if dict(s.labels).get("fsdp_mismatch_action") != semconv.MISMATCH_REJECTED]
     assert len(healthy) < len(exporter_series), "the fixture should hold rejected series to leave out"
     expr = query_as_promql(panel, dashboards)
-    test = {"expr": expr, "eval_time": EVAL_TIME,
-            "exp_samples": [{"labels": f'{{fsdp_rank="{rank}"}}', "value": 0} for rank in RANKS]}
+    test = {
+        "expr": expr,
+        "eval_time": EVAL_TIME,
+        "exp_samples": [{"labels": f'{{fsdp_rank="{rank}"}}', "value": 0} for rank in RANKS],
+    }
     (tmp_path / "empty_rules.yml").write_text("groups: []\n")
-    suite = {"rule_files": ["empty_rules.yml"], "evaluation_interval": SCRAPE_INTERVAL,
-             "tests": [{"interval": SCRAPE_INTERVAL, "input_series": _input_series(healthy),
-                        "promql_expr_test": [test]}]}
+    suite = {
+        "rule_files": ["empty_rules.yml"],
+        "evaluation_interval": SCRAPE_INTERVAL,
+        "tests": [{"interval": SCRAPE_INTERVAL, "input_series": _input_series(healthy), "promql_expr_test": [test]}],
+    }
     path = tmp_path / "healthy_test.yml"
     path.write_text(yaml.safe_dump(suite, sort_keys=False, width=10_000))
     proc = _run([promtool, "test", "rules", path.name], cwd=tmp_path)

@@ -12,8 +12,8 @@ import json
 import re
 
 import pytest
-
 from fsdp_patch.telemetry import precision_thresholds as thresholds
+
 from tests.dashboards.dashboards_support import DASHBOARDS, load_yaml
 
 # `<aggregation> (<metric>{...}) > <number>` as the rules write them, on a line of its own (the

@@ -35,7 +35,9 @@ def test_state_dicts_have_unwrapped_fqns_and_dtensor_values(saved) -> None:
 
 
 @pytest.mark.parametrize(("world_size", "bf16"), [(1, False), (4, False), (4, True)], ids=["ws1", "ws4", "ws4-bf16"])
-def test_dcp_checkpoint_loads_at_another_world_size(run_once, saved, checkpoint_dir: str, world_size: int, bf16: bool) -> None:
+def test_dcp_checkpoint_loads_at_another_world_size(
+    run_once, saved, checkpoint_dir: str, world_size: int, bf16: bool
+) -> None:
     assert Path(checkpoint_dir, ".metadata").exists()
     loaded = run_once(world_size, rank_fns.checkpoint_load, checkpoint_dir, bf16)
     expected = saved[0]["params"]

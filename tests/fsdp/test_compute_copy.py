@@ -37,14 +37,17 @@ def test_per_gather_keeps_no_compute_copy(run_once: Any, case: tuple[bool, int])
     seen = got["holding_compute_copies"]
     assert seen, "no observation was made in forward or backward"
     assert max(seen) == 0, (
-        f"groups holding compute-copy memory: up to {max(seen)}, "
-        f"in {sum(map(bool, seen))} of {len(seen)} observations"
+        f"groups holding compute-copy memory: up to {max(seen)}, in {sum(map(bool, seen))} of {len(seen)} observations"
     )
-    assert got["compute_bytes_after_step"] == [0] * steps, f"compute-copy bytes after each step: {got['compute_bytes_after_step']}"
+    assert got["compute_bytes_after_step"] == [0] * steps, (
+        f"compute-copy bytes after each step: {got['compute_bytes_after_step']}"
+    )
     assert got["compute_bytes_after_zero_grad"] == [0] * steps, (
         f"compute-copy bytes between steps: {got['compute_bytes_after_zero_grad']}"
     )
-    assert all(all(stale) for stale in got["stale_after_step"]), f"groups not marked changed by the step: {got['stale_after_step']}"
+    assert all(all(stale) for stale in got["stale_after_step"]), (
+        f"groups not marked changed by the step: {got['stale_after_step']}"
+    )
 
 
 def test_persistent_copy_is_refreshed_and_kept(run_once: Any) -> None:
@@ -52,8 +55,12 @@ def test_persistent_copy_is_refreshed_and_kept(run_once: Any) -> None:
     got = run_once(2, compute_copy_fns.lifetime_run, *CASES[0])[0]["persistent"]
     want = [got["shard_compute_bytes"]] * compute_copy_fns.STEPS
     assert got["shard_compute_bytes"] > 0, "the bf16 model has no separate compute copy"
-    assert got["compute_bytes_after_zero_grad"] == want, f"persistent copy bytes between steps: {got['compute_bytes_after_zero_grad']}, want {want}"
-    assert not any(any(stale) for stale in got["stale_after_step"]), f"stale after the adapter's refresh: {got['stale_after_step']}"
+    assert got["compute_bytes_after_zero_grad"] == want, (
+        f"persistent copy bytes between steps: {got['compute_bytes_after_zero_grad']}, want {want}"
+    )
+    assert not any(any(stale) for stale in got["stale_after_step"]), (
+        f"stale after the adapter's refresh: {got['stale_after_step']}"
+    )
 
 
 def test_per_gather_keeps_precision_diagnostics_and_counts_no_refresh_bytes(run_once: Any) -> None:
@@ -76,7 +83,9 @@ def test_per_gather_keeps_precision_diagnostics_and_counts_no_refresh_bytes(run_
     )
     for name, values in persistent["gauges"].items():
         assert values, f"{name}: no data point"
-        assert per_gather["gauges"][name] == values, f"{name}: per_gather {per_gather['gauges'][name]}, persistent {values}"
+        assert per_gather["gauges"][name] == values, (
+            f"{name}: per_gather {per_gather['gauges'][name]}, persistent {values}"
+        )
     assert per_gather["counters"] == persistent["counters"], f"{per_gather['counters']} vs {persistent['counters']}"
 
 
@@ -84,7 +93,9 @@ def test_per_gather_sees_writes_outside_the_optimizer(run_once: Any) -> None:
     facts = run_once(2, compute_copy_fns.external_write_run)[0]
     persistent, per_gather = facts["persistent"], facts["per_gather"]
     for key in ("before", "halved", "loaded"):
-        assert per_gather[key] == persistent[key], f"{key}: per_gather loss {per_gather[key]}, persistent {persistent[key]}"
+        assert per_gather[key] == persistent[key], (
+            f"{key}: per_gather loss {per_gather[key]}, persistent {persistent[key]}"
+        )
     assert persistent["halved"] != persistent["before"], "halving the head changed nothing: the test proves nothing"
     assert per_gather["unsharded_after_unshard"] > 0, "explicit unshard gathered nothing"
     assert per_gather["compute_bytes_while_unsharded"] == 0, (
@@ -111,4 +122,6 @@ def test_exception_mid_forward_leaves_nothing_behind_and_training_goes_on(run_on
     for key in ("in_flight_after", "unsharded_after", "compute_bytes_after"):
         assert per_gather[key] == 0, f"per_gather after the exception: {key} = {per_gather[key]}"
     assert len(per_gather["losses"]) == 3, f"steps trained: {per_gather['losses']}"
-    assert per_gather["losses"] == persistent["losses"], f"losses {per_gather['losses']} vs persistent {persistent['losses']}"
+    assert per_gather["losses"] == persistent["losses"], (
+        f"losses {per_gather['losses']} vs persistent {persistent['losses']}"
+    )

@@ -50,7 +50,9 @@ def test_grads_are_bf16_dtensors_on_fp32_main_weights(mixed) -> None:
                 assert grad_dtype == "torch.bfloat16", name
                 assert param_dtype == "torch.float32", name
                 assert advertised == "torch.bfloat16", f"{name}: grad_dtype"
-        assert facts["bf16_groups"] == [("torch.float32", "torch.bfloat16", "torch.bfloat16")] * 3  # main, compute, grads
+        assert (
+            facts["bf16_groups"] == [("torch.float32", "torch.bfloat16", "torch.bfloat16")] * 3
+        )  # main, compute, grads
 
 
 def test_compute_copy_equals_main_weights_cast_after_each_refresh(mixed) -> None:
@@ -91,11 +93,11 @@ def test_forward_gathers_the_compute_copy_without_a_cast(mixed) -> None:
 def test_bf16_loss_curve_tracks_fp32_reference(mixed, fp32_reference_losses) -> None:
     bf16 = _global(mixed, "bf16_losses")
     fp32_grads = _global(mixed, "fp32grads_losses")
-    for step, (ref, a, b) in enumerate(zip(fp32_reference_losses, bf16, fp32_grads)):
+    for step, (ref, a, b) in enumerate(zip(fp32_reference_losses, bf16, fp32_grads, strict=True)):
         assert abs(a - ref) <= BF16_LOSS_TOL, f"step {step}: bf16 {a} vs fp32 {ref}"
         assert abs(b - ref) <= BF16_LOSS_TOL, f"step {step}: bf16 compute/fp32 grads {b} vs fp32 {ref}"
     # ... and it is really a bf16 run, not an fp32 one.
-    assert max(abs(a - r) for a, r in zip(bf16, fp32_reference_losses)) > 1e-6
+    assert max(abs(a - r) for a, r in zip(bf16, fp32_reference_losses, strict=True)) > 1e-6
 
 
 def test_fp32_main_grads_with_bf16_compute(mixed) -> None:

@@ -54,7 +54,9 @@ def test_units_gathered_ahead_never_exceed_the_limit(run_once: Any, case: tuple[
                     f"rank {rank}, limit {limit}: at most {max(ahead)} units gathered ahead in {direction} "
                     f"(want exactly {limit} at some point, never more): {ahead}"
                 )
-            assert facts[name]["gathered_at_end"] == [], f"rank {rank}: still gathered after training: {facts[name]['gathered_at_end']}"
+            assert facts[name]["gathered_at_end"] == [], (
+                f"rank {rank}: still gathered after training: {facts[name]['gathered_at_end']}"
+            )
 
 
 def test_main_grad_memory_is_free_after_zero_grad_set_to_none(run_once: Any) -> None:
@@ -68,7 +70,9 @@ def test_exception_mid_forward_leaves_nothing_gathered_or_in_flight(run_once: An
     for rank, facts in enumerate(run_once(2, overlap_fns.forward_exception_run)):
         assert facts["raised"], f"rank {rank}: the planted exception did not propagate"
         assert facts["in_flight_at_raise"] >= 1, f"rank {rank}: no all-gather was in flight when the forward raised"
-        assert set(facts["gathered_after"].values()) == {0}, f"rank {rank}: gathered after the exception: {facts['gathered_after']}"
+        assert set(facts["gathered_after"].values()) == {0}, (
+            f"rank {rank}: gathered after the exception: {facts['gathered_after']}"
+        )
         assert facts["in_flight_after"] == 0, f"rank {rank}: {facts['in_flight_after']} all-gathers still in flight"
         assert facts["sharded_in_modules"], f"rank {rank}: unsharded parameters left in the modules"
         assert facts["next_iteration_grads"], f"rank {rank}: the next iteration produced no grads"

@@ -62,7 +62,7 @@ def max_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> floa
 
 def global_losses(run: dict[str, Any], impl: str) -> list[float]:
     per_rank = [r[impl] for r in run["losses"]]
-    return [sum(step) / len(per_rank) for step in zip(*per_rank)]
+    return [sum(step) / len(per_rank) for step in zip(*per_rank, strict=True)]
 
 
 def assert_trains_like_reference(
@@ -75,7 +75,9 @@ def assert_trains_like_reference(
     limitation = fsdp2_limitation(pattern, results)
     if limitation is not None:
         # Said, and the check goes on against the unsharded reference alone.
-        warnings.warn(f"FSDP2 control left out: {limitation}; fully_shard is checked against the unsharded model", stacklevel=2)
+        warnings.warn(
+            f"FSDP2 control left out: {limitation}; fully_shard is checked against the unsharded model", stacklevel=2
+        )
         fsdp2_fails = True
     impls = ("ours",) if fsdp2_fails else ("fsdp2", "ours")  # the control first: if it fails, the test is wrong
     if fsdp2_fails:
@@ -85,7 +87,7 @@ def assert_trains_like_reference(
     want = results["reference"]
     for impl in impls:
         got_losses, want_losses = global_losses({"losses": [r["losses"] for r in per_rank]}, impl), want["losses"]
-        loss_err = max(abs(a - b) for a, b in zip(got_losses, want_losses))
+        loss_err = max(abs(a - b) for a, b in zip(got_losses, want_losses, strict=True))
         assert loss_err <= TOL, f"{pattern}/{impl}: losses {got_losses}, reference {want_losses}"
         err = max_err(results[impl]["params"], want["params"])
         assert err <= TOL, f"{pattern}/{impl}: final params differ from the reference by {err}"
@@ -187,7 +189,9 @@ def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, patter
         want = results["ours"]
         for impl in ("ours_per_gather", "ours_telemetry"):
             got = results[impl]
-            assert got["losses"] == want["losses"], f"{pattern}/{impl}: losses {got['losses']}, hooks/persistent {want['losses']}"
+            assert got["losses"] == want["losses"], (
+                f"{pattern}/{impl}: losses {got['losses']}, hooks/persistent {want['losses']}"
+            )
             differ = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
             assert not differ, f"{pattern}/{impl}: final weights differ from hooks/persistent in {differ}"
         pytest.skip(f"FSDP2 control unavailable: {limitation}; the fp32 pattern tests check fully_shard "
@@ -208,7 +212,10 @@ def test_sync_off_accumulates_in_fp32_and_frees_the_buffer(run_once: Any) -> Non
     """With bf16 compute and fp32 main grads, sync-off microbatches accumulate in an fp32
     buffer (the reduce-scatter input), which the synced microbatch consumes and frees."""
     ours = run_once(WORLD_SIZE, pattern_fns.mixed_run, "fp32_accum")[0]["ours"]
-    per_step = [ours["accumulator"][i : i + pattern_fns.MICROBATCHES] for i in range(0, len(ours["accumulator"]), pattern_fns.MICROBATCHES)]
+    per_step = [
+        ours["accumulator"][i : i + pattern_fns.MICROBATCHES]
+        for i in range(0, len(ours["accumulator"]), pattern_fns.MICROBATCHES)
+    ]
     for step, seen in enumerate(per_step):
         accumulating, synced = seen[:-1], seen[-1]
         for k, groups in enumerate(accumulating):
@@ -248,7 +255,9 @@ def test_grad_scaler_with_fp32_main_grads_equals_fsdp2_and_fp16_main_grads_get_a
     ours, want = results["ours"], results["fsdp2"]
     assert want["error"] is None and ours["error"] is None, (want["error"], ours["error"])
     assert ours["losses"] == want["losses"], f"losses {ours['losses']}, FSDP2 {want['losses']}"
-    assert ours["scales"] == want["scales"] == [1024.0, 512.0, 512.0], f"scales {ours['scales']}, FSDP2 {want['scales']}"
+    assert ours["scales"] == want["scales"] == [1024.0, 512.0, 512.0], (
+        f"scales {ours['scales']}, FSDP2 {want['scales']}"
+    )
     differ = [n for n in want["params"] if not torch.equal(ours["params"][n], want["params"][n])]
     assert not differ, f"final weights differ from FSDP2's in {differ}"
     fp16 = results["ours_fp16_grads"]

@@ -36,7 +36,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _lost_counts(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[int, int]:
-    """This rank's (changed, lost) elements of one step, from the design page's definition: main
+    """This rank's (changed, lost) elements of one step, from the definition in docs/conventions.md: main
     weight bits changed; the bf16 cast FSDP2 gathers did not."""
     changed = lost = 0
     for b, a in zip(before, after, strict=True):
@@ -55,7 +55,10 @@ def fsdp2_training(scenario: str, telemetry_on: bool, steps: int = 3) -> dict[st
     rank, world_size = dist.get_rank(), dist.get_world_size()
     lr = 1e-7 if scenario == "tiny_lr" else 1e-2
     telemetry = "1" if telemetry_on else None
-    with environment(FSDP_PATCH_TELEMETRY=telemetry, FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, reader):
+    with (
+        environment(FSDP_PATCH_TELEMETRY=telemetry, FSDP_PATCH_PRECISION_EVERY="1"),
+        in_memory_otel() as (spans, reader),
+    ):
         model = fsdp2_model()
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         fully_shard_optimizer(optimizer)

@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 
 from tests import models
-from tests.integration.rank_fns import _bf16_model, _main_weights, _reset_otel, environment, in_memory_otel, metric_points
+from tests.integration.rank_fns import (
+    _bf16_model,
+    _main_weights,
+    _reset_otel,
+    environment,
+    in_memory_otel,
+    metric_points,
+)
 from tests.telemetry.telemetry_testing import global_state
 
 STEPS_PER_PHASE = 2
@@ -29,9 +36,10 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: li
 def instrument_round_trip(trace_dir: str) -> dict[str, Any]:
     """instrument -> train -> uninstrument -> train -> instrument -> train -> uninstrument, against
     a model trained with torch's hook attachment (telemetry off) on the same batches."""
+    from fsdp_patch.telemetry import FSDPOptimizerInstrumentor
+
     from fsdp_patch.adapter import adaptation_of
     from fsdp_patch.optimizer import fully_shard_optimizer
-    from fsdp_patch.telemetry import FSDPOptimizerInstrumentor
 
     rank = dist.get_rank()
     batches = models.make_batches(3 * STEPS_PER_PHASE)
@@ -63,7 +71,9 @@ def instrument_round_trip(trace_dir: str) -> dict[str, Any]:
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         fully_shard_optimizer(reference_optimizer)  # telemetry off: torch's step hooks
         _train(reference, reference_optimizer, batches)
-    out["bitwise equal"] = all(torch.equal(a, b) for a, b in zip(_main_weights(model), _main_weights(reference)))
+    out["bitwise equal"] = all(
+        torch.equal(a, b) for a, b in zip(_main_weights(model), _main_weights(reference), strict=True)
+    )
     return out
 
 
@@ -105,9 +115,10 @@ def mismatched_settings(per_rank: list[dict[str, str | None]]) -> dict[str, Any]
 
 def lbfgs_refreshes() -> dict[str, Any]:
     """One LBFGS step (several closure calls) with telemetry on; the refresh bytes it recorded."""
+    from fsdp_patch.telemetry import semconv
+
     from fsdp_patch import parameter_groups
     from fsdp_patch.optimizer import fully_shard_optimizer
-    from fsdp_patch.telemetry import semconv
     from tests.optimizer.support import EVEN, backward, batches, build_model
 
     with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="0"), in_memory_otel() as (_, reader):

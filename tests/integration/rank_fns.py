@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsdp_patch.telemetry import semconv
 
 from tests import models
 from tests.telemetry.telemetry_testing import in_memory_telemetry, reset_otel_globals
-from fsdp_patch.telemetry import semconv
 
 STEPS = 3
 
@@ -158,12 +158,16 @@ def failing_step() -> dict[str, Any]:
         except Boom as error:
             raised = str(error)
         after = list(model.parameters())
-        same_objects = all(p.grad is g for p, g in zip(after, grads_before))
-        same_values = all(torch.equal(p.grad.to_local(), v) for p, v in zip(after, values_before))
+        same_objects = all(p.grad is g for p, g in zip(after, grads_before, strict=True))
+        same_values = all(torch.equal(p.grad.to_local(), v) for p, v in zip(after, values_before, strict=True))
         dtypes = sorted({str(p.grad.dtype) for p in after} | {str(p.grad_dtype) for p in after})
         optimizer.step()  # the next step works
         step_spans = [
-            {"status": s.status.status_code.name, "events": [e.name for e in s.events], "description": s.status.description}
+            {
+                "status": s.status.status_code.name,
+                "events": [e.name for e in s.events],
+                "description": s.status.description,
+            }
             for s in spans.get_finished_spans()
             if s.name == semconv.SPAN_STEP
         ]
@@ -219,8 +223,6 @@ def silent_training(patched: bool) -> list[torch.Tensor]:
     """Trains with FSDP_PATCH_TELEMETRY unset; with ``patched`` every OpenTelemetry entry point raises."""
     from unittest import mock
 
-
-
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("OpenTelemetry was called with FSDP_PATCH_TELEMETRY unset")
 
@@ -274,6 +276,7 @@ def unreachable_collector(protocol: str) -> list[torch.Tensor]:
 def capped_trace_files(directory: str, steps: int, max_bytes: str) -> dict[str, Any]:
     """Trains ``steps`` steps on the embedded default trace files under a size cap; returns this rank's files."""
     import fsdp_patch.telemetry as telemetry
+
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world_size = dist.get_rank(), dist.get_world_size()

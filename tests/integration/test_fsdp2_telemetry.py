@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fsdp_patch.telemetry import semconv
+
 from tests.integration import fsdp2_rank_fns
 
 WORLD = 2
@@ -37,7 +37,9 @@ def test_span_tree_and_step_metrics(normal_runs) -> None:
             got = (attrs[semconv.ATTR_RANK], attrs[semconv.ATTR_WORLD_SIZE], attrs[semconv.ATTR_OPTIMIZER_CLASS],
                    attrs[semconv.ATTR_PARAMS_COUNT], attrs[semconv.ATTR_GROUPS_COUNT], attrs[semconv.ATTR_CAST_BYTES])  # fmt: skip
             want = (rank, WORLD, "Adam", result["params"], result["fsdp_groups"], 0)
-            assert got == want, f"rank {rank}: want (rank, world, class, params, FSDP2 groups, cast bytes) {want}, got {got}"
+            assert got == want, (
+                f"rank {rank}: want (rank, world, class, params, FSDP2 groups, cast bytes) {want}, got {got}"
+            )
             children = [s["name"] for s in spans if s["parent"] == step["id"]]
             assert children == list(semconv.STEP_PHASE_SPANS), f"rank {rank}: children {children}"
         points = result["points"]
@@ -49,9 +51,9 @@ def test_span_tree_and_step_metrics(normal_runs) -> None:
 
 
 def test_training_is_bitwise_identical_with_telemetry_on_and_off(normal_runs) -> None:
-    for rank, (on, off) in enumerate(zip(normal_runs[True], normal_runs[False])):
+    for rank, (on, off) in enumerate(zip(normal_runs[True], normal_runs[False], strict=True)):
         assert off["spans"] == [], f"rank {rank}: telemetry off emitted spans"
-        differ = [i for i, (a, b) in enumerate(zip(on["main"], off["main"])) if not torch.equal(a, b)]
+        differ = [i for i, (a, b) in enumerate(zip(on["main"], off["main"], strict=True)) if not torch.equal(a, b)]
         assert differ == [], f"rank {rank}: parameters {differ} differ between telemetry on and off"
 
 
@@ -60,7 +62,9 @@ def test_planted_nan_is_counted_exactly(dist_pool) -> None:
         points = result["points"]
 
         def count(tensor: str, kind: str) -> float:
-            return _total(points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: tensor, semconv.ATTR_NONFINITE_KIND: kind})
+            return _total(
+                points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: tensor, semconv.ATTR_NONFINITE_KIND: kind}
+            )
 
         got = {(t, k): count(t, k) for t in semconv.TENSORS for k in semconv.NONFINITE_KINDS}
         want = {(t, k): 0 for t, k in got}
@@ -70,13 +74,13 @@ def test_planted_nan_is_counted_exactly(dist_pool) -> None:
         want[(semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN)] = 1
         want[(semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN)] = 1
         assert got == want, f"want {want}, got {got}"
-        (_, amax), = points[semconv.METRIC_GRAD_AMAX]
+        ((_, amax),) = points[semconv.METRIC_GRAD_AMAX]
         assert amax > 1e38, f"grad amax with a NaN grad must read off-scale, got {amax}"
 
 
 def _lost_ratio(results: list[dict]) -> tuple[float, float]:
     """(the metric, the ratio computed here from every rank's shards before and after the last step)."""
-    (_, metric), = results[0]["points"][semconv.METRIC_LOST_RATIO]
+    ((_, metric),) = results[0]["points"][semconv.METRIC_LOST_RATIO]
     changed = sum(r["last_step_changed_lost"][0] for r in results)
     lost = sum(r["last_step_changed_lost"][1] for r in results)
     return metric, lost / changed

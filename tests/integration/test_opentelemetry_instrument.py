@@ -24,7 +24,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from fsdp_patch.telemetry import semconv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,7 +101,9 @@ def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert install.returncode == 0, f"the job sees {seen or 'no fsdp-patch'}, and pip install {REPO} failed:\n{install.stderr}"
+    assert install.returncode == 0, (
+        f"the job sees {seen or 'no fsdp-patch'}, and pip install {REPO} failed:\n{install.stderr}"
+    )
     env = {**_job_env(), "PYTHONPATH": str(target)}
     seen = installation_seen_by_jobs(sys.executable, outside, env)
     assert seen.get("entry_points") == ["fsdp_patch"], f"installed into {target}, the job sees {seen}"
@@ -161,11 +162,15 @@ def test_every_span_and_series_carries_the_rank_identity_under_opentelemetry_ins
     for rank in range(WORLD):
         want = {semconv.RESOURCE_RANK: rank, semconv.RESOURCE_WORLD_SIZE: WORLD}
         resources = [s["resource"]["attributes"] for s in instrumented_job["spans"][rank]]
-        resources += [rm["resource"]["attributes"] for doc in instrumented_job["metrics"][rank] for rm in doc["resource_metrics"]]
+        resources += [
+            rm["resource"]["attributes"] for doc in instrumented_job["metrics"][rank] for rm in doc["resource_metrics"]
+        ]
         assert instrumented_job["metrics"][rank], f"rank {rank} exported no metrics"
         wrong = [r for r in resources if {k: r.get(k) for k in want} != want]
         assert not wrong, f"rank {rank}: {len(wrong)} of {len(resources)} resources lack {want}, e.g. {wrong[0]}"
-        assert {r["service.name"] for r in resources} == {"instrumented-job"}, "the configured service name was replaced"
+        assert {r["service.name"] for r in resources} == {"instrumented-job"}, (
+            "the configured service name was replaced"
+        )
 
 
 def _console_spans(stdout: str) -> list[dict]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
+from fsdp_patch.telemetry import semconv
 
 from tests.integration import rank_fns
-from fsdp_patch.telemetry import semconv
 
 WORLD = 2
 
@@ -42,7 +42,8 @@ def test_span_tree_attributes_and_exact_metrics(dist_pool) -> None:
             # FSDP parameter groups the step touched (one per fully_shard unit), not optimizer param groups
             assert result["fsdp_groups"] > 1
             assert attrs[semconv.ATTR_GROUPS_COUNT] == result["fsdp_groups"], (
-                f"want {result['fsdp_groups']} FSDP groups, got {attrs[semconv.ATTR_GROUPS_COUNT]}")
+                f"want {result['fsdp_groups']} FSDP groups, got {attrs[semconv.ATTR_GROUPS_COUNT]}"
+            )
             assert attrs[semconv.ATTR_PRECISION_AWARE] is False
             expected_cast = _expected_shard_numel(result["shapes"], WORLD) * 4
             assert attrs[semconv.ATTR_CAST_BYTES] == expected_cast
@@ -61,15 +62,20 @@ def test_span_tree_attributes_and_exact_metrics(dist_pool) -> None:
         steps_n = rank_fns.STEPS
         grad_bytes = _total(points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_GRAD})
         assert grad_bytes == steps_n * _expected_shard_numel(result["shapes"], WORLD) * 4
-        refresh_bytes = _total(points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_WEIGHT_REFRESH})
+        refresh_bytes = _total(
+            points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_WEIGHT_REFRESH}
+        )
         assert refresh_bytes == steps_n * result["compute_numel"] * 2
-        assert _total(
-            points,
-            semconv.METRIC_DTYPE_MISMATCHES,
-            **{semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_CAST},
-            **{semconv.ATTR_DTYPE_PARAM: "float32"},
-            **{semconv.ATTR_DTYPE_GRAD: "bfloat16"},
-        ) == steps_n * result["param_count"]
+        assert (
+            _total(
+                points,
+                semconv.METRIC_DTYPE_MISMATCHES,
+                **{semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_CAST},
+                **{semconv.ATTR_DTYPE_PARAM: "float32"},
+                **{semconv.ATTR_DTYPE_GRAD: "bfloat16"},
+            )
+            == steps_n * result["param_count"]
+        )
         assert _total(points, semconv.METRIC_STEP_DURATION) == steps_n
         assert _total(points, semconv.METRIC_REFRESH_DURATION) == steps_n
 
@@ -87,37 +93,72 @@ def test_failing_step_is_recorded_and_grads_are_restored(dist_pool) -> None:
 def test_precision_diagnostics_find_planted_bugs(dist_pool) -> None:
     pool = dist_pool(WORLD)
     nan = pool.run(rank_fns.precision_run, "nan", True)[0]["points"]
-    assert _total(nan, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD}, **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN}) == 1
-    assert _total(nan, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD}, **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF}) == 0
-    assert _total(nan, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_WEIGHT}, **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN}) == 1
+    assert (
+        _total(
+            nan,
+            semconv.METRIC_NONFINITE,
+            **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD},
+            **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN},
+        )
+        == 1
+    )
+    assert (
+        _total(
+            nan,
+            semconv.METRIC_NONFINITE,
+            **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD},
+            **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF},
+        )
+        == 0
+    )
+    assert (
+        _total(
+            nan,
+            semconv.METRIC_NONFINITE,
+            **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_WEIGHT},
+            **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN},
+        )
+        == 1
+    )
 
     overflow = pool.run(rank_fns.precision_run, "overflow", True)[0]["points"]
     assert _total(overflow, semconv.METRIC_REFRESH_OVERFLOW) == rank_fns.OVERFLOW_ELEMENTS * WORLD
-    assert _total(overflow, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: semconv.TENSOR_COMPUTE_WEIGHT}, **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF}) == (
-        rank_fns.OVERFLOW_ELEMENTS * WORLD
+    assert _total(
+        overflow,
+        semconv.METRIC_NONFINITE,
+        **{semconv.ATTR_TENSOR: semconv.TENSOR_COMPUTE_WEIGHT},
+        **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF},
+    ) == (rank_fns.OVERFLOW_ELEMENTS * WORLD)
+    assert (
+        _total(
+            overflow,
+            semconv.METRIC_NONFINITE,
+            **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_WEIGHT},
+            **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF},
+        )
+        == 0
     )
-    assert _total(overflow, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_WEIGHT}, **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF}) == 0
 
     tiny = pool.run(rank_fns.precision_run, "tiny_lr", True)[0]["points"]
     normal_on = pool.run(rank_fns.precision_run, "normal_lr", True)
     normal = normal_on[0]["points"]
-    (_, tiny_ratio), = tiny[semconv.METRIC_LOST_RATIO]
-    (_, normal_ratio), = normal[semconv.METRIC_LOST_RATIO]
+    ((_, tiny_ratio),) = tiny[semconv.METRIC_LOST_RATIO]
+    ((_, normal_ratio),) = normal[semconv.METRIC_LOST_RATIO]
     assert tiny_ratio > 0.95, tiny_ratio
     assert normal_ratio < 0.2, normal_ratio
 
     normal_off = pool.run(rank_fns.precision_run, "normal_lr", False)
     assert semconv.METRIC_LOST_RATIO not in normal_off[0]["points"]
-    for on, off in zip(normal_on, normal_off):
-        assert all(torch.equal(a, b) for a, b in zip(on["main"], off["main"]))
+    for on, off in zip(normal_on, normal_off, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(on["main"], off["main"], strict=True))
 
 
 def test_off_means_off(dist_pool) -> None:
     pool = dist_pool(WORLD)
     silent = pool.run(rank_fns.silent_training, True)
     plain = pool.run(rank_fns.silent_training, False)
-    for a, b in zip(silent, plain):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(silent, plain, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_unreachable_collector_keeps_training_and_numerics(dist_pool) -> None:
@@ -125,5 +166,5 @@ def test_unreachable_collector_keeps_training_and_numerics(dist_pool) -> None:
     baseline = pool.run(rank_fns.silent_training, False)
     for protocol in ("http/protobuf", "grpc"):
         exported = pool.run(rank_fns.unreachable_collector, protocol)
-        for a, b in zip(exported, baseline):
-            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        for a, b in zip(exported, baseline, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -1,4 +1,4 @@
-"""A long 2-rank run on the embedded trace files under a small cap (issue 9's bounded trace files).
+"""A long 2-rank run on the embedded trace files under a small cap.
 
 Real training through the public API with telemetry on and diagnostics every step: each rank's
 files, the Jaeger file written at exit included, stay under ``FSDP_PATCH_TRACE_MAX_BYTES``, every
@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from fsdp_patch.telemetry import precision_report
+
 from tests.integration import rank_fns
 
 pytestmark = pytest.mark.slow

@@ -15,4 +15,3 @@ def pool1(dist_pool: Any) -> Any:
 @pytest.fixture(scope="session")
 def pool2(dist_pool: Any) -> Any:
     return dist_pool(2)
-

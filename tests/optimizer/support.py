@@ -21,17 +21,17 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_patch import parameter_group_of, parameter_groups
 from fsdp_patch.adapter import adapt_optimizer
-from fsdp_patch.adapter.grad_cast import cast_in_flight
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
+from fsdp_patch.adapter.grad_cast import cast_in_flight
 from fsdp_patch.optimizer import fully_shard_optimizer
 from tests.models import lm_loss, make_batches, make_model, rank_slice, shard_model
 
-O = torch.optim
+O = torch.optim  # noqa: E741 - the adapter tests import this short name
 BF16, FP32 = torch.bfloat16, torch.float32
 
-# Issue #3's list. Hyperparameters switch on the branches that touch state or grads
-# (weight decay, momentum, nesterov, centered, decoupled decay) so that a wrong grad dtype or
-# a stale state shows up in the bits.
+# The optimizers of torch.optim the adapter is tested with. Hyperparameters switch on the
+# branches that touch state or grads (weight decay, momentum, nesterov, centered, decoupled
+# decay) so that a wrong grad dtype or a stale state shows up in the bits.
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd_momentum": lambda p: O.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
     "sgd_nesterov": lambda p: O.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
@@ -154,7 +154,7 @@ class RecordingObserver:
         return [g.main_weight.clone() for g in groups]
 
     def precision_end(self, snapshot: Any, groups: Any) -> None:
-        changed = any(not torch.equal(s, g.main_weight) for s, g in zip(snapshot, groups))
+        changed = any(not torch.equal(s, g.main_weight) for s, g in zip(snapshot, groups, strict=True))
         self.precision.append((len(self.steps), changed))
 
 
@@ -170,7 +170,9 @@ def adapt(
     if attachment == "wrapt":
         observer = RecordingObserver()
         observer.optimizer_ref = weakref.ref(optimizer)  # weakly, like telemetry's observer
-        adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=lambda: observer)
+        adapt_optimizer(
+            optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=lambda: observer
+        )
         return observer
     raise ValueError(attachment)
 
@@ -204,7 +206,9 @@ def backward(model: nn.Module, tokens: torch.Tensor, scale: float = 1.0) -> torc
     return loss.detach()
 
 
-def make_closure(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> Callable[[], torch.Tensor]:
+def make_closure(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor
+) -> Callable[[], torch.Tensor]:
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
         return backward(model, tokens)
@@ -300,7 +304,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -310,9 +314,7 @@ def main_weights(model: nn.Module) -> list[torch.Tensor]:
 
 def compute_is_fresh(model: nn.Module) -> bool:
     """Every group's compute copy equals its main weights cast to the compute dtype."""
-    return all(
-        same(g.compute_weight, g.main_weight.to(g.compute_dtype)) for g in parameter_groups(model)
-    )
+    return all(same(g.compute_weight, g.main_weight.to(g.compute_dtype)) for g in parameter_groups(model))
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Issue #3: bad input is refused clearly, before anything changes.
+"""Bad input is refused clearly, before anything changes.
 
 - A non-Parameter in a param group: TypeError naming the group and index, at adaptation
   (the optimizer is left unadapted) or, for a group added later, at the step.
@@ -65,7 +65,7 @@ def _grad_records(params: list[nn.Parameter]) -> list[Any]:
 
 
 def _same_grad_records(a: list[Any], b: list[Any]) -> bool:
-    return all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b))
+    return len(a) == len(b) and all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b, strict=True))
 
 
 def _adapt_time_errors() -> dict[str, bool]:
@@ -80,8 +80,12 @@ def _adapt_time_errors() -> dict[str, bool]:
             checks[f"{attachment}: non-Parameter refused"] = False
         except TypeError as exc:
             message = str(exc)
-            checks[f"{attachment}: non-Parameter refused"] = "param_groups[1]['params'][1]" in message and "Tensor" in message
-        checks[f"{attachment}: non-Parameter: optimizer untouched"] = _unchanged(opt, before) and adaptation_of(opt) is None
+            checks[f"{attachment}: non-Parameter refused"] = (
+                "param_groups[1]['params'][1]" in message and "Tensor" in message
+            )
+        checks[f"{attachment}: non-Parameter: optimizer untouched"] = (
+            _unchanged(opt, before) and adaptation_of(opt) is None
+        )
 
     opt = O.SGD(model.parameters(), lr=0.1)
     before = _instance_snapshot(opt)
@@ -181,9 +185,7 @@ def _step_error_checks(
     except error as exc:
         checks[f"{tag}: raised"] = all(n in str(exc) for n in needles)
     checks[f"{tag}: grads unchanged (objects, dtypes, grad_dtype)"] = _same_grad_records(_grad_records(params), records)
-    checks[f"{tag}: grad values unchanged"] = same(
-        [None if p.grad is None else p.grad.detach() for p in params], grads
-    )
+    checks[f"{tag}: grad values unchanged"] = same([None if p.grad is None else p.grad.detach() for p in params], grads)
     checks[f"{tag}: weights unchanged"] = same(main_weights(model), weights) and same(
         [p.detach() for p in params], plain_weights
     )
@@ -218,7 +220,12 @@ def _step_time_errors(attachment: str) -> dict[str, bool]:
         )
     )
     if observer is not None:
-        checks["plain bf16 grad: observer counted a rejected mismatch"] = (FP32, BF16, MismatchAction.REJECTED, 1) in observer.mismatches
+        checks["plain bf16 grad: observer counted a rejected mismatch"] = (
+            FP32,
+            BF16,
+            MismatchAction.REJECTED,
+            1,
+        ) in observer.mismatches
     extra.grad = None
     extra.grad_dtype = None
     extra.grad = torch.ones(4)
@@ -234,7 +241,7 @@ def _step_time_errors(attachment: str) -> dict[str, bool]:
     checks["partial FSDP grads: grad-less parameter unchanged"] = same(victim.detach(), before_victim)
     checks["partial FSDP grads: its grad stays None"] = victim.grad is None
     checks["partial FSDP grads: the others stepped"] = all(
-        not same(p.detach(), b) for p, b in zip(others, before_others)
+        not same(p.detach(), b) for p, b in zip(others, before_others, strict=True)
     )
     checks["partial FSDP grads: grads original afterwards"] = grads_are_original(opt) is None
     victim.grad = saved
@@ -243,7 +250,11 @@ def _step_time_errors(attachment: str) -> dict[str, bool]:
     stray = torch.zeros(2, requires_grad=True)
     stray.grad = torch.ones(2)
     opt.add_param_group({"params": [stray]})
-    checks.update(_step_error_checks("non-Parameter added later", opt, model, params, TypeError, ("param_groups[2]['params'][0]",)))
+    checks.update(
+        _step_error_checks(
+            "non-Parameter added later", opt, model, params, TypeError, ("param_groups[2]['params'][0]",)
+        )
+    )
     opt.param_groups.pop()
 
     # Fixed input: the step works and the grads are as before.

@@ -1,4 +1,4 @@
-"""Issue #3: the adapted optimizer composes with the rest of torch.optim and with copies.
+"""The adapted optimizer composes with the rest of torch.optim and with copies.
 
 - torch's instance and global step hooks still run, once per step, and see what the
   attachment documents (``hook_attachment.py``; wrapt: every hook is inside the wrapped
@@ -40,9 +40,9 @@ from tests.optimizer.support import (
     ATTACHMENTS,
     BF16,
     FP32,
-    O,
     OPTIMIZERS,
     HandCast,
+    O,
     adapt,
     assert_all,
     backward,
@@ -60,7 +60,6 @@ from tests.optimizer.support import (
     optimizer_state,
     same,
 )
-
 
 # ----------------------------------------------------------------------------- step hooks
 EXPECTED_HOOKS = {
@@ -98,7 +97,10 @@ def _step_hooks(attachment: str) -> dict[str, Any]:
     adapt(opt, attachment)
     opt.register_step_pre_hook(record("pre_after"))
     opt.register_step_post_hook(record("post_after"))
-    handles = [register_optimizer_step_pre_hook(record("global_pre")), register_optimizer_step_post_hook(record("global_post"))]
+    handles = [
+        register_optimizer_step_pre_hook(record("global_pre")),
+        register_optimizer_step_post_hook(record("global_post")),
+    ]
     try:
         for tokens in batches(2):
             backward(model, tokens)
@@ -232,20 +234,24 @@ def _is_plain(copied: torch.optim.Optimizer, original: torch.optim.Optimizer) ->
     )
 
 
-def _copy_checks(tag: str, copied: torch.optim.Optimizer, opt: torch.optim.Optimizer, with_grads: bool) -> dict[str, bool]:
+def _copy_checks(
+    tag: str, copied: torch.optim.Optimizer, opt: torch.optim.Optimizer, with_grads: bool
+) -> dict[str, bool]:
     originals = [p for g in opt.param_groups for p in g["params"]]
     params = [p for g in copied.param_groups for p in g["params"]]
     checks = {
         f"{tag}: a plain, unadapted {type(opt).__name__}": _is_plain(copied, opt),
         f"{tag}: new parameters, not FSDP-managed": all(
-            q is not p and parameter_group_of(q) is None for p, q in zip(originals, params)
+            q is not p and parameter_group_of(q) is None for p, q in zip(originals, params, strict=True)
         ),
         f"{tag}: parameters are DTensors with the same values": all(
             isinstance(q, DTensor) and q.placements == p.placements and same(q.detach(), p.detach())
-            for p, q in zip(originals, params)
+            for p, q in zip(originals, params, strict=True)
         ),
         f"{tag}: state == original's, and separate": same(optimizer_state(copied), optimizer_state(opt))
-        and all(copied.state[q]["exp_avg"] is not opt.state[p]["exp_avg"] for p, q in zip(originals, params)),
+        and all(
+            copied.state[q]["exp_avg"] is not opt.state[p]["exp_avg"] for p, q in zip(originals, params, strict=True)
+        ),
         f"{tag}: state keyed by the copied parameters": all(q in copied.state for q in params),
         f"{tag}: same hyperparameters": [{k: v for k, v in g.items() if k != "params"} for g in copied.param_groups]
         == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -253,7 +259,7 @@ def _copy_checks(tag: str, copied: torch.optim.Optimizer, opt: torch.optim.Optim
     if with_grads:
         checks[f"{tag}: grads copied with their dtype and grad_dtype"] = all(
             q.grad is not None and q.grad is not p.grad and q.grad_dtype == BF16 and same(q.grad, p.grad)
-            for p, q in zip(originals, params)
+            for p, q in zip(originals, params, strict=True)
         )
     else:
         checks[f"{tag}: no grads (torch never pickles them)"] = all(q.grad is None for q in params)
@@ -285,10 +291,12 @@ def _copies(attachment: str) -> dict[str, bool]:
     checks.update(_copy_checks("torch.save/load", torch.load(buffer, weights_only=False), opt, with_grads=False))
     shallow = copy.copy(opt)
     checks["copy.copy: plain, unadapted"] = _is_plain(shallow, opt)
-    checks["copy.copy: shares parameters and state"] = shallow.param_groups[0]["params"][0] is opt.param_groups[0]["params"][0] and (
-        shallow.state is opt.state
+    checks["copy.copy: shares parameters and state"] = shallow.param_groups[0]["params"][0] is opt.param_groups[0][
+        "params"
+    ][0] and (shallow.state is opt.state)
+    checks["original: still adapted, grads untouched"] = adaptation_of(opt) is not None and same(
+        grads_snapshot(model), grads
     )
-    checks["original: still adapted, grads untouched"] = adaptation_of(opt) is not None and same(grads_snapshot(model), grads)
     opt.step()
     hand.step(ropt)
     checks["original: next step == reference"] = same(main_weights(model), main_weights(ref))
@@ -350,7 +358,9 @@ def _undo(attachment: str, scheduler: str) -> dict[str, bool]:
     checks["immediate undo: same __dict__ keys and values"] = opt.__dict__.keys() == before.keys() and all(
         opt.__dict__[k] is v for k, v in before.items()
     )
-    checks["immediate undo: hook dicts empty"] = not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    checks["immediate undo: hook dicts empty"] = (
+        not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    )
     # 2. Adapt, train, undo.
     adapt(opt, attachment)
     if scheduler == "after":
@@ -409,7 +419,9 @@ def _telemetry_public_path() -> dict[str, bool]:
         fully_shard_optimizer(opt)
         adaptation = adaptation_of(opt)
         checks["telemetry on: wrapt attachment"] = adaptation is not None and adaptation.kind == "wrapt"
-        checks["telemetry on: telemetry's observer"] = isinstance(adaptation.attachment._observer, telemetry.OptimizerObserver)
+        checks["telemetry on: telemetry's observer"] = isinstance(
+            adaptation.attachment._observer, telemetry.OptimizerObserver
+        )
         checks["telemetry on: no step hooks of ours"] = not opt._optimizer_step_pre_hooks
         for tokens in batches(3):
             for m, o in ((model, opt), (default_model, default_opt)):

@@ -1,4 +1,4 @@
-"""Issue #3: DCP round trip of model and adapted-optimizer state across world sizes.
+"""DCP round trip of model and adapted-optimizer state across world sizes.
 
 On 2 ranks: train 3 steps, ``dcp.save`` the model (``get_model_state_dict``) and optimizer
 (``get_optimizer_state_dict``), then keep training 3 more steps (the uninterrupted run).

@@ -1,4 +1,4 @@
-"""Issue #3: a step or closure that raises leaves the original grads and a working optimizer.
+"""A step or closure that raises leaves the original grads and a working optimizer.
 
 What each attachment promises (``fsdp_patch/adapter/hook_attachment.py``):
 

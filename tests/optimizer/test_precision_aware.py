@@ -1,4 +1,4 @@
-"""Issue #3: ``precision_aware=True`` casts nothing, the update sees the bf16 grads, and the
+"""``precision_aware=True`` casts nothing, the update sees the bf16 grads, and the
 compute copy is still refreshed.
 
 Two optimizers that accept bf16 grads on fp32 parameters: torch's SGD without momentum
@@ -77,7 +77,9 @@ def _precision_aware(name: str, attachment: str) -> dict[str, bool]:
         refresh()
         tag = f"step {step}"
         checks[f"{tag}: the update saw bf16 grads"] = seen[-1] == {BF16}
-        checks[f"{tag}: same grad objects afterwards"] = all(p.grad is g for p, g in zip(model.parameters(), grad_objects))
+        checks[f"{tag}: same grad objects afterwards"] = all(
+            p.grad is g for p, g in zip(model.parameters(), grad_objects, strict=True)
+        )
         checks[f"{tag}: grads original"] = grads_are_original(opt) is None
         checks[f"{tag}: weights == unadapted on bf16 grads"] = same(main_weights(model), main_weights(ref))
         checks[f"{tag}: compute copy refreshed"] = compute_is_fresh(model) and not same(

@@ -1,4 +1,4 @@
-"""Issue #3: every LR scheduler of ``torch.optim.lr_scheduler`` drives the adapted step.
+"""Every LR scheduler of ``torch.optim.lr_scheduler`` drives the adapted step.
 
 ``LRScheduler`` re-wraps ``optimizer.step`` by binding ``optimizer.step.__func__`` to the
 optimizer, and warns ("optimizer.step() has been overridden ...") when the step it finds at
@@ -22,8 +22,8 @@ from torch.optim import lr_scheduler as L
 from tests.optimizer.support import (
     ATTACHMENTS,
     FP32,
-    O,
     HandCast,
+    O,
     adapt,
     assert_all,
     backward,
@@ -51,7 +51,9 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     ),
     "PolynomialLR": lambda o: L.PolynomialLR(o, total_iters=4, power=2.0),
     "CosineAnnealingLR": lambda o: L.CosineAnnealingLR(o, T_max=3),
-    "ChainedScheduler": lambda o: L.ChainedScheduler([L.ConstantLR(o, factor=0.5, total_iters=2), L.ExponentialLR(o, gamma=0.8)]),
+    "ChainedScheduler": lambda o: L.ChainedScheduler(
+        [L.ConstantLR(o, factor=0.5, total_iters=2), L.ExponentialLR(o, gamma=0.8)]
+    ),
     "ReduceLROnPlateau": lambda o: L.ReduceLROnPlateau(o, patience=0, factor=0.5),
     "CyclicLR": lambda o: L.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=1),
     "CosineAnnealingWarmRestarts": lambda o: L.CosineAnnealingWarmRestarts(o, T_0=2),
@@ -63,7 +65,10 @@ def test_every_scheduler_class_is_covered() -> None:
     public = {
         name
         for name, obj in vars(L).items()
-        if isinstance(obj, type) and issubclass(obj, L.LRScheduler) and not name.startswith("_") and name != "LRScheduler"
+        if isinstance(obj, type)
+        and issubclass(obj, L.LRScheduler)
+        and not name.startswith("_")
+        and name != "LRScheduler"
     }
     assert public <= SCHEDULERS.keys(), f"schedulers without a test: {public - SCHEDULERS.keys()}"
 

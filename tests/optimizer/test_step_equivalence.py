@@ -1,4 +1,4 @@
-"""Issue #3: the adapted step is the hand-cast fp32 step, bit for bit, under both attachments.
+"""The adapted step is the hand-cast fp32 step, bit for bit, under both attachments.
 
 For every optimizer of the issue's list, on 2 ranks, three copies of the bf16 TinyTransformer
 (fp32 main weights, bf16 main grads) train side by side from the same initialization on the
@@ -29,6 +29,7 @@ from tests.optimizer.support import (
     FP32,
     OPTIMIZERS,
     HandCast,
+    adapt,
     assert_all,
     backward,
     batches,
@@ -43,7 +44,6 @@ from tests.optimizer.support import (
     make_closure,
     optimizer_state,
     same,
-    adapt,
 )
 
 STEPS = 3
@@ -101,7 +101,9 @@ def _equivalence(name: str) -> dict[str, bool]:
             if closure_mode:
                 checks[f"{tag} LBFGS state == reference"] = same(lbfgs_state(opts[k]), lbfgs_state(opts["ref"]))
             else:
-                checks[f"{tag} optimizer state == reference"] = same(optimizer_state(opts[k]), optimizer_state(opts["ref"]))
+                checks[f"{tag} optimizer state == reference"] = same(
+                    optimizer_state(opts[k]), optimizer_state(opts["ref"])
+                )
         checks[f"step {step}: the reference's update saw fp32 grads only"] = bool(seen["ref"]) and all(
             s == {FP32} for s in seen["ref"]
         )

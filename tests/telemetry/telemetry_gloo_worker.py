@@ -8,8 +8,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from telemetry_testing import Group, in_memory_telemetry, metric_points, run_fake_step
 from fsdp_patch.telemetry import semconv
+from telemetry_testing import Group, in_memory_telemetry, metric_points, run_fake_step
 
 
 def rank_groups(rank: int) -> tuple[list[Group], list[list[torch.Tensor]]]:
@@ -21,7 +21,9 @@ def rank_groups(rank: int) -> tuple[list[Group], list[list[torch.Tensor]]]:
     g = torch.Generator().manual_seed(100 + rank)
     n = 64
     main = torch.randn(n, generator=g) * (1 + rank)
-    fp16 = Group(main.clone(), main.to(torch.float16), (torch.randn(n, generator=g) * (3 + 5 * rank)).to(torch.bfloat16))
+    fp16 = Group(
+        main.clone(), main.to(torch.float16), (torch.randn(n, generator=g) * (3 + 5 * rank)).to(torch.bfloat16)
+    )
     frozen_main = torch.randn(n, generator=g)
     frozen = Group(frozen_main.clone(), frozen_main.to(torch.bfloat16), None)
     step_size = 1e-1 if rank == 0 else 1e-6
@@ -61,7 +63,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
                     "compute_after": g.compute_weight.float().tolist(),
                     "grad": None if g.main_grad is None else g.main_grad.float().tolist(),
                 }
-                for b, g in zip(before, groups)
+                for b, g in zip(before, groups, strict=True)
             ]
         )
     trace_files_before_destroy = providers.written_trace_files()

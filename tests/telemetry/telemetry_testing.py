@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fsdp_patch.telemetry import semconv
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
@@ -21,7 +22,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fsdp_patch.adapter.events import GroupCast, Mismatch, MismatchAction, Phase, StepPlanned
-from fsdp_patch.telemetry import semconv
 
 
 def reset_otel_globals() -> None:
@@ -148,7 +148,7 @@ def reference_stats(
     compute_after: Sequence[np.ndarray | None],
     grads: Sequence[np.ndarray | None],
 ) -> dict[str, Any]:
-    """The design page's diagnostics computed independently with numpy over all elements
+    """The diagnostics of docs/conventions.md computed independently with numpy over all elements
     (norms over finite elements; amax float32's largest value once any grad is NaN/Inf, as
     telemetry.precision documents).
 
@@ -166,7 +166,11 @@ def reference_stats(
     nonfinite_grad = False
     for mb, cb, ma, ca, g in zip(main_before, compute_before, main_after, compute_after, grads, strict=True):
         c = ma if ca is None else ca
-        for name, arr in ((semconv.TENSOR_MAIN_WEIGHT, ma), (semconv.TENSOR_COMPUTE_WEIGHT, c), (semconv.TENSOR_MAIN_GRAD, g)):
+        for name, arr in (
+            (semconv.TENSOR_MAIN_WEIGHT, ma),
+            (semconv.TENSOR_COMPUTE_WEIGHT, c),
+            (semconv.TENSOR_MAIN_GRAD, g),
+        ):
             if arr is None:
                 continue
             nonfinite[(name, semconv.NONFINITE_NAN)] += int(np.isnan(arr).sum())

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.prometheus")
 
-from prometheus_client import CollectorRegistry  # noqa: E402
+from prometheus_client import CollectorRegistry
 
-from dashboards.demo_alerts import _ENDPOINT  # noqa: E402
-from telemetry.exporters import MetricSetup, _start_prometheus  # noqa: E402
-from telemetry.ranks import RankInfo  # noqa: E402
+from dashboards.demo_alerts import _ENDPOINT
+from telemetry.exporters import MetricSetup, _start_prometheus
+from telemetry.ranks import RankInfo
 
 
 class _Writes(io.StringIO):

@@ -79,7 +79,9 @@ def test_a_dead_collector_costs_the_flush_budget_once_and_the_trace_files_stay_c
     )
     # Two OTLP exporters stuck, a flush before destroy_process_group and a shutdown at exit: one budget.
     assert took <= BUDGET_S + 1.0, f"telemetry's exit took {took:.2f} s, want at most the {BUDGET_S} s budget + 1 s"
-    assert "did not finish within" in result.stderr, f"the collector was not waited for at all:\n{result.stderr[-3000:]}"
+    assert "did not finish within" in result.stderr, (
+        f"the collector was not waited for at all:\n{result.stderr[-3000:]}"
+    )
     events = json.loads((tmp_path / "traces" / "rank0.trace.json").read_text())["traceEvents"]
     steps = sorted(e["args"]["fsdp.step"] for e in events if e.get("name") == "fsdp.optimizer.step")
     assert steps == list(range(1, STEPS + 1)), f"the trace file holds steps {steps}: the stuck exporter held it back"

@@ -11,13 +11,15 @@ import atexit
 import importlib
 import json
 import logging
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsdp_patch.telemetry as telemetry
 import pytest
+import tomllib
 import torch
+from fsdp_patch.telemetry import FSDPOptimizerInstrumentor, providers, semconv
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.sdk.metrics import MeterProvider
@@ -29,10 +31,8 @@ from opentelemetry.trace import StatusCode
 from telemetry_testing import global_state
 
 import fsdp_patch
-import fsdp_patch.telemetry as telemetry
 from fsdp_patch.adapter import NullObserver, adaptation_of
 from fsdp_patch.optimizer import fully_shard_optimizer
-from fsdp_patch.telemetry import FSDPOptimizerInstrumentor, providers, semconv
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,9 @@ def test_scope_name_version_and_schema_url(instrumentor, otel):
     want = (semconv.SCOPE_NAME, fsdp_patch.__version__, semconv.SCHEMA_URL)
     assert got == want, f"want scope {want}, got {got}"
     data = otel.metric_reader.get_metrics_data()
-    scopes = {(s.scope.name, s.scope.version, s.scope.schema_url) for rm in data.resource_metrics for s in rm.scope_metrics}
+    scopes = {
+        (s.scope.name, s.scope.version, s.scope.schema_url) for rm in data.resource_metrics for s in rm.scope_metrics
+    }
     assert scopes == {want}, f"meter scope: want {want}, got {scopes}"
 
 
@@ -169,7 +171,9 @@ def test_rejected_step_span_carries_every_attribute_and_the_public_error_type(ot
     from fsdp_patch.adapter import adapt_optimizer
 
     optimizer = plain_optimizer(grad_dtype=torch.bfloat16)  # fp32 plain param with a bf16 grad
-    adapt_optimizer(optimizer, precision_aware=False, attachment="wrapt", observer_factory=lambda: make_observer(optimizer))
+    adapt_optimizer(
+        optimizer, precision_aware=False, attachment="wrapt", observer_factory=lambda: make_observer(optimizer)
+    )
     with pytest.raises(TypeError) as info:
         optimizer.step()
     assert type(info.value).__name__.startswith("_"), "the adapter raises an internal TypeError subclass"
@@ -199,7 +203,10 @@ def test_bare_zero_grad_records_torch_default_set_to_none(monkeypatch, otel):
     optimizer.zero_grad()
     optimizer.zero_grad(set_to_none=False)
     optimizer.zero_grad(False)
-    got = [s.attributes[semconv.ATTR_ZERO_GRAD_SET_TO_NONE] for s in spans_named(otel.span_exporter, semconv.SPAN_ZERO_GRAD)]
+    got = [
+        s.attributes[semconv.ATTR_ZERO_GRAD_SET_TO_NONE]
+        for s in spans_named(otel.span_exporter, semconv.SPAN_ZERO_GRAD)
+    ]
     assert got == [True, False, False], f"want torch's default True for a bare zero_grad(), got {got}"
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsdp_patch.telemetry import semconv
 
 from tests import models
 from tests.integration.rank_fns import environment, in_memory_otel, metric_points
-from fsdp_patch.telemetry import semconv
 
 WORLD = 2
 GRAD_MAX = (1.0, 2.0)  # max |grad| per rank
@@ -60,14 +60,19 @@ def planted_step() -> dict[str, Any]:
         precision_spans = [dict(s.attributes) for s in spans.get_finished_spans() if s.name == semconv.SPAN_PRECISION]
         points = metric_points(reader)
     rank = dist.get_rank()
-    own = {name: [value for attrs, value in values if attrs.get(semconv.ATTR_RANK) == rank] for name, values in points.items()}
+    own = {
+        name: [value for attrs, value in values if attrs.get(semconv.ATTR_RANK) == rank]
+        for name, values in points.items()
+    }
     return {"natural_underflow": natural, "precision_spans": precision_spans, "points": own}
 
 
 def test_a_diagnosed_step_reports_global_values_under_the_right_names(dist_pool) -> None:
     results = dist_pool(WORLD).run(planted_step)
     natural = sum(r["natural_underflow"] for r in results)
-    assert natural == 0, f"the model's own weights underflow fp16 in {natural} elements: the planted counts would not be exact"
+    assert natural == 0, (
+        f"the model's own weights underflow fp16 in {natural} elements: the planted counts would not be exact"
+    )
     want = {
         semconv.METRIC_GRAD_AMAX: max(GRAD_MAX),
         semconv.METRIC_REFRESH_OVERFLOW: OVERFLOW,
@@ -76,7 +81,9 @@ def test_a_diagnosed_step_reports_global_values_under_the_right_names(dist_pool)
     for rank, result in enumerate(results):
         (span,) = result["precision_spans"]
         got = {key: span[key] for key in want}
-        assert got == want, f"rank {rank}: the precision span reads {got}, want {want} (local grad max {GRAD_MAX[rank]})"
+        assert got == want, (
+            f"rank {rank}: the precision span reads {got}, want {want} (local grad max {GRAD_MAX[rank]})"
+        )
         points = result["points"]
         got_metrics = {key: points[key] for key in want}
         want_metrics = {key: [value] for key, value in want.items()}
@@ -88,8 +95,9 @@ def test_a_diagnosed_step_reports_global_values_under_the_right_names(dist_pool)
 
 def planted_stats() -> dict[str, float]:
     """The diagnostics' own result for the planted groups: snapshot before the step, stats after it."""
-    from fsdp_patch import parameter_groups
     from fsdp_patch.telemetry import precision
+
+    from fsdp_patch import parameter_groups
 
     model, optimizer, _ = _planted_model()
     groups = parameter_groups(model)

@@ -10,13 +10,13 @@ import math
 import os
 from pathlib import Path
 
+import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
+from fsdp_patch.telemetry import OptimizerObserver, env, precision, precision_report, precision_thresholds, providers
 from telemetry_testing import Group, fake_optimizer, run_fake_step
 
-import fsdp_patch.telemetry as telemetry
 from fsdp_patch.cli import main as cli_main
-from fsdp_patch.telemetry import OptimizerObserver, env, precision, precision_report, precision_thresholds, providers
 
 FP16_RANGE_FINDING = precision_thresholds.BY_CHECK["grad_amax_fp16"].finding
 NONFINITE_FINDING = precision_thresholds.BY_CHECK["nonfinite"].finding
@@ -92,14 +92,18 @@ def test_the_reports_marker_is_the_value_the_diagnostics_record() -> None:
     assert got == want, f"the report reads {got!r} as 'no finite grad amax', the diagnostics record {want!r}"
 
 
-def test_a_report_of_rotated_traces_says_the_first_steps_are_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_report_of_rotated_traces_says_the_first_steps_are_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FSDP_PATCH_TRACE_MAX_BYTES", "64K")
     monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", "10")
     monkeypatch.setenv("FSDP_PATCH_SUMMARY", "none")
     steps = 150
     text = _report_of_steps(tmp_path / "traces", [_bf16_group(0.01) for _ in range(steps)])
     run = precision_report.read_run(str(tmp_path / "traces"))
-    assert run.first_step > 1 and run.last_step == steps, f"the cap did not rotate steps away: {run.first_step}-{run.last_step}"
+    assert run.first_step > 1 and run.last_step == steps, (
+        f"the cap did not rotate steps away: {run.first_step}-{run.last_step}"
+    )
     want_note = f"note: steps 1-{run.first_step - 1} are not in these files: they were rotated away"
     assert want_note in text, f"want {want_note!r} in the report:\n{text}"
     assert "FSDP_PATCH_TRACE_MAX_BYTES" in text, text
@@ -121,4 +125,6 @@ def test_report_without_trace_files_says_where_they_come_from(
     code = cli_main(["report", str(directory)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1, f"exit {code}, stderr {err!r}"
-    assert "OTEL_TRACES_EXPORTER is unset or lists trace_file" in err, f"stderr does not say where trace files come from: {err!r}"
+    assert "OTEL_TRACES_EXPORTER is unset or lists trace_file" in err, (
+        f"stderr does not say where trace files come from: {err!r}"
+    )

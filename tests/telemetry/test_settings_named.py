@@ -10,12 +10,11 @@ import logging
 import urllib.request
 from pathlib import Path
 
+import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
-from telemetry_testing import Group, fake_optimizer, run_fake_step
-
-import fsdp_patch.telemetry as telemetry
 from fsdp_patch.telemetry import OptimizerObserver
+from telemetry_testing import Group, fake_optimizer, run_fake_step
 
 
 def _one_step() -> None:
@@ -69,7 +68,9 @@ def test_each_rank_prints_its_prometheus_endpoint_when_it_starts(monkeypatch: py
         lines = [line for line in err.splitlines() if "serves Prometheus metrics at" in line]
         assert len(lines) == 1, f"want one endpoint line, got {lines} in {err!r}"
         url = lines[0].rsplit(" ", 1)[1]
-        assert lines[0].startswith("fsdp_patch telemetry: rank 0 serves") and url.startswith("http://localhost:"), lines[0]
+        assert lines[0].startswith("fsdp_patch telemetry: rank 0 serves") and url.startswith("http://localhost:"), (
+            lines[0]
+        )
         with urllib.request.urlopen(url, timeout=10) as response:
             body = response.read().decode()
         assert "fsdp_optimizer_step_duration_seconds_count" in body, f"{url} does not serve the step metrics"
@@ -96,7 +97,9 @@ BAD_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize(("variable", "value", "others", "also"), BAD_SETTINGS, ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    ("variable", "value", "others", "also"), BAD_SETTINGS, ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_a_setting_that_cannot_be_honoured_is_named_in_one_line(
     variable: str, value: str, others: dict[str, str], also: str, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
@@ -110,12 +113,18 @@ def test_a_setting_that_cannot_be_honoured_is_named_in_one_line(
     naming = [m for m in _warnings(caplog) if variable in m]
     assert len(naming) == 1, f"{variable}={value!r}: want one line naming it, got {naming} (all: {_warnings(caplog)})"
     line = naming[0]
-    assert "\n" not in line and (repr(value) in line or not value.strip()), f"the line does not show the value: {line!r}"
+    assert "\n" not in line and (repr(value) in line or not value.strip()), (
+        f"the line does not show the value: {line!r}"
+    )
     assert also in line, f"{variable}={value!r}: the line does not say {also!r}: {line!r}"
 
 
 def test_valid_settings_are_silent(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    for variable, value in (("OTEL_SDK_DISABLED", "false"), ("OTEL_SERVICE_NAME", "llm"), ("OTEL_METRIC_EXPORT_INTERVAL", "5000")):
+    for variable, value in (
+        ("OTEL_SDK_DISABLED", "false"),
+        ("OTEL_SERVICE_NAME", "llm"),
+        ("OTEL_METRIC_EXPORT_INTERVAL", "5000"),
+    ):
         monkeypatch.setenv(variable, value)
     monkeypatch.setenv("FSDP_PATCH_SUMMARY", "none")
     with caplog.at_level(logging.WARNING):

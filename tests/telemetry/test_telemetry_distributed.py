@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
+from fsdp_patch.telemetry import semconv
 from telemetry_gloo_worker import worker
 from telemetry_testing import reference_stats
-from fsdp_patch.telemetry import semconv
 
 WORLD_SIZE = 2
 
@@ -33,7 +33,7 @@ def reference_for(results: list[dict], step: int, ranks: list[int]) -> dict:
         per_group.append(
             tuple(None if parts[0][i] is None else np.concatenate([p[i] for p in parts]) for i in range(5))
         )
-    return reference_stats(*zip(*per_group))
+    return reference_stats(*zip(*per_group, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -87,5 +87,8 @@ def test_only_selected_ranks_trace_and_destroy_process_group_flushes(results):
     assert rank1["trace_files_before_destroy"] == []  # nothing exported during the steps
     assert rank1["trace_files_after_destroy"][0].endswith("rank1.trace.json")
     spans = sorted(rank1["step_spans"], key=lambda a: a[semconv.ATTR_STEP])
-    assert [(a[semconv.ATTR_STEP], a[semconv.ATTR_RANK], a[semconv.ATTR_WORLD_SIZE]) for a in spans] == [(1, 1, 2), (2, 1, 2)]
+    assert [(a[semconv.ATTR_STEP], a[semconv.ATTR_RANK], a[semconv.ATTR_WORLD_SIZE]) for a in spans] == [
+        (1, 1, 2),
+        (2, 1, 2),
+    ]
     assert [a[semconv.ATTR_CAST_BYTES] for a in spans] == [20, 20]

@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from telemetry_testing import fake_optimizer
-
 from fsdp_patch.telemetry import env, telemetry_enabled
+from telemetry_testing import fake_optimizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,7 +116,9 @@ def test_telemetry_off_path_imports_no_opentelemetry():
     assert result.stdout.strip() == "clean"
 
 
-@pytest.mark.parametrize(("value", "want"), [(None, None), ("bf16", "bfloat16"), ("Float16", "float16"), ("fp32", "float32")])
+@pytest.mark.parametrize(
+    ("value", "want"), [(None, None), ("bf16", "bfloat16"), ("Float16", "float16"), ("fp32", "float32")]
+)
 def test_compute_dtype(monkeypatch, value, want):
     if value is not None:
         monkeypatch.setenv("FSDP_PATCH_COMPUTE_DTYPE", value)

@@ -9,8 +9,12 @@ import socket
 import time
 import urllib.request
 
+import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
+from fsdp_patch.telemetry import OptimizerObserver, exporters, providers, semconv, trace_files
+from fsdp_patch.telemetry.isolation import GuardedSpanExporter, WarnOnce, run_bounded
+from fsdp_patch.telemetry.ranks import RankInfo
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -18,12 +22,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from telemetry_testing import Group, fake_optimizer, metric_points, run_fake_step
-
-import fsdp_patch.telemetry as telemetry
-from fsdp_patch.telemetry import OptimizerObserver, exporters, providers, trace_files
-from fsdp_patch.telemetry.isolation import GuardedSpanExporter, WarnOnce, run_bounded
-from fsdp_patch.telemetry.ranks import RankInfo
-from fsdp_patch.telemetry import semconv
 
 STEP_NAMES = {semconv.SPAN_STEP, *semconv.STEP_PHASE_SPANS} - {semconv.SPAN_PRECISION}
 
@@ -206,7 +204,11 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     attributes = dict(resource.attributes)
     assert attributes["service.name"] == "llm-pretrain"
     assert attributes["deployment.environment"] == "lab" and attributes["team"] == "numerics"
-    assert (attributes[semconv.ATTR_RANK], attributes[semconv.ATTR_WORLD_SIZE], attributes["fsdp.local_rank"]) == (5, 8, 1)
+    assert (attributes[semconv.ATTR_RANK], attributes[semconv.ATTR_WORLD_SIZE], attributes["fsdp.local_rank"]) == (
+        5,
+        8,
+        1,
+    )
     assert attributes["fsdp.run_id"] == "job-42"
     monkeypatch.delenv("OTEL_SERVICE_NAME")
     assert providers.build_resource(current_rank_info()).attributes["service.name"] == "fsdp_patch"

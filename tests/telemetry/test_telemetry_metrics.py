@@ -15,8 +15,8 @@ from fsdp_patch.telemetry import instruments, semconv
 
 README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
 
-# design.md's metric table: kinds, units and attribute sets written out independently of
-# telemetry/instruments.py (the names themselves are pinned to design.md by tests/dashboards and test_semconv).
+# docs/conventions.md's metric table: kinds, units and attribute sets written out independently of
+# telemetry/instruments.py (tests/test_conventions.py pins the table to the page itself).
 DESIGN_TABLE = {
     semconv.METRIC_CAST_SIZE: ("Counter", "By", {semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET}),
     semconv.METRIC_REFRESH_DURATION: ("Histogram", "s", set()),
@@ -31,7 +31,7 @@ DESIGN_TABLE = {
     semconv.METRIC_LOST_RATIO: ("Gauge", "1", set()),
     semconv.METRIC_GRAD_AMAX: ("Gauge", "1", set()),
 }  # fmt: skip
-# Beyond the design page's table: the counts of diagnosed steps (semconv's block of them).
+# The counts of diagnosed steps (semconv's block of them).
 DIAGNOSED_STEP_COUNTS = {
     semconv.METRIC_PRECISION_STEPS: ("Counter", "{step}", set()),
     semconv.METRIC_NONFINITE_STEPS: ("Counter", "{step}", set()),

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
-
 from fsdp_patch.telemetry import precision, semconv
+from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
 
 NAN, INF = math.nan, math.inf
 
@@ -135,7 +134,9 @@ def test_all_nan_grads_read_off_scale_not_zero():
 
 def bit_copies(groups):
     return [
-        tuple(None if t is None else t.view(torch.uint8).clone() for t in (g.main_weight, g.compute_weight, g.main_grad))
+        tuple(
+            None if t is None else t.view(torch.uint8).clone() for t in (g.main_weight, g.compute_weight, g.main_grad)
+        )
         for g in groups
     ]
 
@@ -146,7 +147,7 @@ def test_precision_end_leaves_every_buffer_bitwise_unchanged(make_observer):
     groups, new_mains = [messy, *groups], [after, *new_mains]
     observer = make_observer()
     snapshot = observer.precision_begin(groups)
-    for group, new in zip(groups, new_mains):
+    for group, new in zip(groups, new_mains, strict=True):
         group.main_weight.copy_(new)
         if group.compute_weight is not group.main_weight:
             group.compute_weight.copy_(group.main_weight)
@@ -156,11 +157,11 @@ def test_precision_end_leaves_every_buffer_bitwise_unchanged(make_observer):
 
     observer.precision_end(snapshot, groups)
 
-    for now, then in zip(bit_copies(groups), buffers):
-        for a, b in zip(now, then):
+    for now, then in zip(bit_copies(groups), buffers, strict=True):
+        for a, b in zip(now, then, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
     snapped = [t for group in snapshot.main_weights for t in group]
-    assert all(torch.equal(s.view(torch.uint8), b) for s, b in zip(snapped, snap_bits))
+    assert all(torch.equal(s.view(torch.uint8), b) for s, b in zip(snapped, snap_bits, strict=True))
     assert [g.main_weight._version for g in groups] == versions
 
 
@@ -173,7 +174,12 @@ def test_observer_records_the_diagnostics(otel, make_observer, monkeypatch):
     expected_nonfinite = {(semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_INF): 1, (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN): 1,
                           (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_INF): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_INF): 2}  # fmt: skip
     for (tensor, kind), count in expected_nonfinite.items():
-        assert point_value(points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: tensor, semconv.ATTR_NONFINITE_KIND: kind}) == count
+        assert (
+            point_value(
+                points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: tensor, semconv.ATTR_NONFINITE_KIND: kind}
+            )
+            == count
+        )
     assert point_value(points, semconv.METRIC_REFRESH_OVERFLOW) == 1
     assert point_value(points, semconv.METRIC_REFRESH_UNDERFLOW) == 1
     assert point_value(points, semconv.METRIC_LOST_RATIO) == pytest.approx(4 / 7)
@@ -186,15 +192,21 @@ def test_observer_records_the_diagnostics(otel, make_observer, monkeypatch):
     run_fake_step(observer, groups, new_mains)
     points = otel.points()
     assert point_value(points, semconv.METRIC_REFRESH_OVERFLOW) == 1
-    assert point_value(points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: semconv.TENSOR_COMPUTE_WEIGHT}, **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF}) == 2
+    assert (
+        point_value(
+            points,
+            semconv.METRIC_NONFINITE,
+            **{semconv.ATTR_TENSOR: semconv.TENSOR_COMPUTE_WEIGHT},
+            **{semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF},
+        )
+        == 2
+    )
     assert point_value(points, semconv.METRIC_GRAD_AMAX) == reference["grad_amax"]
     assert point_value(points, semconv.METRIC_REFRESH_ERROR) == pytest.approx(reference["refresh_error"], rel=1e-5)
     assert point_value(points, semconv.METRIC_LOST_RATIO) == pytest.approx(reference["lost_ratio"])
 
 
-@pytest.mark.parametrize(
-    ("every", "due_steps"), [("1", [1, 2, 3, 4, 5, 6]), ("3", [1, 3, 6]), ("0", []), (None, [1])]
-)
+@pytest.mark.parametrize(("every", "due_steps"), [("1", [1, 2, 3, 4, 5, 6]), ("3", [1, 3, 6]), ("0", []), (None, [1])])
 def test_precision_schedule(make_observer, monkeypatch, every, due_steps):
     if every is not None:
         monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", every)
@@ -249,7 +261,7 @@ def test_tensor_list_groups_against_numpy_reference(compute_dtype, monkeypatch):
     grads = [messy.main_grad.float(), torch.randn(33, generator=g)]  # the empty shard has no grad
     group = ListGroup([m.clone() for m in mains], grads, compute_dtype)
     snapshot = precision.take_snapshot([group])
-    for weight, value in zip(group.main_weights, new):
+    for weight, value in zip(group.main_weights, new, strict=True):
         weight.copy_(value)
     stats = precision.compute_stats(snapshot, [group])
 

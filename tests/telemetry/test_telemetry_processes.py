@@ -63,7 +63,13 @@ def run_python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[
     script = cwd / "script.py"
     script.write_text(textwrap.dedent(code))
     return subprocess.run(
-        [sys.executable, str(script)], cwd=cwd, env=environment, capture_output=True, text=True, timeout=180, check=False
+        [sys.executable, str(script)],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
 
 
@@ -86,10 +92,13 @@ def test_script_beside_its_own_telemetry_py_trains(tmp_path, telemetry_on):
 
 
 def test_telemetry_off_imports_only_what_deciding_off_needs(tmp_path):
-    code = ONE_ADAPTED_STEP + """
+    code = (
+        ONE_ADAPTED_STEP
+        + """
     print(sorted(m for m in sys.modules if m.startswith("fsdp_patch.telemetry")))
     print(sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"))
     """
+    )
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     telemetry_modules, otel_modules = result.stdout.strip().splitlines()
@@ -100,13 +109,16 @@ def test_telemetry_off_imports_only_what_deciding_off_needs(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
 def test_forked_child_that_exits_prints_no_second_summary(tmp_path):
-    code = ONE_ADAPTED_STEP + """
+    code = (
+        ONE_ADAPTED_STEP
+        + """
     pid = os.fork()
     if pid == 0:
         sys.exit(0)  # runs the inherited atexit hooks, as a worker that returns normally does
     os.waitpid(pid, 0)
     print("parent done")
     """
+    )
     result = run_python(code, tmp_path, FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_TRACE_DIR=str(tmp_path / "traces"))
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = result.stderr.count("fsdp_patch telemetry summary")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fsdp_patch.telemetry import semconv
 from opentelemetry.trace import StatusCode
 from telemetry_testing import Group, run_fake_step
 
 from fsdp_patch.adapter.events import Phase
-from fsdp_patch.telemetry import semconv
 
 PHASES = [semconv.SPAN_CAST_GRADS, semconv.SPAN_INNER_STEP, semconv.SPAN_RESTORE_GRADS, semconv.SPAN_REFRESH]
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import torch
+from fsdp_patch.telemetry import semconv, timing
 from telemetry_testing import fake_optimizer, run_fake_step
-
-from fsdp_patch.telemetry import timing
-from fsdp_patch.telemetry import semconv
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""Bounded trace files (issue 9): a size cap per rank with rotation, and streaming conversions.
+"""Bounded trace files: a size cap per rank with rotation, and streaming conversions.
 
 A long run under a small ``max_bytes`` cap keeps each rank's files (Chrome segments and the
 Jaeger file written at exit) under the cap, keeps the newest steps, and leaves every file
@@ -14,16 +14,17 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from fsdp_patch.telemetry import trace_files, trace_limits, trace_reading
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-
-from fsdp_patch.telemetry import trace_files, trace_limits, trace_reading
 
 CAP = 64 << 10
 PHASES = ("cast_grads", "inner_step", "restore_grads", "refresh")
 
 
-def _write_steps(directory: Path, rank: int, steps: int, max_bytes: int, jaeger: bool = True) -> trace_files.TraceFileExporter:
+def _write_steps(
+    directory: Path, rank: int, steps: int, max_bytes: int, jaeger: bool = True
+) -> trace_files.TraceFileExporter:
     """What the adapter emits per step (a step span and its phases), through a real SDK provider."""
     exporter = trace_files.TraceFileExporter(
         str(directory), rank, {"service.name": "svc", "fsdp.rank": rank}, jaeger_at_shutdown=jaeger, max_bytes=max_bytes
@@ -121,7 +122,9 @@ def _peak_bytes(fn, *args) -> int:
         tracemalloc.stop()
 
 
-@pytest.mark.parametrize("convert", [trace_files.write_jaeger, trace_files.merge_chrome_traces], ids=["jaeger", "merge"])
+@pytest.mark.parametrize(
+    "convert", [trace_files.write_jaeger, trace_files.merge_chrome_traces], ids=["jaeger", "merge"]
+)
 def test_conversion_memory_does_not_grow_with_the_file(traces: dict[str, Path], tmp_path: Path, convert) -> None:
     small, large = traces["small"].stat().st_size, traces["large"].stat().st_size
     assert large > 50 * CAP, f"the large input is only {large} bytes"
@@ -169,7 +172,11 @@ def test_directory_inputs_read_rotated_segments_oldest_first(tmp_path: Path) -> 
     assert got == [(0, 1), (0, 0), (1, 1), (1, 0)], got
     output = tmp_path / "merged.json"
     count = trace_files.merge_chrome_traces([str(tmp_path)], str(output))
-    steps = [e["args"]["fsdp.step"] for e in json.loads(output.read_text())["traceEvents"] if e["name"] == "fsdp.optimizer.step" and e["pid"] == 0]
+    steps = [
+        e["args"]["fsdp.step"]
+        for e in json.loads(output.read_text())["traceEvents"]
+        if e["name"] == "fsdp.optimizer.step" and e["pid"] == 0
+    ]
     assert steps == sorted(steps) and steps[-1] == 300, f"rank 0's steps in the merge: {steps[:3]}..{steps[-3:]}"
     assert count > 0
 
@@ -201,7 +208,11 @@ def test_streaming_reader_reads_across_chunk_boundaries(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("", "expected '{' or '['"), ('{"x": 1}', 'no "traceEvents" array'), ('{"traceEvents": [{"a": 1} {"b": 2}]}', "expected ',' or ']'")],
+    [
+        ("", "expected '{' or '['"),
+        ('{"x": 1}', 'no "traceEvents" array'),
+        ('{"traceEvents": [{"a": 1} {"b": 2}]}', "expected ',' or ']'"),
+    ],
     ids=["empty", "no-events", "missing-comma"],
 )
 def test_streaming_reader_names_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
@@ -214,7 +225,14 @@ def test_streaming_reader_names_what_is_wrong(tmp_path: Path, text: str, message
 
 @pytest.mark.parametrize(
     ("value", "want"),
-    [("", trace_limits.DEFAULT_TRACE_MAX_BYTES), ("0", 0), ("65536", 65536), ("64K", 65536), ("128M", 128 << 20), ("1GiB", 1 << 30)],
+    [
+        ("", trace_limits.DEFAULT_TRACE_MAX_BYTES),
+        ("0", 0),
+        ("65536", 65536),
+        ("64K", 65536),
+        ("128M", 128 << 20),
+        ("1GiB", 1 << 30),
+    ],
 )
 def test_trace_max_bytes_values(value: str, want: int) -> None:
     got = trace_limits.trace_max_bytes({trace_limits.TRACE_MAX_BYTES: value})
