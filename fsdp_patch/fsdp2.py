@@ -18,7 +18,7 @@ names of torch; a torch without them gives no groups (and the adapter then sees 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,22 +36,57 @@ class FSDP2Group:
         compute_dtype: The dtype FSDP2 casts them to at its next all-gather (the module's
             ``MixedPrecisionPolicy.param_dtype``); ``None`` when FSDP2 does not cast them.
         process_group: The group the parameters are sharded over.
+        others: The group's other sharded parameters, which the optimizer does not hold (they
+            train like the rest, but nothing steps them), in FSDP2's order.
+        fsdp_params: FSDP2's ``FSDPParam`` of each of :attr:`members`, for their names.
+        fsdp_group: FSDP2's ``FSDPParamGroup``, for the name of its module.
     """
 
     params: list[nn.Parameter]
     compute_dtype: torch.dtype | None
     process_group: Any
+    others: list[nn.Parameter] = field(default_factory=list)
+    fsdp_params: list[Any] = field(default_factory=list, repr=False)
+    fsdp_group: Any = field(default=None, repr=False)
+
+    @property
+    def members(self) -> list[nn.Parameter]:
+        """Every sharded parameter of the group: the optimizer's, then :attr:`others`."""
+        return [*self.params, *self.others]
 
     @property
     def main_weights(self) -> list[torch.Tensor]:
-        """This rank's shards (the tensors the optimizer updates), without padding."""
-        return [p._local_tensor for p in self.params]
+        """This rank's shards of :attr:`members`, without padding."""
+        return [p._local_tensor for p in self.members]
 
     @property
     def main_grads(self) -> list[torch.Tensor]:
-        """This rank's grad shards of the parameters that have a grad."""
-        return [p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-                for p in self.params if p.grad is not None]  # fmt: skip
+        """This rank's grad shards of the members that have a grad."""
+        return [g for g in self.local_grads if g is not None]
+
+    @property
+    def local_grads(self) -> list[torch.Tensor | None]:
+        """This rank's grad shard of each of :attr:`members` (``None`` where it has none)."""
+        return [None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad) for p in self.members]
+
+    @property
+    def unit_name(self) -> str:
+        """The fully qualified name of the module FSDP2 sharded into this group (``""`` for the root)."""
+        return getattr(self.fsdp_group, "_module_fqn", None) or ""
+
+    @property
+    def names(self) -> list[str]:
+        """Fully qualified names of :attr:`members`, as FSDP2 records them at its lazy initialization
+        (before the first forward: the unit's name and the parameter's own)."""
+        names = []
+        for index, fsdp_param in enumerate(self.fsdp_params):
+            name = getattr(fsdp_param, "_param_fqn", None)
+            if not name:
+                info = getattr(fsdp_param, "_module_info", None)
+                own = getattr(info, "param_name", None) or f"param{index}"
+                name = f"{self.unit_name}.{own}" if self.unit_name else own
+            names.append(name)
+        return names
 
 
 def _fsdp2_params() -> dict[int, tuple[Any, Any]]:
@@ -99,14 +134,21 @@ def fsdp2_groups(params: Iterable[torch.Tensor]) -> list[FSDP2Group]:
         entry = managed.get(id(param))
         if entry is None:
             continue
-        group, _ = entry
+        group, fsdp_param = entry
         found = groups.get(id(group))
         if found is None:
             dtype = group.mp_policy.param_dtype
             found = groups[id(group)] = FSDP2Group(
-                [], None if dtype in (None, param.dtype) else dtype, _process_group(group)
+                [], None if dtype in (None, param.dtype) else dtype, _process_group(group), fsdp_group=group
             )
         if not any(p is param for p in found.params):
             found.params.append(param)
+            found.fsdp_params.append(fsdp_param)
+    for found in groups.values():
+        held = {id(p) for p in found.params}
+        for fsdp_param in found.fsdp_group.fsdp_params:
+            if id(fsdp_param.sharded_param) not in held:
+                found.others.append(fsdp_param.sharded_param)
+                found.fsdp_params.append(fsdp_param)
     return list(groups.values())
 
