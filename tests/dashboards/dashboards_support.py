@@ -41,7 +41,16 @@ ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
     semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_ACTIONS,
     semconv.ATTR_TENSOR: semconv.TENSORS,
     semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_KINDS,
+    semconv.ATTR_DTYPE_EXPECTED: DTYPES,
+    semconv.ATTR_DTYPE_ACTUAL: DTYPES,
 }
+# Instruments the attribution adds after design.md's patterns (design.md's "Attribution" section
+# leaves their names to semconv); every other instrument is one of design.md's "Metrics" rows.
+ATTRIBUTION_METRICS = {semconv.METRIC_DTYPE_CONTRACT, semconv.METRIC_SKIPPED_STEPS}
+# With FSDP_PATCH_PRECISION_DETAIL=unit these carry fsdp.unit too (units of a model: the root is "").
+UNIT_LABELLED = {semconv.METRIC_NONFINITE, semconv.METRIC_REFRESH_OVERFLOW, semconv.METRIC_REFRESH_UNDERFLOW,
+                 semconv.METRIC_REFRESH_ERROR, semconv.METRIC_LOST_RATIO, semconv.METRIC_GRAD_AMAX}
+UNITS = ("", "blocks.0")
 
 
 @dataclass(frozen=True)
@@ -87,8 +96,10 @@ def exposition_for_rank(rank: str) -> str:
         instruments = create_instruments(provider.get_meter("fsdp_patch"))
         for metric in instrument_table():
             keys = sorted(metric.attributes)
-            for values in itertools.product(*(metric.attributes[k] for k in keys)):
-                point = {RANK_ATTRIBUTE: int(rank), **dict(zip(keys, values))}
+            units = ((semconv.ATTR_UNIT, u) for u in UNITS) if metric.name in UNIT_LABELLED else ()
+            for values, unit in itertools.product(itertools.product(*(metric.attributes[k] for k in keys)),
+                                                  (None, *units)):  # fmt: skip
+                point = {RANK_ATTRIBUTE: int(rank), **dict(zip(keys, values)), **dict([unit] if unit else [])}
                 instrument = instruments[metric.name]
                 if metric.kind == "Counter":
                     instrument.add(3, point)

@@ -67,9 +67,14 @@ def test_each_threshold_fires_on_its_line_and_names_the_bug(tmp_path: Path) -> N
         5: {"fsdp.precision.grad.amax": 0.0},
         6: {"fsdp.precision.refresh.error": 0.01, "fsdp.precision.refresh.underflow": 2},
         7: {"fsdp.precision.grad.amax": 1e5},
+        8: {"fsdp.precision.update.unstepped": 1},
+        9: {"fsdp.precision.state.nonfinite": 2},
+        10: {"fsdp.precision.update.stuck": 1},
+        11: {"fsdp.precision.state.flushed": 0.5},
+        12: {"fsdp.precision.update.skipped": 1},
     }
-    _write(tmp_path, diagnostics, steps=7)
-    got = _verdicts(tmp_path)
+    _write(tmp_path, diagnostics, steps=12)
+    got = _verdicts(tmp_path, lines=12)
     want = [
         (1, 1, "healthy", []),
         (2, 2, "warning", ["lost_updates"]),
@@ -78,9 +83,14 @@ def test_each_threshold_fires_on_its_line_and_names_the_bug(tmp_path: Path) -> N
         (5, 5, "warning", ["grad_zero"]),
         (6, 6, "warning", ["refresh_error", "refresh_underflow"]),
         (7, 7, "warning", ["grad_amax_fp16"]),
+        (8, 8, "problem", ["unstepped_weights"]),
+        (9, 9, "problem", ["state_nonfinite"]),
+        (10, 10, "warning", ["stuck_weights"]),
+        (11, 11, "warning", ["state_flushed"]),
+        (12, 12, "warning", ["skipped_steps"]),
     ]
     assert got == want, got
-    text = precision_report.report(str(tmp_path))
+    text = precision_report.report(str(tmp_path), max_lines=12)
     assert "overall: problem: NaN/Inf in gradients or weights, from step 3" in text, text
     line4 = next(line for line in text.splitlines() if line.strip().startswith("4-4"))
     # The overflow explains the Inf compute weights the non-finite count includes: named first.
