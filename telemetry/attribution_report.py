@@ -164,7 +164,7 @@ def _value(diagnostic: str, value: float) -> str:
         return f"{value:.0f} diagnosed steps"
     if diagnostic in (semconv.METRIC_NONFINITE, semconv.METRIC_REFRESH_OVERFLOW, semconv.METRIC_REFRESH_UNDERFLOW,
                       semconv.DIAGNOSTIC_STATE_NONFINITE):  # fmt: skip
-        return f"{value:.0f} elements"
+        return f"{value:.0f} element{'s' if value != 1 else ''}"
     if diagnostic == semconv.DIAGNOSTIC_UPDATE_RESOLUTION:
         return f"update {value:.2g}x the compute dtype's rounding step"
     return f"{value:.3g}"
@@ -183,6 +183,17 @@ CHECK_DIAGNOSTICS: dict[str, tuple[tuple[str, bool], ...]] = {
     "state_nonfinite": ((semconv.DIAGNOSTIC_STATE_NONFINITE, False),),
     "state_flushed": ((semconv.DIAGNOSTIC_STATE_FLUSHED, False),),
 }
+# Checks whose first step is where to look: what spreads from there (NaN, Inf) names every
+# parameter a step later, so only the first step's parameters are listed.
+AT_FIRST_STEP = {"nonfinite", "state_nonfinite", "refresh_overflow"}
+
+
+def _span(check: str, first_step: int) -> tuple[int, int | None]:
+    if check in AT_FIRST_STEP:
+        return first_step, first_step
+    return (0 if check == "lost_updates" else first_step), None
+
+
 _LABELS = {
     semconv.METRIC_REFRESH_OVERFLOW: "overflowing",
     semconv.METRIC_NONFINITE: "with NaN/Inf",
@@ -210,8 +221,9 @@ def first_text(first: FirstBad, step_offset: int) -> str:
     ranks = ", ".join(str(r) for r in first.ranks) or "?"
     others = first.params_count - 1
     also = f"; {others} other parameter{'s' if others != 1 else ''} too ({', '.join(first.params[1:])}{', ...' if others > len(first.params) - 1 else ''})" if others > 0 else ""  # noqa: E501
+    kind = {"nan": "NaN", "inf": "Inf"}.get(first.kind, "non-finite")
     return (f"first NaN/Inf: step {first.step + step_offset}, rank{'s' if len(first.ranks) != 1 else ''} {ranks}, "
-            f"{first.param} ({_where(first.unit)}), {tensor}: {first.elements} {first.kind or 'non-finite'} "
+            f"{first.param} ({_where(first.unit)}), {tensor}: {first.elements} {kind} "
             f"element{'s' if first.elements != 1 else ''}{also}")  # fmt: skip
 
 
@@ -227,8 +239,9 @@ def details(trace: AttributionTrace, check: str, first_step: int, limit: int, st
             lines.append(f"{v.param} ({_where(v.unit)}): {what} is {v.actual}, expected {v.expected} "
                          f"(step {v.step + step_offset}, ranks {ranks})")  # fmt: skip
         return lines
+    first, last = _span(check, first_step)
     for diagnostic, lowest in CHECK_DIAGNOSTICS.get(check, ()):
-        named = trace.worst(diagnostic, limit, lowest=lowest, first=first_step if check != "lost_updates" else 0)
+        named = trace.worst(diagnostic, limit, lowest=lowest, first=first, last=last)
         if named:
             lines.append(f"{_LABELS[diagnostic]}: " + "; ".join(_named_text(n, diagnostic, s, step_offset) for n, s in named))
     return lines
@@ -249,8 +262,9 @@ def details_json(trace: AttributionTrace, check: str, first_step: int, limit: in
             for v in sorted(trace.violations.values(), key=lambda v: (v.step, v.param))
         ]  # fmt: skip
         return out
+    first, last = _span(check, first_step)
     for diagnostic, lowest in CHECK_DIAGNOSTICS.get(check, ()):
-        named = trace.worst(diagnostic, limit, lowest=lowest, first=first_step if check != "lost_updates" else 0)
+        named = trace.worst(diagnostic, limit, lowest=lowest, first=first, last=last)
         if named:
             out.setdefault("parameters", []).extend(
                 {"diagnostic": diagnostic, "param": n.param, "unit": n.unit, "value": n.value, "state": n.state,
