@@ -47,6 +47,12 @@ _KIND_SLOTS = {
 }
 
 
+RESOLUTION_MEASURED_FROM = 0.5
+"""The update of a parameter is measured against the compute dtype's rounding step (an extra pass
+over its elements) where at least this fraction of its updates was lost at its last diagnosed
+step: a parameter that keeps most of its updates has them above the rounding step."""
+
+
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Half the distance from 1 to the next number of ``dtype``: 2^-8 for bfloat16, 2^-11 for float16."""
     return torch.finfo(dtype).eps / 2
@@ -177,6 +183,15 @@ class Attribution:
         self.first_nonfinite: FirstNonfinite | None = None
         self._stuck: dict[str, int] = {}
         self._unstepped: dict[str, int] = {}
+        # Lost ratio of each parameter at its last diagnosed step (reduced: the same on every rank).
+        self._last_lost: dict[str, float] = {}
+
+    def update_slots(self, table: Sequence[ParamSlot]) -> set[int]:
+        """The slots whose update is measured this step (``param_stats.local_rows(update_slots=)``):
+        those that lost at least :data:`RESOLUTION_MEASURED_FROM` of their updates at their last
+        diagnosed step, and those not diagnosed yet. Every rank picks the same ones (they read the
+        reduced rows), so the collective's sums stay whole."""
+        return {i for i, slot in enumerate(table) if self._last_lost.get(slot.name, 1.0) >= RESOLUTION_MEASURED_FROM}
 
     def analyze(
         self,
@@ -211,6 +226,7 @@ class Attribution:
             ):
                 if value > 0 and math.isfinite(value):
                     ranked[diagnostic].append((value, index, None, None))
+            self._last_lost[slot.name] = lost_ratio(row) if row[ps.CHANGED] else self._last_lost.get(slot.name, 1.0)
             resolution = update_resolution(slot, row)
             if resolution is not None and resolution < 1:
                 ranked[semconv.DIAGNOSTIC_UPDATE_RESOLUTION].append((-resolution, index, None, None))
@@ -404,9 +420,21 @@ def audit_dtypes(optimizer: torch.optim.Optimizer) -> list[ContractViolation]:
             for param, tensor, key, expected, actual in found]  # fmt: skip
 
 
+# State whose NaN/Inf reaches the main weight within the step that wrote it, whatever the learning
+# rate (the update adds a multiple of it: Adam's param.addcdiv_(exp_avg, denom), SGD's
+# param.add_(momentum_buffer); 0 * Inf is NaN too), for these classes exactly (a subclass may step
+# otherwise). A second moment is not among them: an Inf there makes the update 0, not NaN.
+SHOWS_IN_WEIGHT: dict[type, frozenset[str]] = {
+    torch.optim.Adam: frozenset({"exp_avg"}),
+    torch.optim.AdamW: frozenset({"exp_avg"}),
+    torch.optim.SGD: frozenset({"momentum_buffer"}),
+}
+
+
 def state_tensors(optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]) -> tuple[list[list[ps.StateTensor]], list[tuple[str, ...]]]:
     """Per slot, its optimizer state tensors (local shards, flattened; the first
     ``param_stats.MAX_STATES`` floating tensors that are not 0-d, in the state's order) and their keys."""
+    shows = SHOWS_IN_WEIGHT.get(type(optimizer), frozenset())
     tensors: list[list[ps.StateTensor]] = []
     keys: list[tuple[str, ...]] = []
     for slot in table:
@@ -417,7 +445,7 @@ def state_tensors(optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]) 
                 break
             if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
                 local = getattr(value, "_local_tensor", value)
-                found.append(ps.StateTensor(key, len(found), local.detach().reshape(-1)))
+                found.append(ps.StateTensor(key, len(found), local.detach().reshape(-1), key in shows))
         tensors.append(found)
         keys.append(tuple(s.key for s in found))
     return tensors, keys

@@ -376,15 +376,19 @@ class OptimizerObserver:
         table: list[param_stats.ParamSlot] | None = None
         keys: list[tuple[str, ...]] = []
         try:
-            table = param_stats.param_table(groups, self._default_compute_dtype)
-            states = None
-            if detail and optimizer is not None:
-                states, keys = attribution.state_tensors(optimizer, table)
-            local = param_stats.payload(param_stats.local_rows(snapshot, groups, table, states, detail=detail))
+            table = param_stats.param_table(groups, self._default_compute_dtype, per_parameter=detail)
+            states, update_slots = None, None
+            if self._attribution is not None:
+                update_slots = self._attribution.update_slots(table)
+                if optimizer is not None:
+                    states, keys = attribution.state_tensors(optimizer, table)
+            local = param_stats.payload(
+                param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots)
+            )
         except Exception as exc:
             self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
-            count = len(table) if table is not None else param_stats.slot_count(groups)
+            count = len(table) if table is not None else param_stats.slot_count(groups, per_parameter=detail)
             local = param_stats.failed_payload(count, self._parameter_device())
         gathered = param_stats.gather_rows(local, precision.first_process_group(groups))
         reduced, complete = param_stats.split_status(param_stats.reduce_gathered(gathered))

@@ -26,15 +26,15 @@ Row slots (the first 13 are precision's whole-model slots, in its order):
 * ``STATE_NAN + 2 i``, ``STATE_INF + 2 i``: NaN and Inf elements of the parameter's i-th
   optimizer state tensor (at most :data:`MAX_STATES`).
 
-Counting a bool mask with ``count_nonzero`` runs at about 1 ns per element on a CPU, several
-times slower than the comparison that made it; :func:`_count_true` sums the mask as 64-bit words
-instead (eight lanes of bytes, 128 words at a time so no lane carries), which is memory-bound.
+Counting a bool mask with ``count_nonzero`` runs at about 1 ns per element on a CPU, slower than
+the comparison that made it; :func:`_count_true` sums the mask as 64-bit words instead (eight
+lanes of bytes, 128 words at a time so no lane carries), which is memory-bound.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,13 +108,16 @@ def _unit_of_flat_group(group: Any) -> str:
         return ""
 
 
-def param_table(groups: Sequence[Any], default_compute_dtype: torch.dtype | None = None) -> list[ParamSlot]:
+def param_table(
+    groups: Sequence[Any], default_compute_dtype: torch.dtype | None = None, per_parameter: bool = True
+) -> list[ParamSlot]:
     """One :class:`ParamSlot` per parameter of ``groups``, in group order, then parameter order.
 
     Groups with a ``layout`` (``fully_shard``'s) give one slot per parameter of their flat
     buffers, named by ``names``; tensor-list groups (FSDP2's) one per tensor, named by ``names``
     where they have them; a flat group without a layout is one slot. Stand-ins without names
-    are named ``group{g}`` (and ``.{i}`` per tensor).
+    are named ``group{g}`` (and ``.{i}`` per tensor). ``per_parameter=False`` makes a flat
+    group one slot (named after its first parameter): the whole-model diagnostics alone.
     """
     table: list[ParamSlot] = []
     for g, group in enumerate(groups):
@@ -132,9 +135,10 @@ def param_table(groups: Sequence[Any], default_compute_dtype: torch.dtype | None
             continue
         main = w.mains[0]
         layout = getattr(group, "layout", None)
-        if layout is None:
+        if layout is None or not per_parameter:
             names = getattr(group, "names", None) or [f"group{g}"]
-            table.append(ParamSlot(names[0], "", None, g, 0, 0, main.numel(), dtype, main.dtype))
+            unit = "" if layout is None else _unit_of_flat_group(group)
+            table.append(ParamSlot(names[0], unit, None, g, 0, 0, main.numel(), dtype, main.dtype))
             continue
         unit = _unit_of_flat_group(group)
         params = getattr(group, "params", None) or [None] * len(layout.params)
@@ -200,12 +204,22 @@ def _count_true(mask: torch.Tensor) -> torch.Tensor:
     return words.sum(dim=1).view(torch.uint8).sum(dtype=torch.int64)
 
 
+def _nonzero(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Non-zero elements of ``t`` (NaN counts, -0.0 does not), as ``count_nonzero`` counts them:
+    converting into a bool mask and counting its words runs several times faster."""
+    return _count_true(mask.copy_(t))
+
+
 def _count_nonfinite(rows: _Rows, row: int, t: torch.Tensor, nan_slot: int, inf_slot: int) -> None:
     rows.add(row, nan_slot, torch.count_nonzero(torch.isnan(t)))
     rows.add(row, inf_slot, torch.count_nonzero(torch.isinf(t)))
 
 
 def _sq_norm(t: torch.Tensor) -> torch.Tensor:
+    """``sum(t**2)`` as float64: a dot product (BLAS, twice as fast as ``vector_norm`` on a CPU,
+    with vectorized partial sums) for float32/float64 chunks."""
+    if t.dtype in (torch.float32, torch.float64):
+        return torch.dot(t, t).double()
     return torch.linalg.vector_norm(t).double().square()
 
 
@@ -241,22 +255,27 @@ def _weight_chunk(
             rows.add(row, MAIN_SQ, _sq_norm(torch.where(torch.isfinite(m), m, 0.0)))
         return
     scratch = precision._scratch
+    c = compute if compute is not None else scratch.get("compute", m, compute_dtype, n).copy_(m)
+    wide_dtype = torch.promote_types(torch.promote_types(m.dtype, c.dtype), torch.float32)
+    # The compute weight widened once: a subtraction and a count of one dtype each run faster than
+    # their mixed-dtype forms, which widen element by element.
+    wide = scratch.get("compute_wide", m, wide_dtype, n).copy_(c)
     if compute is None:
-        c = scratch.get("compute", m, compute_dtype, n).copy_(m)
         cb = scratch.get("compute_before", m, compute_dtype, n).copy_(mb)
         other = _masks.get("mask2", m, n)
         rows.add(row, LOST, changed - _count_true(torch.ne(precision._bits(c), precision._bits(cb), out=other)))
-        nonzero_main = _count_true(torch.ne(m, 0, out=mask))
-        rows.add(row, UNDERFLOW, nonzero_main - _count_true(torch.ne(c, 0, out=other)))
+        rows.add(row, UNDERFLOW, _nonzero(mask, m) - _nonzero(other, c))
     else:
-        c, cb = compute, compute_before
+        cb = compute_before
         kept = _masks.get("mask2", m, n)
         torch.eq(precision._bits(c), precision._bits(cb), out=kept)
         rows.add(row, LOST, _count_true(torch.logical_and(mask, kept, out=kept)))  # mask: changed(main)
-        torch.eq(c, 0, out=kept)
-        rows.add(row, UNDERFLOW, _count_true(torch.logical_and(torch.ne(m, 0, out=mask), kept, out=kept)))
-    diff = scratch.get("diff", m, torch.promote_types(torch.promote_types(m.dtype, c.dtype), torch.float32), n)
-    torch.sub(m, c, out=diff)
+        # A comparison with a scalar runs several times slower than a conversion to bool
+        # (x != 0) or logical_not (x == 0).
+        torch.logical_not(c, out=kept)
+        rows.add(row, UNDERFLOW, _count_true(torch.logical_and(mask.copy_(m), kept, out=kept)))
+    diff = scratch.get("diff", m, wide_dtype, n)
+    torch.sub(m, wide, out=diff)
     if healthy:
         rows.add(row, DIFF_SQ, _sq_norm(diff))
         if update:
@@ -276,12 +295,21 @@ def _weight_chunk(
 
 @dataclass(frozen=True)
 class StateTensor:
-    """One optimizer state tensor of a parameter: its key, index among the parameter's state
-    tensors (< :data:`MAX_STATES`) and this rank's local tensor, flattened."""
+    """One optimizer state tensor of a parameter.
+
+    Attributes:
+        key: Its key in the parameter's state.
+        index: Its index among the parameter's state tensors (< :data:`MAX_STATES`).
+        local: This rank's local tensor, flattened.
+        shows_in_weight: A NaN/Inf in it reaches the main weight within the step that wrote it
+            (the optimizer's update is linear in it: Adam's ``exp_avg``, SGD's momentum), so it
+            is counted only where the main weight holds NaN/Inf after the step.
+    """
 
     key: str
     index: int
     local: torch.Tensor
+    shows_in_weight: bool = False
 
 
 @dataclass
@@ -335,6 +363,7 @@ def local_rows(
     table: Sequence[ParamSlot],
     states: Sequence[Sequence[StateTensor]] | None = None,
     detail: bool = True,
+    update_slots: Collection[int] | None = None,
 ) -> torch.Tensor:
     """This rank's rows, one per slot of ``table`` (float64, ``(len(table), ROW)``, on the
     buffers' device); reads the buffers, writes none.
@@ -346,6 +375,8 @@ def local_rows(
         states: Per slot, its optimizer state tensors (none: no state diagnostics).
         detail: Also compute what only attribution reads (``UPDATE_SQ``, the state slots);
             ``False`` computes the whole-model diagnostics alone.
+        update_slots: The slots whose ``UPDATE_SQ`` is computed (of those whose compute dtype
+            is narrower than the main dtype); ``None``: all of them.
 
     Raises:
         ValueError: ``groups`` does not match the snapshot, or ``states`` the table.
@@ -365,6 +396,10 @@ def local_rows(
         narrow = [s.derived_dtype is not None and s.compute is None
                   and torch.finfo(s.derived_dtype).max < precision._WIDE_RANGE for s in segments]  # fmt: skip
         plan: list[tuple[str, int, int]] = []  # (what, segment, state index) per probe after the norms
+        # State tensors: the second moment by its min/max (is some element 0?), the others by
+        # one fused L2 norm (finite unless they hold NaN/Inf).
+        normed: list[tuple[int, int]] = []
+        normed_tensors: list[torch.Tensor] = []
         for i, s in enumerate(segments):
             if s.compute is not None:
                 plan.append(("compute", i, 0))
@@ -376,9 +411,16 @@ def local_rows(
                 plan.append(("grad", i, 0))
                 probes.append(precision._abs_max(s.grad).reshape(1))
             for state in s.states:
-                if state.local.numel():
+                if not state.local.numel() or state.shows_in_weight:
+                    continue
+                if state.key == SECOND_MOMENT_KEY:
                     plan.append(("state", i, state.index))
                     probes.append(torch.stack(torch.aminmax(state.local)).float())
+                else:
+                    normed.append((i, state.index))
+                    normed_tensors.append(state.local)
+        if normed_tensors:
+            probes.append(torch.stack([n.float() for n in torch._foreach_norm(normed_tensors)]))
         host = torch.cat(probes).tolist() if probes else []
         l2 = host[: len(main_l2)]
         found: dict[tuple[str, int, int], Any] = {}
@@ -387,6 +429,8 @@ def local_rows(
             width = 2 if key[0] == "state" else 1
             found[key] = host[cursor] if width == 1 else host[cursor : cursor + 2]
             cursor += width
+        for (i, index), norm in zip(normed, host[cursor:], strict=True):
+            found[("state", i, index)] = [norm, norm]  # finite iff every element is: no NaN/Inf
 
         chunk = precision.CHUNK_ELEMENTS
         for i, s in enumerate(segments):
@@ -407,7 +451,7 @@ def local_rows(
                 r[GRAD_AMAX] = grad_max if math.isfinite(grad_max) else precision.GRAD_AMAX_NONFINITE
                 if not math.isfinite(grad_max):
                     _count_nonfinite(rows, i, s.grad, GRAD_NAN, GRAD_INF)
-            update = detail and s.slot.lossy
+            update = detail and s.slot.lossy and (update_slots is None or i in update_slots)
             for start in range(0, s.slot.length, chunk):
                 length = min(chunk, s.slot.length - start)
 
@@ -417,6 +461,10 @@ def local_rows(
                 _weight_chunk(rows, i, part(s.main), part(s.before), part(s.compute), part(s.compute_before),
                               s.derived_dtype, healthy, update)  # fmt: skip
             for state in s.states:
+                if state.shows_in_weight:
+                    if not main_ok and state.local.numel():
+                        _count_nonfinite(rows, i, state.local, STATE_NAN + 2 * state.index, STATE_INF + 2 * state.index)
+                    continue
                 low_high = found.get(("state", i, state.index))
                 if low_high is None:
                     continue
@@ -425,12 +473,16 @@ def local_rows(
                     _count_nonfinite(rows, i, state.local, STATE_NAN + 2 * state.index, STATE_INF + 2 * state.index)
                 if (state.key == SECOND_MOMENT_KEY and low <= 0.0 <= high and s.grad is not None
                         and s.grad.numel() == state.local.numel()):  # fmt: skip
-                    zero = torch.eq(state.local, 0)
-                    rows.add(i, STATE_FLUSHED, torch.count_nonzero(zero & torch.ne(s.grad, 0)))
+                    numel = state.local.numel()
+                    for start in range(0, numel, chunk):
+                        length = min(chunk, numel - start)
+                        zero = torch.logical_not(state.local.narrow(0, start, length), out=_masks.get("mask", s.main, length))
+                        moving = _masks.get("mask2", s.main, length).copy_(s.grad.narrow(0, start, length))
+                        rows.add(i, STATE_FLUSHED, _count_true(torch.logical_and(zero, moving, out=zero)))
         return rows.matrix()
 
 
-def slot_count(groups: Sequence[Any]) -> int:
+def slot_count(groups: Sequence[Any], per_parameter: bool = True) -> int:
     """The number of slots :func:`param_table` gives ``groups``, read from their sizes alone (so
     that a rank whose table could not be built still joins the collective with rows of that shape)."""
     count = 0
@@ -439,7 +491,7 @@ def slot_count(groups: Sequence[Any]) -> int:
             count += len(group.main_weights)
         else:
             layout = getattr(group, "layout", None)
-            count += 1 if layout is None else len(layout.params)
+            count += 1 if layout is None or not per_parameter else len(layout.params)
     return count
 
 

@@ -278,15 +278,15 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
 def local_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> torch.Tensor:
     """This rank's stats vector (float64, on the buffers' device); reads the buffers, writes none.
 
-    The sums of :func:`fsdp_patch.telemetry.param_stats.local_rows` over the parameters: the
-    whole-model numbers are the per-parameter ones added up, computed once.
+    The sums of :func:`fsdp_patch.telemetry.param_stats.local_rows` over its slots (here one per
+    flat buffer or tensor): the whole-model numbers are the per-parameter ones added up.
 
     Raises:
         ValueError: ``groups`` does not match the snapshot.
     """
     from . import param_stats
 
-    table = param_stats.param_table(groups)
+    table = param_stats.param_table(groups, snapshot.default_compute_dtype, per_parameter=False)
     return param_stats.totals(param_stats.local_rows(snapshot, groups, table, detail=False))
 
 

@@ -154,7 +154,8 @@ EVENT_DTYPE_CONTRACT = "fsdp.precision.dtype_contract"
 DIAGNOSTIC_UPDATE_RESOLUTION = "fsdp.precision.update.resolution"
 """RMS of the applied update over the compute dtype's rounding step at the weight's RMS
 (``||Δ||₂ / (u ||w||₂)``, u the unit roundoff): below 1, a typical update is lost in the compute
-weights; offenders are the smallest."""
+weights; offenders are the smallest. Measured where a parameter lost at least half its updates
+at its last diagnosed step (every parameter at its first)."""
 DIAGNOSTIC_STUCK = "fsdp.precision.update.stuck"
 """Diagnosed steps in a row (at least FSDP_PATCH_PRECISION_WINDOW) in which the main weight moved
 and not one element of the compute weight did."""
