@@ -336,9 +336,10 @@ class OptimizerObserver:
         return self._precision_every
 
     @property
-    def collective_settings(self) -> tuple[bool, int]:
-        """``(True, diagnostics interval)``: what every rank's adapted optimizer must agree on."""
-        return (True, self._precision_every)
+    def collective_settings(self) -> tuple[bool, int, bool]:
+        """``(True, diagnostics interval, per-parameter detail)``: what every rank's adapted
+        optimizer must agree on (the detail changes the size of the diagnostics' collective)."""
+        return (True, self._precision_every, self._attribution is not None and self._precision_every > 0)
 
     def precision_due(self, step_number: int) -> bool:
         """Whether step ``step_number`` runs the diagnostics: step 1, then every N-th step.

@@ -9,11 +9,12 @@ them. Two kinds of groups are read:
   weights are what FSDP2 will cast them to at its next all-gather (``compute_dtype``); that cast
   is done here, per tensor, exactly as FSDP2 does it (``Tensor.to``).
 
-All work is whole-tensor operations (fused ``torch._foreach_norm`` over the tensor lists, then a
-few passes per tensor, in chunks of at most :data:`CHUNK_ELEMENTS`); never a loop over elements.
-A first fused pass of norms tells, with one device-to-host copy, which tensors hold a NaN or an
-Inf; only those pay for counting them. Every rank contributes one small stats vector to a single
-all-gather and then reduces it locally, so the results are global and identical on every rank.
+The passes themselves run per parameter, in :mod:`fsdp_patch.telemetry.param_stats` (whole-tensor
+operations on each parameter's segment, in chunks of at most :data:`CHUNK_ELEMENTS`; never a loop
+over elements; a first fused pass of norms tells, with one device-to-host copy, which segments
+hold a NaN or an Inf, and only those pay for counting them): the whole-model vector here is the
+sum of its rows. Every rank contributes its numbers to a single all-gather and reduces them
+locally, so the results are global and identical on every rank.
 
 Definitions follow the project's design page:
 
@@ -52,9 +53,10 @@ from . import semconv
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-# Elements per pass: the reused work buffers (an fp32 difference, two compute-dtype casts, two
-# bool masks: about 10 bytes per element) stay at about 10 MiB however large a shard is.
-CHUNK_ELEMENTS = 1 << 20
+# Elements per pass: the reused work buffers (an fp32 difference, the compute weight widened, two
+# compute-dtype casts, two bool masks: about 14 bytes per element) stay at about 3.5 MiB however
+# large a shard is, near a core's L2 cache, so a chunk's later passes read it from there.
+CHUNK_ELEMENTS = 1 << 18
 
 TENSOR_NAMES = semconv.TENSORS
 NONFINITE_KINDS = semconv.NONFINITE_KINDS
