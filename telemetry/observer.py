@@ -168,6 +168,8 @@ class OptimizerObserver:
             self._grad_amax = created[semconv.METRIC_GRAD_AMAX]
             self._dtype_contract = created[semconv.METRIC_DTYPE_CONTRACT]
             self._skipped_steps = created[semconv.METRIC_SKIPPED_STEPS]
+            self._precision_steps = created[semconv.METRIC_PRECISION_STEPS]
+            self._nonfinite_steps = created[semconv.METRIC_NONFINITE_STEPS]
             self._rank_attrs = {semconv.ATTR_RANK: self.rank}
             self._attr_cache: dict[tuple[Any, ...], dict[str, AttributeValue]] = {}
             self._nonfinite_attrs = {
@@ -458,6 +460,9 @@ class OptimizerObserver:
 
     def _record_precision(self, stats: precision.PrecisionStats, table: Sequence[param_stats.ParamSlot],
                           rows: Sequence[Sequence[float]]) -> None:  # fmt: skip
+        # Every diagnosed step adds to both (0 for a clean step), so the series exist from step 1.
+        self._precision_steps.add(1, self._rank_attrs)
+        self._nonfinite_steps.add(1 if any(stats.nonfinite.values()) else 0, self._rank_attrs)
         if self._unit_detail:
             for unit, row in attribution.unit_rows(table, rows).items():
                 self._record_metrics(attribution.stats_of_row(row), {**self._rank_attrs, semconv.ATTR_UNIT: unit})

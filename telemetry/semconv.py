@@ -110,6 +110,13 @@ PRECISION_SPAN_ATTRIBUTES = (
     METRIC_LOST_RATIO, METRIC_GRAD_AMAX, METRIC_NONFINITE,
 )  # fmt: skip
 
+# -- counts of diagnosed steps ------------------------------------------------------------------------
+# The precision counters above add each diagnosed step's count, so their totals are element-steps;
+# these count the diagnosed steps themselves, which per-step panels divide by and alert rules count.
+
+METRIC_PRECISION_STEPS = "fsdp.precision.steps"
+METRIC_NONFINITE_STEPS = "fsdp.precision.nonfinite.steps"
+
 # -- attribution: where a precision problem is (design page, "Attribution") ------------------------------
 # Per-parameter and per-unit detail goes on spans and into the report; a metric label only for
 # units, and only when FSDP_PATCH_PRECISION_DETAIL=unit.

@@ -255,9 +255,18 @@ def check_export_and_bitwise_training(kind: str) -> None:
     off = attributed_training(kind, "normal", {"FSDP_PATCH_TELEMETRY": None})
     labels = {key for points in default["points"].values() for attrs, _ in points for key in attrs}
     assert not labels & {semconv.ATTR_PARAM, semconv.ATTR_UNIT}, f"{where}: default series carry {labels}"
-    precision_points = {name: points for name, points in by_unit["points"].items() if name.startswith("fsdp.precision.")}
+    # Counts of steps stay one series per rank (the alert and panels sum them by rank); the
+    # diagnostics' values get one series per unit.
+    step_counts = {semconv.METRIC_PRECISION_STEPS, semconv.METRIC_NONFINITE_STEPS, semconv.METRIC_SKIPPED_STEPS}
+    precision_points = {name: points for name, points in by_unit["points"].items()
+                        if name.startswith("fsdp.precision.") and name not in step_counts}  # fmt: skip
     units = {attrs.get(semconv.ATTR_UNIT) for points in precision_points.values() for attrs, _ in points}
     assert units == UNITS, f"{where}: units labelled {units}, want {UNITS}"
+    counted = {name: {attrs.get(semconv.ATTR_UNIT) for attrs, _ in points}
+               for name, points in by_unit["points"].items() if name in step_counts}  # fmt: skip
+    assert all(got == {None} for got in counted.values()) and semconv.METRIC_PRECISION_STEPS in counted, (
+        f"{where}: step counts by unit {counted}, want one series per rank without {semconv.ATTR_UNIT}"
+    )
     for name in (semconv.METRIC_NONFINITE, semconv.METRIC_REFRESH_UNDERFLOW, semconv.METRIC_REFRESH_OVERFLOW):
         got, want = sum(v for _, v in by_unit["points"][name]), sum(v for _, v in default["points"][name])
         assert got == want, f"{where}: {name} summed over units {got}, whole model {want}"

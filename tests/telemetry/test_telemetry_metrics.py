@@ -32,6 +32,11 @@ DESIGN_TABLE = {
     semconv.METRIC_LOST_RATIO: ("Gauge", "1", set()),
     semconv.METRIC_GRAD_AMAX: ("Gauge", "1", set()),
 }  # fmt: skip
+# Beyond the design page's table: the counts of diagnosed steps (semconv's block of them).
+DIAGNOSED_STEP_COUNTS = {
+    semconv.METRIC_PRECISION_STEPS: ("Counter", "{step}", set()),
+    semconv.METRIC_NONFINITE_STEPS: ("Counter", "{step}", set()),
+}
 # The counters the attribution adds, named after design.md's patterns (its "Attribution" section).
 ATTRIBUTION_TABLE = {
     semconv.METRIC_DTYPE_CONTRACT: ("Counter", "{tensor}", {semconv.ATTR_TENSOR, semconv.ATTR_DTYPE_EXPECTED, semconv.ATTR_DTYPE_ACTUAL}),
@@ -41,7 +46,7 @@ ATTRIBUTION_TABLE = {
 
 def test_instrument_table_matches_the_design_page():
     table = {s.name: (s.kind, s.unit, set(s.attributes)) for s in instruments.INSTRUMENTS}
-    want = {**DESIGN_TABLE, **ATTRIBUTION_TABLE}
+    want = {**DESIGN_TABLE, **DIAGNOSED_STEP_COUNTS, **ATTRIBUTION_TABLE}
     assert table == want, f"want {want}, got {table}"
     assert all(s.description for s in instruments.INSTRUMENTS)
 
