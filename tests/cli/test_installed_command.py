@@ -11,7 +11,8 @@ the package's files, which must bring every other dependency itself. Its ``fsdp-
   and calls the healthy run healthy;
 - bad input is one line and exit code 2 from the installed command too.
 
-Slow (about three minutes on 2 cores): one venv per session, sixteen runs of the command.
+Slow (about five minutes on 2 quiet cores, several times that on a busy machine): one venv per
+session, ten demo runs and eleven other runs of the command, all in the first test's setup.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+# The session's runs happen in the first test's setup, which the default per-test timeout counts.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[2]
 # What `pip install .` needs from a checkout: the metadata and the two package folders.

@@ -24,7 +24,7 @@ KINDS = ("fully_shard", "fsdp2")
 WORLDS = (2, 4)
 STEPS = 3  # the default window: a stuck or unstepped weight is named at step 3
 TARGET = {
-    "nan": "blocks.1.fc1.weight",
+    "nan": "blocks.1.fc2.weight",
     "tiny_lr": "blocks.0.qkv.weight",
     "left_out": "blocks.1.proj.weight",
     "bf16_state": "head.weight",
@@ -32,6 +32,10 @@ TARGET = {
 }
 NAN_STEP = 2
 UNITS = {"", "blocks.0", "blocks.1"}
+# Width 25 (one head): every target's rows split unevenly over 2 and 4 ranks under FSDP2's dim-0
+# sharding (25 -> 13/12, 7/7/7/4; 75 -> 38/37, 19/19/19/18; 37 -> 19/18, 10/10/10/7), and every
+# flat buffer of fully_shard ends in a shorter last shard.
+WIDTH = {"dim": 25, "heads": 1}
 BF16_UNIT_ROUNDOFF = 2.0**-8
 
 
@@ -39,7 +43,7 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 
 
 def _model(kind: str) -> torch.nn.Module:
-    model = models.make_model(0)
+    model = models.make_model(0, **WIDTH)
     if kind == "fully_shard":
         return models.shard_model(model.bfloat16())  # fp32 main weights, bf16 compute weights and grads
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -55,7 +59,7 @@ def _optimizer(model: torch.nn.Module, scenario: str) -> torch.optim.Optimizer:
     target = TARGET.get(scenario)
     if scenario == "tiny_lr":
         rest = [p for n, p in named.items() if n != target]
-        return torch.optim.Adam([{"params": rest}, {"params": [named[target]], "lr": 1e-9}], lr=1e-2)
+        return torch.optim.Adam([{"params": rest}, {"params": [named[target]], "lr": 1e-10}], lr=1e-2)
     if scenario == "left_out":
         return torch.optim.Adam([p for n, p in named.items() if n != target], lr=1e-2)
     return torch.optim.Adam(list(named.values()), lr=1e-2)
@@ -86,6 +90,7 @@ def _events(spans: list[Any]) -> dict[str, Any]:
     step_of = {s.context.span_id: s.attributes[semconv.ATTR_STEP] for s in spans if s.name == semconv.SPAN_STEP}
     offenders: dict[int, dict[str, dict[str, float]]] = {}
     firsts, contracts, attributes = [], [], {}
+    causes: dict[int, dict[str, str]] = {}
     for span in spans:
         if span.name == semconv.SPAN_PRECISION:
             step = step_of[span.parent.span_id]
@@ -97,11 +102,13 @@ def _events(spans: list[Any]) -> dict[str, Any]:
                     if semconv.ATTR_OPTIMIZER_STATE in a:
                         key = f"{key}:{a[semconv.ATTR_OPTIMIZER_STATE]}"
                     offenders.setdefault(step, {}).setdefault(a[semconv.ATTR_DIAGNOSTIC], {})[key] = a[semconv.ATTR_VALUE]
+                    if semconv.ATTR_CAUSE in a:
+                        causes.setdefault(step, {})[key] = a[semconv.ATTR_CAUSE]
                 elif event.name == semconv.EVENT_FIRST_NONFINITE:
                     firsts.append(a)
         elif span.name == semconv.SPAN_STEP:
             contracts += [dict(e.attributes) for e in span.events if e.name == semconv.EVENT_DTYPE_CONTRACT]
-    return {"offenders": offenders, "firsts": firsts, "contracts": contracts, "attributes": attributes}
+    return {"offenders": offenders, "firsts": firsts, "contracts": contracts, "attributes": attributes, "causes": causes}
 
 
 def _plant_after_backward(model: torch.nn.Module, scenario: str, step: int, rank: int, world: int) -> None:
@@ -151,6 +158,7 @@ def attributed_training(kind: str, scenario: str, settings: dict[str, str | None
         "points": points,
         "local": [p.to_local().detach().clone() for p in model.parameters()],
         "names": [n for n, _ in model.named_parameters()],
+        "local_numel": {n: p.to_local().numel() for n, p in model.named_parameters()},
     }
 
 
@@ -172,6 +180,9 @@ def check_scenario(kind: str, scenario: str) -> None:
     def named(step: int, diagnostic: str) -> dict[str, float]:
         return offenders.get(step, {}).get(diagnostic, {})
 
+    sizes = [0] * world
+    dist.all_gather_object(sizes, run["local_numel"][target])
+    assert len(set(sizes)) > 1, f"{where}: {target}'s shards hold {sizes} elements, want them uneven"
     if scenario == "nan":
         firsts = run["firsts"]
         got = [(f[semconv.ATTR_STEP], f[semconv.ATTR_PARAM], f[semconv.ATTR_TENSOR], tuple(f[semconv.ATTR_RANKS]),
@@ -187,19 +198,21 @@ def check_scenario(kind: str, scenario: str) -> None:
         assert named(1, semconv.METRIC_NONFINITE) == {}, f"{where}: step 1 blamed {named(1, semconv.METRIC_NONFINITE)}"
         return
     if scenario == "tiny_lr":
-        stuck = named(STEPS, semconv.DIAGNOSTIC_STUCK)
-        assert stuck == {target: STEPS}, f"{where}: stuck at step {STEPS}: want {{{target}: {STEPS}}}, got {stuck}"
         for step in range(1, STEPS + 1):
             below = named(step, semconv.DIAGNOSTIC_UPDATE_RESOLUTION)
             assert list(below) == [target], f"{where}: step {step}: updates below bf16's resolution: {below}"
             want = run["references"][step][target][semconv.DIAGNOSTIC_UPDATE_RESOLUTION]
             assert _close(below[target], want, 1e-5), f"{where}: step {step}: resolution {below[target]}, reference {want}"
-            assert below[target] < 1e-4, f"{where}: lr 1e-9 moves {target} by {below[target]} of a bf16 step"
+            assert below[target] < 1e-4, f"{where}: lr 1e-10 moves {target} by {below[target]} of a bf16 step"
             lost = named(step, semconv.METRIC_LOST_RATIO)
             assert lost.get(target) == 1.0, f"{where}: step {step}: lost ratio of {target}: {lost.get(target)}"
+        stuck = named(STEPS, semconv.DIAGNOSTIC_STUCK)
+        assert stuck == {target: STEPS}, f"{where}: stuck at step {STEPS}: want {{{target}: {STEPS}}}, got {stuck}"
     if scenario == "left_out":
         unstepped = named(STEPS, semconv.DIAGNOSTIC_UNSTEPPED)
         assert unstepped == {target: STEPS}, f"{where}: unstepped at step {STEPS}: {unstepped}"
+        cause = run["causes"].get(STEPS, {}).get(target)
+        assert cause == semconv.UNSTEPPED_NOT_IN_OPTIMIZER, f"{where}: {target} unstepped because {cause!r}"
         for step in range(1, STEPS):
             assert named(step, semconv.DIAGNOSTIC_UNSTEPPED) == {}, f"{where}: named before the window, at step {step}"
         assert run["attributes"][STEPS][semconv.ATTR_UNSTEPPED_PARAMS] == 1
