@@ -2,9 +2,11 @@
 
 All settings run in one process, side by side: one sharded model and one AdamW optimizer per
 setting over its parameters, each adapted with ``fully_shard_optimizer``: telemetry off (torch's
-step hooks), telemetry on with the embedded default exporter and diagnostics off, and
-telemetry on with the precision diagnostics on every step. Steps rotate between them so that
-drift in machine speed hits all alike; ratios are medians of per-round ratios.
+step hooks), telemetry on with the embedded default exporter and diagnostics off, telemetry on
+with the whole-model precision diagnostics on every step (``FSDP_PATCH_PRECISION_TOP_K=0``: no
+per-parameter detail), and the same with the per-parameter attribution (the default). Steps
+rotate between them so that drift in machine speed hits all alike; ratios are medians of
+per-round ratios.
 
 Part 1: a >= 20M-parameter transformer, AdamW, whole training step (forward, backward, step).
 Part 2: a tiny model, plain SGD, ``optimizer.step()`` alone: the fixed per-step cost in
@@ -45,8 +47,13 @@ from .common import Clock, device_name, median, paired, paired_ratio, process_gr
 LARGE = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
 SMALL = GPTConfig(vocab=1024, dim=128, heads=4, layers=2, seq=32)
 TINY = GPTConfig(vocab=32, dim=16, heads=2, layers=2, seq=8)
-# Setting -> (FSDP_PATCH_TELEMETRY, FSDP_PATCH_PRECISION_EVERY) when its optimizer is adapted.
-SETTINGS = {"off": ("0", "0"), "on": ("1", "0"), "diagnostics": ("1", "1")}
+# Setting -> the environment its optimizer is adapted under.
+SETTINGS: dict[str, dict[str, str]] = {
+    "off": {"FSDP_PATCH_TELEMETRY": "0", "FSDP_PATCH_PRECISION_EVERY": "0"},
+    "on": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "0"},
+    "diagnostics": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1", "FSDP_PATCH_PRECISION_TOP_K": "0"},
+    "attribution": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"},
+}
 
 
 @contextmanager
@@ -86,8 +93,7 @@ def _build(
     optimizers = {}
     for setting in settings:
         optimizer = optimizer_class(model.parameters(), lr=1e-4)
-        telemetry, every = SETTINGS[setting]
-        with mock.patch.dict(os.environ, {"FSDP_PATCH_TELEMETRY": telemetry, "FSDP_PATCH_PRECISION_EVERY": every}):
+        with mock.patch.dict(os.environ, SETTINGS[setting]):
             fully_shard_optimizer(optimizer)
         optimizers[setting] = optimizer
     return model, optimizers
@@ -123,6 +129,8 @@ def _training_steps(config: GPTConfig, steps: int, warmup: int, settings: tuple[
         if setting != "off":
             result[f"ratio_{setting}_off"] = paired_ratio(times, setting, "off")
             result[f"optimizer_step_ratio_{setting}_off"] = paired_ratio(optimizer_times, setting, "off")
+    if "attribution" in settings and "diagnostics" in settings:
+        result["ratio_attribution_diagnostics"] = paired_ratio(times, "attribution", "diagnostics")
     return result
 
 

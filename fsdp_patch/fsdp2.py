@@ -23,7 +23,7 @@ each, so that every group here has a single compute dtype.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,22 +43,57 @@ class FSDP2Group:
         compute_dtype: The dtype FSDP2 casts them to at its next all-gather (the module's
             ``MixedPrecisionPolicy.param_dtype``); ``None`` when FSDP2 does not cast them.
         process_group: The group the parameters are sharded over.
+        others: The group's other sharded parameters, which the optimizer does not hold (they
+            train like the rest, but nothing steps them), in FSDP2's order.
+        fsdp_params: FSDP2's ``FSDPParam`` of each of :attr:`members`, for their names.
+        fsdp_group: FSDP2's ``FSDPParamGroup``, for the name of its module.
     """
 
     params: list[nn.Parameter]
     compute_dtype: torch.dtype | None
     process_group: Any
+    others: list[nn.Parameter] = field(default_factory=list)
+    fsdp_params: list[Any] = field(default_factory=list, repr=False)
+    fsdp_group: Any = field(default=None, repr=False)
+
+    @property
+    def members(self) -> list[nn.Parameter]:
+        """Every sharded parameter of the group: the optimizer's, then :attr:`others`."""
+        return [*self.params, *self.others]
 
     @property
     def main_weights(self) -> list[torch.Tensor]:
-        """This rank's shards (the tensors the optimizer updates), without padding."""
-        return [p._local_tensor for p in self.params]
+        """This rank's shards of :attr:`members`, without padding."""
+        return [p._local_tensor for p in self.members]
 
     @property
     def main_grads(self) -> list[torch.Tensor]:
-        """This rank's grad shards of the parameters that have a grad."""
-        return [p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-                for p in self.params if p.grad is not None]  # fmt: skip
+        """This rank's grad shards of the members that have a grad."""
+        return [g for g in self.local_grads if g is not None]
+
+    @property
+    def local_grads(self) -> list[torch.Tensor | None]:
+        """This rank's grad shard of each of :attr:`members` (``None`` where it has none)."""
+        return [None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad) for p in self.members]
+
+    @property
+    def unit_name(self) -> str:
+        """The fully qualified name of the module FSDP2 sharded into this group (``""`` for the root)."""
+        return getattr(self.fsdp_group, "_module_fqn", None) or ""
+
+    @property
+    def names(self) -> list[str]:
+        """Fully qualified names of :attr:`members`, as FSDP2 records them at its lazy initialization
+        (before the first forward: the unit's name and the parameter's own)."""
+        names = []
+        for index, fsdp_param in enumerate(self.fsdp_params):
+            name = getattr(fsdp_param, "_param_fqn", None)
+            if not name:
+                info = getattr(fsdp_param, "_module_info", None)
+                own = getattr(info, "param_name", None) or f"param{index}"
+                name = f"{self.unit_name}.{own}" if self.unit_name else own
+            names.append(name)
+        return names
 
 
 def _fsdp2_params() -> dict[int, tuple[Any, Any]]:
@@ -111,8 +146,30 @@ def fsdp2_groups(params: Iterable[torch.Tensor]) -> list[FSDP2Group]:
         compute_dtype = None if dtype in (None, param.dtype) else dtype
         found = groups.get((id(group), compute_dtype))
         if found is None:
-            found = groups[(id(group), compute_dtype)] = FSDP2Group([], compute_dtype, _process_group(group))
+            found = groups[(id(group), compute_dtype)] = FSDP2Group(
+                [], compute_dtype, _process_group(group), fsdp_group=group
+            )
         if not any(p is param for p in found.params):
             found.params.append(param)
+            found.fsdp_params.append(fsdp_param)
+    # The group's parameters the optimizer does not hold join the part of that group with their
+    # compute dtype, or a part of their own (nothing in it is stepped).
+    held = {id(p) for found in groups.values() for p in found.params}
+    for found in list(groups.values()):
+        group = found.fsdp_group
+        for fsdp_param in group.fsdp_params:
+            other = fsdp_param.sharded_param
+            if id(other) in held:
+                continue
+            held.add(id(other))
+            dtype = fsdp2_param_dtype(group, fsdp_param)
+            compute_dtype = None if dtype in (None, other.dtype) else dtype
+            part = groups.get((id(group), compute_dtype))
+            if part is None:
+                part = groups[(id(group), compute_dtype)] = FSDP2Group(
+                    [], compute_dtype, _process_group(group), fsdp_group=group
+                )
+            part.others.append(other)
+            part.fsdp_params.append(fsdp_param)
     return list(groups.values())
 

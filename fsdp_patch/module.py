@@ -37,7 +37,7 @@ from .parameter_group import ParameterGroup, parameter_group_of
 from .placement import mesh_device, resolve_mesh
 from .unit import Location, UnitState
 
-__all__ = ["fully_shard", "FSDPModule", "parameter_groups"]
+__all__ = ["fully_shard", "FSDPModule", "parameter_groups", "unit_name_of"]
 
 class FSDPModule:
     """Mixin added to the class of every module ``fully_shard`` was applied to."""
@@ -332,6 +332,17 @@ def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str
     return params, names, locations
 
 
+# Group -> the fully qualified name of the unit (the fully_shard-ed module) holding it, from the
+# outermost unit as the group's parameter names are; "" for that unit. Weak: the unit owns its groups.
+_UNIT_NAME: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def unit_name_of(group: ParameterGroup) -> str:
+    """The fully qualified name of the unit holding ``group`` (``""`` for the root), from the
+    outermost unit up the tree, as :attr:`ParameterGroup.names` are."""
+    return _UNIT_NAME.get(group, "")
+
+
 # Original parameter -> FQN, for parameters that a unit replaced; a later unit that still
 # finds one of them registered somewhere has found a parameter tied across units.
 _CONSUMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -407,6 +418,8 @@ def fully_shard(
     for prefix, child in _fsdp_children(module):
         for group in parameter_groups(child):
             group.names = [prefix + name for name in group.names]
+            inner = _UNIT_NAME.get(group, "")
+            _UNIT_NAME[group] = prefix + inner if inner else prefix[:-1]
     for _, owner in _owned_modules(module):
         for name, buffer in owner._buffers.items():
             if buffer is not None and buffer.device != device:

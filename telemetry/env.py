@@ -180,6 +180,65 @@ def compute_dtype(environ: Mapping[str, str] | None = None) -> str | None:
     return COMPUTE_DTYPES[value]
 
 
+# -- attribution settings (names in semconv) ---------------------------------------------
+
+DEFAULT_PRECISION_TOP_K = 3
+DEFAULT_PRECISION_WINDOW = 3
+
+
+def _int_at_least(name: str, environ: Mapping[str, str] | None, default: int, least: int, accepted: str) -> int:
+    value = _raw(name, environ)
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = least - 1
+    if number < least:
+        raise _invalid(name, value, accepted)
+    return number
+
+
+def precision_top_k(environ: Mapping[str, str] | None = None) -> int:
+    """Offenders per diagnostic on the precision span (``FSDP_PATCH_PRECISION_TOP_K``).
+
+    Returns:
+        :data:`DEFAULT_PRECISION_TOP_K` when unset; ``0`` turns the per-parameter detail off.
+
+    Raises:
+        ValueError: Not a non-negative integer.
+    """
+    from . import semconv  # here: with telemetry off, deciding so imports this module alone
+
+    return _int_at_least(semconv.SETTING_PRECISION_TOP_K, environ, DEFAULT_PRECISION_TOP_K, 0,
+                         "a non-negative integer (0 turns the per-parameter detail off)")  # fmt: skip
+
+
+def precision_window(environ: Mapping[str, str] | None = None) -> int:
+    """Diagnosed steps in a row before a weight is named stuck or unstepped (``FSDP_PATCH_PRECISION_WINDOW``).
+
+    Raises:
+        ValueError: Not a positive integer.
+    """
+    from . import semconv
+
+    return _int_at_least(semconv.SETTING_PRECISION_WINDOW, environ, DEFAULT_PRECISION_WINDOW, 1, "a positive integer")
+
+
+def precision_detail(environ: Mapping[str, str] | None = None) -> str:
+    """``FSDP_PATCH_PRECISION_DETAIL``: ``off`` (default) or ``unit`` (precision metrics labelled by unit).
+
+    Raises:
+        ValueError: Any other value.
+    """
+    from . import semconv
+
+    value = _raw(semconv.SETTING_PRECISION_DETAIL, environ).lower() or semconv.DETAIL_OFF
+    if value not in semconv.DETAILS:
+        raise _invalid(semconv.SETTING_PRECISION_DETAIL, value, ", ".join(repr(d) for d in semconv.DETAILS))
+    return value
+
+
 def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """``OTEL_SDK_DISABLED``, read exactly as the OpenTelemetry SDK reads it (only ``true`` disables)."""
     return _raw("OTEL_SDK_DISABLED", environ).lower() == "true"
@@ -197,3 +256,6 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     summary_mode(environ)
     flush_timeout_s(environ)
     compute_dtype(environ)
+    precision_top_k(environ)
+    precision_window(environ)
+    precision_detail(environ)

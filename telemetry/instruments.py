@@ -3,7 +3,8 @@
 Names, kinds, units and attributes are fixed by docs/conventions.md; dashboards
 query them, so change them only together with ``dashboards/``. ``fsdp.rank`` is added
 to every data point on top of the attributes listed here, because Prometheus drops
-resource attributes and dashboards split by rank.
+resource attributes and dashboards split by rank; with ``FSDP_PATCH_PRECISION_DETAIL=unit`` the
+precision diagnostics' points also carry ``fsdp.unit``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ LOST_RATIO = semconv.METRIC_LOST_RATIO
 GRAD_AMAX = semconv.METRIC_GRAD_AMAX
 PRECISION_STEPS = semconv.METRIC_PRECISION_STEPS
 NONFINITE_STEPS = semconv.METRIC_NONFINITE_STEPS
+DTYPE_CONTRACT = semconv.METRIC_DTYPE_CONTRACT
+SKIPPED_STEPS = semconv.METRIC_SKIPPED_STEPS
 
 RANK_ATTRIBUTE = semconv.ATTR_RANK
 
@@ -118,6 +121,16 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     InstrumentSpec(
         NONFINITE_STEPS, COUNTER, "{step}",
         "Diagnosed steps that found a NaN or Inf element in any tensor of any rank.",
+    ),
+    # Attribution (docs/conventions.md, "Attribution").
+    InstrumentSpec(
+        DTYPE_CONTRACT, COUNTER, "{tensor}",
+        "Tensors found in a dtype the mixed-precision contract does not expect, each counted once.",
+        (semconv.ATTR_TENSOR, semconv.ATTR_DTYPE_EXPECTED, semconv.ATTR_DTYPE_ACTUAL),
+    ),
+    InstrumentSpec(
+        SKIPPED_STEPS, COUNTER, "{step}",
+        "Diagnosed steps in which no main weight the optimizer steps changed although grads were non-zero and finite.",
     ),
 )  # fmt: skip
 

@@ -18,7 +18,7 @@ from opentelemetry.util.types import AttributeValue
 
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 
-from . import env, instruments, precision, providers, semconv
+from . import attribution, env, instruments, param_stats, precision, providers, semconv
 from .isolation import WarnOnce
 from .ranks import distributed_rank
 from .timing import DurationRecorder, duration_recorder_for
@@ -127,6 +127,12 @@ class OptimizerObserver:
         self._lock = threading.Lock()
         self._ready = False
         self._kept_snapshot: precision.PrecisionSnapshot | None = None
+        top_k = env.precision_top_k()
+        self._attribution = attribution.Attribution(top_k, env.precision_window()) if top_k else None
+        self._unit_detail = env.precision_detail() == semconv.DETAIL_UNIT
+        # The optimizer.state object the last dtype audit read (a load replaces it), and what it named.
+        self._audited_state: Any = None
+        self._named_violations: set[tuple[Any, ...]] = set()
         self._step_count = step_count
         self.rank = 0
         self.world_size = 1
@@ -160,6 +166,8 @@ class OptimizerObserver:
             self._refresh_error = created[semconv.METRIC_REFRESH_ERROR]
             self._lost_ratio = created[semconv.METRIC_LOST_RATIO]
             self._grad_amax = created[semconv.METRIC_GRAD_AMAX]
+            self._dtype_contract = created[semconv.METRIC_DTYPE_CONTRACT]
+            self._skipped_steps = created[semconv.METRIC_SKIPPED_STEPS]
             self._precision_steps = created[semconv.METRIC_PRECISION_STEPS]
             self._nonfinite_steps = created[semconv.METRIC_NONFINITE_STEPS]
             self._rank_attrs = {semconv.ATTR_RANK: self.rank}
@@ -237,6 +245,7 @@ class OptimizerObserver:
             with self._span(semconv.SPAN_STEP, span_attrs) as span:
                 self._scope = scope = StepScope(step_number, span)
                 yield scope
+                self._audit_if_due(step_number, span)
         finally:
             self._scope = None
             # Recorded for failed steps too: one duration per optimizer.step() call.
@@ -329,9 +338,10 @@ class OptimizerObserver:
         return self._precision_every
 
     @property
-    def collective_settings(self) -> tuple[bool, int]:
-        """``(True, diagnostics interval)``: what every rank's adapted optimizer must agree on."""
-        return (True, self._precision_every)
+    def collective_settings(self) -> tuple[bool, int, bool]:
+        """``(True, diagnostics interval, per-parameter detail)``: what every rank's adapted
+        optimizer must agree on (the detail changes the size of the diagnostics' collective)."""
+        return (True, self._precision_every, self._attribution is not None and self._precision_every > 0)
 
     def precision_due(self, step_number: int) -> bool:
         """Whether step ``step_number`` runs the diagnostics: step 1, then every N-th step.
@@ -357,38 +367,107 @@ class OptimizerObserver:
     def precision_end(self, snapshot: precision.PrecisionSnapshot, groups: Sequence[Any]) -> None:
         """Compute, reduce across ranks and record the diagnostics; call after the refresh.
 
-        Reads the buffers and writes none. A local failure is logged once and this rank's
-        contribution becomes unknown (NaN), but the rank still joins the collective so the
-        others do not hang; nothing is recorded for that step.
+        One row of numbers per parameter (:mod:`param_stats`), every rank's rows combined by one
+        all-gather; the whole-model metrics are their sums, the per-parameter findings
+        (:mod:`attribution`) go on the precision span. Reads the buffers and writes none. A local
+        failure is logged once and this rank's contribution becomes unknown (NaN), but the rank
+        still joins the collective so the others do not hang; nothing is recorded for that step.
         """
         self._ensure_ready()
+        detail = self._attribution is not None
+        optimizer = self._optimizer_ref()
+        table: list[param_stats.ParamSlot] | None = None
+        keys: list[tuple[str, ...]] = []
         try:
-            local = precision.local_stats(snapshot, groups)
+            table = param_stats.param_table(groups, self._default_compute_dtype, per_parameter=detail)
+            states, update_slots = None, None
+            if self._attribution is not None:
+                update_slots = self._attribution.update_slots(table)
+                if optimizer is not None:
+                    states, keys = attribution.state_tensors(optimizer, table)
+            local = param_stats.payload(
+                param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots)
+            )
         except Exception as exc:
             self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
-            local = precision.nan_stats(self._parameter_device())
-        stats = precision.stats_from_vector(precision.reduce_stats(local, precision.first_process_group(groups)))
-        if not stats.complete:
+            count = len(table) if table is not None else param_stats.slot_count(groups, per_parameter=detail)
+            local = param_stats.failed_payload(count, self._parameter_device())
+        gathered = param_stats.gather_rows(local, precision.first_process_group(groups))
+        reduced, complete = param_stats.split_status(param_stats.reduce_gathered(gathered))
+        stats = precision.stats_from_vector(param_stats.totals(reduced))
+        if not (complete and stats.complete) or table is None:
             return
-        self._record_precision(stats)
+        rows = reduced.tolist()
+        self._record_precision(stats, table, rows)
+        if self._attribution is None or optimizer is None:
+            return
+        if not keys:
+            keys = [()] * len(table)
+        contexts = attribution.contexts_for(optimizer, table, keys)
 
-    def _record_precision(self, stats: precision.PrecisionStats) -> None:
-        for key, count in stats.nonfinite.items():
-            self._nonfinite.add(count, self._nonfinite_attrs[key])
+        def ranks_of(slot: int, slots: Sequence[int]) -> tuple[int, ...]:
+            counts = gathered[:, slot, list(slots)].sum(dim=1).tolist()
+            return tuple(rank for rank, count in enumerate(counts) if count)
+
+        step = self._scope.step_number if self._scope is not None else self._step_count
+        findings = self._attribution.analyze(step, table, rows, contexts, ranks_of)
+        if findings.skipped:
+            self._skipped_steps.add(1, self._rank_attrs)
+        span = trace.get_current_span()
+        if span.is_recording():
+            self._record_findings(span, step, table, findings)
+
+    def _record_findings(self, span: Span, step: int, table: Sequence[param_stats.ParamSlot],
+                         findings: attribution.StepFindings) -> None:  # fmt: skip
+        span.set_attributes({
+            semconv.ATTR_STUCK_PARAMS: findings.stuck,
+            semconv.ATTR_UNSTEPPED_PARAMS: findings.unstepped,
+            semconv.ATTR_STATE_NONFINITE: findings.state_nonfinite,
+            semconv.ATTR_STATE_FLUSHED: findings.state_flushed,
+            semconv.ATTR_STEP_SKIPPED: int(findings.skipped),
+        })  # fmt: skip
+        first = findings.first_nonfinite
+        if first is not None:
+            slot = table[first.slots[0]]
+            attrs: dict[str, AttributeValue] = {
+                semconv.ATTR_STEP: step,
+                semconv.ATTR_PARAM: slot.name,
+                semconv.ATTR_UNIT: slot.unit,
+                semconv.ATTR_TENSOR: first.tensor,
+                semconv.ATTR_RANKS: list(first.ranks),
+                semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN if first.nan else semconv.NONFINITE_INF,
+                semconv.ATTR_PRECISION_ELEMENTS: first.nan + first.inf,
+                semconv.ATTR_PRECISION_PARAMS: [table[i].name for i in first.slots[: self._attribution.top_k]],
+                semconv.ATTR_PRECISION_PARAMS_COUNT: len(first.slots),
+            }
+            if first.state_key is not None:
+                attrs[semconv.ATTR_OPTIMIZER_STATE] = first.state_key
+            span.add_event(semconv.EVENT_FIRST_NONFINITE, attrs)
+        for offender in findings.offenders:
+            slot = table[offender.slot]
+            attrs = {
+                semconv.ATTR_DIAGNOSTIC: offender.diagnostic,
+                semconv.ATTR_PARAM: slot.name,
+                semconv.ATTR_UNIT: slot.unit,
+                semconv.ATTR_VALUE: offender.value,
+            }
+            if offender.state_key is not None:
+                attrs[semconv.ATTR_OPTIMIZER_STATE] = offender.state_key
+            if offender.cause is not None:
+                attrs[semconv.ATTR_CAUSE] = offender.cause
+            span.add_event(semconv.EVENT_OFFENDER, attrs)
+
+    def _record_precision(self, stats: precision.PrecisionStats, table: Sequence[param_stats.ParamSlot],
+                          rows: Sequence[Sequence[float]]) -> None:  # fmt: skip
         # Every diagnosed step adds to both (0 for a clean step), so the series exist from step 1.
         self._precision_steps.add(1, self._rank_attrs)
         self._nonfinite_steps.add(1 if any(stats.nonfinite.values()) else 0, self._rank_attrs)
-        self._overflow.add(stats.overflow, self._rank_attrs)
-        self._underflow.add(stats.underflow, self._rank_attrs)
-        for gauge, value in (
-            (self._refresh_error, stats.refresh_error),
-            (self._lost_ratio, stats.lost_ratio),
-            (self._grad_amax, stats.grad_amax),
-        ):
-            # Gauges reject NaN/Inf with a warning per call; only fp32 overflow of the norms gets here.
-            if math.isfinite(value):
-                gauge.set(value, self._rank_attrs)
+        if self._unit_detail:
+            for unit, row in attribution.unit_rows(table, rows).items():
+                self._record_metrics(attribution.stats_of_row(row), {**self._rank_attrs, semconv.ATTR_UNIT: unit})
+        else:
+            self._record_metrics(stats, self._rank_attrs)
         span = trace.get_current_span()
         if span.is_recording():
             # On the precision span, so a trace shows the numbers of the step it belongs to.
@@ -402,6 +481,68 @@ class OptimizerObserver:
                     semconv.METRIC_NONFINITE: sum(stats.nonfinite.values()),
                 }
             )
+
+    def _record_metrics(self, stats: precision.PrecisionStats, attrs: dict[str, AttributeValue]) -> None:
+        nonfinite_attrs = self._nonfinite_attrs if attrs is self._rank_attrs else None
+        for key, count in stats.nonfinite.items():
+            if nonfinite_attrs is not None:
+                point = nonfinite_attrs[key]
+            else:
+                point = self._cached(("nonfinite", attrs.get(semconv.ATTR_UNIT), *key),
+                                     lambda key=key: {**attrs, semconv.ATTR_TENSOR: key[0], semconv.ATTR_NONFINITE_KIND: key[1]})  # fmt: skip
+            self._nonfinite.add(count, point)
+        self._overflow.add(stats.overflow, attrs)
+        self._underflow.add(stats.underflow, attrs)
+        for gauge, value in (
+            (self._refresh_error, stats.refresh_error),
+            (self._lost_ratio, stats.lost_ratio),
+            (self._grad_amax, stats.grad_amax),
+        ):
+            # Gauges reject NaN/Inf with a warning per call; only fp32 overflow of the norms gets here.
+            if math.isfinite(value):
+                gauge.set(value, attrs)
+
+    # -- dtype contract ----------------------------------------------------------------
+
+    def _audit_if_due(self, step_number: int, span: Span | None) -> None:
+        """The dtype-contract audit: at the first step, after the optimizer's state was loaded
+        (``load_state_dict`` replaces ``optimizer.state``) and on every diagnosed step; each
+        violation is named once (span event on the step, counter)."""
+        optimizer = self._optimizer_ref()
+        if optimizer is None:
+            return
+        if optimizer.state is self._audited_state and not self.precision_due(step_number):
+            return
+        self._audited_state = optimizer.state
+        try:
+            violations = attribution.audit_dtypes(optimizer)
+        except Exception as exc:
+            self._warn("audit", "fsdp_patch telemetry: the dtype-contract audit failed on rank %d (%s: %s).",
+                       self.rank, type(exc).__name__, exc)  # fmt: skip
+            return
+        for violation in violations:
+            if violation.key in self._named_violations:
+                continue
+            self._named_violations.add(violation.key)
+            expected, actual = dtype_name(violation.expected), dtype_name(violation.actual)
+            self._dtype_contract.add(1, self._cached(
+                ("contract", violation.tensor, expected, actual),
+                lambda v=violation, e=expected, a=actual: {semconv.ATTR_TENSOR: v.tensor, semconv.ATTR_DTYPE_EXPECTED: e,
+                                                           semconv.ATTR_DTYPE_ACTUAL: a},
+            ))  # fmt: skip
+            if span is not None:
+                attrs: dict[str, AttributeValue] = {
+                    semconv.ATTR_STEP: step_number,
+                    semconv.ATTR_RANK: self.rank,
+                    semconv.ATTR_PARAM: violation.param,
+                    semconv.ATTR_UNIT: violation.unit,
+                    semconv.ATTR_TENSOR: violation.tensor,
+                    semconv.ATTR_DTYPE_EXPECTED: expected,
+                    semconv.ATTR_DTYPE_ACTUAL: actual,
+                }
+                if violation.state_key is not None:
+                    attrs[semconv.ATTR_OPTIMIZER_STATE] = violation.state_key
+                span.add_event(semconv.EVENT_DTYPE_CONTRACT, attrs)
 
     # -- life cycle --------------------------------------------------------------------
 

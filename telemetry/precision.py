@@ -9,11 +9,12 @@ them. Two kinds of groups are read:
   weights are what FSDP2 will cast them to at its next all-gather (``compute_dtype``); that cast
   is done here, per tensor, exactly as FSDP2 does it (``Tensor.to``).
 
-All work is whole-tensor operations (fused ``torch._foreach_norm`` over the tensor lists, then a
-few passes per tensor, in chunks of at most :data:`CHUNK_ELEMENTS`); never a loop over elements.
-A first fused pass of norms tells, with one device-to-host copy, which tensors hold a NaN or an
-Inf; only those pay for counting them. Every rank contributes one small stats vector to a single
-all-gather and then reduces it locally, so the results are global and identical on every rank.
+The passes themselves run per parameter, in :mod:`fsdp_patch.telemetry.param_stats` (whole-tensor
+operations on each parameter's segment, in chunks of at most :data:`CHUNK_ELEMENTS`; never a loop
+over elements; a first fused pass of norms tells, with one device-to-host copy, which segments
+hold a NaN or an Inf, and only those pay for counting them): the whole-model vector here is the
+sum of its rows. Every rank contributes its numbers to a single all-gather and reduces them
+locally, so the results are global and identical on every rank.
 
 Definitions follow docs/conventions.md:
 
@@ -52,9 +53,10 @@ from . import semconv
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-# Elements per pass: the reused work buffers (an fp32 difference, two compute-dtype casts, two
-# bool masks: about 10 bytes per element) stay at about 10 MiB however large a shard is.
-CHUNK_ELEMENTS = 1 << 20
+# Elements per pass: the reused work buffers (an fp32 difference, the compute weight widened, two
+# compute-dtype casts, two bool masks: about 14 bytes per element) stay at about 3.5 MiB however
+# large a shard is, near a core's L2 cache, so a chunk's later passes read it from there.
+CHUNK_ELEMENTS = 1 << 18
 
 TENSOR_NAMES = semconv.TENSORS
 NONFINITE_KINDS = semconv.NONFINITE_KINDS
@@ -66,6 +68,7 @@ GRAD_AMAX_NONFINITE = float(torch.finfo(torch.float32).max)
 """``grad_amax`` when some grad element is NaN or Inf (see the module docstring)."""
 
 # Layout of the stats vector exchanged between ranks. Everything but GRAD_AMAX is summed.
+# (param_stats' per-parameter rows begin with the same slots.)
 _GRAD_NAN, _GRAD_INF, _MAIN_NAN, _MAIN_INF, _COMPUTE_NAN, _COMPUTE_INF = range(6)
 _OVERFLOW, _UNDERFLOW, _DIFF_SQ, _MAIN_SQ, _CHANGED, _LOST, _GRAD_AMAX = range(6, 13)
 _STATS_LEN = 13
@@ -117,17 +120,39 @@ class _Weights:
 
     ``computes`` are materialized compute weights, one per main weight; ``None`` means they are
     derived by casting each main weight to ``compute_dtype``, or, when that is ``None`` too,
-    that the compute weight is the main weight.
+    that the compute weight is the main weight. ``grads`` holds one grad per main weight, in
+    the same layout, ``None`` where there is none.
     """
 
     mains: tuple[torch.Tensor, ...]
     computes: tuple[torch.Tensor, ...] | None
     compute_dtype: torch.dtype | None
-    grads: tuple[torch.Tensor, ...]
+    grads: tuple[torch.Tensor | None, ...]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1)
+
+
+def _aligned_grads(group: Any, mains: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """One grad per main weight: ``local_grads`` where the group has them (FSDP2's, one per
+    parameter), else ``main_grads`` (only the shards that have a grad) matched in order by size."""
+    local = getattr(group, "local_grads", None)
+    if local is not None:
+        return tuple(None if g is None else _flat(g) for g in local)
+    grads = [_flat(g) for g in group.main_grads]
+    if len(grads) == len(mains):
+        return tuple(grads)
+    out: list[torch.Tensor | None] = []
+    pending = iter(grads)
+    grad = next(pending, None)
+    for main in mains:
+        if grad is not None and grad.numel() == main.numel():
+            out.append(grad)
+            grad = next(pending, None)
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 def _weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> _Weights:
@@ -136,9 +161,9 @@ def _weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> _Weigh
         dtype = group.compute_dtype or default_compute_dtype
         if mains and dtype == mains[0].dtype:
             dtype = None
-        return _Weights(mains, None, dtype, tuple(_flat(g) for g in group.main_grads))
+        return _Weights(mains, None, dtype, _aligned_grads(group, mains))
     main = _flat(group.main_weight)
-    grads = () if group.main_grad is None else (_flat(group.main_grad),)
+    grads = (None if group.main_grad is None else _flat(group.main_grad),)
     if getattr(group, "compute_per_gather", False):
         # No copy is kept: every all-gather casts exactly this.
         return _Weights((main,), None, group.compute_weight.dtype, grads)
@@ -148,7 +173,7 @@ def _weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> _Weigh
         raise ValueError(
             f"precision diagnostics need equal numel: main_weight {main.numel()}, compute_weight {computes[0].numel()}"
         )
-    if grads and grads[0].numel() != main.numel():
+    if grads[0] is not None and grads[0].numel() != main.numel():
         raise ValueError(f"main_grad numel {grads[0].numel()} differs from main_weight numel {main.numel()}")
     return _Weights((main,), computes, None, grads)
 
@@ -227,7 +252,7 @@ class _Scratch:
 
     Fresh temporaries of a whole shard cost more than the arithmetic on a CPU (every new page
     is faulted in and zeroed); buffers of at most :data:`CHUNK_ELEMENTS` elements, reused, keep
-    the passes memory-bound and the extra memory bounded (about 9 bytes per chunk element).
+    the passes memory-bound and the extra memory bounded (about 10 bytes per chunk element).
     """
 
     def __init__(self) -> None:
@@ -244,34 +269,6 @@ class _Scratch:
 _scratch = _Scratch()
 
 
-class _Accumulator:
-    """Device-side sums of the stats slots; read back once, by the caller."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.parts: dict[int, list[torch.Tensor]] = {}
-        self.device = device
-
-    def add(self, slot: int, value: torch.Tensor) -> None:
-        self.parts.setdefault(slot, []).append(value.reshape(()))
-
-    def vector(self, grad_amax: float) -> torch.Tensor:
-        stats = torch.zeros(_STATS_LEN, dtype=torch.float64, device=self.device)
-        for slot, values in self.parts.items():
-            stats[slot] = torch.stack([v.to(self.device, torch.float64) for v in values]).sum()
-        stats[_GRAD_AMAX] = grad_amax
-        return stats
-
-
-def _count(mask: torch.Tensor) -> torch.Tensor:
-    # count_nonzero, not .sum(): summing a bool tensor is several times slower on the CPU.
-    return torch.count_nonzero(mask)
-
-
-def _count_nonfinite(acc: _Accumulator, t: torch.Tensor, nan_slot: int, inf_slot: int) -> None:
-    acc.add(nan_slot, _count(torch.isnan(t)))
-    acc.add(inf_slot, _count(torch.isinf(t)))
-
-
 def _abs_max(t: torch.Tensor) -> torch.Tensor:
     """``max |t|`` (NaN when ``t`` has a NaN) in one fused min/max pass, as float32."""
     if t.numel() == 0:
@@ -280,132 +277,19 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(low.float().neg(), high.float())
 
 
-def _weight_chunk(
-    acc: _Accumulator,
-    m: torch.Tensor,
-    mb: torch.Tensor,
-    compute: torch.Tensor | None,
-    compute_before: torch.Tensor | None,
-    compute_dtype: torch.dtype | None,
-    healthy: bool,
-) -> None:
-    """Weight stats of one chunk of a main weight and its compute weight.
-
-    ``healthy``: the fused pre-pass showed no NaN/Inf in the main or the compute weight and no
-    overflow, so the counting passes and the finite masks are skipped. A compute weight derived
-    by casting the main weight (``compute is None``, FSDP2) is a function of it, which gives two
-    identities the materialized one (a refreshed buffer that might be stale) does not: zeros of
-    the main weight stay zero, so underflow = nnz(main) - nnz(compute); and a compute element
-    that changed had its main element change, so lost = changed(main) - changed(compute).
-    """
-    n = m.numel()
-    mask = _scratch.get("mask", m, torch.bool, n)
-    changed = _count(torch.ne(_bits(m), _bits(mb), out=mask))
-    acc.add(_CHANGED, changed)
-    if compute is None and compute_dtype is None:  # the compute weight is the main weight
-        if not healthy:
-            _count_nonfinite(acc, m, _MAIN_NAN, _MAIN_INF)
-            _count_nonfinite(acc, m, _COMPUTE_NAN, _COMPUTE_INF)
-            acc.add(_MAIN_SQ, torch.linalg.vector_norm(torch.where(torch.isfinite(m), m, 0.0)).double().square())
-        return
-    if compute is None:
-        c = _scratch.get("compute", m, compute_dtype, n).copy_(m)
-        cb = _scratch.get("compute_before", m, compute_dtype, n).copy_(mb)
-        acc.add(_UNDERFLOW, _count(m) - _count(c))
-        acc.add(_LOST, changed - _count(torch.ne(_bits(c), _bits(cb), out=mask)))
-    else:
-        c, cb = compute, compute_before
-        kept = _scratch.get("mask2", m, torch.bool, n)
-        torch.eq(_bits(c), _bits(cb), out=kept)
-        acc.add(_LOST, _count(torch.logical_and(mask, kept, out=kept)))  # mask: changed(main)
-        torch.eq(c, 0, out=kept)
-        acc.add(_UNDERFLOW, _count(torch.logical_and(torch.ne(m, 0, out=mask), kept, out=kept)))
-    diff = _scratch.get("diff", m, torch.promote_types(torch.promote_types(m.dtype, c.dtype), torch.float32), n)
-    torch.sub(m, c, out=diff)
-    if healthy:
-        acc.add(_DIFF_SQ, torch.linalg.vector_norm(diff).double().square())
-        return
-    _count_nonfinite(acc, m, _MAIN_NAN, _MAIN_INF)
-    _count_nonfinite(acc, c, _COMPUTE_NAN, _COMPUTE_INF)
-    m_finite = torch.isfinite(m)
-    acc.add(_OVERFLOW, _count(m_finite & torch.isinf(c)))
-    finite = m_finite & torch.isfinite(c)
-    acc.add(_DIFF_SQ, torch.linalg.vector_norm(torch.where(finite, diff, 0.0)).double().square())
-    acc.add(_MAIN_SQ, torch.linalg.vector_norm(torch.where(finite, m, 0.0)).double().square())
-
-
 def local_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> torch.Tensor:
     """This rank's stats vector (float64, on the buffers' device); reads the buffers, writes none.
+
+    The sums of :func:`fsdp_patch.telemetry.param_stats.local_rows` over its slots (here one per
+    flat buffer or tensor): the whole-model numbers are the per-parameter ones added up.
 
     Raises:
         ValueError: ``groups`` does not match the snapshot.
     """
-    if len(groups) != len(snapshot.main_weights):
-        raise ValueError(f"snapshot holds {len(snapshot.main_weights)} groups, got {len(groups)}")
-    weights = [_weights_of(g, snapshot.default_compute_dtype) for g in groups]
-    for w, before in zip(weights, snapshot.main_weights, strict=True):
-        if len(w.mains) != len(before) or any(a.numel() != b.numel() for a, b in zip(w.mains, before)):
-            raise ValueError("precision diagnostics need equal numel: the snapshot does not match the weights")
-    mains = [t for w in weights for t in w.mains]
-    device = mains[0].device if mains else torch.device("cpu")
-    acc = _Accumulator(device)
-    with torch.no_grad():
-        # Fused pre-pass and one copy to the host: L2 norms of the main weights (also the
-        # refresh error's denominator) and max |x| of compute weights and grads say which
-        # tensors hold NaN/Inf or could overflow their compute dtype; only those are counted.
-        main_l2 = [n.float() for n in torch._foreach_norm(mains)] if mains else []
-        derived = [w.computes is None and w.compute_dtype is not None for w in weights]
-        # A finite main weight casts to a finite compute weight when max |main| <= the dtype's
-        # max; ||main||_2 bounds max |main|, which settles it for bf16 (fp32's range) without a
-        # pass; narrower dtypes (fp16) read max |main| itself.
-        narrow = [d and torch.finfo(w.compute_dtype).max < _WIDE_RANGE for w, d in zip(weights, derived)]
-        main_max = [_abs_max(t) for w, n in zip(weights, narrow) if n for t in w.mains]
-        compute_max = [_abs_max(t) for w in weights if w.computes is not None for t in w.computes]
-        grads = [g for w in weights for g in w.grads if g.numel()]
-        grad_max = [_abs_max(g) for g in grads]
-        norms = [*main_l2, *main_max, *compute_max, *grad_max]
-        host = iter(torch.stack(norms).tolist() if norms else [])
-        main_l2_host = [next(host) for _ in main_l2]
-        main_max_host, compute_max_host = iter([next(host) for _ in main_max]), iter([next(host) for _ in compute_max])
-        grad_max_host = [next(host) for _ in grad_max]
+    from . import param_stats
 
-        index = 0
-        for group_index, (w, is_derived, before, computes_before) in enumerate(
-            zip(weights, derived, snapshot.main_weights, snapshot.compute_weights, strict=True)
-        ):
-            limit = torch.finfo(w.compute_dtype).max if is_derived else math.inf
-            for i, main in enumerate(w.mains):
-                main_ok = math.isfinite(main_l2_host[index])
-                if w.computes is not None:
-                    healthy = main_ok and math.isfinite(next(compute_max_host))
-                elif is_derived:
-                    bound = next(main_max_host) if narrow[group_index] else main_l2_host[index]
-                    healthy = main_ok and bound <= limit
-                else:
-                    healthy = main_ok
-                if healthy:  # else the chunks sum it over the elements finite in both
-                    acc.add(_MAIN_SQ, main_l2[index].double().square())
-                compute = None if w.computes is None else w.computes[i]
-                compute_before = None if computes_before is None else computes_before[i]
-                for start in _chunks(main.numel()):
-                    length = min(CHUNK_ELEMENTS, main.numel() - start)
-
-                    def part(t: torch.Tensor | None) -> torch.Tensor | None:
-                        return None if t is None else t.narrow(0, start, length)
-
-                    _weight_chunk(acc, part(main), part(before[i]), part(compute), part(compute_before),
-                                  w.compute_dtype, healthy)  # fmt: skip
-                index += 1
-        grad_amax = 0.0
-        if grads:
-            if all(math.isfinite(v) for v in grad_max_host):
-                grad_amax = max(grad_max_host)
-            else:
-                grad_amax = GRAD_AMAX_NONFINITE
-                for g, value in zip(grads, grad_max_host, strict=True):
-                    if not math.isfinite(value):
-                        _count_nonfinite(acc, g, _GRAD_NAN, _GRAD_INF)
-        return acc.vector(grad_amax)
+    table = param_stats.param_table(groups, snapshot.default_compute_dtype, per_parameter=False)
+    return param_stats.totals(param_stats.local_rows(snapshot, groups, table, detail=False))
 
 
 def nan_stats(device: torch.device) -> torch.Tensor:

@@ -14,11 +14,12 @@ files are copied to.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from . import semconv, trace_limits
 from . import precision_thresholds as thresholds
+from .attribution_report import AttributionTrace, details, details_json
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
@@ -39,6 +40,10 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     (semconv.METRIC_GRAD_AMAX, "grad amax", "{:>9.3g}"),
 )
 DEFAULT_MAX_LINES = 10
+# Judged but not shown as columns: the attribution's whole-model values (its parameters are named
+# under "where to look next").
+JUDGED = (*(key for key, _, _ in COLUMNS), *semconv.ATTRIBUTION_SPAN_ATTRIBUTES)
+NAMED_PER_FINDING = 5
 WHERE_TRACE_FILES_COME_FROM = (
     "trace files are written by runs with telemetry on whose OTEL_TRACES_EXPORTER is unset or lists trace_file, "
     "into FSDP_PATCH_TRACE_DIR (default fsdp_patch_traces)"
@@ -59,6 +64,7 @@ class RunTrace:
         world_size: World size from the files' resource, when present.
         service: Service name from the files' resource, when present.
         files: Files read.
+        attribution: The parameters the attribution's events name.
     """
 
     samples: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -70,6 +76,7 @@ class RunTrace:
     world_size: int | None = None
     service: str | None = None
     files: list[str] = field(default_factory=list)
+    attribution: AttributionTrace = field(default_factory=AttributionTrace)
 
 
 def _number(value: object) -> float | None:
@@ -101,6 +108,7 @@ def read_run(directory: str) -> RunTrace:
     run = RunTrace()
     step_of_span: dict[str, int] = {}
     precision: list[tuple[str | None, dict[str, float]]] = []
+    precision_parent: dict[str, str | None] = {}
     for segment in segments:
         run.ranks.add(segment.rank)
         run.files.append(segment.path)
@@ -120,9 +128,12 @@ def read_run(directory: str) -> RunTrace:
                 if args.get(STATUS) == "ERROR":
                     run.failed_steps.setdefault(step, str(args.get(STATUS_DESCRIPTION, "")))
             elif event.get("ph") == "X" and event.get("name") == semconv.SPAN_PRECISION:
-                values = {key: v for key, _, _ in COLUMNS if (v := _number(args.get(key))) is not None}
+                precision_parent[str(args.get(SPAN_ID, ""))] = args.get(PARENT_SPAN_ID)
+                values = {key: v for key in JUDGED if (v := _number(args.get(key))) is not None}
                 if values:
                     precision.append((args.get(PARENT_SPAN_ID), values))
+            elif event.get("ph") == "i":
+                run.attribution.feed(event)
     for parent, values in precision:
         # The step span ends after its precision child, possibly in the next (still kept) segment;
         # a parent rotated away belongs to the oldest, dropped steps.
@@ -132,6 +143,9 @@ def read_run(directory: str) -> RunTrace:
         sample = run.samples.setdefault(step, {})
         for key, value in values.items():
             sample[key] = _worse(sample.get(key), value)
+    steps_of_precision = {span: step_of_span[parent] for span, parent in precision_parent.items()
+                          if parent is not None and parent in step_of_span}  # fmt: skip
+    run.attribution.resolve(steps_of_precision)
     return run
 
 
@@ -158,7 +172,7 @@ class RangeLine:
         return thresholds.worst([f.threshold.severity for f in self.findings])
 
 
-def _judge(samples: list[tuple[int, dict[str, float]]], failed: list[int]) -> list[Finding]:
+def _judge(samples: list[tuple[int, dict[str, float]]], failed: list[int], contract: Sequence[int] = ()) -> list[Finding]:
     first_fired: dict[str, int] = {}
     for step, values in samples:
         fired = {t.check for t in thresholds.THRESHOLDS if t.metric in values and t.fires(values[t.metric])}
@@ -168,6 +182,8 @@ def _judge(samples: list[tuple[int, dict[str, float]]], failed: list[int]) -> li
     findings = [Finding(thresholds.BY_CHECK[check], step) for check, step in first_fired.items()]
     if failed:
         findings.append(Finding(thresholds.FAILED_STEPS, min(failed)))
+    if contract:
+        findings.append(Finding(thresholds.DTYPE_CONTRACT, min(contract)))
     return findings
 
 
@@ -198,7 +214,8 @@ def range_lines(run: RunTrace, max_lines: int = DEFAULT_MAX_LINES) -> list[Range
             for key, value in sample.items():
                 values[key] = _worse(values.get(key), value)
         failed = [step for step in run.failed_steps if first <= step <= last]
-        lines.append(RangeLine(first, last, values, len(failed), _judge(samples, failed)))
+        contract = [v.step for v in run.attribution.violations.values() if first <= v.step <= last]
+        lines.append(RangeLine(first, last, values, len(failed), _judge(samples, failed, contract)))
         previous_last = last
     return lines
 
@@ -291,6 +308,8 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
         threshold = finding.threshold
         alert = f" [alert {threshold.alert}]" if threshold.alert else ""
         out.append(f"  - {threshold.finding} (first at step {finding.first_step + step_offset}){alert}: {threshold.advice}")
+        for line in details(run.attribution, threshold.check, finding.first_step, NAMED_PER_FINDING, step_offset):
+            out.append(f"      {line}")
     return "\n".join(out) + "\n"
 
 
@@ -302,6 +321,46 @@ def report(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset: int 
     """
     run = read_run(directory)
     return render(run, range_lines(run, max_lines), directory, step_offset)
+
+
+def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset: int = 0) -> dict[str, object]:
+    """The report as plain data (``fsdp-patch report --json``): the same ranges, verdicts and
+    findings as the text, and per finding the parameters named.
+
+    Raises:
+        TraceFileError: See :func:`read_run`.
+    """
+    run = read_run(directory)
+    lines = range_lines(run, max_lines)
+    findings: dict[str, Finding] = {}
+    for line in lines:
+        for finding in line.findings:
+            findings.setdefault(finding.threshold.check, finding)
+    ordered = _ordered(findings.values())
+
+    def clean(value: float) -> float | str:
+        return value if math.isfinite(value) else str(value)  # JSON has no NaN/Inf
+
+    return {
+        "source": directory,
+        "ranks": sorted(run.ranks),
+        "world_size": run.world_size,
+        "steps": run.last_step + step_offset,
+        "diagnosed_steps": len(run.samples),
+        "verdict": thresholds.worst([f.threshold.severity for f in ordered]),
+        "lines": [
+            {"first": line.first + step_offset, "last": line.last + step_offset, "failed": line.failed,
+             "values": {key: clean(value) for key, value in line.values.items()}, "verdict": line.verdict,
+             "findings": [f.threshold.check for f in _ordered(line.findings)]}
+            for line in lines
+        ],
+        "findings": [
+            {"check": f.threshold.check, "severity": f.threshold.severity, "finding": f.threshold.finding,
+             "first_step": f.first_step + step_offset, "alert": f.threshold.alert, "advice": f.threshold.advice,
+             **details_json(run.attribution, f.threshold.check, f.first_step, NAMED_PER_FINDING, step_offset)}
+            for f in ordered
+        ],
+    }  # fmt: skip
 
 
 def overall_findings(directory: str) -> list[str]:

@@ -164,6 +164,68 @@ THRESHOLDS: tuple[Threshold, ...] = (
         finding="all gradients are zero",
         advice="nothing reached the optimizer: a detached loss, frozen parameters, or vanished gradients.",
     ),
+    # The attribution's whole-model values (precision span attributes; the parameters are in its events).
+    Threshold(
+        check="unstepped_weights",
+        metric=semconv.ATTR_UNSTEPPED_PARAMS,
+        above=0,
+        severity=PROBLEM,
+        finding="unstepped weights: parameters that get grads but whose main weights never change",
+        advice=(
+            "the parameters named get non-zero grads, and no step changes them: left out of every optimizer "
+            "param group, frozen in a copy, or updated somewhere the model does not read. Build the optimizer "
+            "from model.parameters() after sharding, or set requires_grad=False where they should not train."
+        ),
+    ),
+    Threshold(
+        check="state_nonfinite",
+        metric=semconv.ATTR_STATE_NONFINITE,
+        above=0,
+        severity=PROBLEM,
+        finding="NaN/Inf in optimizer state",
+        advice=(
+            "once exp_avg or exp_avg_sq holds NaN/Inf (an overflowing bf16/fp16 state, a NaN grad) every later "
+            "update of those elements is NaN, or 0 for an infinite exp_avg_sq. Keep optimizer state in fp32 and "
+            "look at the first NaN/Inf and the grads of the steps before it."
+        ),
+    ),
+    Threshold(
+        check="stuck_weights",
+        metric=semconv.ATTR_STUCK_PARAMS,
+        above=0,
+        severity=WARNING,
+        finding="stuck weights: compute weights that do not move while their main weights do",
+        advice=(
+            f"for {semconv.SETTING_PRECISION_WINDOW} diagnosed steps in a row not one element of the parameters "
+            "named changed in the compute dtype: their updates are below its rounding step (a learning rate too "
+            "small for them, or large weights such as norm scales near 1.0 in bf16). Raise their learning rate, "
+            "or keep them in fp32."
+        ),
+    ),
+    Threshold(
+        check="state_flushed",
+        metric=semconv.ATTR_STATE_FLUSHED,
+        above=0,
+        severity=WARNING,
+        finding="exp_avg_sq flushed to zero: squared grads underflow",
+        advice=(
+            "where a grad is tiny its square underflows (in fp32 below about 1e-23; far sooner in bf16 state) "
+            "and Adam divides by eps alone, updating by lr * grad / eps. Scale the loss up, or look for the "
+            "vanishing grads of the parameters named."
+        ),
+    ),
+    Threshold(
+        check="skipped_steps",
+        metric=semconv.ATTR_STEP_SKIPPED,
+        above=0,
+        severity=WARNING,
+        finding="silently skipped steps: grads non-zero and finite, and no main weight changed",
+        advice=(
+            "the optimizer's step changed nothing although its parameters had grads: a loss scaler skipping "
+            "steps without Inf grads, a step applied to a copy of the parameters, or a learning rate of 0 in "
+            "every param group."
+        ),
+    ),
 )
 
 FAILED_STEPS = Threshold(
@@ -178,7 +240,20 @@ FAILED_STEPS = Threshold(
     ),
 )
 
-BY_CHECK = {threshold.check: threshold for threshold in (*THRESHOLDS, FAILED_STEPS)}
+DTYPE_CONTRACT = Threshold(
+    check="dtype_contract",
+    metric=semconv.EVENT_DTYPE_CONTRACT,
+    above=0,
+    severity=WARNING,
+    finding="dtypes the mixed-precision contract does not expect",
+    advice=(
+        "the tensors named are not in the dtype their role needs: main weights in low precision lose updates "
+        "(a checkpoint loaded into bf16 parameters), optimizer state in bf16 overflows or stalls. Find where "
+        "they were made or loaded (the step named: the first step, or the one after a state load)."
+    ),
+)
+
+BY_CHECK = {threshold.check: threshold for threshold in (*THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT)}
 _PRECEDENCE = {check: index for index, check in enumerate(BY_CHECK)}
 
 
@@ -202,8 +277,10 @@ def _condition(threshold: Threshold) -> str:
 def markdown_table() -> str:
     """The thresholds as Markdown, the form ``telemetry/README.md`` embeds (a test keeps them equal)."""
     rows = ["| check | value | fires when | verdict | Prometheus alert | finding |", "| --- | --- | --- | --- | --- | --- |"]
-    for threshold in (*THRESHOLDS, FAILED_STEPS):
-        value = "steps with status ERROR" if threshold is FAILED_STEPS else f"`{threshold.metric}`"
+    for threshold in (*THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT):
+        value = {FAILED_STEPS.check: "steps with status ERROR", DTYPE_CONTRACT.check: "dtype-contract events"}.get(
+            threshold.check, f"`{threshold.metric}`"
+        )
         unless = f" (unless `{threshold.unless}` fired)" if threshold.unless else ""
         alert = f"`{threshold.alert}`" if threshold.alert else "—"
         rows.append(

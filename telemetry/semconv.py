@@ -116,3 +116,107 @@ PRECISION_SPAN_ATTRIBUTES = (
 
 METRIC_PRECISION_STEPS = "fsdp.precision.steps"
 METRIC_NONFINITE_STEPS = "fsdp.precision.nonfinite.steps"
+
+# -- attribution: where a precision problem is (docs/conventions.md, "Attribution") ------------------------------
+# Per-parameter and per-unit detail goes on spans and into the report; a metric label only for
+# units, and only when FSDP_PATCH_PRECISION_DETAIL=unit.
+
+ATTR_PARAM = "fsdp.param"
+"""A parameter's fully qualified name, as ``model.named_parameters()`` gives it."""
+ATTR_UNIT = "fsdp.unit"
+"""The fully qualified name of the sharded module holding the parameter; ``""`` for the root."""
+ATTR_OPTIMIZER_STATE = "fsdp.optimizer.state"
+"""An optimizer state key: ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ..."""
+ATTR_RANKS = "fsdp.ranks"
+"""Ranks (int array) where something was found."""
+ATTR_PRECISION_PARAMS = "fsdp.precision.params"
+"""Names (string array, at most FSDP_PATCH_PRECISION_TOP_K) of the parameters a finding covers."""
+ATTR_PRECISION_PARAMS_COUNT = "fsdp.precision.params.count"
+"""How many parameters a finding covers (``fsdp.precision.params`` lists the first of them)."""
+ATTR_PRECISION_ELEMENTS = "fsdp.precision.elements"
+"""Elements a finding counts (over all ranks)."""
+ATTR_DIAGNOSTIC = "fsdp.precision.diagnostic"
+"""Which diagnostic an offender event ranks parameters by (one of DIAGNOSTICS)."""
+ATTR_VALUE = "fsdp.precision.value"
+"""The diagnostic's value for the parameter."""
+ATTR_CAUSE = "fsdp.precision.cause"
+"""Why an unstepped parameter does not move: one of UNSTEPPED_CAUSES."""
+ATTR_DTYPE_EXPECTED = "fsdp.dtype.expected"
+ATTR_DTYPE_ACTUAL = "fsdp.dtype.actual"
+
+TENSOR_OPTIMIZER_STATE = "optimizer_state"
+CONTRACT_TENSORS = (*TENSORS, TENSOR_OPTIMIZER_STATE)
+"""Values of ATTR_TENSOR on METRIC_DTYPE_CONTRACT: the audit also checks the optimizer's state."""
+"""``fsdp.tensor`` of an optimizer state tensor (its key in ``fsdp.optimizer.state``)."""
+# Where a NaN/Inf shows first, in the order it spreads within a step: the backward writes the
+# grad, the optimizer its state from the grad, then the main weight, the refresh the compute weight.
+FIRST_NONFINITE_ORDER = (TENSOR_MAIN_GRAD, TENSOR_OPTIMIZER_STATE, TENSOR_MAIN_WEIGHT, TENSOR_COMPUTE_WEIGHT)
+
+EVENT_FIRST_NONFINITE = "fsdp.precision.first_nonfinite"
+"""On SPAN_PRECISION, once per run: the first NaN/Inf (step, parameter, tensor or state key, ranks)."""
+EVENT_OFFENDER = "fsdp.precision.offender"
+"""On SPAN_PRECISION: one per (diagnostic, parameter) among the top K of that step, with the value."""
+EVENT_DTYPE_CONTRACT = "fsdp.precision.dtype_contract"
+"""On SPAN_STEP: a dtype the contract does not expect, with what was expected (once per violation)."""
+
+# Values of ATTR_DIAGNOSTIC. The whole-model diagnostics keep their metric's name; the others:
+DIAGNOSTIC_UPDATE_RESOLUTION = "fsdp.precision.update.resolution"
+"""RMS of the applied update over the compute dtype's rounding step at the weight's RMS
+(``||Δ||₂ / (u ||w||₂)``, u the unit roundoff): below 1, a typical update is lost in the compute
+weights; offenders are the smallest. Measured where a parameter lost at least half its updates
+at its last diagnosed step (every parameter at its first)."""
+DIAGNOSTIC_STUCK = "fsdp.precision.update.stuck"
+"""Diagnosed steps in a row (at least FSDP_PATCH_PRECISION_WINDOW) in which the main weight moved
+and not one element of the compute weight did."""
+DIAGNOSTIC_UNSTEPPED = "fsdp.precision.update.unstepped"
+"""Diagnosed steps in a row (at least FSDP_PATCH_PRECISION_WINDOW) with a non-zero grad and a
+main weight that did not change at all."""
+DIAGNOSTIC_STATE_NONFINITE = "fsdp.precision.state.nonfinite"
+"""NaN and Inf elements of one optimizer state tensor (with ATTR_OPTIMIZER_STATE)."""
+DIAGNOSTIC_STATE_FLUSHED = "fsdp.precision.state.flushed"
+"""Fraction of a parameter's ``exp_avg_sq`` elements that are 0 where the grad is not: the
+squared grad underflowed, and the update divides by eps alone."""
+DIAGNOSTICS = (
+    METRIC_NONFINITE, METRIC_REFRESH_OVERFLOW, METRIC_REFRESH_UNDERFLOW, METRIC_REFRESH_ERROR,
+    METRIC_LOST_RATIO, METRIC_GRAD_AMAX, DIAGNOSTIC_UPDATE_RESOLUTION, DIAGNOSTIC_STUCK,
+    DIAGNOSTIC_UNSTEPPED, DIAGNOSTIC_STATE_NONFINITE, DIAGNOSTIC_STATE_FLUSHED,
+)  # fmt: skip
+
+UNSTEPPED_NOT_IN_OPTIMIZER = "not_in_optimizer"
+"""The parameter gets grads but is in none of the optimizer's param groups."""
+UNSTEPPED_NO_UPDATE = "no_update"
+"""In the optimizer with a learning rate above 0, yet its main weight never changes (a frozen
+copy, updates applied elsewhere, a step skipped for this parameter)."""
+UNSTEPPED_CAUSES = (UNSTEPPED_NOT_IN_OPTIMIZER, UNSTEPPED_NO_UPDATE)
+
+# Whole-model values of the attribution on the SPAN_PRECISION span (the report judges them).
+ATTR_STUCK_PARAMS = DIAGNOSTIC_STUCK
+"""Parameters stuck (see DIAGNOSTIC_STUCK) at this step."""
+ATTR_UNSTEPPED_PARAMS = DIAGNOSTIC_UNSTEPPED
+"""Parameters unstepped (see DIAGNOSTIC_UNSTEPPED) at this step."""
+ATTR_STATE_NONFINITE = DIAGNOSTIC_STATE_NONFINITE
+"""NaN and Inf elements of all optimizer state tensors."""
+ATTR_STATE_FLUSHED = DIAGNOSTIC_STATE_FLUSHED
+"""The largest per-parameter fraction of flushed ``exp_avg_sq`` elements."""
+ATTR_STEP_SKIPPED = "fsdp.precision.update.skipped"
+"""1 when no main weight the optimizer steps changed although grads were non-zero and finite
+(a silently skipped step), else 0."""
+ATTRIBUTION_SPAN_ATTRIBUTES = (
+    ATTR_STUCK_PARAMS, ATTR_UNSTEPPED_PARAMS, ATTR_STATE_NONFINITE, ATTR_STATE_FLUSHED, ATTR_STEP_SKIPPED,
+)  # fmt: skip
+
+METRIC_DTYPE_CONTRACT = "fsdp.precision.dtype_contract.violations"
+"""Counter, ``{tensor}``: tensors found in a dtype the contract does not expect, once each
+(attributes ATTR_TENSOR, ATTR_DTYPE_EXPECTED, ATTR_DTYPE_ACTUAL)."""
+METRIC_SKIPPED_STEPS = "fsdp.precision.update.skipped_steps"
+"""Counter, ``{step}``: diagnosed steps that were silently skipped (see ATTR_STEP_SKIPPED)."""
+
+SETTING_PRECISION_TOP_K = "FSDP_PATCH_PRECISION_TOP_K"
+"""Offenders per diagnostic on the precision span (default 3; 0 turns the per-parameter detail off)."""
+SETTING_PRECISION_DETAIL = "FSDP_PATCH_PRECISION_DETAIL"
+"""``off`` (default) or ``unit``: the precision metrics also carry ATTR_UNIT."""
+SETTING_PRECISION_WINDOW = "FSDP_PATCH_PRECISION_WINDOW"
+"""Diagnosed steps in a row before a weight is named stuck or unstepped (default 3)."""
+DETAIL_OFF = "off"
+DETAIL_UNIT = "unit"
+DETAILS = (DETAIL_OFF, DETAIL_UNIT)

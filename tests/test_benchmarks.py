@@ -43,6 +43,7 @@ def test_every_case_runs_and_lands_in_the_table_and_the_json(tmp_path: Path) -> 
     measures = [row["measure"] for case in document["cases"].values() for row in case["rows"]]
     for needle in ("adapted step / bare step", "per-tensor cast loop / adapter", "per parameter", "hooks / no adapter",
                    "wrapt (no telemetry) / hooks", "telemetry on (diagnostics off) / off", "diagnostics every step",
+                   "attribution / whole-model diagnostics",
                    "ours / FSDP2 step time, 1 microbatch", "ours / FSDP2 step time, 4 microbatches",
                    "peak tensor bytes", "between steps tensor bytes"):
         assert any(needle in m for m in measures), f"no row measures {needle!r}: {measures}"

@@ -41,8 +41,11 @@ def test_metric_table_is_the_instrument_table():
         semconv.ATTR_TENSOR: semconv.TENSORS,
         semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_KINDS,
     }
+    # An attribute whose values differ for one instrument: the audit also names optimizer state.
+    per_instrument = {(semconv.METRIC_DTYPE_CONTRACT, semconv.ATTR_TENSOR): semconv.CONTRACT_TENSORS}
     code = {
-        spec.name: (spec.kind, spec.unit, {a: tuple(enumerated.get(a, ())) for a in spec.attributes})
+        spec.name: (spec.kind, spec.unit,
+                    {a: tuple(per_instrument.get((spec.name, a), enumerated.get(a, ()))) for a in spec.attributes})
         for spec in instruments.INSTRUMENTS
     }
     only_code = sorted(set(code) - set(page))
@@ -98,6 +101,9 @@ def test_variable_defaults_on_the_page_are_the_parsers():
         env.SUMMARY: env.summary_mode,
         env.FLUSH_TIMEOUT: env.flush_timeout_s,
         trace_limits.TRACE_MAX_BYTES: trace_limits.trace_max_bytes,
+        semconv.SETTING_PRECISION_TOP_K: env.precision_top_k,
+        semconv.SETTING_PRECISION_WINDOW: env.precision_window,
+        semconv.SETTING_PRECISION_DETAIL: env.precision_detail,
     }
     for name, parse in parsers.items():
         written = code_spans(defaults[name])

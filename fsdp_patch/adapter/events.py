@@ -122,8 +122,9 @@ class StepObserver(Protocol):
     def step_count(self) -> int:
         """Steps observed so far (a replacing observer continues from it)."""
     @property
-    def collective_settings(self) -> tuple[bool, int]:
-        """``(telemetry on, diagnostics interval)``: what every rank must agree on (see ``settings_check``)."""
+    def collective_settings(self) -> tuple[bool, int] | tuple[bool, int, bool]:
+        """``(telemetry on, diagnostics interval[, per-parameter detail])``: what every rank must
+        agree on (see ``settings_check``)."""
 
 
 class _NullScope:

@@ -1,12 +1,14 @@
 """Settings that change collectives, checked across ranks once, at an optimizer's first step.
 
 With telemetry on, the precision diagnostics add an ``all_gather`` on their steps. A rank with
-telemetry off (or another diagnostics schedule) would skip it while its peers wait: a collective
-mismatch on gloo, a hang on NCCL. So at its first step every adapted optimizer, whichever its
-attachment, gathers ``(telemetry on, diagnostics interval)`` from every rank of its process group
-in one small ``all_gather``, and a difference raises the same error on every rank, naming the
-variables and each rank's value. A rank with telemetry off takes part through the same call in
-the hook attachment: one collective of two integers per optimizer, at its first step only.
+telemetry off (or another diagnostics schedule, or the per-parameter detail on where its peers
+have it off: a payload of another size) would skip it or send other rows while its peers wait: a
+collective mismatch on gloo, a hang on NCCL. So at its first step every adapted optimizer,
+whichever its attachment, gathers ``(telemetry on, diagnostics interval, per-parameter detail on)``
+from every rank of its process group in one small ``all_gather``, and a difference raises the
+same error on every rank, naming the variables and each rank's value. A rank with telemetry off
+takes part through the same call in the hook attachment: one collective of three integers per
+optimizer, at its first step only.
 """
 
 from __future__ import annotations
@@ -38,26 +40,31 @@ def process_group_and_device(groups: Sequence[Any]) -> tuple[Any, torch.device] 
 
 
 def _describe(values: list[list[int]]) -> str:
-    from fsdp_patch.telemetry import env  # only to name the variables in the message
+    from fsdp_patch.telemetry import env, semconv  # only to name the variables in the message
 
     telemetry = ", ".join(f"rank {r} {'on' if v[0] else 'off'}" for r, v in enumerate(values))
     every = ", ".join(f"rank {r} {v[1]}" + (" (off)" if not v[1] else "") for r, v in enumerate(values))
+    detail = ", ".join(f"rank {r} {'on' if v[2] else 'off'}" for r, v in enumerate(values))
     return (
         "fsdp_patch: ranks of this optimizer's process group disagree on settings that change "
         f"collectives. Telemetry ({env.TELEMETRY}, or running under opentelemetry-instrument): {telemetry}. "
         f"Precision diagnostics every N steps ({env.PRECISION_EVERY}; 0 when telemetry is off or "
-        f"OTEL_SDK_DISABLED=true): {every}. Expected the same values on every rank: set these "
-        "variables (and opentelemetry-instrument) alike for all ranks."
+        f"OTEL_SDK_DISABLED=true): {every}. Per-parameter detail ({semconv.SETTING_PRECISION_TOP_K} "
+        f"above 0): {detail}. Expected the same values on every rank: set these variables (and "
+        "opentelemetry-instrument) alike for all ranks."
     )
 
 
-def check_collective_settings(groups: Sequence[Any], telemetry_on: bool, precision_every: int) -> None:
+def check_collective_settings(
+    groups: Sequence[Any], telemetry_on: bool, precision_every: int, per_parameter: bool = False
+) -> None:
     """Raise on every rank if the ranks' settings differ; a no-op without a process group.
 
     Args:
         groups: The FSDP groups of the optimizer (``fully_shard``'s or FSDP2's).
         telemetry_on: Whether this rank's adapted optimizer emits telemetry.
         precision_every: This rank's diagnostics interval (0: none).
+        per_parameter: Whether this rank's diagnostics send a row per parameter.
 
     Raises:
         CollectiveSettingsError: The settings differ on some rank; every rank raises it, with
@@ -72,9 +79,9 @@ def check_collective_settings(groups: Sequence[Any], telemetry_on: bool, precisi
     world = dist.get_world_size(pg)
     if world == 1:
         return
-    mine = torch.tensor([int(telemetry_on), int(precision_every)], dtype=torch.int64, device=device)
-    gathered = torch.empty(world * 2, dtype=torch.int64, device=device)
+    mine = torch.tensor([int(telemetry_on), int(precision_every), int(per_parameter)], dtype=torch.int64, device=device)
+    gathered = torch.empty(world * 3, dtype=torch.int64, device=device)
     all_gather_flat(gathered, mine, group=pg)
-    values = gathered.view(world, 2).tolist()
+    values = gathered.view(world, 3).tolist()
     if any(v != values[0] for v in values):
         raise CollectiveSettingsError(_describe(values))

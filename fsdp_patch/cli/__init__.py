@@ -3,7 +3,7 @@
 Subcommands::
 
     fsdp-patch demo [options]                    the main job (see fsdp-patch demo --help)
-    fsdp-patch report TRACE_DIR [--lines N]      precision verdicts from a run's trace files
+    fsdp-patch report TRACE_DIR [--lines N] [--json]  precision verdicts from a run's trace files
     fsdp-patch trace merge OUTPUT INPUT...       per-rank Chrome traces into one Perfetto file
     fsdp-patch trace jaeger OUTPUT INPUT...      Chrome traces into one Jaeger upload file
 
@@ -32,10 +32,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ..telemetry.precision_report import report
+    from ..telemetry.precision_report import report, report_json
 
     if args.lines < 1:
         raise UsageError(f"fsdp-patch report: --lines {args.lines} is too small; expected an integer >= 1")
+    if args.json:
+        import json
+
+        sys.stdout.write(json.dumps(report_json(args.trace_dir, args.lines), indent=1) + "\n")
+        return 0
     sys.stdout.write(report(args.trace_dir, args.lines))
     return 0
 

@@ -14,7 +14,7 @@ from ..optimizer import fully_shard_optimizer
 from . import checkpoint
 from .data import tokens_at
 from .model import GPT, lm_loss, shard
-from .options import SCENARIOS, RunOptions, TrainingConfig
+from .options import LAYER_LR_FACTOR, SCENARIOS, UNDERFLOW_SCALE, RunOptions, TrainingConfig
 from .progress import Progress
 from .schedule import WarmupCosine
 
@@ -37,23 +37,44 @@ def build(
         compute_copy=compute_copy,  # type: ignore[arg-type]
     )
     shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=training.weight_decay)
+    optimizer = torch.optim.AdamW(_param_groups(model, training), lr=training.lr, weight_decay=training.weight_decay)
     fully_shard_optimizer(optimizer)
     schedule = WarmupCosine(training.warmup_steps, training.decay_steps, training.min_lr / training.lr)
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def _plant(model: GPT, training: TrainingConfig, step: int) -> None:
-    """The scenario's bug, after the backward of ``step``."""
-    plant = SCENARIOS[training.scenario].plant
-    if plant is None or step != training.plant_step:
+def _param_groups(model: GPT, training: TrainingConfig) -> list[dict[str, object]]:
+    """The optimizer's param groups: every parameter in one, except where the scenario plants a
+    parameter left out of the optimizer, or one in a group of its own with a far smaller lr."""
+    scenario = SCENARIOS[training.scenario]
+    named = dict(model.named_parameters())
+    if scenario.plant == "left_out":
+        return [{"params": [p for name, p in named.items() if name != scenario.layer]}]
+    if scenario.plant == "layer_lr":
+        rest = [p for name, p in named.items() if name != scenario.layer]
+        return [{"params": rest}, {"params": [named[scenario.layer]], "lr": training.lr * LAYER_LR_FACTOR}]
+    return [{"params": list(named.values())}]
+
+
+def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfig, step: int) -> None:
+    """The scenario's bug, after the backward of ``step`` (its param groups were made by :func:`build`)."""
+    scenario = SCENARIOS[training.scenario]
+    plant = scenario.plant
+    if plant is None or step < training.plant_step or (step != training.plant_step and plant != "underflow"):
         return
+    param = dict(model.named_parameters())[scenario.layer]
     with torch.no_grad():
         if plant == "nan" and dist.get_rank() == 0:
-            model.head.weight.grad.to_local().view(-1)[0] = float("nan")
+            param.grad.to_local().view(-1)[0] = float("nan")
         elif plant == "overflow":
             # Main weights (fp32) past fp16's largest value: the refresh to fp16 gives Inf.
-            model.pos.to_local().fill_(7.0e4)
+            param.to_local().fill_(7.0e4)
+        elif plant == "underflow":
+            param.grad.to_local().mul_(UNDERFLOW_SCALE)
+        elif plant == "bf16_state" and "exp_avg_sq" in optimizer.state.get(param, {}):
+            # AdamW keeps stepping with it, silently; the next dtype audit names it.
+            state = optimizer.state[param]
+            state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.bfloat16)
 
 
 def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -> None:
@@ -87,7 +108,7 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
                 loss = lm_loss(model, tokens.to(device)) / training.microbatches
                 loss.backward()
                 loss_sum += loss.detach()
-            _plant(model, training, step)
+            _plant(model, optimizer, training, step)
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
@@ -120,8 +141,13 @@ def _print_start(
     where = "from scratch"
     if resume_from:
         where = f"resuming from {resume_from.path} at step {resume_from.step} (loaded in {load_seconds:.1f} s)"
+    scenario = SCENARIOS[training.scenario]
+    planted = ""
+    if scenario.plant is not None:
+        at = "from the start" if scenario.plant_from_start else f"at step {training.plant_step}"
+        planted = f"; planted in {scenario.layer}, {at}: {scenario.description}"
     print(
-        f"fsdp-patch demo: scenario {training.scenario}, {dist.get_world_size()} rank(s) on {dist.get_backend()}, "
+        f"fsdp-patch demo: scenario {training.scenario}{planted}, {dist.get_world_size()} rank(s) on {dist.get_backend()}, "
         f"{params:,} parameters, compute {training.compute_dtype} / main {training.main_dtype} / grads "
         f"{training.grad_dtype}, AdamW lr {training.lr:g} (warm-up {training.warmup_steps}, cosine to "
         f"{training.min_lr:g} at step {training.decay_steps}), {options.steps} steps, {where}",

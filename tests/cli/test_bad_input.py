@@ -51,7 +51,7 @@ CASES = {
     "world-size-0": (["demo", "--world-size", "0"], "--world-size 0 is too small; expected an integer >= 1"),
     "steps-0": (["demo", "--steps", "0"], "--steps 0 is too small; expected an integer >= 1"),
     "negative-lr": (["demo", "--lr", "-1"], "--lr -1.0 must be a positive number"),
-    "unknown-scenario": (["demo", "--scenario", "bogus"], "--scenario 'bogus' is not known; expected one of healthy, tiny-lr, nan, fp16-overflow"),
+    "unknown-scenario": (["demo", "--scenario", "bogus"], "--scenario 'bogus' is not known; expected one of healthy, tiny-lr, nan, fp16-overflow, layer-lr, left-out, bf16-state, state-underflow"),
     "unknown-compute-copy": (["demo", "--compute-copy", "lazy"], "--compute-copy 'lazy' is not known; expected one of persistent, per_gather"),
     "unknown-exporter": (["demo", "--exporter", "kafka"], "--exporter 'kafka' is not known; expected one of file, otlp, console, none"),
     "batch-split": (["demo", "--batch", "6", "--microbatches", "2"], "--batch 6 does not split into --microbatches 2 x 2 ranks; expected a multiple of 4"),

@@ -7,10 +7,12 @@ the package's files, which must bring every other dependency itself. Its ``fsdp-
   the losses and the final model and optimizer state equal an uninterrupted 10-step run (with the
   persistent copy) bitwise;
 - the trace files of both ranks load (Chrome and Jaeger JSON);
-- the precision report names each planted scenario's problem and calls the healthy run healthy;
+- the precision report names each planted scenario's problem, and the layer it was planted in,
+  and calls the healthy run healthy;
 - bad input is one line and exit code 2 from the installed command too.
 
-Slow (about a minute and a half on 2 cores): one venv per session, eight runs of the command.
+Slow (about five minutes on 2 quiet cores, several times that on a busy machine): one venv per
+session, ten demo runs and eleven other runs of the command, all in the first test's setup.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+# The session's runs happen in the first test's setup, which the default per-test timeout counts.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[2]
 # What `pip install .` needs from a checkout: the metadata and the two package folders.
@@ -75,9 +78,11 @@ def runs(fresh_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     out["resumed"] = _run([command, "demo", "--steps", "10", "--resume", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl",
                            "--trace-dir", "t_resumed", "--compute-copy", "per_gather", *common], work)
     out["whole"] = _run([command, "demo", "--steps", "10", "--checkpoint-dir", "ckpt_whole", "--loss-log", "whole.jsonl", "--trace-dir", "t_whole", *common], work)
-    for scenario in ("tiny-lr", "nan", "fp16-overflow"):
-        _run([command, "demo", "--scenario", scenario, "--steps", "6", "--precision-every", "1", "--trace-dir", f"t_{scenario}", *common], work)
+    for scenario in ("tiny-lr", "nan", "fp16-overflow", "layer-lr", "left-out", "bf16-state", "state-underflow"):
+        out[f"{scenario}:demo"] = _run([command, "demo", "--scenario", scenario, "--steps", "6", "--precision-every", "1",
+                                        "--trace-dir", f"t_{scenario}", *common], work)  # fmt: skip
         out[scenario] = _run([command, "report", f"t_{scenario}"], work)
+    out["nan:json"] = _run([command, "report", "--json", "t_nan"], work)
     out["bad"] = _run([command, "demo", "--main-dtype", "fp8"], work, check=False)
     out["module_help"] = _run([str(fresh_venv / "bin" / "python"), "-m", "fsdp_patch", "--help"], work)
     out["telemetry_file"] = _run(
@@ -152,12 +157,45 @@ def test_healthy_run_ends_with_a_healthy_report(runs: dict[str, Any]) -> None:
         ("tiny-lr", "overall: warning: lost updates: learning rate too small for the compute dtype"),
         ("nan", "overall: problem: NaN/Inf in gradients or weights, from step 3"),
         ("fp16-overflow", "overall: problem: refresh overflow: main weights beyond the compute dtype's range (65504 for fp16), from step 3"),
+        ("layer-lr", "overall: warning: stuck weights: compute weights that do not move while their main weights do, from step 3"),
+        ("left-out", "overall: problem: unstepped weights: parameters that get grads but whose main weights never change, from step 3"),
+        ("bf16-state", "overall: warning: dtypes the mixed-precision contract does not expect, from step 3"),
+        ("state-underflow", "exp_avg_sq flushed to zero: squared grads underflow (first at step 1)"),
     ],
 )
 def test_report_names_each_planted_problem(runs: dict[str, Any], scenario: str, verdict: str) -> None:
     stdout = runs[scenario].stdout
     assert verdict in stdout, f"{scenario}: the report does not say {verdict!r}:\n{stdout}"
     assert "where to look next:" in stdout, stdout
+
+
+@pytest.mark.parametrize(
+    ("scenario", "layer", "named"),
+    [
+        ("nan", "blocks.1.fc1.weight", "first NaN/Inf: step 3, rank 0, blocks.1.fc1.weight (unit 'blocks.1'), main_grad: 1 NaN element"),
+        ("fp16-overflow", "pos", "overflowing: pos (root unit)"),
+        ("layer-lr", "blocks.1.norm2.weight", "stuck: blocks.1.norm2.weight (unit 'blocks.1'): 6 diagnosed steps at step 6"),
+        ("left-out", "blocks.1.proj.weight", "unstepped: blocks.1.proj.weight (unit 'blocks.1'): 6 diagnosed steps at step 6, not in optimizer"),
+        ("bf16-state", "blocks.0.fc2.weight",
+         "blocks.0.fc2.weight (unit 'blocks.0'): optimizer_state 'exp_avg_sq' is bfloat16, expected float32 (step 3, ranks 0, 1)"),
+        ("state-underflow", "blocks.0.fc1.weight", "exp_avg_sq flushed to zero: blocks.0.fc1.weight [exp_avg_sq] (unit 'blocks.0')"),
+    ],
+)
+def test_demo_and_report_name_the_planted_layer(runs: dict[str, Any], scenario: str, layer: str, named: str) -> None:
+    started = runs[f"{scenario}:demo"].stdout.splitlines()[0]
+    assert f"planted in {layer}" in started, f"{scenario}: the demo does not name the planted layer: {started}"
+    stdout = runs[scenario].stdout
+    assert named in stdout, f"{scenario}: the report does not name {named!r}:\n{stdout}"
+
+
+def test_report_json_names_the_first_bad_tensor(runs: dict[str, Any]) -> None:
+    report = json.loads(runs["nan:json"].stdout)
+    (first,) = [f["first_nonfinite"] for f in report["findings"] if "first_nonfinite" in f]
+    got = {k: first[k] for k in ("step", "param", "unit", "tensor", "ranks", "kind", "elements")}
+    want = {"step": 3, "param": "blocks.1.fc1.weight", "unit": "blocks.1", "tensor": "main_grad", "ranks": [0],
+            "kind": "nan", "elements": 1}
+    assert got == want, f"want {want}, got {got}"
+    assert report["verdict"] == "problem" and report["steps"] == 6, report
 
 
 def test_installed_command_rejects_bad_input_in_one_line(runs: dict[str, Any]) -> None:

@@ -41,7 +41,17 @@ ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
     semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_ACTIONS,
     semconv.ATTR_TENSOR: semconv.TENSORS,
     semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_KINDS,
+    semconv.ATTR_DTYPE_EXPECTED: DTYPES,
+    semconv.ATTR_DTYPE_ACTUAL: DTYPES,
 }
+# An attribute whose values differ for one instrument: the dtype audit also names optimizer state.
+INSTRUMENT_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
+    (semconv.METRIC_DTYPE_CONTRACT, semconv.ATTR_TENSOR): semconv.CONTRACT_TENSORS,
+}
+# With FSDP_PATCH_PRECISION_DETAIL=unit these carry fsdp.unit too (units of a model: the root is "").
+UNIT_LABELLED = {semconv.METRIC_NONFINITE, semconv.METRIC_REFRESH_OVERFLOW, semconv.METRIC_REFRESH_UNDERFLOW,
+                 semconv.METRIC_REFRESH_ERROR, semconv.METRIC_LOST_RATIO, semconv.METRIC_GRAD_AMAX}
+UNITS = ("", "blocks.0")
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ def instrument_table() -> list[Metric]:
     from fsdp_patch.telemetry.instruments import INSTRUMENTS
 
     return [Metric(spec.name, spec.kind, spec.unit,
-                   {key: ATTRIBUTE_VALUES[key] for key in spec.attributes})
+                   {key: INSTRUMENT_VALUES.get((spec.name, key), ATTRIBUTE_VALUES[key]) for key in spec.attributes})
             for spec in INSTRUMENTS]
 
 
@@ -87,8 +97,10 @@ def exposition_for_rank(rank: str) -> str:
         instruments = create_instruments(provider.get_meter("fsdp_patch"))
         for metric in instrument_table():
             keys = sorted(metric.attributes)
-            for values in itertools.product(*(metric.attributes[k] for k in keys)):
-                point = {RANK_ATTRIBUTE: int(rank), **dict(zip(keys, values))}
+            units = ((semconv.ATTR_UNIT, u) for u in UNITS) if metric.name in UNIT_LABELLED else ()
+            for values, unit in itertools.product(itertools.product(*(metric.attributes[k] for k in keys)),
+                                                  (None, *units)):  # fmt: skip
+                point = {RANK_ATTRIBUTE: int(rank), **dict(zip(keys, values)), **dict([unit] if unit else [])}
                 instrument = instruments[metric.name]
                 if metric.kind == "Counter":
                     instrument.add(3, point)

@@ -16,7 +16,6 @@ from fsdp_patch.telemetry import semconv
 from tests import conventions_doc as conventions
 from dashboards_support import (  # conftest.py puts this folder on sys.path
     DASHBOARDS,
-    ATTRIBUTE_VALUES,
     LABEL_VALUES,
     all_panels,
     dashboard_files,
@@ -93,11 +92,12 @@ def test_instrument_table_and_attribute_values_are_the_conventions_pages():
              for name, kind, unit, attrs in rows}
     ours = {m.name: (m.kind, m.unit, set(m.attributes)) for m in instrument_table()}
     assert table == ours, f"docs/conventions.md {table}, telemetry.instruments {ours}"
+    made = {m.name: m.attributes for m in instrument_table()}
     for name, _, _, attrs in rows:
         for key in re.findall(r"`(fsdp\.[\w.]+)`", attrs):
             listed = re.findall(rf"`{re.escape(key)}` \(([^)]*)\)", attrs)
             if listed:  # an enumerated attribute: produce exactly the page's values
-                got = set(ATTRIBUTE_VALUES[key])
+                got = set(made[conventions.code_spans(name)[0]][key])
                 want = set(re.findall(r"`(\w+)`", listed[0]))
                 assert got == want, f"{name} {key}: series made for {sorted(got)}, the page lists {sorted(want)}"
 

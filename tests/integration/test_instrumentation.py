@@ -34,8 +34,13 @@ def test_instrument_uninstrument_instrument_round_trip(dist_pool, tmp_path) -> N
              {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "5"}],
             "rank 0 1, rank 1 5",
         ),
+        (
+            [{"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"},
+             {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1", "FSDP_PATCH_PRECISION_TOP_K": "0"}],
+            "Per-parameter detail (FSDP_PATCH_PRECISION_TOP_K above 0): rank 0 on, rank 1 off",
+        ),
     ],
-    ids=["telemetry-on-one-rank", "diagnostics-schedules-differ"],
+    ids=["telemetry-on-one-rank", "diagnostics-schedules-differ", "per-parameter-detail-differs"],
 )  # fmt: skip
 def test_mismatched_settings_raise_the_same_error_on_every_rank(dist_pool, per_rank, named) -> None:
     results = dist_pool(WORLD).run(instrument_rank_fns.mismatched_settings, per_rank)

@@ -67,9 +67,14 @@ def test_each_threshold_fires_on_its_line_and_names_the_bug(tmp_path: Path) -> N
         5: {"fsdp.precision.grad.amax": 0.0},
         6: {"fsdp.precision.refresh.error": 0.01, "fsdp.precision.refresh.underflow": 2},
         7: {"fsdp.precision.grad.amax": 1e5},
+        8: {"fsdp.precision.update.unstepped": 1},
+        9: {"fsdp.precision.state.nonfinite": 2},
+        10: {"fsdp.precision.update.stuck": 1},
+        11: {"fsdp.precision.state.flushed": 0.5},
+        12: {"fsdp.precision.update.skipped": 1},
     }
-    _write(tmp_path, diagnostics, steps=7)
-    got = _verdicts(tmp_path)
+    _write(tmp_path, diagnostics, steps=12)
+    got = _verdicts(tmp_path, lines=12)
     want = [
         (1, 1, "healthy", []),
         (2, 2, "warning", ["lost_updates"]),
@@ -78,9 +83,14 @@ def test_each_threshold_fires_on_its_line_and_names_the_bug(tmp_path: Path) -> N
         (5, 5, "warning", ["grad_zero"]),
         (6, 6, "warning", ["refresh_error", "refresh_underflow"]),
         (7, 7, "warning", ["grad_amax_fp16"]),
+        (8, 8, "problem", ["unstepped_weights"]),
+        (9, 9, "problem", ["state_nonfinite"]),
+        (10, 10, "warning", ["stuck_weights"]),
+        (11, 11, "warning", ["state_flushed"]),
+        (12, 12, "warning", ["skipped_steps"]),
     ]
     assert got == want, got
-    text = precision_report.report(str(tmp_path))
+    text = precision_report.report(str(tmp_path), max_lines=12)
     assert "overall: problem: NaN/Inf in gradients or weights, from step 3" in text, text
     line4 = next(line for line in text.splitlines() if line.strip().startswith("4-4"))
     # The overflow explains the Inf compute weights the non-finite count includes: named first.
@@ -128,3 +138,79 @@ def test_a_directory_without_traces_is_an_error_naming_it(tmp_path: Path, make: 
     with pytest.raises(TraceFileError) as info:
         precision_report.read_run(str(directory))
     assert str(directory) in str(info.value), str(info.value)
+
+
+def _write_attributed(directory: Path, ranks: int = 2) -> None:
+    """Steps 1-4; the attribution's events as the observer writes them (every rank the same
+    offenders, each rank its own dtype-contract event)."""
+    from fsdp_patch.telemetry import semconv
+
+    for rank in range(ranks):
+        exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False)
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracer = provider.get_tracer("t")
+        for step in range(1, 5):
+            with tracer.start_as_current_span(semconv.SPAN_STEP, attributes={semconv.ATTR_STEP: step}) as span:
+                with tracer.start_as_current_span(semconv.SPAN_PRECISION) as child:
+                    values = dict(HEALTHY)
+                    if step >= 3:
+                        values[semconv.METRIC_NONFINITE] = 3 if step == 3 else 900
+                        values[semconv.ATTR_UNSTEPPED_PARAMS] = 1
+                    child.set_attributes(values)
+                    if step == 3:
+                        child.add_event(semconv.EVENT_FIRST_NONFINITE, {
+                            semconv.ATTR_STEP: 3, semconv.ATTR_PARAM: "blocks.1.fc1.weight", semconv.ATTR_UNIT: "blocks.1",
+                            semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD, semconv.ATTR_RANKS: [1],
+                            semconv.ATTR_NONFINITE_KIND: "nan", semconv.ATTR_PRECISION_ELEMENTS: 1,
+                            semconv.ATTR_PRECISION_PARAMS: ["blocks.1.fc1.weight"], semconv.ATTR_PRECISION_PARAMS_COUNT: 1})  # fmt: skip
+                    offenders = [(semconv.METRIC_LOST_RATIO, "head.weight", "", 0.4 + step / 100, {})]
+                    if step == 3:
+                        offenders.append((semconv.METRIC_NONFINITE, "blocks.1.fc1.weight", "blocks.1", 3, {}))
+                    if step == 4:
+                        offenders.append((semconv.METRIC_NONFINITE, "head.weight", "", 900, {}))
+                    if step >= 3:
+                        offenders.append((semconv.DIAGNOSTIC_UNSTEPPED, "blocks.0.proj.weight", "blocks.0", step,
+                                          {semconv.ATTR_CAUSE: semconv.UNSTEPPED_NOT_IN_OPTIMIZER}))
+                    for diagnostic, param, unit, value, extra in offenders:
+                        child.add_event(semconv.EVENT_OFFENDER, {semconv.ATTR_DIAGNOSTIC: diagnostic, semconv.ATTR_PARAM: param,
+                                                                 semconv.ATTR_UNIT: unit, semconv.ATTR_VALUE: value, **extra})
+                if step == 2:
+                    span.add_event(semconv.EVENT_DTYPE_CONTRACT, {
+                        semconv.ATTR_STEP: 2, semconv.ATTR_RANK: rank, semconv.ATTR_PARAM: "head.weight", semconv.ATTR_UNIT: "",
+                        semconv.ATTR_TENSOR: semconv.TENSOR_OPTIMIZER_STATE, semconv.ATTR_OPTIMIZER_STATE: "exp_avg_sq",
+                        semconv.ATTR_DTYPE_EXPECTED: "float32", semconv.ATTR_DTYPE_ACTUAL: "bfloat16"})  # fmt: skip
+        provider.shutdown()
+
+
+def test_report_names_the_parameters_of_each_finding(tmp_path: Path) -> None:
+    _write_attributed(tmp_path)
+    text = precision_report.report(str(tmp_path))
+    for want in (
+        "first NaN/Inf: step 3, rank 1, blocks.1.fc1.weight (unit 'blocks.1'), main_grad: 1 NaN element",
+        # at the first bad step only: what spread a step later is not the culprit
+        "with NaN/Inf: blocks.1.fc1.weight (unit 'blocks.1'): 3 elements at step 3\n",
+        "unstepped: blocks.0.proj.weight (unit 'blocks.0'): 4 diagnosed steps at step 4, not in optimizer",
+        "head.weight (root unit): optimizer_state 'exp_avg_sq' is bfloat16, expected float32 (step 2, ranks 0, 1)",
+        "overall: problem: NaN/Inf in gradients or weights, from step 3",
+    ):
+        assert want in text, f"{want!r} missing from:\n{text}"
+    verdicts = _verdicts(tmp_path)
+    assert verdicts[1] == (2, 2, "warning", ["dtype_contract"]), verdicts
+
+
+def test_report_json_carries_the_same_findings_and_parameters(tmp_path: Path) -> None:
+    _write_attributed(tmp_path)
+    data = precision_report.report_json(str(tmp_path))
+    assert data["verdict"] == "problem" and data["ranks"] == [0, 1] and data["steps"] == 4, data
+    by_check = {f["check"]: f for f in data["findings"]}
+    assert set(by_check) == {"nonfinite", "unstepped_weights", "dtype_contract"}, sorted(by_check)
+    first = by_check["nonfinite"]["first_nonfinite"]
+    assert (first["step"], first["param"], first["ranks"], first["tensor"]) == (3, "blocks.1.fc1.weight", [1], "main_grad")
+    (unstepped,) = by_check["unstepped_weights"]["parameters"]
+    assert (unstepped["param"], unstepped["value"], unstepped["cause"]) == ("blocks.0.proj.weight", 4.0, "not_in_optimizer")
+    (violation,) = by_check["dtype_contract"]["violations"]
+    assert (violation["param"], violation["state"], violation["actual"], violation["ranks"]) == ("head.weight", "exp_avg_sq", "bfloat16", [0, 1])
+    import json
+
+    json.dumps(data)  # plain data throughout

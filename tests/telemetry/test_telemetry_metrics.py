@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -36,11 +37,17 @@ DIAGNOSED_STEP_COUNTS = {
     semconv.METRIC_PRECISION_STEPS: ("Counter", "{step}", set()),
     semconv.METRIC_NONFINITE_STEPS: ("Counter", "{step}", set()),
 }
+# The counters the attribution adds (docs/conventions.md, "Attribution").
+ATTRIBUTION_TABLE = {
+    semconv.METRIC_DTYPE_CONTRACT: ("Counter", "{tensor}", {semconv.ATTR_TENSOR, semconv.ATTR_DTYPE_EXPECTED, semconv.ATTR_DTYPE_ACTUAL}),
+    semconv.METRIC_SKIPPED_STEPS: ("Counter", "{step}", set()),
+}  # fmt: skip
 
 
 def test_instrument_table_matches_the_design_page():
     table = {s.name: (s.kind, s.unit, set(s.attributes)) for s in instruments.INSTRUMENTS}
-    assert table == {**DESIGN_TABLE, **DIAGNOSED_STEP_COUNTS}, f"instrument table {table}"
+    want = {**DESIGN_TABLE, **DIAGNOSED_STEP_COUNTS, **ATTRIBUTION_TABLE}
+    assert table == want, f"want {want}, got {table}"
     assert all(s.description for s in instruments.INSTRUMENTS)
 
 
@@ -125,10 +132,18 @@ def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
     provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)])
     try:
         group = Group(torch.ones(4), torch.ones(4, dtype=torch.float16), torch.ones(4, dtype=torch.bfloat16))
+        optimizer = fake_optimizer()
+        (param,) = optimizer.param_groups[0]["params"]
+        optimizer.state[param]["momentum_buffer"] = torch.zeros(4, dtype=torch.bfloat16)  # the audit names it
         observer = OptimizerObserver(
-            fake_optimizer(), precision_aware=False, tracer_provider=otel.tracer_provider, meter_provider=provider
+            optimizer, precision_aware=False, tracer_provider=otel.tracer_provider, meter_provider=provider
         )
         run_fake_step(observer, [group], [torch.full((4,), 2.0)], cast_bytes=8)  # step 1 runs the diagnostics
+        with mock.patch.dict(os.environ, {"FSDP_PATCH_PRECISION_EVERY": "1"}):
+            observer = OptimizerObserver(
+                optimizer, precision_aware=False, tracer_provider=otel.tracer_provider, meter_provider=provider
+            )
+        run_fake_step(observer, [group], [torch.full((4,), 2.0)])  # grads, and no weight moves: a skipped step
         text = generate_latest(registry).decode()
     finally:
         provider.shutdown()
@@ -144,6 +159,8 @@ def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
         "fsdp_precision_refresh_error": "gauge",
         "fsdp_precision_update_lost_ratio": "gauge",
         "fsdp_precision_grad_amax": "gauge",
+        "fsdp_precision_dtype_contract_violations_total": "counter",
+        "fsdp_precision_update_skipped_steps_total": "counter",
     }
     ours = {f for f in families if f.startswith("fsdp_")}
     # one family per instrument: nothing collided in translation
@@ -151,4 +168,4 @@ def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
     for family, kind in expected.items():
         base = family.removesuffix("_total")
         assert re.search(rf"^# TYPE ({family}|{base}) {kind}$", text, re.MULTILINE), family
-    assert re.search(r'^fsdp_optimizer_step_duration_seconds_count\{.*fsdp_rank="0".*\} 1\.0$', text, re.MULTILINE)
+    assert re.search(r'^fsdp_optimizer_step_duration_seconds_count\{.*fsdp_rank="0".*\} 2\.0$', text, re.MULTILINE)

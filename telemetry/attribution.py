@@ -1,0 +1,466 @@
+"""Where a precision problem is: findings per parameter from the reduced rows, across steps.
+
+No OpenTelemetry here: :class:`Attribution` reads each diagnosed step's rows (from
+:mod:`fsdp_patch.telemetry.param_stats`, already reduced over ranks) and returns plain findings,
+which :mod:`fsdp_patch.telemetry.observer` puts on the precision span as events; the dtype-contract
+audit (:func:`audit_dtypes`) reads the optimizer and its parameters without touching an element.
+
+What it keeps from step to step, per parameter: how many diagnosed steps in a row it was stuck
+(the main weight moved, not one element of the compute weight did) and unstepped (a non-zero
+grad, a main weight that did not change at all); whether the first NaN/Inf was recorded; which
+dtype violations were named. A parameter is named stuck or unstepped once that count reaches the
+window (``FSDP_PATCH_PRECISION_WINDOW``), and in every diagnosed step it stays so.
+
+Alternatives considered:
+    - Comparing each compute weight with a copy kept from N diagnosed steps ago: it sees slow
+      drift that crosses a rounding step only over many steps, but keeps 2 bytes per element
+      between steps; the run of steps without a single changed element costs nothing and names
+      what the issue is about (weights that cannot move).
+    - Ranking the first NaN/Inf by element count: a NaN loss makes every grad NaN at once; the
+      kind comes first (grad, then state, then main, then compute weight: the order it spreads
+      within a step), then the parameters in model order, all of them counted and the first K named.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import param_stats as ps
+from . import precision, semconv
+from .param_stats import ParamSlot
+
+_NONFINITE_SLOTS = (ps.GRAD_NAN, ps.GRAD_INF, ps.MAIN_NAN, ps.MAIN_INF, ps.COMPUTE_NAN, ps.COMPUTE_INF)
+STATE_SLOTS = tuple(range(ps.STATE_NAN, ps.ROW))
+"""Row slots of the state tensors' NaN/Inf counts (pairs per state index)."""
+PER_RANK_SLOTS = (*_NONFINITE_SLOTS, *STATE_SLOTS)
+"""Slots read per rank when something is non-finite (to name the ranks)."""
+
+_KIND_SLOTS = {
+    semconv.TENSOR_MAIN_GRAD: (ps.GRAD_NAN, ps.GRAD_INF),
+    semconv.TENSOR_MAIN_WEIGHT: (ps.MAIN_NAN, ps.MAIN_INF),
+    semconv.TENSOR_COMPUTE_WEIGHT: (ps.COMPUTE_NAN, ps.COMPUTE_INF),
+}
+
+
+RESOLUTION_MEASURED_FROM = 0.5
+"""The update of a parameter is measured against the compute dtype's rounding step (an extra pass
+over its elements) where at least this fraction of its updates was lost at its last diagnosed
+step: a parameter that keeps most of its updates has them above the rounding step."""
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next number of ``dtype``: 2^-8 for bfloat16, 2^-11 for float16."""
+    return torch.finfo(dtype).eps / 2
+
+
+@dataclass(frozen=True)
+class ParamContext:
+    """What the optimizer says about one slot's parameter this step.
+
+    Attributes:
+        in_optimizer: The parameter is in one of the optimizer's param groups.
+        lr: Its param group's learning rate (``None``: not in the optimizer, or none set).
+        state_keys: Keys of its state tensors, by state index (:class:`param_stats.StateTensor`).
+    """
+
+    in_optimizer: bool = True
+    lr: float | None = None
+    state_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Offender:
+    """One parameter among the top K of one diagnostic at one step."""
+
+    diagnostic: str
+    slot: int
+    value: float
+    state_key: str | None = None
+    cause: str | None = None
+
+
+@dataclass(frozen=True)
+class FirstNonfinite:
+    """The first NaN/Inf of the run.
+
+    Attributes:
+        step: The optimizer step.
+        tensor: Where it showed first (``semconv.FIRST_NONFINITE_ORDER``).
+        state_key: The optimizer state key when ``tensor`` is the optimizer state.
+        slots: Every parameter with a NaN/Inf in that tensor at that step, in table order.
+        ranks: Ranks where the first of them has it.
+        nan: NaN elements of the first of them (over all ranks).
+        inf: Inf elements of the first of them.
+    """
+
+    step: int
+    tensor: str
+    state_key: str | None
+    slots: tuple[int, ...]
+    ranks: tuple[int, ...]
+    nan: int
+    inf: int
+
+
+@dataclass
+class StepFindings:
+    """What one diagnosed step says per parameter.
+
+    Attributes:
+        offenders: The top K parameters of every diagnostic with something to show, in the
+            order of ``semconv.DIAGNOSTICS``, worst first.
+        first_nonfinite: Set on the step where the first NaN/Inf of the run showed.
+        stuck: Parameters stuck for at least the window.
+        unstepped: Parameters unstepped for at least the window.
+        state_nonfinite: NaN and Inf elements of all state tensors.
+        state_flushed: The largest fraction of flushed ``exp_avg_sq`` elements of a parameter.
+        skipped: No main weight the optimizer steps changed, though grads were non-zero and finite.
+    """
+
+    offenders: list[Offender] = field(default_factory=list)
+    first_nonfinite: FirstNonfinite | None = None
+    stuck: int = 0
+    unstepped: int = 0
+    state_nonfinite: int = 0
+    state_flushed: float = 0.0
+    skipped: bool = False
+
+
+def _nonfinite(row: Sequence[float], slots: Iterable[int]) -> int:
+    return int(sum(row[s] for s in slots))
+
+
+def _state_counts(row: Sequence[float]) -> list[tuple[int, int, int]]:
+    """``(state index, nan, inf)`` of the state tensors with a NaN or Inf."""
+    out = []
+    for index in range(ps.MAX_STATES):
+        nan, inf = int(row[ps.STATE_NAN + 2 * index]), int(row[ps.STATE_INF + 2 * index])
+        if nan or inf:
+            out.append((index, nan, inf))
+    return out
+
+
+def refresh_error(row: Sequence[float]) -> float:
+    """``||compute - main|| / ||main||`` of one row (0 when ``||main||`` is 0)."""
+    return math.sqrt(row[ps.DIFF_SQ] / row[ps.MAIN_SQ]) if row[ps.MAIN_SQ] > 0 else 0.0
+
+
+def lost_ratio(row: Sequence[float]) -> float:
+    """Lost among changed elements of one row (0 when none changed)."""
+    return row[ps.LOST] / row[ps.CHANGED] if row[ps.CHANGED] else 0.0
+
+
+def update_resolution(slot: ParamSlot, row: Sequence[float]) -> float | None:
+    """``||Δ|| / (u ||w||)`` (see ``semconv.DIAGNOSTIC_UPDATE_RESOLUTION``); ``None`` where it is
+    not defined: compute dtype as wide as the main dtype, no update, or zero weights."""
+    if not slot.lossy or row[ps.UPDATE_SQ] <= 0 or row[ps.MAIN_SQ] <= 0 or not math.isfinite(row[ps.UPDATE_SQ]):
+        return None
+    assert slot.compute_dtype is not None
+    return math.sqrt(row[ps.UPDATE_SQ] / row[ps.MAIN_SQ]) / unit_roundoff(slot.compute_dtype)
+
+
+def _grad_moves(row: Sequence[float]) -> bool:
+    amax = row[ps.GRAD_AMAX]
+    return 0 < amax < precision.GRAD_AMAX_NONFINITE
+
+
+class Attribution:
+    """Per-parameter findings of one optimizer's diagnosed steps (every rank computes the same).
+
+    Args:
+        top_k: Offenders per diagnostic (at least 1).
+        window: Diagnosed steps in a row before a parameter is named stuck or unstepped.
+    """
+
+    def __init__(self, top_k: int, window: int) -> None:
+        self.top_k = max(1, top_k)
+        self.window = window
+        self.first_nonfinite: FirstNonfinite | None = None
+        self._stuck: dict[str, int] = {}
+        self._unstepped: dict[str, int] = {}
+        # Lost ratio of each parameter at its last diagnosed step (reduced: the same on every rank).
+        self._last_lost: dict[str, float] = {}
+
+    def update_slots(self, table: Sequence[ParamSlot]) -> set[int]:
+        """The slots whose update is measured this step (``param_stats.local_rows(update_slots=)``):
+        those that lost at least :data:`RESOLUTION_MEASURED_FROM` of their updates at their last
+        diagnosed step, and those not diagnosed yet. Every rank picks the same ones (they read the
+        reduced rows), so the collective's sums stay whole."""
+        return {i for i, slot in enumerate(table) if self._last_lost.get(slot.name, 1.0) >= RESOLUTION_MEASURED_FROM}
+
+    def analyze(
+        self,
+        step: int,
+        table: Sequence[ParamSlot],
+        rows: Sequence[Sequence[float]],
+        contexts: Sequence[ParamContext],
+        ranks_of: Callable[[int, Sequence[int]], tuple[int, ...]],
+    ) -> StepFindings:
+        """The findings of one diagnosed step.
+
+        Args:
+            step: The optimizer step.
+            table: The slots, as the rows were computed for.
+            rows: Global rows (reduced over ranks), one per slot.
+            contexts: One per slot.
+            ranks_of: ``(slot, row slots) -> ranks`` whose count in any of those slots is
+                non-zero (called only when something is non-finite).
+        """
+        findings = StepFindings()
+        ranked: dict[str, list[tuple[float, int, str | None, str | None]]] = {d: [] for d in semconv.DIAGNOSTICS}
+        stepped_changed, stepped_grad, stepped_any, stepped_nonfinite = 0.0, False, False, False
+        for index, (slot, row, context) in enumerate(zip(table, rows, contexts, strict=True)):
+            total_nonfinite = _nonfinite(row, _NONFINITE_SLOTS)
+            for diagnostic, value in (
+                (semconv.METRIC_NONFINITE, total_nonfinite),
+                (semconv.METRIC_REFRESH_OVERFLOW, row[ps.OVERFLOW]),
+                (semconv.METRIC_REFRESH_UNDERFLOW, row[ps.UNDERFLOW]),
+                (semconv.METRIC_REFRESH_ERROR, refresh_error(row)),
+                (semconv.METRIC_LOST_RATIO, lost_ratio(row)),
+                (semconv.METRIC_GRAD_AMAX, row[ps.GRAD_AMAX]),
+            ):
+                if value > 0 and math.isfinite(value):
+                    ranked[diagnostic].append((value, index, None, None))
+            self._last_lost[slot.name] = lost_ratio(row) if row[ps.CHANGED] else self._last_lost.get(slot.name, 1.0)
+            resolution = update_resolution(slot, row)
+            if resolution is not None and resolution < 1:
+                ranked[semconv.DIAGNOSTIC_UPDATE_RESOLUTION].append((-resolution, index, None, None))
+            for state_index, nan, inf in _state_counts(row):
+                findings.state_nonfinite += nan + inf
+                key = context.state_keys[state_index] if state_index < len(context.state_keys) else str(state_index)
+                ranked[semconv.DIAGNOSTIC_STATE_NONFINITE].append((nan + inf, index, key, None))
+            if row[ps.STATE_FLUSHED] > 0 and row[ps.NUMEL] > 0:
+                fraction = row[ps.STATE_FLUSHED] / row[ps.NUMEL]
+                findings.state_flushed = max(findings.state_flushed, fraction)
+                ranked[semconv.DIAGNOSTIC_STATE_FLUSHED].append((fraction, index, ps.SECOND_MOMENT_KEY, None))
+
+            stuck = slot.lossy and row[ps.CHANGED] > 0 and row[ps.LOST] == row[ps.CHANGED]
+            count = self._stuck[slot.name] = self._stuck.get(slot.name, 0) + 1 if stuck else 0
+            if count >= self.window:
+                findings.stuck += 1
+                ranked[semconv.DIAGNOSTIC_STUCK].append((count, index, None, None))
+            stepping = context.in_optimizer and (context.lr is None or context.lr > 0)
+            unstepped = _grad_moves(row) and row[ps.CHANGED] == 0 and (stepping or not context.in_optimizer)
+            count = self._unstepped[slot.name] = self._unstepped.get(slot.name, 0) + 1 if unstepped else 0
+            if count >= self.window:
+                findings.unstepped += 1
+                cause = semconv.UNSTEPPED_NO_UPDATE if context.in_optimizer else semconv.UNSTEPPED_NOT_IN_OPTIMIZER
+                ranked[semconv.DIAGNOSTIC_UNSTEPPED].append((count, index, None, cause))
+            if stepping:
+                stepped_any = True
+                stepped_changed += row[ps.CHANGED]
+                stepped_grad = stepped_grad or _grad_moves(row)
+                stepped_nonfinite = stepped_nonfinite or row[ps.GRAD_AMAX] >= precision.GRAD_AMAX_NONFINITE
+        findings.skipped = stepped_any and stepped_changed == 0 and stepped_grad and not stepped_nonfinite
+        for diagnostic in semconv.DIAGNOSTICS:
+            entries = sorted(ranked[diagnostic], key=lambda e: (-e[0], e[1]))[: self.top_k]
+            for value, index, key, cause in entries:
+                shown = -value if diagnostic == semconv.DIAGNOSTIC_UPDATE_RESOLUTION else value
+                findings.offenders.append(Offender(diagnostic, index, float(shown), key, cause))
+        if self.first_nonfinite is None:
+            self.first_nonfinite = findings.first_nonfinite = _first_nonfinite(step, rows, contexts, ranks_of)
+        return findings
+
+
+def _first_nonfinite(
+    step: int,
+    rows: Sequence[Sequence[float]],
+    contexts: Sequence[ParamContext],
+    ranks_of: Callable[[int, Sequence[int]], tuple[int, ...]],
+) -> FirstNonfinite | None:
+    for tensor in semconv.FIRST_NONFINITE_ORDER:
+        if tensor == semconv.TENSOR_OPTIMIZER_STATE:
+            hits = [(i, _state_counts(row)) for i, row in enumerate(rows)]
+            hits = [(i, counts) for i, counts in hits if counts]
+            if not hits:
+                continue
+            first, counts = hits[0]
+            state_index, nan, inf = counts[0]
+            keys = contexts[first].state_keys
+            key = keys[state_index] if state_index < len(keys) else str(state_index)
+            slots = (ps.STATE_NAN + 2 * state_index, ps.STATE_INF + 2 * state_index)
+            return FirstNonfinite(step, tensor, key, tuple(i for i, _ in hits), ranks_of(first, slots), nan, inf)
+        nan_slot, inf_slot = _KIND_SLOTS[tensor]
+        hits_plain = [i for i, row in enumerate(rows) if row[nan_slot] or row[inf_slot]]
+        if hits_plain:
+            first = hits_plain[0]
+            row = rows[first]
+            return FirstNonfinite(step, tensor, None, tuple(hits_plain), ranks_of(first, (nan_slot, inf_slot)),
+                                  int(row[nan_slot]), int(row[inf_slot]))  # fmt: skip
+    return None
+
+
+def any_nonfinite(rows: Sequence[Sequence[float]]) -> bool:
+    """Whether some row counts a NaN/Inf (then the ranks are worth reading)."""
+    return any(row[s] for row in rows for s in PER_RANK_SLOTS)
+
+
+# -- per unit ------------------------------------------------------------------------------------
+
+
+def unit_rows(table: Sequence[ParamSlot], rows: Sequence[Sequence[float]]) -> dict[str, list[float]]:
+    """Rows summed per unit (``GRAD_AMAX`` the largest), in the order units first appear."""
+    units: dict[str, list[float]] = {}
+    for slot, row in zip(table, rows, strict=True):
+        total = units.get(slot.unit)
+        if total is None:
+            units[slot.unit] = list(row)
+            continue
+        for i, value in enumerate(row):
+            total[i] = max(total[i], value) if i == ps.GRAD_AMAX else total[i] + value
+    return units
+
+
+def stats_of_row(row: Sequence[float]) -> precision.PrecisionStats:
+    """The whole-model statistics type for one (unit's) row."""
+    return precision.stats_from_vector(torch.tensor(list(row[: precision._STATS_LEN]), dtype=torch.float64))
+
+
+# -- dtype contract ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContractViolation:
+    """A tensor whose dtype the contract does not expect.
+
+    Attributes:
+        param: The parameter's fully qualified name (or its place in the param groups).
+        unit: Its unit (``""``: root, or not sharded).
+        tensor: ``main_weight``, ``main_grad`` or ``optimizer_state``.
+        state_key: The state key for optimizer state.
+        expected: The dtype the contract expects.
+        actual: The tensor's dtype.
+    """
+
+    param: str
+    unit: str
+    tensor: str
+    state_key: str | None
+    expected: torch.dtype
+    actual: torch.dtype
+
+    @property
+    def key(self) -> tuple[str, str, str | None, torch.dtype]:
+        return (self.param, self.tensor, self.state_key, self.actual)
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, str]]:
+    """``id(param) -> (name, unit)`` of every parameter of ``optimizer``: fully qualified names of
+    ``fully_shard``'s and FSDP2's parameters, ``param_groups[g]['params'][i]`` for the others."""
+    from fsdp_patch.fsdp2 import fsdp2_groups
+    from fsdp_patch.module import unit_name_of
+    from fsdp_patch.parameter_group import parameter_group_of
+
+    names: dict[int, tuple[str, str]] = {}
+    plain = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            owner = parameter_group_of(param)
+            if owner is not None:
+                names[id(param)] = (owner.names[owner.index_of(param)], unit_name_of(owner))
+            else:
+                names[id(param)] = (f"param_groups[{g}]['params'][{i}]", "")
+                plain.append(param)
+    for fsdp2 in fsdp2_groups(plain):
+        for param, name in zip(fsdp2.members, fsdp2.names, strict=True):
+            if id(param) in names:
+                names[id(param)] = (name, fsdp2.unit_name)
+    return names
+
+
+def audit_dtypes(optimizer: torch.optim.Optimizer) -> list[ContractViolation]:
+    """Every dtype the contract does not expect, without reading an element.
+
+    The contract: a ``fully_shard`` parameter's main weight in its group's main dtype and its
+    grad in the advertised main-grad dtype (``grad_dtype``); an FSDP2 parameter's main weight in
+    float32 when FSDP2 casts it for compute (mixed precision keeps the main weights wide) or
+    whenever it is bfloat16/float16 (the optimizer would update low-precision weights), its grad
+    in its own dtype; every optimizer state tensor (not ``step``) in its parameter's dtype.
+    """
+    from fsdp_patch.fsdp2 import fsdp2_groups
+    from fsdp_patch.parameter_group import parameter_group_of
+
+    found: list[tuple[torch.Tensor, str, str | None, torch.dtype, torch.dtype]] = []
+    plain = []
+
+    def add(param: torch.Tensor, tensor: str, key: str | None, expected: torch.dtype, actual: torch.dtype) -> None:
+        if expected != actual:
+            found.append((param, tensor, key, expected, actual))
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = parameter_group_of(param)
+            if owner is not None:
+                add(param, semconv.TENSOR_MAIN_WEIGHT, None, owner.main_dtype, param.dtype)
+                if param.grad is not None:
+                    add(param, semconv.TENSOR_MAIN_GRAD, None, owner.grads_dtype, param.grad.dtype)
+            else:
+                plain.append(param)
+            for key, value in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
+                    add(param, semconv.TENSOR_OPTIMIZER_STATE, key, param.dtype, value.dtype)
+    for fsdp2 in fsdp2_groups(plain) if plain else ():
+        for param in fsdp2.params:
+            if param.dtype in _LOW_PRECISION:
+                add(param, semconv.TENSOR_MAIN_WEIGHT, None, torch.float32, param.dtype)
+            if param.grad is not None:
+                add(param, semconv.TENSOR_MAIN_GRAD, None, param.dtype, param.grad.dtype)
+    if not found:
+        return []
+    names = parameter_names(optimizer)  # only now: it walks FSDP2's module states
+    return [ContractViolation(*names.get(id(param), ("?", "")), tensor, key, expected, actual)
+            for param, tensor, key, expected, actual in found]  # fmt: skip
+
+
+# State whose NaN/Inf reaches the main weight within the step that wrote it, whatever the learning
+# rate (the update adds a multiple of it: Adam's param.addcdiv_(exp_avg, denom), SGD's
+# param.add_(momentum_buffer); 0 * Inf is NaN too), for these classes exactly (a subclass may step
+# otherwise). A second moment is not among them: an Inf there makes the update 0, not NaN.
+SHOWS_IN_WEIGHT: dict[type, frozenset[str]] = {
+    torch.optim.Adam: frozenset({"exp_avg"}),
+    torch.optim.AdamW: frozenset({"exp_avg"}),
+    torch.optim.SGD: frozenset({"momentum_buffer"}),
+}
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]) -> tuple[list[list[ps.StateTensor]], list[tuple[str, ...]]]:
+    """Per slot, its optimizer state tensors (local shards, flattened; the first
+    ``param_stats.MAX_STATES`` floating tensors that are not 0-d, in the state's order) and their keys."""
+    shows = SHOWS_IN_WEIGHT.get(type(optimizer), frozenset())
+    tensors: list[list[ps.StateTensor]] = []
+    keys: list[tuple[str, ...]] = []
+    for slot in table:
+        state = optimizer.state.get(slot.param, None) if slot.param is not None else None
+        found: list[ps.StateTensor] = []
+        for key, value in (state or {}).items():
+            if len(found) == ps.MAX_STATES:
+                break
+            if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
+                local = getattr(value, "_local_tensor", value)
+                found.append(ps.StateTensor(key, len(found), local.detach().reshape(-1), key in shows))
+        tensors.append(found)
+        keys.append(tuple(s.key for s in found))
+    return tensors, keys
+
+
+def contexts_for(optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot], keys: Sequence[tuple[str, ...]]) -> list[ParamContext]:
+    """Per slot, whether the optimizer holds its parameter, and at which learning rate."""
+    lr_of: dict[int, Any] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            lr_of.setdefault(id(param), group.get("lr"))
+    out = []
+    for slot, state_keys in zip(table, keys, strict=True):
+        held = slot.param is not None and id(slot.param) in lr_of
+        lr = lr_of.get(id(slot.param)) if held else None
+        value = float(lr) if isinstance(lr, (int, float)) or torch.is_tensor(lr) else None
+        out.append(ParamContext(held or slot.param is None, value, state_keys))
+    return out

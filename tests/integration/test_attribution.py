@@ -1,0 +1,301 @@
+"""Precision attribution on 2 and 4 gloo ranks (uneven shards), for ``fully_shard`` and torch FSDP2.
+
+Each scenario plants one problem in one named parameter of the small transformer and checks that
+the precision span names exactly that parameter, step, rank and kind, and no other parameter;
+per-parameter values are checked against a reference computed here, with plain torch, from the
+full tensors (``DTensor.full_tensor()``) before and after each step. The rank functions sit
+beside their tests and assert on the ranks, with the values in the message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_patch.telemetry import semconv
+from tests import models
+from tests.integration.rank_fns import environment, in_memory_otel, metric_points
+
+KINDS = ("fully_shard", "fsdp2")
+WORLDS = (2, 4)
+STEPS = 3  # the default window: a stuck or unstepped weight is named at step 3
+TARGET = {
+    "nan": "blocks.1.fc2.weight",
+    "tiny_lr": "blocks.0.qkv.weight",
+    "left_out": "blocks.1.proj.weight",
+    "bf16_state": "head.weight",
+    "underflow": "blocks.0.fc2.weight",
+}
+NAN_STEP = 2
+UNITS = {"", "blocks.0", "blocks.1"}
+# Width 25 (one head): every target's rows split unevenly over 2 and 4 ranks under FSDP2's dim-0
+# sharding (25 -> 13/12, 7/7/7/4; 75 -> 38/37, 19/19/19/18; 37 -> 19/18, 10/10/10/7), and every
+# flat buffer of fully_shard ends in a shorter last shard.
+WIDTH = {"dim": 25, "heads": 1}
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+# -- on the ranks --------------------------------------------------------------------------------
+
+
+def _model(kind: str) -> torch.nn.Module:
+    model = models.make_model(0, **WIDTH)
+    if kind == "fully_shard":
+        return models.shard_model(model.bfloat16())  # fp32 main weights, bf16 compute weights and grads
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def _optimizer(model: torch.nn.Module, scenario: str) -> torch.optim.Optimizer:
+    named = dict(model.named_parameters())
+    target = TARGET.get(scenario)
+    if scenario == "tiny_lr":
+        rest = [p for n, p in named.items() if n != target]
+        return torch.optim.Adam([{"params": rest}, {"params": [named[target]], "lr": 1e-10}], lr=1e-2)
+    if scenario == "left_out":
+        return torch.optim.Adam([p for n, p in named.items() if n != target], lr=1e-2)
+    return torch.optim.Adam(list(named.values()), lr=1e-2)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _reference(before: torch.Tensor, after: torch.Tensor, grad: torch.Tensor | None) -> dict[str, float]:
+    """The conventions page's diagnostics of one full parameter, from its full tensors: the compute
+    weight is the bf16 cast of the main weight (what the refresh, or FSDP2's all-gather, makes)."""
+    changed = _bits(after) != _bits(before)
+    kept = _bits(after.bfloat16()) == _bits(before.bfloat16())
+    lost, moved = int((changed & kept).sum()), int(changed.sum())
+    main = after.double()
+    norm = float(main.norm())
+    return {
+        semconv.METRIC_LOST_RATIO: lost / moved if moved else 0.0,
+        semconv.METRIC_REFRESH_ERROR: float((after.bfloat16().double() - main).norm()) / norm if norm else 0.0,
+        semconv.METRIC_GRAD_AMAX: 0.0 if grad is None else float(grad.abs().max()),
+        semconv.DIAGNOSTIC_UPDATE_RESOLUTION: float((main - before.double()).norm()) / (BF16_UNIT_ROUNDOFF * norm),
+    }
+
+
+def _events(spans: list[Any]) -> dict[str, Any]:
+    """Offender values by step, diagnostic and parameter; first-NaN and dtype-contract events; span attributes."""
+    step_of = {s.context.span_id: s.attributes[semconv.ATTR_STEP] for s in spans if s.name == semconv.SPAN_STEP}
+    offenders: dict[int, dict[str, dict[str, float]]] = {}
+    firsts, contracts, attributes = [], [], {}
+    causes: dict[int, dict[str, str]] = {}
+    for span in spans:
+        if span.name == semconv.SPAN_PRECISION:
+            step = step_of[span.parent.span_id]
+            attributes[step] = dict(span.attributes)
+            for event in span.events:
+                a = dict(event.attributes)
+                if event.name == semconv.EVENT_OFFENDER:
+                    key = a[semconv.ATTR_PARAM]
+                    if semconv.ATTR_OPTIMIZER_STATE in a:
+                        key = f"{key}:{a[semconv.ATTR_OPTIMIZER_STATE]}"
+                    offenders.setdefault(step, {}).setdefault(a[semconv.ATTR_DIAGNOSTIC], {})[key] = a[semconv.ATTR_VALUE]
+                    if semconv.ATTR_CAUSE in a:
+                        causes.setdefault(step, {})[key] = a[semconv.ATTR_CAUSE]
+                elif event.name == semconv.EVENT_FIRST_NONFINITE:
+                    firsts.append(a)
+        elif span.name == semconv.SPAN_STEP:
+            contracts += [dict(e.attributes) for e in span.events if e.name == semconv.EVENT_DTYPE_CONTRACT]
+    return {"offenders": offenders, "firsts": firsts, "contracts": contracts, "attributes": attributes, "causes": causes}
+
+
+def _plant_after_backward(model: torch.nn.Module, scenario: str, step: int, rank: int, world: int) -> None:
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        if scenario == "nan" and step == NAN_STEP and rank == world - 1:
+            named[TARGET["nan"]].grad.to_local().view(-1)[5] = float("nan")
+        elif scenario == "underflow":
+            # Grads of ~1e-32: their squares underflow fp32, exp_avg_sq stays 0 where the grad is not.
+            named[TARGET["underflow"]].grad.to_local().mul_(1e-30)
+
+
+def _plant_before_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scenario: str, step: int) -> None:
+    if scenario == "bf16_state" and step == 2:
+        state = optimizer.state[dict(model.named_parameters())[TARGET["bf16_state"]]]
+        state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.bfloat16)  # AdamW keeps stepping, silently
+
+
+def attributed_training(kind: str, scenario: str, settings: dict[str, str | None]) -> dict[str, Any]:
+    """Trains STEPS steps of Adam with ``scenario`` planted; returns the span findings, the
+    reference values per step and parameter, metric points and the final local shards."""
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {"FSDP_PATCH_PRECISION_EVERY": "1", **settings}
+    with environment(**env), in_memory_otel() as (exporter, reader):
+        model = _model(kind)
+        optimizer = _optimizer(model, scenario)
+        fully_shard_optimizer(optimizer)
+        references: dict[int, dict[str, dict[str, float]]] = {}
+        for step, tokens in enumerate(models.make_batches(STEPS), start=1):
+            models.lm_loss(model, models.rank_slice(tokens, rank, world)).backward()
+            _plant_after_backward(model, scenario, step, rank, world)
+            _plant_before_step(model, optimizer, scenario, step)
+            named = dict(model.named_parameters())
+            before = {n: p.full_tensor().detach().clone() for n, p in named.items()}
+            grads = {n: None if p.grad is None else p.grad.full_tensor() for n, p in named.items()}
+            optimizer.step()
+            after = {n: p.full_tensor().detach().clone() for n, p in named.items()}
+            references[step] = {n: _reference(before[n], after[n], grads[n]) for n in named}
+            optimizer.zero_grad()
+        found = _events(list(exporter.get_finished_spans()))
+        points = metric_points(reader)
+    return {
+        **found,
+        "references": references,
+        "points": points,
+        "local": [p.to_local().detach().clone() for p in model.parameters()],
+        "names": [n for n, _ in model.named_parameters()],
+        "local_numel": {n: p.to_local().numel() for n, p in model.named_parameters()},
+    }
+
+
+ALL = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_TOP_K": "100"}  # every parameter with a value shows
+
+
+def _close(got: float, want: float, rel: float) -> bool:
+    return got == want or abs(got - want) <= rel * max(abs(want), 1e-300)
+
+
+def check_scenario(kind: str, scenario: str) -> None:
+    """On every rank: the planted problem is named with exactly its parameter, step, rank and
+    kind, no other parameter is blamed, and the per-parameter values equal the reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = attributed_training(kind, scenario, ALL)
+    offenders, target = run["offenders"], TARGET[scenario]
+    where = f"{kind}, {world} ranks, rank {rank}, {scenario}"
+
+    def named(step: int, diagnostic: str) -> dict[str, float]:
+        return offenders.get(step, {}).get(diagnostic, {})
+
+    sizes = [0] * world
+    dist.all_gather_object(sizes, run["local_numel"][target])
+    assert len(set(sizes)) > 1, f"{where}: {target}'s shards hold {sizes} elements, want them uneven"
+    if scenario == "nan":
+        firsts = run["firsts"]
+        got = [(f[semconv.ATTR_STEP], f[semconv.ATTR_PARAM], f[semconv.ATTR_TENSOR], tuple(f[semconv.ATTR_RANKS]),
+                f[semconv.ATTR_NONFINITE_KIND], f[semconv.ATTR_PRECISION_ELEMENTS], f[semconv.ATTR_UNIT]) for f in firsts]  # fmt: skip
+        want = [(NAN_STEP, target, semconv.TENSOR_MAIN_GRAD, (world - 1,), semconv.NONFINITE_NAN, 1, "blocks.1")]
+        assert got == want, f"{where}: first NaN/Inf events: want {want}, got {got}"
+        nonfinite = named(NAN_STEP, semconv.METRIC_NONFINITE)
+        # the NaN grad element, the main weight Adam wrote from it, and its bf16 compute weight
+        assert nonfinite == {target: 3}, f"{where}: non-finite offenders at step {NAN_STEP}: {nonfinite}"
+        state = named(NAN_STEP, semconv.DIAGNOSTIC_STATE_NONFINITE)
+        want_state = {f"{target}:exp_avg": 1, f"{target}:exp_avg_sq": 1}
+        assert state == want_state, f"{where}: state offenders at step {NAN_STEP}: want {want_state}, got {state}"
+        assert named(1, semconv.METRIC_NONFINITE) == {}, f"{where}: step 1 blamed {named(1, semconv.METRIC_NONFINITE)}"
+        return
+    if scenario == "tiny_lr":
+        for step in range(1, STEPS + 1):
+            below = named(step, semconv.DIAGNOSTIC_UPDATE_RESOLUTION)
+            assert list(below) == [target], f"{where}: step {step}: updates below bf16's resolution: {below}"
+            want = run["references"][step][target][semconv.DIAGNOSTIC_UPDATE_RESOLUTION]
+            assert _close(below[target], want, 1e-5), f"{where}: step {step}: resolution {below[target]}, reference {want}"
+            assert below[target] < 1e-4, f"{where}: lr 1e-10 moves {target} by {below[target]} of a bf16 step"
+            lost = named(step, semconv.METRIC_LOST_RATIO)
+            assert lost.get(target) == 1.0, f"{where}: step {step}: lost ratio of {target}: {lost.get(target)}"
+        stuck = named(STEPS, semconv.DIAGNOSTIC_STUCK)
+        assert stuck == {target: STEPS}, f"{where}: stuck at step {STEPS}: want {{{target}: {STEPS}}}, got {stuck}"
+    if scenario == "left_out":
+        unstepped = named(STEPS, semconv.DIAGNOSTIC_UNSTEPPED)
+        assert unstepped == {target: STEPS}, f"{where}: unstepped at step {STEPS}: {unstepped}"
+        cause = run["causes"].get(STEPS, {}).get(target)
+        assert cause == semconv.UNSTEPPED_NOT_IN_OPTIMIZER, f"{where}: {target} unstepped because {cause!r}"
+        for step in range(1, STEPS):
+            assert named(step, semconv.DIAGNOSTIC_UNSTEPPED) == {}, f"{where}: named before the window, at step {step}"
+        assert run["attributes"][STEPS][semconv.ATTR_UNSTEPPED_PARAMS] == 1
+    if scenario == "bf16_state":
+        got = [(c[semconv.ATTR_STEP], c[semconv.ATTR_RANK], c[semconv.ATTR_PARAM], c[semconv.ATTR_TENSOR],
+                c.get(semconv.ATTR_OPTIMIZER_STATE), c[semconv.ATTR_DTYPE_EXPECTED], c[semconv.ATTR_DTYPE_ACTUAL])
+               for c in run["contracts"]]  # fmt: skip
+        want = [(2, rank, target, semconv.TENSOR_OPTIMIZER_STATE, "exp_avg_sq", "float32", "bfloat16")]
+        assert got == want, f"{where}: dtype-contract events: want {want}, got {got}"
+        points = run["points"].get(semconv.METRIC_DTYPE_CONTRACT, [])
+        assert [v for _, v in points] == [1], f"{where}: dtype-contract counter: {points}"
+    if scenario == "underflow":
+        for step in range(1, STEPS + 1):
+            flushed = named(step, semconv.DIAGNOSTIC_STATE_FLUSHED)
+            key = f"{target}:exp_avg_sq"
+            assert list(flushed) == [key] and flushed[key] > 0.9, f"{where}: step {step}: flushed exp_avg_sq {flushed}"
+    # Nothing else blamed by the diagnostics the scenarios plant.
+    for step in range(1, STEPS + 1):
+        for diagnostic in (semconv.DIAGNOSTIC_STUCK, semconv.DIAGNOSTIC_UNSTEPPED, semconv.DIAGNOSTIC_STATE_FLUSHED,
+                           semconv.DIAGNOSTIC_STATE_NONFINITE, semconv.METRIC_NONFINITE):  # fmt: skip
+            blamed = {key.split(":")[0] for key in named(step, diagnostic)} - {target}
+            assert not blamed, f"{where}: step {step}: {diagnostic} blames {blamed}"
+        if scenario != "tiny_lr":
+            below = named(step, semconv.DIAGNOSTIC_UPDATE_RESOLUTION)
+            assert not below, f"{where}: step {step}: updates below resolution without a tiny lr: {below}"
+    if scenario != "bf16_state":
+        assert run["contracts"] == [], f"{where}: dtype-contract events: {run['contracts']}"
+    # Per-parameter values equal the reference from the full tensors.
+    for step, reference in run["references"].items():
+        for diagnostic, rel in ((semconv.METRIC_LOST_RATIO, 1e-12), (semconv.METRIC_GRAD_AMAX, 0.0),
+                                (semconv.METRIC_REFRESH_ERROR, 1e-5)):  # fmt: skip
+            got = named(step, diagnostic)
+            want = {n: r[diagnostic] for n, r in reference.items() if r[diagnostic] > 0}
+            assert set(got) == set(want), f"{where}: step {step} {diagnostic}: parameters {sorted(got)} vs {sorted(want)}"
+            bad = {n: (got[n], want[n]) for n in want if not _close(got[n], want[n], rel)}
+            assert not bad, f"{where}: step {step} {diagnostic}: (got, reference) {bad}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scenario", list(TARGET))
+def test_planted_problem_is_named_exactly(dist_pool, world: int, kind: str, scenario: str) -> None:
+    dist_pool(world).run(check_scenario, kind, scenario)
+
+
+def check_export_and_bitwise_training(kind: str) -> None:
+    """Default export: no per-parameter (or unit) label on any series; ``FSDP_PATCH_PRECISION_DETAIL=unit``:
+    one series per unit whose counters add up to the default's; training bitwise equal to telemetry off."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    where = f"{kind}, {world} ranks, rank {rank}"
+    default = attributed_training(kind, "normal", {"FSDP_PATCH_TELEMETRY": "1"})
+    by_unit = attributed_training(kind, "normal", {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_DETAIL": "unit"})
+    off = attributed_training(kind, "normal", {"FSDP_PATCH_TELEMETRY": None})
+    labels = {key for points in default["points"].values() for attrs, _ in points for key in attrs}
+    assert not labels & {semconv.ATTR_PARAM, semconv.ATTR_UNIT}, f"{where}: default series carry {labels}"
+    # Counts of steps stay one series per rank (the alert and panels sum them by rank); the
+    # diagnostics' values get one series per unit.
+    step_counts = {semconv.METRIC_PRECISION_STEPS, semconv.METRIC_NONFINITE_STEPS, semconv.METRIC_SKIPPED_STEPS}
+    precision_points = {name: points for name, points in by_unit["points"].items()
+                        if name.startswith("fsdp.precision.") and name not in step_counts}  # fmt: skip
+    units = {attrs.get(semconv.ATTR_UNIT) for points in precision_points.values() for attrs, _ in points}
+    assert units == UNITS, f"{where}: units labelled {units}, want {UNITS}"
+    counted = {name: {attrs.get(semconv.ATTR_UNIT) for attrs, _ in points}
+               for name, points in by_unit["points"].items() if name in step_counts}  # fmt: skip
+    assert all(got == {None} for got in counted.values()) and semconv.METRIC_PRECISION_STEPS in counted, (
+        f"{where}: step counts by unit {counted}, want one series per rank without {semconv.ATTR_UNIT}"
+    )
+    for name in (semconv.METRIC_NONFINITE, semconv.METRIC_REFRESH_UNDERFLOW, semconv.METRIC_REFRESH_OVERFLOW):
+        got, want = sum(v for _, v in by_unit["points"][name]), sum(v for _, v in default["points"][name])
+        assert got == want, f"{where}: {name} summed over units {got}, whole model {want}"
+    assert off["offenders"] == {} and off["points"] == {}, f"{where}: telemetry off recorded something"
+    for name, a, b, c in zip(default["names"], default["local"], by_unit["local"], off["local"], strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c), f"{where}: {name} differs with diagnostics on and off"
+    # the healthy run names nothing
+    for step, diagnostics in default["offenders"].items():
+        for diagnostic in (semconv.DIAGNOSTIC_STUCK, semconv.DIAGNOSTIC_UNSTEPPED, semconv.METRIC_NONFINITE,
+                           semconv.DIAGNOSTIC_STATE_NONFINITE, semconv.DIAGNOSTIC_STATE_FLUSHED):  # fmt: skip
+            assert diagnostic not in diagnostics, f"{where}: step {step}: healthy run names {diagnostics[diagnostic]}"
+    assert default["firsts"] == [] and default["contracts"] == [], f"{where}: {default['firsts']} {default['contracts']}"
+    assert all(not math.isnan(v) for v in default["attributes"][STEPS].values() if isinstance(v, float))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_export_is_bounded_and_training_is_bitwise_identical(dist_pool, world: int, kind: str) -> None:
+    dist_pool(world).run(check_export_and_bitwise_training, kind)
