@@ -33,8 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .grad_scaler_hint import track_fp16_main_grads
 from .mixed_precision import MixedPrecisionPolicy
-from .parameter_group import ParameterGroup, parameter_group_of
 from .placement import mesh_device, resolve_mesh
+from .sharding import ParameterGroup, parameter_group_of
 from .unit import Location, UnitState
 
 __all__ = ["fully_shard", "FSDPModule", "parameter_groups"]

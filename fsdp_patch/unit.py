@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .mixed_precision import MixedPrecisionPolicy
 from .output_tensors import grad_tensors
-from .parameter_group import ParameterGroup
+from .sharding import ParameterGroup
 
 __all__ = ["RootContext", "TrainingState", "UnitState"]
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parameter_group import parameter_group_of
+from ..sharding import parameter_group_of
 
 __all__ = ["CopySupport"]
 

@@ -1,15 +1,27 @@
-"""``DTensorSpec`` objects for a group's ``Shard(0)`` views, one per (parameter, dtype), shared."""
+"""DTensor views of a group's flat buffers: one cached ``DTensorSpec`` per (parameter, dtype), and
+the constructor every sharded parameter, grad and state-dict value is built with.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .layout import ParamLayout
 
-__all__ = ["ShardSpecs"]
+__all__ = ["ShardSpecs", "shard_dtensor"]
+
+
+def shard_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
+    """A DTensor with ``spec`` whose local tensor is ``local`` itself (a view stays a view).
+
+    Built as ``nn.Parameter`` builds a DTensor parameter, without its detach: that runs below
+    autograd and would give the local shard a version counter of its own, and writes through
+    ``to_local()`` would then escape the group's version sums.
+    """
+    return DTensor(local, spec, requires_grad=requires_grad)
 
 
 class ShardSpecs:
