@@ -8,12 +8,36 @@ DTensor views installed as the sharded parameters' ``.grad`` hold it. Once
 are, and the next backward allocates it anew. Views are cached weakly, per parameter, so that a
 view dropped by the user is never handed out again.
 
+[Note: grad presence]
+Presence is decided per parameter, as the unsharded model and FSDP2 decide it:
+
+- what a backward adds to is read from each ``.grad`` when its first reduce begins
+  (:meth:`MainGrads.begin`): the parameter's own view is accumulated into in place, a tensor the
+  user assigned is copied in, and ``None`` (``p.grad = None``, an optimizer's ``zero_grad`` over
+  some of the group, a parameter no optimizer holds) means nothing: its region is zeroed, or,
+  when every grad is ``None``, a fresh buffer is overwritten whole. A dropped view that is still
+  alive elsewhere is never written: the present grads move to a fresh buffer instead.
+- a parameter whose grad was ``None`` gets one only if the backward produced a grad for it on
+  some rank: each reduce-scatter carries one presence flag per parameter after the grads
+  (averaged, so positive where any rank had a grad), and :meth:`MainGrads.finish` installs
+  views where a flag or an earlier grad says so. A parameter no rank used keeps ``None``, as in
+  the unsharded model, so optimizers that skip grad-less parameters (AdamW's decay, momentum)
+  skip it here too.
+
 Alternatives considered:
-    - The buffer owned by the group for good: ``zero_grad(set_to_none=True)`` would free nothing.
+    - Deciding "all grads are still ours" by identity with the cached views: a view the user
+      dropped is collected, and ``None is None`` then read as "ours", so the next backward added
+      onto the dropped grad's old values.
+    - A zeroed grad for every trainable parameter after each backward (the collectives need
+      the zeros anyway): optimizers with weight decay or momentum then move parameters that
+      got no gradient.
+    - Presence by local grads only (FSDP2's rule): with control flow that differs across ranks
+      a rank would drop the gradient the others sent it.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -55,8 +79,11 @@ class MainGrads:
         self._ref: weakref.ref[torch.Tensor] | None = None
         self._owned: torch.Tensor | None = None
         self._view_refs: list[weakref.ref[DTensor] | None] = [None] * self._count
-        # Between begin() and finish(): whether the next reduce overwrites the buffer.
+        # Between begin() and finish(): whether the next reduce overwrites the buffer, which
+        # parameters had a grad when the accumulation began, and the reduces' presence flags.
         self._overwrite = False
+        self._kept: list[bool] | None = None
+        self._arrivals: torch.Tensor | None = None
         self._write_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     # ------------------------------------------------------------------ the buffer and its views
@@ -130,22 +157,42 @@ class MainGrads:
 
     # ------------------------------------------------------------------ one accumulation
     def begin(self, params: Sequence[nn.Parameter]) -> None:
-        """Reads what the backward's grads add to: nothing (after ``zero_grad(set_to_none=True)``),
-        the views, or tensors a user assigned."""
-        if all(param.grad is None for param in params):
-            # A fresh buffer: a tensor someone kept from before zero_grad is not written to.
+        """Reads what the backward's grads add to, per parameter (see the presence note)."""
+        grads = [param.grad for param in params]
+        kept = [grad is not None for grad in grads]
+        self._kept, self._arrivals = kept, None
+        if not any(kept):
+            # A fresh buffer, overwritten whole: a tensor kept from before is not written to.
             self._ref, self._owned = None, None
             self._overwrite = True
             return
         self._overwrite = False
-        shards = self._ensure()
-        if all(param.grad is self.view(i) for i, param in enumerate(params)):
+        views = self.views(range(self._count))  # type: ignore[arg-type]
+        if all(kept) and all(map(operator.is_, grads, views)):
+            self._ensure()
             return
-        for index, param in enumerate(params):
-            if param.grad is None:
+        if any(view is not None and grad is not view for grad, view in zip(grads, views, strict=True)):
+            self._relocate(grads, views)
+            return
+        shards = self._ensure()
+        for index, (grad, view) in enumerate(zip(grads, views, strict=True)):
+            if grad is None:
                 shards.local(index).zero_()
-            elif param.grad is not self.view(index):
-                shards.local(index).copy_(_local(param.grad))
+            elif grad is not view:
+                shards.local(index).copy_(_local(grad))
+
+    def _relocate(self, grads: list[torch.Tensor | None], views: list[DTensor | None]) -> None:
+        # A view no longer some parameter's grad lives on elsewhere: writing its region would
+        # write into it. The present grads move to a fresh buffer; the old one stays with
+        # whoever holds it.
+        old = self.buffer
+        self._ref = None
+        shards = self._ensure()
+        for index, (grad, view) in enumerate(zip(grads, views, strict=True)):
+            if grad is None:
+                continue
+            source = self.layout.params[index].local_view(old) if grad is view and old is not None else _local(grad)
+            shards.local(index).copy_(source)
 
     def next_reduce_overwrites(self) -> bool:
         """Whether the reduce about to be issued overwrites the buffer (the first one after a
@@ -159,23 +206,30 @@ class MainGrads:
         reduced = reduce.wait()
         buffer = self._owned
         assert buffer is not None, "a reduce completed outside an accumulation"
+        numel = self.layout.shard_numel
         with torch.no_grad():
             if reduce.overwrite:
-                buffer.copy_(reduced)
+                buffer.copy_(reduced[:numel])
             else:
-                buffer.add_(reduced)
+                buffer.add_(reduced[:numel])
+            flags = reduced[numel:]
+            self._arrivals = flags.clone() if self._arrivals is None else self._arrivals.add_(flags)
         reduce.free()
 
     def finish(self, params: Sequence[nn.Parameter]) -> list[int]:
-        """Ends the accumulation: installs the views as the grads of every trainable parameter
-        (a frozen parameter keeps what it has).
+        """Ends the accumulation: installs the views as the grads of the trainable parameters
+        that had a grad or got one (a frozen parameter keeps what it has).
 
         Returns:
             The positions of the parameters whose grad this accumulation changed.
         """
+        kept = self._kept if self._kept is not None else [param.grad is not None for param in params]
+        arrived = [False] * self._count if self._arrivals is None else [flag > 0 for flag in self._arrivals.tolist()]
+        self._kept, self._arrivals = None, None
         shards = self._ensure()
-        self._install(shards, params, lambda i: params[i].requires_grad)
-        return []
+        trainable = [param.requires_grad for param in params]
+        self._install(shards, params, lambda i: trainable[i] and (kept[i] or arrived[i]))
+        return [i for i in range(self._count) if trainable[i] and arrived[i]]
 
     def abandon(self, params: Sequence[nn.Parameter], accumulating: bool) -> None:
         """Forgets an accumulation an exception aborted; if it had begun, the buffer no longer
@@ -183,7 +237,7 @@ class MainGrads:
         if accumulating:
             for param in params:
                 param.grad = None
-        self._overwrite, self._owned = False, None
+        self._kept, self._arrivals, self._overwrite, self._owned = None, None, False, None
 
     # ------------------------------------------------------------------ grads set from outside a backward
     def install_zeros(self, params: Sequence[nn.Parameter]) -> None:

@@ -319,7 +319,8 @@ class ParameterGroup:
         the next synced backward; a no-op when backward produced no grads for this group.
 
         Skipping when there are no grads leaves ``torch.autograd.grad`` (which fills no
-        ``.grad``) alone; within a group, a parameter without a grad contributes zeros, so every rank takes part in the same collectives whatever its
+        ``.grad``) alone; within a group, a parameter without a grad contributes zeros (and a
+        presence flag of 0), so every rank takes part in the same collectives whatever its
         control flow inside the group.
         """
         if not self.has_unsharded_grads():
@@ -356,15 +357,18 @@ class ParameterGroup:
             self._grads.apply(self._reduces.pop(0))
 
     def _pack_unsharded_grads(self) -> torch.Tensor:
-        """The unsharded grads (zeros for missing ones) as ``(world_size, shard_numel)`` rows in
+        """The unsharded grads (zeros for missing ones) then one presence flag per parameter (see
+        :class:`~.main_grads.MainGrads`), as ``(world_size, shard_numel + len(params))`` rows in
         the main-grad dtype: row ``r`` is what rank ``r`` receives."""
-        packed = torch.empty(self.world_size, self.layout.shard_numel, dtype=self.grads_dtype, device=self._device)
+        count = len(self.unsharded_params)
+        packed = torch.empty(self.world_size, self.layout.shard_numel + count, dtype=self.grads_dtype, device=self._device)
         grads = []
         for index in self._packed_indices:
             param = self.unsharded_params[index]
             grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
-        if grads:
-            torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=packed)
+        flags = torch.tensor([param.grad is not None for param in self.unsharded_params], dtype=self.compute_dtype)
+        grads.append(flags.to(self._device).expand(self.world_size, count).contiguous())
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=packed)
         return packed
 
     def _drop_unsharded_grads(self) -> None:
@@ -373,8 +377,8 @@ class ParameterGroup:
 
     def finalize_grads(self) -> None:
         """Completes the reduce-scatters in flight and installs DTensor views of ``main_grad``
-        as the ``.grad`` of every trainable sharded parameter; a frozen one keeps what it has
-        (``None`` unless a user assigned a grad)."""
+        as the ``.grad`` of the trainable sharded parameters that have a grad (see
+        :class:`~.main_grads.MainGrads`); a frozen one keeps what it has."""
         self.wait_reduce()
         if not self._reduced_since_finalize:
             return

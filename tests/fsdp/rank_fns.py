@@ -508,7 +508,11 @@ def unused_run() -> dict[str, Any]:
             if g is not None:
                 expected += g
         expected /= world_size
+        if p.grad is None:
+            facts[name] = {"grad_is_none": True, "reference_grads": [ref.get_parameter(name).grad is not None for ref in refs]}
+            continue
         facts[name] = {
+            "grad_is_none": False,
             "grad_is_dtensor": isinstance(p.grad, DTensor),
             "max_abs_err": (p.grad.full_tensor() - expected).abs().max().item(),
             "all_zero": bool((p.grad.full_tensor() == 0).all()),
