@@ -57,7 +57,7 @@ class FSDPModule:
     def unshard(self) -> None:
         """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
         for group in self._fsdp_state.groups:
-            group.detect_external_writes()  # forward does this once per iteration; unshard may come first
+            group.invalidate_compute_copy()  # as the root's forward does: unshard may come first
         self._fsdp_state.unshard()
 
     def reshard(self) -> None:

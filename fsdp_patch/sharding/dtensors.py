@@ -15,12 +15,7 @@ __all__ = ["ShardSpecs", "shard_dtensor"]
 
 
 def shard_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
-    """A DTensor with ``spec`` whose local tensor is ``local`` itself (a view stays a view).
-
-    Built as ``nn.Parameter`` builds a DTensor parameter, without its detach: that runs below
-    autograd and would give the local shard a version counter of its own, and writes through
-    ``to_local()`` would then escape the group's version sums.
-    """
+    """A DTensor with ``spec`` whose local tensor is ``local`` itself (a view stays a view)."""
     return DTensor(local, spec, requires_grad=requires_grad)
 
 

@@ -8,8 +8,8 @@ A group owns, for this rank, three sharded flat buffers in one layout (see :mod:
   into this buffer;
 - ``compute_weight``: a sharded copy in the compute dtype, which forward and backward
   all-gather (the same tensor as ``main_weight`` when the two dtypes agree). Its lifetime is
-  the policy's ``compute_copy``: ``"persistent"``, all-gathered without a cast and refreshed
-  from the main weights once per optimizer step; or ``"per_gather"``, none is kept (its storage is
+  the policy's ``compute_copy``: ``"persistent"``, cast from the main weights after each
+  optimizer step and again at each iteration's first all-gather, and gathered without a cast; or ``"per_gather"``, none is kept (its storage is
   0 bytes): each all-gather casts the main weights into its own output;
 - ``main_grad``: the sharded main gradients (``main_grads_dtype``), which backward
   reduce-scatters into and whose DTensor views become the parameters' ``.grad``; who owns it
@@ -21,14 +21,29 @@ parameter's ``requires_grad`` at every forward, so ``requires_grad_`` after ``fu
 honoured: a frozen parameter gets no grad. Every cast, refresh and zeroing is one operation on
 a whole buffer, never one per tensor.
 
+[Note: compute-copy freshness]
+Anything may write the main weights in place: the optimizer adapter, an optimizer that is not
+adapted (``foreach`` or not), ``p.data.mul_()``, ``torch._foreach_lerp_`` (EMA), clamping,
+``nn.init`` on the sharded parameters, ``state_dict()[k].copy_()``, ``load_state_dict``,
+``dcp.load``. Most of these run below autograd (DTensor runs the local op there; ``.data`` has a
+version counter of its own), so no version counter sees them, and freshness does not rest on
+one: each root forward (and an explicit ``unshard``) invalidates the compute copy
+(:meth:`ParameterGroup.invalidate_compute_copy`), and the group's next all-gather casts it
+again. A refresh is counted and every gather carries the count it was issued at, so a gather
+made before a refresh (an explicit ``unshard`` before an optimizer step) is never taken for
+current; one made since the last refresh is used as gathered, as FSDP2 uses it.
+
 Alternatives considered:
     - One class for all of it (buffers, collectives, main-grad ownership, the policy): eight
       concerns with about twenty interlocking mutable fields; each layer now owns its state.
+    - Summing version counters once per iteration: misses every write made below autograd,
+      and the compute copy then ran forward on old weights.
+    - Casting at every all-gather for both lifetimes: ``per_gather`` does; the persistent copy
+      is cast once per iteration and backward's re-gather reads it without a cast.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,8 +64,6 @@ from .registry import register_parameters
 from .replacement import adopted_shard, check_replacement
 
 __all__ = ["ParameterGroup"]
-
-_VERSION = operator.attrgetter("_version")
 
 
 class ParameterGroup:
@@ -105,8 +118,6 @@ class ParameterGroup:
         self._index_of = {id(param): index for index, param in enumerate(self.params)}
         self._grads = MainGrads(self.layout, self._specs, self.grads_dtype, device)
 
-        # The weights version the compute copy was refreshed at (see detect_external_writes).
-        self._refreshed_version = self.weights_version()
         self._unsharded = UnshardedBuffer(self.layout, self.compute_dtype, device, [p.requires_grad for p in params])
         self.unsharded_params = self._unsharded.params
         # Zero-size parameters own no slot; torch._chunk_cat refuses empty inputs.
@@ -156,9 +167,9 @@ class ParameterGroup:
         return self._specs.specs(dtype)
 
     def state_dict_tensor(self, index: int) -> DTensor:
-        """``params[index]``'s entry in a state dict: a DTensor over the same memory whose local
-        shard shares the main weights' version counter (``Module.state_dict`` detaches below
-        autograd, which would not), so that a ``dcp.load`` into it is seen."""
+        """``params[index]``'s entry in a state dict: a DTensor over the same memory, so that a
+        write into it (``dcp.load`` into ``get_model_state_dict``'s tensors) is a write to the
+        main weights."""
         return shard_dtensor(self._main.local(index).detach(), self._specs.specs(self.main_dtype)[index])
 
     # ------------------------------------------------------------------ the compute copy
@@ -184,50 +195,29 @@ class ParameterGroup:
         return self._copy.stale
 
     def mark_weights_changed(self) -> None:
-        """Notes a write to the main weights made outside the optimizer adapter."""
+        """Notes a write to the main weights: the next gather casts the compute copy again."""
         self._copy.stale = True
 
-    def weights_version(self) -> int:
-        """A counter that changes whenever the main weights are modified in place.
-
-        Updates through the DTensor parameters (an optimizer step, ``load_state_dict``, a manual
-        in-place edit) bump the parameters' own version counters but not the flat buffer's,
-        since DTensor runs the local op below autograd; direct writes to the buffer or to a
-        view of it (``dcp.load`` writes into the local shards) bump only the buffer's.
-        """
-        return self.main_weight._version + sum(map(_VERSION, self.params))
-
-    def detect_external_writes(self) -> None:
-        """Marks the compute copy stale if the main weights changed since its last refresh.
-
-        Anything may write the main weights in place (a ``dcp.load`` into the tensors
-        ``get_model_state_dict`` returned, ``load_state_dict``, a manual edit under
-        ``no_grad``, an optimizer that is not adapted); version counters catch all of them.
-        Summing them costs one read per parameter, so this runs once per iteration (the root's
-        pre-forward) and at an explicit ``unshard``, not at every all-gather.
-
-        Alternatives considered:
-            - Summing at every all-gather: two to three sums per unit and iteration, and one
-              per optimizer step.
-            - A flag set by each known writer only (the adapter, ``load_state_dict``): an in-place
-              edit of a DTensor parameter or an unadapted optimizer's step would go unseen.
-        """
-        if not self._copy.stale and self.weights_version() != self._refreshed_version:
-            self._copy.stale = True
+    def invalidate_compute_copy(self) -> None:
+        """Marks the compute copy stale unless the unsharded parameters hold (or are gathering)
+        weights cast since the last refresh (see the freshness note): run at each root forward
+        and explicit ``unshard``, before any all-gather of the iteration is issued."""
+        refresh = self._copy.refreshes
+        if self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh):
+            return
+        self._copy.stale = True
 
     def refresh_compute_weight(self) -> int:
         """Refreshes the compute copy from the main weights; one cast for the whole group.
 
         A ``per_gather`` group keeps no copy (each all-gather casts its own); a refresh then
-        only notes that the main weights changed.
+        only counts. Every refresh is counted, so that gathers made before it are redone.
 
         Returns:
             Bytes written by the cast (0 when the compute copy is the main weight itself, or
             none is kept).
         """
-        written = self._copy.refresh()
-        self._refreshed_version = self.weights_version()
-        return written
+        return self._copy.refresh()
 
     # ------------------------------------------------------------------ tensors that replaced parameters
     def check_replacement(self, index: int, replacement: object) -> None:
@@ -263,8 +253,6 @@ class ParameterGroup:
         """Issues the all-gather without waiting for it (a prefetch); :meth:`wait_unshard`
         completes it. A no-op when the current weights are gathered or in flight."""
         if self._copy.stale:
-            # Main weights changed outside the optimizer adapter (a checkpoint load, a manual
-            # edit): the compute copy must follow before anyone gathers it.
             self.refresh_compute_weight()
         refresh = self._copy.refreshes
         if self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh):
