@@ -1,5 +1,13 @@
 """DTensor views of a group's flat buffers: one cached ``DTensorSpec`` per (parameter, dtype), and
-the constructor every sharded parameter, grad and state-dict value is built with.
+the wrapper every sharded parameter, grad and state-dict value is built with.
+
+[Note: a DTensor over a view at an offset]
+A parameter's shard is a view at an offset into its group's flat buffer. ``DTensor(local, ...)``
+gives the wrapper the local tensor's storage offset, so the wrapper (which has no storage of its
+own) reports a non-zero ``data_ptr``; ``torch.save``, ``pickle`` and ``copy.deepcopy`` then take
+the plain-tensor path and fail on the wrapper's missing storage ("invalid python storage").
+:func:`shard_dtensor` builds the wrapper at offset 0, as DTensor builds the results of its own
+ops, so torch saves, pickles and deep-copies it through its local tensor, which stays the view.
 """
 
 from __future__ import annotations
@@ -15,8 +23,23 @@ __all__ = ["ShardSpecs", "shard_dtensor"]
 
 
 def shard_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
-    """A DTensor with ``spec`` whose local tensor is ``local`` itself (a view stays a view)."""
-    return DTensor(local, spec, requires_grad=requires_grad)
+    """A DTensor with ``spec`` whose local tensor is ``local`` itself (a view stays a view;
+    see the note above)."""
+    meta = spec.tensor_meta
+    assert meta is not None
+    wrapper = torch.Tensor._make_wrapper_subclass(
+        DTensor,
+        meta.shape,
+        strides=meta.stride,
+        storage_offset=0,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=requires_grad,
+    )
+    wrapper._spec = spec
+    wrapper._local_tensor = local
+    return wrapper  # type: ignore[no-any-return]
 
 
 class ShardSpecs:
