@@ -364,14 +364,23 @@ class ParameterGroup:
             param.grad = None
 
     def finalize_grads(self) -> None:
-        """Completes the reduce-scatters in flight and installs DTensor views of ``main_grad``
-        as the ``.grad`` of the trainable sharded parameters that have a grad (see
-        :class:`~.main_grads.MainGrads`); a frozen one keeps what it has."""
+        """Completes the reduce-scatters in flight, installs DTensor views of ``main_grad`` as
+        the ``.grad`` of the trainable sharded parameters that have a grad (see
+        :class:`~.main_grads.MainGrads`; a frozen one keeps what it has), then runs the
+        post-accumulate-grad hooks registered on the sharded parameters whose grad the backward
+        changed, once each, as FSDP2 runs them after its reduce (an optimizer step inside
+        backward)."""
         self.wait_reduce()
         if not self._reduced_since_finalize:
             return
-        self._grads.finish(self.params)
+        updated = self._grads.finish(self.params)
         self._reduced_since_finalize = False
+        for index in updated:
+            param = self.params[index]
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    hook(param)
 
     def install_zero_grads(self) -> None:
         """Gives trainable parameters without a grad a zeroed main-grad view as ``.grad``."""
