@@ -70,7 +70,8 @@ class ParameterGroup:
     """Sharded parameters of one compute dtype and their flat buffers.
 
     Args:
-        params: Original (unsharded) parameters, all of one dtype. ``fully_shard`` also splits groups by ``requires_grad`` at sharding time, so that a
+        params: Original (unsharded) parameters, all of one dtype; those on the meta device
+            give zero shards, to be initialized after sharding. ``fully_shard`` also splits groups by ``requires_grad`` at sharding time, so that a
             group frozen then holds no main-grad buffer; toggling ``requires_grad`` later works
             per parameter.
         names: Their fully qualified names, for error messages.
@@ -106,7 +107,8 @@ class ParameterGroup:
         self._main = ShardedBuffer.allocate(self.layout, self._specs, self.main_dtype, device, zeroed=True)
         with torch.no_grad():
             for index, param in enumerate(params):
-                self._main.local(index).copy_(param.detach()[self.layout.params[index].local_rows_slice])
+                if not param.is_meta:  # a meta-built model is initialized after fully_shard
+                    self._main.local(index).copy_(param.detach()[self.layout.params[index].local_rows_slice])
         self._copy = ComputeCopy(self._main, self.compute_dtype, self.compute_copy)
         self.params: list[nn.Parameter] = [
             self._main.dtensor(index, requires_grad=param.requires_grad)  # type: ignore[misc]
