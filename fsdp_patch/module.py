@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .grad_scaler_hint import track_fp16_main_grads
 from .mixed_precision import MixedPrecisionPolicy
 from .placement import mesh_device, resolve_mesh
-from .sharding import ParameterGroup, parameter_group_of
+from .sharding import ParameterGroup, parameter_group_of, register_group
 from .unit import Location, UnitState
 
 __all__ = ["fully_shard", "FSDPModule", "parameter_groups"]
@@ -407,7 +407,7 @@ def fully_shard(
     state = UnitState(module, mesh, mp_policy, reshard_after_forward, groups, group_locations)
     state.swap(unsharded=False)
     for group in groups:
-        group.register()
+        register_group(group)
         if group.grads_dtype == torch.float16:
             track_fp16_main_grads(group)
     for param, name in zip(params, names):

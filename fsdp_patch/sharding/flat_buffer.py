@@ -128,8 +128,8 @@ class UnshardedBuffer(FlatBuffer):
         ]
         # Per parameter, its slots of every rank as (world_size, slot_numel): the copy-out's targets.
         self._slots = [
-            flat[param.unsharded_offset : param.unsharded_offset + param.slot_numel * world_size].view(world_size, param.slot_numel)
-            for param in layout.params
+            flat[p.unsharded_offset : p.unsharded_offset + p.slot_numel * world_size].view(world_size, p.slot_numel)
+            for p in layout.params
         ]
         self._world_size = world_size
         self.free()

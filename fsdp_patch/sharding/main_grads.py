@@ -26,7 +26,7 @@ Presence is decided per parameter, as the unsharded model and FSDP2 decide it:
 
 Alternatives considered:
     - Deciding "all grads are still ours" by identity with the cached views: a view the user
-      dropped is collected, and ``None is None`` then read as "ours", so the next backward added
+      dropped is collected, ``None is None`` reads as "ours", and the next backward would add
       onto the dropped grad's old values.
     - A zeroed grad for every trainable parameter after each backward (the collectives need
       the zeros anyway): optimizers with weight decay or momentum then move parameters that
@@ -193,6 +193,24 @@ class MainGrads:
                 continue
             source = self.layout.params[index].local_view(old) if grad is view and old is not None else _local(grad)
             shards.local(index).copy_(source)
+
+    def pack(self, unsharded_params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """A reduce-scatter's input: the unsharded grads (zeros for missing ones), then one
+        presence flag per parameter, as ``(world_size, shard_numel + len(params))`` rows in the
+        main-grad dtype; row ``r`` is what rank ``r`` receives (read back by :meth:`apply`)."""
+        world_size = self.layout.params[0].world_size
+        packed = torch.empty(world_size, self.layout.shard_numel + self._count, dtype=self.dtype, device=self._device)
+        # Zero-size parameters own no slot (torch._chunk_cat refuses empty inputs).
+        grads = [
+            param.grad if param.grad is not None else torch.zeros_like(param)
+            for param, layout in zip(unsharded_params, self.layout.params, strict=True)
+            if layout.slot_numel
+        ]
+        compute_dtype = unsharded_params[0].dtype
+        flags = torch.tensor([param.grad is not None for param in unsharded_params], dtype=compute_dtype)
+        grads.append(flags.to(self._device).expand(world_size, self._count).contiguous())
+        torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=packed)
+        return packed
 
     def next_reduce_overwrites(self) -> bool:
         """Whether the reduce about to be issued overwrites the buffer (the first one after a

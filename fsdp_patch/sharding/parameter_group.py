@@ -1,25 +1,15 @@
-"""Parameter groups: the policy that composes a set of same-dtype sharded parameters' buffers.
+"""Parameter groups: the policy composing the sharding layers for a set of same-dtype parameters.
 
-A group owns, for this rank, three sharded flat buffers in one layout (see :mod:`.layout` and
-:mod:`.flat_buffer`) and decides when each is written:
-
-- ``main_weight``: the sharded main weights (``main_params_dtype``), which the optimizer
-  updates through the group's DTensor ``Shard(0)`` parameters, whose local tensors are views
-  into this buffer;
-- ``compute_weight``: a sharded copy in the compute dtype, which forward and backward
-  all-gather (the same tensor as ``main_weight`` when the two dtypes agree). Its lifetime is
-  the policy's ``compute_copy``: ``"persistent"``, cast from the main weights after each
-  optimizer step and again at each iteration's first all-gather, and gathered without a cast; or ``"per_gather"``, none is kept (its storage is
-  0 bytes): each all-gather casts the main weights into its own output;
-- ``main_grad``: the sharded main gradients (``main_grads_dtype``), which backward
-  reduce-scatters into and whose DTensor views become the parameters' ``.grad``; who owns it
-  and which grads are present is :class:`~.main_grads.MainGrads`' concern.
-
-Collectives are :mod:`.collectives` handles; the unsharded parameters are views of an
-:class:`~.flat_buffer.UnshardedBuffer`. Whether a parameter trains is read from its sharded
-parameter's ``requires_grad`` at every forward, so ``requires_grad_`` after ``fully_shard`` is
-honoured: a frozen parameter gets no grad. Every cast, refresh and zeroing is one operation on
-a whole buffer, never one per tensor.
+A group owns, for this rank, three sharded flat buffers in one layout and decides when each is
+written: ``main_weight`` (``main_params_dtype``), which the optimizer updates through the
+group's DTensor ``Shard(0)`` parameters (views into it); ``compute_weight``, the compute-dtype
+copy forward and backward all-gather (see :mod:`.compute_copy` for its two lifetimes; the main
+weights themselves when the dtypes agree); ``main_grad`` (``main_grads_dtype``), which backward
+reduce-scatters into and whose views become the parameters' ``.grad`` (ownership and presence:
+:mod:`.main_grads`). Collectives are :mod:`.collectives` handles; the unsharded parameters are
+views of an :class:`~.flat_buffer.UnshardedBuffer`. Whether a parameter trains is read from its
+sharded parameter's ``requires_grad`` at every forward. Every cast, refresh and zeroing is one
+operation on a whole buffer, never one per tensor.
 
 [Note: compute-copy freshness]
 Anything may write the main weights in place: the optimizer adapter, an optimizer that is not
@@ -34,10 +24,10 @@ made before a refresh (an explicit ``unshard`` before an optimizer step) is neve
 current; one made since the last refresh is used as gathered, as FSDP2 uses it.
 
 Alternatives considered:
-    - One class for all of it (buffers, collectives, main-grad ownership, the policy): eight
-      concerns with about twenty interlocking mutable fields; each layer now owns its state.
-    - Summing version counters once per iteration: misses every write made below autograd,
-      and the compute copy then ran forward on old weights.
+    - One class holding the buffers, the collectives, main-grad ownership and the policy: eight
+      concerns sharing about twenty mutable fields, where changing one breaks another.
+    - Summing version counters once per iteration: misses every write made below autograd, and
+      forward would run on old weights.
     - Casting at every all-gather for both lifetimes: ``per_gather`` does; the persistent copy
       is cast once per iteration and backward's re-gather reads it without a cast.
 """
@@ -56,11 +46,10 @@ from torch.utils.hooks import RemovableHandle
 from ..mixed_precision import MixedPrecisionPolicy
 from .collectives import AllGather, ReduceScatter
 from .compute_copy import ComputeCopy
-from .dtensors import ShardSpecs, shard_dtensor
+from .dtensors import ShardSpecs
 from .flat_buffer import ShardedBuffer, UnshardedBuffer
 from .layout import GroupLayout
 from .main_grads import MainGrads
-from .registry import register_parameters
 from .replacement import adopted_shard, check_replacement
 
 __all__ = ["ParameterGroup"]
@@ -71,9 +60,9 @@ class ParameterGroup:
 
     Args:
         params: Original (unsharded) parameters, all of one dtype; those on the meta device
-            give zero shards, to be initialized after sharding. ``fully_shard`` also splits groups by ``requires_grad`` at sharding time, so that a
-            group frozen then holds no main-grad buffer; toggling ``requires_grad`` later works
-            per parameter.
+            give zero shards, to be initialized after sharding. ``fully_shard`` also splits
+            groups by ``requires_grad`` at sharding time, so that a group frozen then holds no
+            main-grad buffer; toggling ``requires_grad`` later works per parameter.
         names: Their fully qualified names, for error messages.
         mesh: 1-D device mesh to shard over.
         policy: Mixed-precision policy.
@@ -122,8 +111,6 @@ class ParameterGroup:
 
         self._unsharded = UnshardedBuffer(self.layout, self.compute_dtype, device, [p.requires_grad for p in params])
         self.unsharded_params = self._unsharded.params
-        # Zero-size parameters own no slot; torch._chunk_cat refuses empty inputs.
-        self._packed_indices = [i for i, layout in enumerate(self.layout.params) if layout.slot_numel]
         self._gathered_refresh: int | None = None  # the refresh count the unsharded params hold
         self._gather: AllGather | None = None  # issued, not yet waited
 
@@ -155,10 +142,6 @@ class ParameterGroup:
         """Whether any parameter of the group trains (its sharded parameter requires grad)."""
         return any(param.requires_grad for param in self.params)
 
-    def register(self) -> None:
-        """Makes :func:`~.registry.parameter_group_of` find this group's parameters."""
-        register_parameters(self, self.params)
-
     def index_of(self, param: torch.Tensor) -> int:
         """Position of one of this group's sharded parameters in :attr:`params`."""
         return self._index_of[id(param)]
@@ -172,7 +155,7 @@ class ParameterGroup:
         """``params[index]``'s entry in a state dict: a DTensor over the same memory, so that a
         write into it (``dcp.load`` into ``get_model_state_dict``'s tensors) is a write to the
         main weights."""
-        return shard_dtensor(self._main.local(index).detach(), self._specs.specs(self.main_dtype)[index])
+        return self._main.dtensor(index)
 
     # ------------------------------------------------------------------ the compute copy
     @property
@@ -204,20 +187,15 @@ class ParameterGroup:
         """Marks the compute copy stale unless the unsharded parameters hold (or are gathering)
         weights cast since the last refresh (see the freshness note): run at each root forward
         and explicit ``unshard``, before any all-gather of the iteration is issued."""
-        refresh = self._copy.refreshes
-        if self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh):
-            return
-        self._copy.stale = True
+        if not self._holds_current_gather():
+            self._copy.stale = True
 
     def refresh_compute_weight(self) -> int:
-        """Refreshes the compute copy from the main weights; one cast for the whole group.
-
-        A ``per_gather`` group keeps no copy (each all-gather casts its own); a refresh then
-        only counts. Every refresh is counted, so that gathers made before it are redone.
+        """Refreshes the compute copy from the main weights (one cast for the group; a
+        ``per_gather`` group only counts the refresh, so that gathers made before it are redone).
 
         Returns:
-            Bytes written by the cast (0 when the compute copy is the main weight itself, or
-            none is kept).
+            Bytes written by the cast (0 when the compute copy is the main weight, or none is kept).
         """
         return self._copy.refresh()
 
@@ -256,9 +234,9 @@ class ParameterGroup:
         completes it. A no-op when the current weights are gathered or in flight."""
         if self._copy.stale:
             self.refresh_compute_weight()
-        refresh = self._copy.refreshes
-        if self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh):
+        if self._holds_current_gather():
             return
+        refresh = self._copy.refreshes
         self._cancel_gather()
         if self.world_size == 1:
             self._unsharded.copy_single(self._copy.single_rank_source)
@@ -268,6 +246,12 @@ class ParameterGroup:
         output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device)
         shard = self._copy.gather_input(output, self.world_size, self.rank)
         self._gather = AllGather.issue(output, shard, self.process_group, refresh)
+
+    def _holds_current_gather(self) -> bool:
+        """Whether the unsharded parameters hold, or an all-gather in flight brings, the compute
+        copy of the latest refresh."""
+        refresh = self._copy.refreshes
+        return self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh)
 
     def wait_unshard(self) -> None:
         """Completes an all-gather :meth:`start_unshard` issued: waits for it and copies the
@@ -319,7 +303,7 @@ class ParameterGroup:
             if not sync:
                 if self._accumulate_wide:
                     # Autograd would accumulate the next microbatch into the compute-dtype grads.
-                    packed = self._pack_unsharded_grads()
+                    packed = self._grads.pack(self.unsharded_params)
                     self._accumulated = packed if self._accumulated is None else self._accumulated.add_(packed)
                     self._drop_unsharded_grads()
                 return
@@ -327,7 +311,7 @@ class ParameterGroup:
                 self._grads.before_write()
                 self._grads.begin(self.params)
             overwrite = self._grads.next_reduce_overwrites()
-            packed = self._pack_unsharded_grads()
+            packed = self._grads.pack(self.unsharded_params)
             if self._accumulated is not None:
                 packed.add_(self._accumulated)
                 self._accumulated = None
@@ -345,21 +329,6 @@ class ParameterGroup:
         """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
         while self._reduces:
             self._grads.apply(self._reduces.pop(0))
-
-    def _pack_unsharded_grads(self) -> torch.Tensor:
-        """The unsharded grads (zeros for missing ones) then one presence flag per parameter (see
-        :class:`~.main_grads.MainGrads`), as ``(world_size, shard_numel + len(params))`` rows in
-        the main-grad dtype: row ``r`` is what rank ``r`` receives."""
-        count = len(self.unsharded_params)
-        packed = torch.empty(self.world_size, self.layout.shard_numel + count, dtype=self.grads_dtype, device=self._device)
-        grads = []
-        for index in self._packed_indices:
-            param = self.unsharded_params[index]
-            grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
-        flags = torch.tensor([param.grad is not None for param in self.unsharded_params], dtype=self.compute_dtype)
-        grads.append(flags.to(self._device).expand(self.world_size, count).contiguous())
-        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size, out=packed)
-        return packed
 
     def _drop_unsharded_grads(self) -> None:
         for param in self.unsharded_params:

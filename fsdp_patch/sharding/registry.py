@@ -9,28 +9,25 @@ keys, and every sharded model, alive.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:
-    from .parameter_group import ParameterGroup
+from .parameter_group import ParameterGroup
 
-__all__ = ["contained_in_parameter_group", "parameter_group_of", "register_parameters"]
+__all__ = ["contained_in_parameter_group", "parameter_group_of", "register_group"]
 
 _GROUP_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_parameters(group: "ParameterGroup", params: Iterable[torch.Tensor]) -> None:
-    """Makes :func:`parameter_group_of` find ``group`` for each of ``params``."""
+def register_group(group: ParameterGroup) -> None:
+    """Makes :func:`parameter_group_of` find ``group`` for each of its sharded parameters."""
     ref = weakref.ref(group)
-    for param in params:
+    for param in group.params:
         _GROUP_OF[param] = ref
 
 
-def parameter_group_of(parameter: torch.Tensor) -> "ParameterGroup | None":
+def parameter_group_of(parameter: torch.Tensor) -> ParameterGroup | None:
     """The group that manages ``parameter``, or ``None`` for a parameter FSDP does not own."""
     ref = _GROUP_OF.get(parameter)
     return None if ref is None else ref()
