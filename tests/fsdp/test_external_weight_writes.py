@@ -4,7 +4,8 @@ compute weights, whichever way they are made.
 With bf16 compute the persistent compute copy is a cast of the main weights; each pattern
 writes the main weights another way between steps (``.data`` ops, Hugging Face-style
 ``_init_weights`` after sharding, state-dict values, clamping, ``torch._foreach_*_`` as EMA
-code does, an unadapted ``foreach`` optimizer). 4 SGD-momentum steps on 2 gloo ranks: fp32
+code does, an unadapted ``foreach`` optimizer). 4 SGD-momentum steps on 2 gloo ranks, and on
+4 (the head's 5 rows split (2, 2, 1, 0), one rank's shard empty): fp32
 within 1e-5 of the unsharded model with FSDP2 as the control; bf16 bitwise equal to FSDP2 with
 the same dtypes, for both compute-copy lifetimes. Losses, final weights and (for EMA) the
 averaged model's eval outputs are compared.
@@ -31,7 +32,6 @@ from tests.fsdp.parity import (
     run_contenders,
 )
 
-WORLD_SIZE = 2
 STEPS = 4
 PATTERNS = ("data_mul", "data_copy", "hf_init", "state_dict_copy", "clamp", "foreach_mul", "foreach_ema", "unadapted_foreach")
 
@@ -127,7 +127,10 @@ def writes_run(pattern: str, precision: str) -> None:
         assert_parity(results, precision, f"{pattern}: {key}", key=key)
 
 
+@pytest.mark.parametrize("world_size", (2, 4))
 @pytest.mark.parametrize("precision", ("bf16", "fp32"))
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_writes_outside_the_adapter_reach_the_compute_weights(dist_pool: Any, pattern: str, precision: str) -> None:
-    dist_pool(WORLD_SIZE).run(writes_run, pattern, precision)
+def test_writes_outside_the_adapter_reach_the_compute_weights(
+    dist_pool: Any, pattern: str, precision: str, world_size: int
+) -> None:
+    dist_pool(world_size).run(writes_run, pattern, precision)

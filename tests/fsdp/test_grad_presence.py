@@ -3,7 +3,8 @@ never resurrected, and a parameter that got no gradient keeps ``None``, as in th
 model and under torch FSDP2.
 
 Each pattern trains 4 AdamW steps (weight decay and moments move any parameter that has a grad,
-even a zero one) on 2 gloo ranks: fp32 within 1e-5 of the unsharded model, FSDP2 alongside as
+even a zero one) on 2 gloo ranks, and on 4, where the head's 5 rows split (2, 2, 1, 0) and the
+last rank's shard of it (and its presence flags) is empty: fp32 within 1e-5 of the unsharded model, FSDP2 alongside as
 the control; bf16 compute bitwise equal to FSDP2 with the same dtypes, both compute-copy
 lifetimes, fp32 main grads (FSDP2: fp32 reduce), since grads accumulate across backwards.
 Which grads are ``None`` at the end must match too.
@@ -29,7 +30,6 @@ from tests.fsdp.parity import (
     world,
 )
 
-WORLD_SIZE = 2
 STEPS = 4
 
 
@@ -96,19 +96,21 @@ def presence_run(pattern: str, precision: str) -> None:
         assert got["grads_none"] == want, f"{pattern}/{impl}: grads left None {got['grads_none']}, {control} {want}"
 
 
+@pytest.mark.parametrize("world_size", (2, 4))
 @pytest.mark.parametrize("precision", ("fp32", "bf16"))
 @pytest.mark.parametrize("pattern", ("unheld", "two_rates", "weights_none", "unused"))
-def test_grad_presence_per_parameter(dist_pool: Any, pattern: str, precision: str) -> None:
+def test_grad_presence_per_parameter(dist_pool: Any, pattern: str, precision: str, world_size: int) -> None:
     """``unheld``: a parameter no optimizer holds keeps accumulating while the others are zeroed;
     ``two_rates``: one optimizer steps and zeroes the weights every step, another the biases
     every other step;
     ``weights_none``: ``p.grad = None`` for weights only, biases accumulate; ``unused``: a
     parameter no forward uses keeps ``None`` (AdamW would decay it on a zero grad)."""
-    dist_pool(WORLD_SIZE).run(presence_run, pattern, precision)
+    dist_pool(world_size).run(presence_run, pattern, precision)
 
 
-def test_parameter_used_on_some_ranks_only_gets_every_ranks_gradient(dist_pool: Any) -> None:
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_parameter_used_on_some_ranks_only_gets_every_ranks_gradient(dist_pool: Any, world_size: int) -> None:
     """A parameter only rank 0 uses: each rank's shard gets the averaged gradient (present on
     both ranks), as the unsharded model computes it. FSDP2 cannot run this one: its
-    reduce-scatter would cover different parameters on the two ranks."""
-    dist_pool(WORLD_SIZE).run(presence_run, "rank_divergent", "fp32")
+    reduce-scatter would cover different parameters on the ranks."""
+    dist_pool(world_size).run(presence_run, "rank_divergent", "fp32")

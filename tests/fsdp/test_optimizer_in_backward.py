@@ -2,7 +2,8 @@
 parameters run once per parameter after its grad is reduced, as torch FSDP2 runs them.
 
 The pattern of ``torch``'s optimizer-in-backward tutorial: one optimizer per parameter, stepped
-and zeroed by a hook on that parameter, no step after backward. 4 backwards on 2 gloo ranks:
+and zeroed by a hook on that parameter, no step after backward. 4 backwards on 2 gloo ranks
+and on 4 (where the last rank's shard of the head is empty and its hooks must still run):
 fp32 within 1e-5 of the unsharded model (whose autograd runs the same hooks) with FSDP2 as the
 control; bf16 compute bitwise equal to FSDP2 with the same dtypes, both compute-copy lifetimes
 (ours steps through the adapter). Every hook runs once per parameter and backward, and every
@@ -18,7 +19,6 @@ import torch
 
 from tests.fsdp.parity import adapt, assert_parity, batches, build, full_params, loss_of, run_contenders
 
-WORLD_SIZE = 2
 STEPS = 4
 
 
@@ -51,6 +51,9 @@ def in_backward_run(precision: str) -> None:
     assert_parity(results, precision, "optimizer in backward")
 
 
+@pytest.mark.parametrize("world_size", (2, 4))
 @pytest.mark.parametrize("precision", ("fp32", "bf16"))
-def test_post_accumulate_grad_hooks_step_each_parameter_after_its_reduce(dist_pool: Any, precision: str) -> None:
-    dist_pool(WORLD_SIZE).run(in_backward_run, precision)
+def test_post_accumulate_grad_hooks_step_each_parameter_after_its_reduce(
+    dist_pool: Any, precision: str, world_size: int
+) -> None:
+    dist_pool(world_size).run(in_backward_run, precision)
