@@ -88,7 +88,7 @@ def _uninstall() -> None:
 
 
 def _holds_fp16_main_grads(optimizer: torch.optim.Optimizer) -> bool:
-    from .parameter_group import parameter_group_of
+    from .sharding import parameter_group_of
 
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:

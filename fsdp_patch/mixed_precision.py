@@ -26,9 +26,11 @@ class MixedPrecisionPolicy:
         compute_copy: Lifetime of the sharded compute-dtype copy that all-gathers read (when
             the compute dtype differs from ``main_params_dtype``):
 
-            - ``"persistent"`` (the default, Megatron-FSDP's): it lives as long as the model,
-              every all-gather reads it without a cast, and the optimizer adapter refreshes it
-              right after each step, where telemetry times the refresh and counts its bytes.
+            - ``"persistent"`` (the default, Megatron-FSDP's): it lives as long as the model;
+              the optimizer adapter refreshes it right after each step, where telemetry times
+              the refresh and counts its bytes, and each iteration's first all-gather casts it
+              again (so that writes to the main weights made outside the adapter reach the
+              forward); backward's re-gathers read it without a cast.
               It costs ``itemsize(compute dtype)`` bytes per sharded element that FSDP2 does
               not hold (2 of bf16: 14 bytes per element between AdamW steps against 12).
             - ``"per_gather"``: each all-gather casts the main weights into a copy that is
@@ -37,9 +39,8 @@ class MixedPrecisionPolicy:
               every moment, and one cast per all-gather.
 
     Alternatives considered:
-        - Only the persistent copy (the first design): it holds 2 bytes per element that FSDP2
-          does not, between steps and through forward and backward, which no buffer
-          management wins back.
+        - Only the persistent copy: it holds 2 bytes per element that FSDP2 does not, between
+          steps and through forward and backward, which no buffer management wins back.
         - A copy kept for one iteration (cast by the first all-gather after a step, freed by
           the backward with gradient sync): between steps it matches FSDP2, but it is alive
           at the start of backward, where activations peak, and through accumulation

@@ -33,8 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .grad_scaler_hint import track_fp16_main_grads
 from .mixed_precision import MixedPrecisionPolicy
-from .parameter_group import ParameterGroup, parameter_group_of
 from .placement import mesh_device, resolve_mesh
+from .sharding import ParameterGroup, parameter_group_of, register_group
 from .unit import Location, UnitState
 
 __all__ = ["fully_shard", "FSDPModule", "parameter_groups", "unit_name_of"]
@@ -57,7 +57,7 @@ class FSDPModule:
     def unshard(self) -> None:
         """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
         for group in self._fsdp_state.groups:
-            group.detect_external_writes()  # forward does this once per iteration; unshard may come first
+            group.invalidate_compute_copy()  # as the root's forward does: unshard may come first
         self._fsdp_state.unshard()
 
     def reshard(self) -> None:
@@ -324,8 +324,6 @@ def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str
                 )
             if not param.is_floating_point():
                 raise ValueError(f"parameter '{fqn}' has dtype {param.dtype}; expected a floating-point dtype")
-            if param.is_meta:
-                raise ValueError(f"parameter '{fqn}' is on the meta device; materialize it before fully_shard")
             params.append(param)
             names.append(fqn)
             locations[id(param)] = [(owner, name)]
@@ -343,6 +341,15 @@ def unit_name_of(group: ParameterGroup) -> str:
     return _UNIT_NAME.get(group, "")
 
 
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Moves the unit's own buffers to ``device``; buffers on the meta device stay there, for
+    ``to_empty`` to materialize with the rest of a meta-built model (see :func:`fully_shard`)."""
+    for _, owner in _owned_modules(module):
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and buffer.device != device and not buffer.is_meta:
+                owner._buffers[name] = buffer.to(device)
+
+
 # Original parameter -> FQN, for parameters that a unit replaced; a later unit that still
 # finds one of them registered somewhere has found a parameter tied across units.
 _CONSUMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -358,7 +365,10 @@ def fully_shard(
     """Shards ``module``'s parameters over a 1-D mesh with fp32 main weights.
 
     Apply bottom-up: each block first, then the root. A unit owns the parameters that no FSDP
-    child owns. Its parameters become DTensor ``Shard(0)`` parameters (split as ``torch.chunk``
+    child owns. A module built under ``torch.device("meta")`` is sharded without being
+    materialized: its shards are allocated on the mesh's device (zeros) for an initialization
+    after ``fully_shard`` (``to_empty(device=...)``, then ``reset_parameters()``, ``nn.init``
+    or ``copy_`` on the sharded parameters), as FSDP2 supports; an all-gather casts them anew. Its parameters become DTensor ``Shard(0)`` parameters (split as ``torch.chunk``
     splits) holding the main weights, with ``grad_dtype`` set to the main-grad dtype; the
     module's class becomes a subclass of :class:`FSDPModule`.
 
@@ -374,7 +384,7 @@ def fully_shard(
 
     Raises:
         ValueError: ``fully_shard`` was already applied to ``module``, a parameter is tied
-            across units, 0-dimensional, not floating point or on the meta device.
+            across units, 0-dimensional or not floating point.
         NotImplementedError: ``mesh`` is not 1-D.
         TypeError: An argument has the wrong type.
     """
@@ -408,7 +418,7 @@ def fully_shard(
     state = UnitState(module, mesh, mp_policy, reshard_after_forward, groups, group_locations)
     state.swap(unsharded=False)
     for group in groups:
-        group.register()
+        register_group(group)
         if group.grads_dtype == torch.float16:
             track_fp16_main_grads(group)
     for param, name in zip(params, names):
@@ -420,10 +430,7 @@ def fully_shard(
             group.names = [prefix + name for name in group.names]
             inner = _UNIT_NAME.get(group, "")
             _UNIT_NAME[group] = prefix + inner if inner else prefix[:-1]
-    for _, owner in _owned_modules(module):
-        for name, buffer in owner._buffers.items():
-            if buffer is not None and buffer.device != device:
-                owner._buffers[name] = buffer.to(device)
+    _move_buffers(module, device)
     module._fsdp_state = state  # type: ignore[assignment]
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward)

@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .mixed_precision import MixedPrecisionPolicy
 from .output_tensors import grad_tensors
-from .parameter_group import ParameterGroup
+from .sharding import ParameterGroup
 
 __all__ = ["RootContext", "TrainingState", "UnitState"]
 
@@ -295,12 +295,12 @@ class UnitState:
                 context.reset()
             context.begin_forward()
         if not recompute and (context.root is self or not context.in_forward):
-            # Main weights written outside the optimizer adapter since the last refresh are
-            # found here, once per iteration (and for a unit called on its own), before any
-            # all-gather of the iteration is issued; every later gather tests a flag only.
+            # Anything may have written the main weights since the last forward, unseen: the
+            # compute copies are cast again at their first all-gather of this iteration (and of
+            # a unit called on its own); see ParameterGroup's freshness note.
             for state in context.states if context.root is self else (self,):
                 for group in state.groups:
-                    group.detect_external_writes()
+                    group.invalidate_compute_copy()
         replaced = self.swap(unsharded=True, sync_requires_grad=True)
         if replaced:
             self.adopt(replaced)

@@ -357,7 +357,7 @@ def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, st
     ``fully_shard``'s and FSDP2's parameters, ``param_groups[g]['params'][i]`` for the others."""
     from fsdp_patch.fsdp2 import fsdp2_groups
     from fsdp_patch.module import unit_name_of
-    from fsdp_patch.parameter_group import parameter_group_of
+    from fsdp_patch.sharding import parameter_group_of
 
     names: dict[int, tuple[str, str]] = {}
     plain = []
@@ -386,7 +386,7 @@ def audit_dtypes(optimizer: torch.optim.Optimizer) -> list[ContractViolation]:
     in its own dtype; every optimizer state tensor (not ``step``) in its parameter's dtype.
     """
     from fsdp_patch.fsdp2 import fsdp2_groups
-    from fsdp_patch.parameter_group import parameter_group_of
+    from fsdp_patch.sharding import parameter_group_of
 
     found: list[tuple[torch.Tensor, str, str | None, torch.dtype, torch.dtype]] = []
     plain = []

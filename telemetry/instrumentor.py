@@ -38,7 +38,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 import fsdp_patch.telemetry as telemetry
 from fsdp_patch.adapter import NullObserver, adapt_optimizer, adaptation_of, adaptations
 from fsdp_patch.fsdp2 import fsdp2_groups
-from fsdp_patch.parameter_group import parameter_group_of
+from fsdp_patch.sharding import parameter_group_of
 
 from . import providers
 

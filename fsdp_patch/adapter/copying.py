@@ -9,12 +9,10 @@ Semantics: a copy is a plain optimizer of the same class, not adapted (no hooks,
   and grad) and of the state; the copies are not FSDP-managed;
 - pickling: the same copies, without grads (torch never pickles a parameter's grad).
 
-Why the adapter takes part: torch can neither deep-copy nor pickle the sharded parameters
-themselves. Their local tensors are views at an offset into a flat buffer, so the DTensor
-wrapper reports a non-zero ``data_ptr`` and ``Tensor.__deepcopy__``/``__reduce_ex__`` take the
-storage path, which a wrapper subclass has none of ("invalid python storage"); and
-``Tensor.__deepcopy__`` assigns the copied grad before ``grad_dtype``, which a parameter whose
-grad dtype differs from its dtype refuses. So the adapted optimizer carries instance-level
+Why the adapter takes part: ``Tensor.__deepcopy__`` assigns the copied grad before
+``grad_dtype``, which a parameter whose grad dtype differs from its dtype refuses; and the
+sharded parameters' local tensors are views into their group's flat buffer, which a copy or a
+pickle of the parameter would carry whole. So the adapted optimizer carries instance-level
 ``__deepcopy__`` and ``__reduce_ex__`` (``copy`` and ``pickle`` look these up on the instance)
 that substitute, for each sharded parameter, a DTensor parameter over a contiguous clone.
 They hold the optimizer weakly, and the undo removes them.
@@ -31,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parameter_group import parameter_group_of
+from ..sharding import parameter_group_of
 
 __all__ = ["CopySupport"]
 

@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from ..parameter_group import ParameterGroup
+from ..sharding import ParameterGroup
 
 __all__ = ["GroupGradCast", "cast_in_flight"]
 

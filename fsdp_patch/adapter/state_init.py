@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parameter_group import ParameterGroup, parameter_group_of
+from ..sharding import ParameterGroup, parameter_group_of
 
 __all__ = ["init_optimizer_state"]
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..fsdp2 import FSDP2Group, fsdp2_groups
-from ..parameter_group import ParameterGroup, parameter_group_of
+from ..sharding import ParameterGroup, parameter_group_of
 from .events import Mismatch, MismatchAction, StepPlanned
 from .grad_cast import GroupGradCast
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..parameter_group import ParameterGroup
+from ..sharding import ParameterGroup
 from .closure import CastingClosure, find_closure, replace_closure
 from .events import GroupCast, Phase, StepObserver, StepScope
 from .grad_cast import GroupGradCast

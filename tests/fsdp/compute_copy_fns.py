@@ -190,7 +190,7 @@ def exception_run() -> dict[str, Any]:
         in_flight: dict[str, int] = {}
 
         def fail(module: nn.Module, args: Any) -> None:
-            in_flight["at_raise"] = sum(g._pending_gather is not None for g in _groups(model))
+            in_flight["at_raise"] = sum(g.gather_in_flight for g in _groups(model))
             raise Boom("forward")
 
         handle = model.blocks[0].register_forward_pre_hook(fail)
@@ -202,7 +202,7 @@ def exception_run() -> dict[str, Any]:
         out[impl] = {
             "raised": in_flight.get("raised", 0),
             "in_flight_at_raise": in_flight.get("at_raise", 0),
-            "in_flight_after": sum(g._pending_gather is not None for g in _groups(model)),
+            "in_flight_after": sum(g.gather_in_flight for g in _groups(model)),
             "unsharded_after": sum(g.unsharded_storage_bytes() for g in _groups(model)),
             "compute_bytes_after": sum(g.compute_storage_bytes() for g in _groups(model)),
         }

@@ -115,7 +115,7 @@ def forward_exception_run() -> dict[str, Any]:
         pass
 
     def fail(module: nn.Module, args: Any) -> None:
-        in_flight["at_raise"] = sum(g._pending_gather is not None for m in units.values() for g in m.fsdp_parameter_groups)
+        in_flight["at_raise"] = sum(g.gather_in_flight for m in units.values() for g in m.fsdp_parameter_groups)
         raise Boom("forward")
 
     in_flight: dict[str, int] = {}
@@ -130,7 +130,7 @@ def forward_exception_run() -> dict[str, Any]:
         "raised": raised,
         "in_flight_at_raise": in_flight.get("at_raise"),
         "gathered_after": unsharded_bytes(model),
-        "in_flight_after": sum(g._pending_gather is not None for m in units.values() for g in m.fsdp_parameter_groups),
+        "in_flight_after": sum(g.gather_in_flight for m in units.values() for g in m.fsdp_parameter_groups),
         "sharded_in_modules": all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()),
     }
     model.zero_grad(set_to_none=True)

@@ -508,7 +508,11 @@ def unused_run() -> dict[str, Any]:
             if g is not None:
                 expected += g
         expected /= world_size
+        if p.grad is None:
+            facts[name] = {"grad_is_none": True, "reference_grads": [ref.get_parameter(name).grad is not None for ref in refs]}
+            continue
         facts[name] = {
+            "grad_is_none": False,
             "grad_is_dtensor": isinstance(p.grad, DTensor),
             "max_abs_err": (p.grad.full_tensor() - expected).abs().max().item(),
             "all_zero": bool((p.grad.full_tensor() == 0).all()),
@@ -882,14 +886,6 @@ class _IntParam(nn.Module):
         self.index = nn.Parameter(torch.arange(3), requires_grad=False)
 
 
-class _MetaParam(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ok = nn.Linear(2, 2)
-        with torch.device("meta"):
-            self.lazy = nn.Linear(2, 2)
-
-
 def _tied_pair() -> nn.Module:
     model = nn.Module()
     model.a = nn.Linear(3, 3)
@@ -986,11 +982,6 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
         m.register_buffer("index", torch.arange(3))
 
     case("int_param", _IntParam, lambda m: fully_shard(m), fix=int_fix)
-
-    def meta_fix(m: nn.Module) -> None:
-        m.lazy = nn.Linear(2, 2)
-
-    case("meta_param", _MetaParam, lambda m: fully_shard(m), fix=meta_fix)
 
     case("not_a_module", lambda: nn.Linear(2, 2), lambda m: fully_shard(m.weight),  # type: ignore[arg-type]
          target=lambda m: m)

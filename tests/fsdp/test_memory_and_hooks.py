@@ -93,11 +93,17 @@ def test_set_requires_gradient_sync_false_skips_reduce_scatter(memory) -> None:
 @pytest.mark.parametrize("world_size", (2, 4))
 def test_unused_and_rank_dependent_parameters(run_once, world_size: int) -> None:
     """A parameter some ranks skip still takes part in the collectives (no hang) and gets the
-    average of the ranks' grads; one no rank uses gets an all-zero grad."""
+    average of the ranks' grads on every rank; one no rank uses keeps ``None``, as in the
+    unsharded model."""
     per_rank = run_once(world_size, rank_fns.unused_run)
-    for facts in per_rank:
+    for rank, facts in enumerate(per_rank):
+        for name in ("never.weight", "never.bias"):
+            got = facts[name]
+            assert got["grad_is_none"], f"rank {rank}: {name} got a grad, though no rank used it: {got}"
+            assert got["reference_grads"] == [False] * world_size, f"rank {rank}: {name}'s reference grads {got['reference_grads']}"
         for name, grad in facts.items():
-            assert grad["grad_is_dtensor"], name
-            assert grad["max_abs_err"] <= 1e-6, f"{name}: {grad['max_abs_err']}"
-        assert facts["never.weight"]["all_zero"] and facts["never.bias"]["all_zero"]
-        assert not facts["odd_only.weight"]["all_zero"]
+            if name.startswith("never."):
+                continue
+            assert not grad["grad_is_none"] and grad["grad_is_dtensor"], f"rank {rank}: {name}: {grad}"
+            assert grad["max_abs_err"] <= 1e-6, f"rank {rank}: {name}: differs from the ranks' average by {grad['max_abs_err']}"
+        assert not facts["odd_only.weight"]["all_zero"], f"rank {rank}: odd_only.weight's grad is all zero"

@@ -1,0 +1,24 @@
+"""Sharding in layers: how ``fully_shard`` keeps a unit's parameters, from geometry to policy.
+
+Each layer imports only the ones listed before it:
+
+- :mod:`.layout`: where each parameter's ``Shard(0)`` rows lie in a flat buffer (pure geometry);
+- :mod:`.dtensors`: cached ``DTensorSpec`` objects and the DTensor wrapper over a buffer's views;
+- :mod:`.flat_buffer`: buffers whose storage is freed and re-materialized in place, with local,
+  DTensor and unsharded-parameter views;
+- :mod:`.collectives`: all-gather and reduce-scatter handles (issue, wait, free);
+- :mod:`.main_grads`: the main-grad buffer, its ownership, and per-parameter grad presence;
+- :mod:`.compute_copy` and :mod:`.replacement`: the compute-dtype copy the gathers read, and
+  the values a group takes from tensors that replaced its parameters;
+- :mod:`.parameter_group`: the policy composing them (compute-copy freshness and refresh,
+  overwrite or accumulate, when to gather and free);
+- :mod:`.registry`: which group manages a sharded parameter.
+
+The unit above (:mod:`fsdp_patch.unit`) drives groups through an iteration; the optimizer
+adapter (:mod:`fsdp_patch.adapter`) reads and lends their grads.
+"""
+
+from .parameter_group import ParameterGroup
+from .registry import contained_in_parameter_group, parameter_group_of, register_group
+
+__all__ = ["ParameterGroup", "contained_in_parameter_group", "parameter_group_of", "register_group"]

@@ -1,0 +1,407 @@
+"""Parameter groups: the policy composing the sharding layers for a set of same-dtype parameters.
+
+A group owns, for this rank, three sharded flat buffers in one layout and decides when each is
+written: ``main_weight`` (``main_params_dtype``), which the optimizer updates through the
+group's DTensor ``Shard(0)`` parameters (views into it); ``compute_weight``, the compute-dtype
+copy forward and backward all-gather (see :mod:`.compute_copy` for its two lifetimes; the main
+weights themselves when the dtypes agree); ``main_grad`` (``main_grads_dtype``), which backward
+reduce-scatters into and whose views become the parameters' ``.grad`` (ownership and presence:
+:mod:`.main_grads`). Collectives are :mod:`.collectives` handles; the unsharded parameters are
+views of an :class:`~.flat_buffer.UnshardedBuffer`. Whether a parameter trains is read from its
+sharded parameter's ``requires_grad`` at every forward. Every cast, refresh and zeroing is one
+operation on a whole buffer, never one per tensor.
+
+[Note: compute-copy freshness]
+Anything may write the main weights in place: the optimizer adapter, an optimizer that is not
+adapted (``foreach`` or not), ``p.data.mul_()``, ``torch._foreach_lerp_`` (EMA), clamping,
+``nn.init`` on the sharded parameters, ``state_dict()[k].copy_()``, ``load_state_dict``,
+``dcp.load``. Most of these run below autograd (DTensor runs the local op there; ``.data`` has a
+version counter of its own), so no version counter sees them, and freshness does not rest on
+one: each root forward (and an explicit ``unshard``) invalidates the compute copy
+(:meth:`ParameterGroup.invalidate_compute_copy`), and the group's next all-gather casts it
+again. A refresh is counted and every gather carries the count it was issued at, so a gather
+made before a refresh (an explicit ``unshard`` before an optimizer step) is never taken for
+current; one made since the last refresh is used as gathered, as FSDP2 uses it.
+
+Alternatives considered:
+    - One class holding the buffers, the collectives, main-grad ownership and the policy: eight
+      concerns sharing about twenty mutable fields, where changing one breaks another.
+    - Summing version counters once per iteration: misses every write made below autograd, and
+      forward would run on old weights.
+    - Casting at every all-gather for both lifetimes: ``per_gather`` does; the persistent copy
+      is cast once per iteration and backward's re-gather reads it without a cast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from ..mixed_precision import MixedPrecisionPolicy
+from .collectives import AllGather, ReduceScatter
+from .compute_copy import ComputeCopy
+from .dtensors import ShardSpecs
+from .flat_buffer import ShardedBuffer, UnshardedBuffer
+from .layout import GroupLayout
+from .main_grads import MainGrads
+from .replacement import adopted_shard, check_replacement
+
+__all__ = ["ParameterGroup"]
+
+
+class ParameterGroup:
+    """Sharded parameters of one compute dtype and their flat buffers.
+
+    Args:
+        params: Original (unsharded) parameters, all of one dtype; those on the meta device
+            give zero shards, to be initialized after sharding. ``fully_shard`` also splits
+            groups by ``requires_grad`` at sharding time, so that a group frozen then holds no
+            main-grad buffer; toggling ``requires_grad`` later works per parameter.
+        names: Their fully qualified names, for error messages.
+        mesh: 1-D device mesh to shard over.
+        policy: Mixed-precision policy.
+        device: Device holding this rank's shards.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        mesh: DeviceMesh,
+        policy: MixedPrecisionPolicy,
+        device: torch.device,
+    ) -> None:
+        self.names = list(names)
+        self.mesh = mesh
+        self.process_group = mesh.get_group()
+        self.world_size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.compute_dtype = params[0].dtype
+        self.main_dtype = policy.main_params_dtype
+        self.grads_dtype = policy.grads_dtype_for(self.compute_dtype)
+        self.compute_copy = policy.compute_copy
+        # Accumulating microbatches with gradient sync off happens in the main-grad dtype when it
+        # is wider than the compute dtype (FSDP2 accumulates in its reduce dtype likewise).
+        self._accumulate_wide = torch.finfo(self.grads_dtype).bits > torch.finfo(self.compute_dtype).bits
+        self._device = device
+        self.layout = GroupLayout.build([p.shape for p in params], self.world_size, self.rank)
+        self._specs = ShardSpecs(mesh, self.layout.params)
+
+        self._main = ShardedBuffer.allocate(self.layout, self._specs, self.main_dtype, device, zeroed=True)
+        with torch.no_grad():
+            for index, param in enumerate(params):
+                if not param.is_meta:  # a meta-built model is initialized after fully_shard
+                    self._main.local(index).copy_(param.detach()[self.layout.params[index].local_rows_slice])
+        self._copy = ComputeCopy(self._main, self.compute_dtype, self.compute_copy)
+        self.params: list[nn.Parameter] = [
+            self._main.dtensor(index, requires_grad=param.requires_grad)  # type: ignore[misc]
+            for index, param in enumerate(params)
+        ]
+        for param in self.params:
+            param._is_param = True  # type: ignore[attr-defined]
+            param.grad_dtype = self.grads_dtype
+        self._index_of = {id(param): index for index, param in enumerate(self.params)}
+        self._grads = MainGrads(self.layout, self._specs, self.grads_dtype, device)
+
+        self._unsharded = UnshardedBuffer(self.layout, self.compute_dtype, device, [p.requires_grad for p in params])
+        self.unsharded_params = self._unsharded.params
+        self._gathered_refresh: int | None = None  # the refresh count the unsharded params hold
+        self._gather: AllGather | None = None  # issued, not yet waited
+
+        self._reduced_since_finalize = False
+        # Unsharded grads of microbatches accumulated with gradient sync off, packed as the
+        # reduce-scatter reads them, in the main-grad dtype; only when that is wider.
+        self._accumulated: torch.Tensor | None = None
+        self._reduces: list[ReduceScatter] = []  # issued, not yet applied, in issue order
+
+    # ------------------------------------------------------------------ identity and buffers
+    @property
+    def main_weight(self) -> torch.Tensor:
+        return self._main.tensor
+
+    @property
+    def compute_weight(self) -> torch.Tensor:
+        return self._copy.buffer.tensor
+
+    @property
+    def main_grad(self) -> torch.Tensor | None:
+        """The flat sharded main-grad buffer, or ``None`` while no grad of the group holds it."""
+        return self._grads.buffer
+
+    def main_grad_storage_bytes(self) -> int:
+        return self._grads.storage_bytes()
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any parameter of the group trains (its sharded parameter requires grad)."""
+        return any(param.requires_grad for param in self.params)
+
+    def index_of(self, param: torch.Tensor) -> int:
+        """Position of one of this group's sharded parameters in :attr:`params`."""
+        return self._index_of[id(param)]
+
+    def dtensor_specs(self, dtype: torch.dtype) -> list[Any]:
+        """One ``DTensorSpec`` per parameter for a shard of ``dtype`` (cached): to build
+        DTensor views of a flat buffer laid out as the group's (see :attr:`layout`)."""
+        return self._specs.specs(dtype)
+
+    def state_dict_tensor(self, index: int) -> DTensor:
+        """``params[index]``'s entry in a state dict: a DTensor over the same memory, so that a
+        write into it (``dcp.load`` into ``get_model_state_dict``'s tensors) is a write to the
+        main weights."""
+        return self._main.dtensor(index)
+
+    # ------------------------------------------------------------------ the compute copy
+    @property
+    def compute_aliases_main(self) -> bool:
+        return self._copy.aliases_main
+
+    @property
+    def compute_per_gather(self) -> bool:
+        """Whether no compute copy is kept, each all-gather casting the main weights itself
+        (``compute_copy="per_gather"``, compute dtype not the main dtype): the optimizer
+        adapter then marks the weights changed instead of refreshing, and precision
+        diagnostics derive the compute weights by the same cast."""
+        return self._copy.per_gather
+
+    def compute_storage_bytes(self) -> int:
+        """Bytes the compute copy holds now (0 when it is the main weight, or released)."""
+        return self._copy.storage_bytes
+
+    @property
+    def compute_stale(self) -> bool:
+        """Whether the compute copy lags the main weights: the next gather refreshes it first."""
+        return self._copy.stale
+
+    def mark_weights_changed(self) -> None:
+        """Notes a write to the main weights: the next gather casts the compute copy again."""
+        self._copy.stale = True
+
+    def invalidate_compute_copy(self) -> None:
+        """Marks the compute copy stale unless the unsharded parameters hold (or are gathering)
+        weights cast since the last refresh (see the freshness note): run at each root forward
+        and explicit ``unshard``, before any all-gather of the iteration is issued."""
+        if not self._holds_current_gather():
+            self._copy.stale = True
+
+    def refresh_compute_weight(self) -> int:
+        """Refreshes the compute copy from the main weights (one cast for the group; a
+        ``per_gather`` group only counts the refresh, so that gathers made before it are redone).
+
+        Returns:
+            Bytes written by the cast (0 when the compute copy is the main weight, or none is kept).
+        """
+        return self._copy.refresh()
+
+    # ------------------------------------------------------------------ tensors that replaced parameters
+    def check_replacement(self, index: int, replacement: object) -> None:
+        """Raises if ``replacement`` cannot stand in for ``params[index]`` (see
+        :func:`~.replacement.check_replacement`)."""
+        check_replacement(self.names[index], self.layout.params[index], self.mesh, replacement)
+
+    def adopt(self, index: int, replacement: torch.Tensor) -> None:
+        """Copies the values of a tensor that replaced ``params[index]`` in its module into the
+        main weights (see :func:`~.replacement.adopted_shard`); ``requires_grad`` follows the
+        replacement. Call :meth:`check_replacement` first."""
+        with torch.no_grad():
+            self._main.local(index).copy_(adopted_shard(self.layout.params[index], replacement))
+        self._copy.stale = True
+        self.params[index].requires_grad_(replacement.requires_grad)
+
+    # ------------------------------------------------------------------ unsharded parameters
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the unsharded parameters hold the gathered weights (or a gather is in flight)."""
+        return self._gathered_refresh is not None or self._gather is not None
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gather is not None
+
+    def unshard(self) -> None:
+        """All-gathers the compute copy into the unsharded parameters."""
+        self.start_unshard()
+        self.wait_unshard()
+
+    def start_unshard(self) -> None:
+        """Issues the all-gather without waiting for it (a prefetch); :meth:`wait_unshard`
+        completes it. A no-op when the current weights are gathered or in flight."""
+        if self._copy.stale:
+            self.refresh_compute_weight()
+        if self._holds_current_gather():
+            return
+        refresh = self._copy.refreshes
+        self._cancel_gather()
+        if self.world_size == 1:
+            self._unsharded.copy_single(self._copy.single_rank_source)
+            self._gathered_refresh = refresh
+            return
+        self._gathered_refresh = None
+        output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device)
+        shard = self._copy.gather_input(output, self.world_size, self.rank)
+        self._gather = AllGather.issue(output, shard, self.process_group, refresh)
+
+    def _holds_current_gather(self) -> bool:
+        """Whether the unsharded parameters hold, or an all-gather in flight brings, the compute
+        copy of the latest refresh."""
+        refresh = self._copy.refreshes
+        return self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh)
+
+    def wait_unshard(self) -> None:
+        """Completes an all-gather :meth:`start_unshard` issued: waits for it and copies the
+        ranks' slots out into the unsharded parameters."""
+        gather, self._gather = self._gather, None
+        if gather is None:
+            return
+        # The unsharded storage is allocated only at the copy-out, as FSDP2 allocates its
+        # unsharded parameters: while the all-gather is in flight only its output exists.
+        self._unsharded.copy_out(gather.wait())
+        gather.free()
+        self._gathered_refresh = gather.tag
+
+    def _cancel_gather(self) -> None:
+        gather, self._gather = self._gather, None
+        if gather is not None:
+            gather.cancel()
+
+    def reshard(self) -> None:
+        """Frees the unsharded parameters' storage (after an all-gather in flight completes)."""
+        if self.is_unsharded:
+            self._cancel_gather()
+            self._unsharded.free()
+            self._gathered_refresh = None
+
+    def unsharded_storage_bytes(self) -> int:
+        """Bytes held for the unsharded state: the unsharded parameters' storage and the output
+        of an all-gather in flight (whose copy-out allocates the former)."""
+        in_flight = 0 if self._gather is None else self._gather.nbytes
+        return self._unsharded.storage_bytes + in_flight
+
+    # ------------------------------------------------------------------ grads
+    def has_unsharded_grads(self) -> bool:
+        """Whether backward left grads on the unsharded parameters (or accumulated some)."""
+        return self._accumulated is not None or any(p.grad is not None for p in self.unsharded_params)
+
+    def post_backward(self, sync: bool) -> None:
+        """Reduce-scatters the unsharded grads into ``main_grad`` (``sync``), or keeps them for
+        the next synced backward; a no-op when backward produced no grads for this group.
+
+        Skipping when there are no grads leaves ``torch.autograd.grad`` (which fills no
+        ``.grad``) alone; within a group, a parameter without a grad contributes zeros (and a
+        presence flag of 0), so every rank takes part in the same collectives whatever its
+        control flow inside the group.
+        """
+        if not self.has_unsharded_grads():
+            return
+        with torch.no_grad():
+            if not sync:
+                if self._accumulate_wide:
+                    # Autograd would accumulate the next microbatch into the compute-dtype grads.
+                    packed = self._grads.pack(self.unsharded_params)
+                    self._accumulated = packed if self._accumulated is None else self._accumulated.add_(packed)
+                    self._drop_unsharded_grads()
+                return
+            if not self._reduced_since_finalize:
+                self._grads.before_write()
+                self._grads.begin(self.params)
+            overwrite = self._grads.next_reduce_overwrites()
+            packed = self._grads.pack(self.unsharded_params)
+            if self._accumulated is not None:
+                packed.add_(self._accumulated)
+                self._accumulated = None
+            self._reduces.append(ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite))
+            if self.world_size == 1:
+                self.wait_reduce()
+        self._drop_unsharded_grads()
+        self._reduced_since_finalize = True
+
+    @property
+    def reduce_in_flight(self) -> bool:
+        return bool(self._reduces)
+
+    def wait_reduce(self) -> None:
+        """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
+        while self._reduces:
+            self._grads.apply(self._reduces.pop(0))
+
+    def _drop_unsharded_grads(self) -> None:
+        for param in self.unsharded_params:
+            param.grad = None
+
+    def finalize_grads(self) -> None:
+        """Completes the reduce-scatters in flight, installs DTensor views of ``main_grad`` as
+        the ``.grad`` of the trainable sharded parameters that have a grad (see
+        :class:`~.main_grads.MainGrads`; a frozen one keeps what it has), then runs the
+        post-accumulate-grad hooks registered on the sharded parameters whose grad the backward
+        changed, once each, as FSDP2 runs them after its reduce (an optimizer step inside
+        backward)."""
+        self.wait_reduce()
+        if not self._reduced_since_finalize:
+            return
+        updated = self._grads.finish(self.params)
+        self._reduced_since_finalize = False
+        for index in updated:
+            param = self.params[index]
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    hook(param)
+
+    def install_zero_grads(self) -> None:
+        """Gives trainable parameters without a grad a zeroed main-grad view as ``.grad``."""
+        if not self.requires_grad:
+            return
+        self._grads.before_write()
+        self._grads.install_zeros(self.params)
+
+    def reset_iter_state(self) -> None:
+        """Forgets an iteration an exception aborted (see ``FSDPModule.reset_iter_state``).
+
+        Frees the unsharded storage and drops the unsharded grads (including those accumulated
+        with gradient sync off). If the aborted backward had already reduced into
+        ``main_grad``, the buffer no longer holds what the parameters' ``.grad`` held before,
+        so their grads become ``None``: the next backward then overwrites the buffer.
+        """
+        self._grads.before_write()
+        self._drop_unsharded_grads()
+        self._accumulated = None
+        for reduce in self._reduces:
+            reduce.cancel()
+        self._reduces.clear()
+        self._grads.abandon(self.params, accumulating=self._reduced_since_finalize)
+        self._reduced_since_finalize = False
+        self.reshard()
+
+    # ------------------------------------------------------------------ lending grads
+    def register_grad_write_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Runs ``hook()`` before the group next writes its parameters' grads (see
+        :meth:`~.main_grads.MainGrads.register_write_hook`): at the start of a backward's
+        accumulation, in :meth:`install_zero_grads` and :meth:`reset_iter_state`."""
+        return self._grads.register_write_hook(hook)
+
+    @property
+    def grad_write_hooks(self) -> tuple[Callable[[], None], ...]:
+        return self._grads.write_hooks
+
+    def grad_views(self, indices: Sequence[int]) -> list[DTensor | None]:
+        """The live main-grad views of ``params[i]`` for ``i`` in ``indices`` (``None`` where
+        none lives): what those parameters' ``.grad`` are when nobody replaced them."""
+        return self._grads.views(indices)
+
+    def adopt_foreign_grads(self, indices: Sequence[int]) -> torch.Tensor:
+        """Makes ``params[i].grad``, for ``i`` in ``indices`` whose grad is not ``None``, views
+        of ``main_grad`` holding their values (copying tensors a user assigned); returns
+        ``main_grad``."""
+        return self._grads.adopt_foreign(self.params, indices)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParameterGroup(params={len(self.params)}, compute={self.compute_dtype}, "
+            f"main={self.main_dtype}, grads={self.grads_dtype}, shard_numel={self.layout.shard_numel})"
+        )
