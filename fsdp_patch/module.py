@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compile_boundary import outside_dynamo
 from .grad_scaler_hint import track_fp16_main_grads
 from .mixed_precision import MixedPrecisionPolicy
 from .parameter_group import ParameterGroup, parameter_group_of
@@ -54,12 +55,14 @@ class FSDPModule:
             self._fsdp_state.abort_forward()
             raise
 
+    @outside_dynamo
     def unshard(self) -> None:
         """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
         for group in self._fsdp_state.groups:
             group.detect_external_writes()  # forward does this once per iteration; unshard may come first
         self._fsdp_state.unshard()
 
+    @outside_dynamo
     def reshard(self) -> None:
         """Frees this unit's unsharded parameters."""
         self._fsdp_state.reshard()

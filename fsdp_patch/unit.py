@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from .compile_boundary import outside_dynamo
 from .mixed_precision import MixedPrecisionPolicy
 from .output_tensors import grad_tensors
 from .parameter_group import ParameterGroup
@@ -80,6 +81,7 @@ class RootContext:
         self.callback_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
+    @outside_dynamo
     def _final_callback(self) -> None:
         try:
             for state in reversed(self.states):
@@ -270,6 +272,7 @@ class UnitState:
         for group in self.groups:
             group.reset_iter_state()
 
+    @outside_dynamo
     def abort_forward(self) -> None:
         """Undoes the pre-forward of a forward that raised (the post-forward never ran)."""
         if self.training_state is not TrainingState.FORWARD:
@@ -282,6 +285,7 @@ class UnitState:
                 self.context.cancel_prefetches()
 
     # ------------------------------------------------------------------ forward hooks
+    @outside_dynamo
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             return args, kwargs  # a recompute: see the module docstring
@@ -314,6 +318,7 @@ class UnitState:
             args, kwargs = _register_post_backward(self, args, kwargs)
         return args, kwargs
 
+    @outside_dynamo
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             return output
@@ -339,6 +344,7 @@ class UnitState:
             self.reshard()  # frozen, and no output needs a grad: no backward comes through here
         return output
 
+    @outside_dynamo
     def _queue_final(self, param: torch.Tensor) -> None:
         assert self.context is not None
         self.context.queue_final_callback()
@@ -350,6 +356,7 @@ class UnitState:
             self._awaiting_final = None
 
     # ------------------------------------------------------------------ backward hooks
+    @outside_dynamo
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -373,6 +380,7 @@ class UnitState:
                     group.start_unshard()
                 target.prefetched = True
 
+    @outside_dynamo
     def post_backward(self) -> None:
         """The unit's backward is done: reduce (or keep, with sync off) its grads, free it."""
         if self.training_state is not TrainingState.PRE_BACKWARD and self._awaiting_final is None:
