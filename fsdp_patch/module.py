@@ -137,11 +137,15 @@ class FSDPModule:
 
         A backward that raised leaves units in mid-backward with their unsharded parameters in
         the modules; resetting first makes ``zero_grad`` reach the sharded parameters, as it
-        would have without the exception.
+        would have without the exception. Between a forward and its backward, units that keep
+        their unsharded parameters after forward put the sharded ones back first, for the same
+        reason.
         """
         context = self._fsdp_state.context
         if context is not None and torch._C._current_graph_task_id() == -1 and context.interrupted():
             context.reset()
+        for module in _units(self, recurse=True):
+            module._fsdp_state.release_kept_parameters()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     @property
@@ -288,6 +292,13 @@ def _state_dict_aliases(
     return hook
 
 
+def _release_kept_parameters_before_state_dicts(module: nn.Module, state: UnitState) -> None:
+    """Saving and loading between a forward and its backward reach the sharded parameters
+    (the main weights), not the unsharded ones a unit keeps after forward."""
+    module.register_state_dict_pre_hook(lambda *args: state.release_kept_parameters())
+    module.register_load_state_dict_pre_hook(lambda *args: state.release_kept_parameters())
+
+
 def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The FSDP units directly below ``module`` (not inside another unit), with their paths."""
     for prefix, owner in _owned_modules(module):
@@ -345,7 +356,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """Shards ``module``'s parameters over a 1-D mesh with fp32 main weights.
 
@@ -358,8 +369,12 @@ def fully_shard(
         module: Module to shard in place.
         mesh: 1-D device mesh; ``None`` builds one over the default process group.
         mp_policy: Dtypes of main weights and main grads; ``None`` means the defaults.
-        reshard_after_forward: Free the unsharded parameters after forward and gather again
-            for backward.
+        reshard_after_forward: ``True``: free the unsharded parameters after forward and
+            gather again for backward. ``False``: keep them, registered in the module, until
+            the end of the unit's backward (code between forward and backward sees plain
+            tensors, as inside forward). ``None`` (the default, as FSDP2's): ``False`` for the
+            root of the forward, whose backward starts at once, ``True`` for every other unit.
+            A forward without grad (``torch.no_grad()``, evaluation) always frees them.
 
     Returns:
         ``module``, now an :class:`FSDPModule`.
@@ -378,8 +393,8 @@ def fully_shard(
         mp_policy = MixedPrecisionPolicy()
     elif not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard expected mp_policy to be a MixedPrecisionPolicy or None, got {type(mp_policy)!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"fully_shard expected reshard_after_forward to be a bool, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"fully_shard expected reshard_after_forward to be a bool or None, got {reshard_after_forward!r}")
     mesh = resolve_mesh(mesh)
     device = mesh_device(mesh)
 
@@ -421,5 +436,6 @@ def fully_shard(
     # parameters: take their values over at once (the next forward would, too).
     module.register_load_state_dict_post_hook(lambda module, incompatible: state.adopt_replaced_parameters())
     module.register_state_dict_post_hook(_state_dict_aliases(module, groups, group_locations))
+    _release_kept_parameters_before_state_dicts(module, state)
     module.__class__ = _fsdp_class(type(module))
     return module
