@@ -48,7 +48,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         method_name: Name of the method to register.
 
     Raises:
-        TypeError: ``method_name`` is not a string, or names an attribute that is not callable.
+        TypeError: ``method_name`` is not a string, or names a submodule or an attribute that
+            is not callable.
         ValueError: ``module`` has no attribute ``method_name``.
     """
     if not isinstance(method_name, str):
@@ -61,6 +62,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not hasattr(module, method_name):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
     method = getattr(module, method_name)
+    if isinstance(method, nn.Module):
+        raise TypeError(
+            f"register_fsdp_forward_method: {type(module).__name__}.{method_name} is a submodule "
+            f"({type(method).__name__}), not a method; shard it with fully_shard to make it a unit of its own"
+        )
     if not callable(method):
         raise TypeError(
             f"register_fsdp_forward_method: {type(module).__name__}.{method_name} is a "
