@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .compile_boundary import outside_dynamo
+from .dcp_optimizer_state import track_grad_dtype_mismatch
 from .grad_scaler_hint import track_fp16_main_grads
 from .mixed_precision import MixedPrecisionPolicy
 from .parameter_group import ParameterGroup, parameter_group_of
@@ -418,6 +419,8 @@ def fully_shard(
         group.register()
         if group.grads_dtype == torch.float16:
             track_fp16_main_grads(group)
+        if group.grads_dtype != group.main_dtype:
+            track_grad_dtype_mismatch(group)
     for param, name in zip(params, names):
         _CONSUMED[param] = f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}"
     # Units are built bottom-up, each naming its parameters from itself; a parent prefixes its
