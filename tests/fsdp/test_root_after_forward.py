@@ -63,6 +63,8 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, ...], pattern: str) -> to
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     x, y = batch
     loss = pattern_fns.mse(model(x), y)
+    if pattern == "two_forwards":
+        loss = loss + pattern_fns.mse(model(0.5 * x), y)  # the root's forward twice, one backward
     if pattern == "head_penalty":
         loss = loss + 0.01 * model.head.weight.float().pow(2).sum()  # the root's weight, outside forward
     return loss
@@ -84,6 +86,14 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
             batch = (batch[0].to(dtype), *batch[1:])  # FSDP2 casts its forward inputs itself
         if pattern == "forward_without_backward":
             _loss(model, batch, pattern)  # a batch the script skips: its graph is dropped
+        if pattern == "accumulate":
+            # Gradient accumulation: a first microbatch (the whole batch, halved) reduced with
+            # the second's backward; the reference accumulates the same two backwards.
+            if impl != "reference":
+                model.set_requires_gradient_sync(False)
+            (0.5 * _loss(model, batch, pattern)).backward()
+            if impl != "reference":
+                model.set_requires_gradient_sync(True)
         loss = _loss(model, batch, pattern)
         if pattern == "state_dict_between" and impl != "reference":
             state = model.state_dict()
@@ -137,10 +147,13 @@ def test_root_weights_used_after_forward_bf16_equal_fsdp2(dist_pool, pattern: st
     dist_pool(2).run(bf16_on_ranks, pattern)
 
 
-@pytest.mark.parametrize("pattern", ("state_dict_between", "eval_between", "forward_without_backward"))
+@pytest.mark.parametrize(
+    "pattern", ("state_dict_between", "eval_between", "forward_without_backward", "two_forwards", "accumulate")
+)
 def test_patterns_around_the_kept_root_train_like_the_reference(dist_pool, pattern: str) -> None:
     """``state_dict()`` between forward and backward holds the sharded main weights; an eval
-    forward under ``no_grad`` after each step; a grad-enabled forward whose graph is dropped."""
+    forward under ``no_grad`` after each step; a grad-enabled forward whose graph is dropped;
+    two forwards of the root before one backward; a microbatch with gradient sync off."""
     dist_pool(2).run(fp32_on_ranks, pattern)
 
 
