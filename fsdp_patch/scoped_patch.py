@@ -40,6 +40,11 @@ class ScopedPatch:
     def installed(self) -> bool:
         return self._installed is not None
 
+    @property
+    def live(self) -> int:
+        """How many held objects are alive."""
+        return self._live
+
     def hold(self, obj: object) -> None:
         """Keeps the replacement installed for as long as ``obj`` lives."""
         with self._lock:

@@ -12,8 +12,7 @@ FSDP2's resumed run bitwise. fp32 on 4 ranks (uneven shards): like the unsharded
 from __future__ import annotations
 
 import gc
-from typing import Any
-
+import weakref
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -101,19 +100,25 @@ def test_fp32_resume_on_uneven_shards_trains_like_the_reference(dist_pool, tmp_p
     dist_pool(4).run(fp32_on_ranks, str(tmp_path))
 
 
-def torch_path_scope_on_ranks() -> dict[str, Any]:
-    """torch's ``_init_optim_state`` is wrapped exactly while a group whose grad dtype differs
-    from its main-weight dtype lives; optimizers over other parameters get torch's own."""
+def torch_path_scope_on_ranks() -> None:
+    """torch's ``_init_optim_state`` is wrapped while a group whose grad dtype differs from its
+    main-weight dtype lives; optimizers over other parameters get torch's own. (Whether it is
+    restored exactly after the last such group is ``ScopedPatch``'s, tested on its own: other
+    tests' groups may still be alive in this process.)"""
     from torch.distributed.checkpoint import state_dict as torch_state_dict
 
+    from fsdp_patch import dcp_optimizer_state, parameter_groups
+
     gc.collect()
-    original = torch_state_dict._init_optim_state
-    assert not hasattr(original, "__wrapped__"), f"wrapped before any bf16 group exists: {original!r}"
+    patch = dcp_optimizer_state._PATCH
+    held_before = patch.live
     fp32_model, _ = _make("ours", 0, None)
-    assert torch_state_dict._init_optim_state is original, "wrapped for fp32 groups, whose grads torch's path accepts"
+    assert patch.live == held_before, f"fp32 groups (grads torch's path accepts) hold the wrapper: {patch.live} live, {held_before} before"
     model, optimizer = _make("ours", 0, BF16)
+    groups = len(parameter_groups(model))
+    assert patch.live >= groups, f"{patch.live} groups hold the wrapper, want at least the model's {groups}"
     wrapped = torch_state_dict._init_optim_state
-    assert getattr(wrapped, "__wrapped__", None) is original, f"not wrapped while a bf16 group lives: {wrapped!r}"
+    assert hasattr(wrapped, "__wrapped__"), f"torch's _init_optim_state not wrapped while a bf16 group lives: {wrapped!r}"
     # An optimizer over plain parameters takes torch's path: its lr=0 step leaves step 1.
     plain = nn.Linear(3, 2)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -126,11 +131,14 @@ def torch_path_scope_on_ranks() -> dict[str, Any]:
     after = full_params(model)
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     assert not changed, f"initializing the optimizer state changed {changed}"
+    refs = [weakref.ref(group) for group in parameter_groups(model)]
     del model, optimizer, fp32_model
     gc.collect()
-    restored = torch_state_dict._init_optim_state
-    assert restored is original, f"after the last bf16 group was freed: {restored!r}, want torch's own"
-    return {}
+    alive = sum(ref() is not None for ref in refs)
+    assert alive == 0, f"{alive} of the model's groups outlived it"
+    if patch.live == 0:
+        restored = torch_state_dict._init_optim_state
+        assert not hasattr(restored, "__wrapped__"), f"after the last bf16 group was freed: {restored!r}, want torch's own"
 
 
 def test_torch_initialization_is_wrapped_only_while_needed(dist_pool) -> None:
