@@ -68,6 +68,8 @@ PATTERNS: dict[str, tuple[str, tuple[str | None, str | None], str]] = {
     "called_inside_forward": ("call", ("encode", "mix"), "forward"),
     # As root_method, and each step first calls encode under no_grad (an evaluation).
     "no_grad_method": ("call", ("encode", None), "encode"),
+    # As root_method, the loop calling torch.compile(model.encode) (aot_eager).
+    "compiled_root_method": ("call", ("encode", None), "compiled_encode"),
 }
 
 
@@ -102,7 +104,8 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
         from fsdp_patch.optimizer import fully_shard_optimizer
 
         fully_shard_optimizer(optimizer)
-    call = model.encode if entry == "encode" else model
+    torch._dynamo.reset()
+    call = {"encode": model.encode, "forward": model}.get(entry) or torch.compile(model.encode, backend="aot_eager")
     scalars: list[float] = []
     for x, y in pattern_fns.data():
         x, y = pattern_fns.rows(x, rank, world_size), pattern_fns.rows(y, rank, world_size)
