@@ -7,28 +7,53 @@ VENV_PYTHON := $(VENV)/bin/python
 # Re-installed when the package's metadata or the set-up changes (sources are installed editable).
 SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 
-.PHONY: setup demo test bench gpu-check
+# The oldest torch fsdp_patch supports. `make test` also runs TORCH_RANGE_TESTS on it, in the
+# environment .venv-torch$(OLDEST_TORCH) of its own: every test that runs torch (fully_shard, the
+# adapter, DCP, FSDP2 telemetry, the demo, the benchmarks and the GPU check), leaving out the
+# dashboards, the set-up script, and the installed-package test (it builds its own environment on
+# the pinned torch). `make test OLDEST_TORCH=` leaves that out (a machine with no package registry
+# to install it from); `make test-torch TORCH=X.Y.Z` runs the same tests on any other torch
+# release, in .venv-torchX.Y.Z.
+OLDEST_TORCH ?= 2.11.0
+TORCH_RANGE_TESTS := tests --ignore=tests/dashboards --ignore=tests/test_setup_script.py --ignore=tests/cli/test_installed_command.py
+
+.PHONY: setup demo test test-torch bench gpu-check
 
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
-	PYTHON=$(PYTHON) bash scripts/setup.sh
+	PYTHON=$(PYTHON) bash scripts/setup.sh --venv $(VENV)
+	touch $@
+
+.venv-torch%/.fsdp_patch-setup: pyproject.toml scripts/setup.sh
+	PYTHON=$(PYTHON) bash scripts/setup.sh --venv .venv-torch$* --torch $*
 	touch $@
 
 # Sets up, then runs the main job on its embedded default (2 ranks on CPU, no server needed).
 demo: setup
 	$(VENV)/bin/fsdp-patch demo
 
-# Sets up (with promtool, which the dashboard tests run), then runs the whole test suite.
+# Sets up (with promtool, which the dashboard tests run), then runs the whole test suite, then the
+# torch-range tests on the oldest supported torch.
 test: setup
 	bash dashboards/install_promtool.sh
 	$(VENV_PYTHON) -m pytest
+ifneq ($(OLDEST_TORCH),)
+	$(MAKE) --no-print-directory test-torch TORCH=$(OLDEST_TORCH)
+endif
+
+test-torch:
+	@[ -n "$(TORCH)" ] || { echo "make test-torch: say which torch release, e.g. make test-torch TORCH=2.15.0" >&2; exit 2; }
+	$(MAKE) --no-print-directory .venv-torch$(TORCH)/.fsdp_patch-setup
+	@echo "== the torch-range tests on torch $(TORCH) (.venv-torch$(TORCH))"
+	.venv-torch$(TORCH)/bin/python -m pytest $(TORCH_RANGE_TESTS)
 
 # The benchmark suite: every case's table of side-by-side ratios; JSON into benchmarks/results/.
 bench: setup
 	$(VENV_PYTHON) -m benchmarks
 
-# The prepared GPU check (CUDA tests, demo under torchrun on NCCL, GPU benchmarks); on a machine
-# without CUDA it runs what it can and says what it skipped.
+# The GPU check (CUDA tests, demo under torchrun on NCCL, GPU benchmarks); on a machine without
+# CUDA it runs what it can and says what it skipped. Its summary, logs and JSON go to GPU_CHECK_OUT.
+GPU_CHECK_OUT ?= benchmarks/results/gpu-check
 gpu-check: setup
-	PYTHON=$(VENV_PYTHON) bash scripts/gpu_check.sh
+	bash scripts/gpu_check.sh --python $(VENV_PYTHON) --out $(GPU_CHECK_OUT)

@@ -10,9 +10,14 @@ over.
 
 torch keeps no link from a sharded parameter back to its group: FSDP2 registers each module's
 ``FSDPState`` in ``torch.distributed._composable_state._module_state_mapping`` (what
-``_get_module_fsdp_state`` reads), and each state's ``_fsdp_param_groups`` list their
-``FSDPParam`` objects, whose ``sharded_param`` is what the optimizer holds. Those are private
-names of torch; a torch without them gives no groups (and the adapter then sees plain parameters).
+``_get_module_fsdp_state`` reads), and each state's parameter groups list their ``FSDPParam``
+objects, whose ``sharded_param`` is what the optimizer holds. Those are private names of torch,
+whose shape differs across the supported releases: ``fsdp_patch.torch_compat`` reads them (a
+torch without them gives no groups, and the adapter then sees plain parameters).
+
+Where torch's policy sets the compute dtype per parameter (``param_dtype_override_fn``), the
+parameters of one FSDP2 group that are cast to different dtypes form one :class:`FSDP2Group`
+each, so that every group here has a single compute dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .torch_compat import fsdp2_param_dtype, fsdp2_state_param_groups
 
 __all__ = ["FSDP2Group", "fsdp2_groups"]
 
@@ -66,7 +73,7 @@ def _fsdp2_params() -> dict[int, tuple[Any, Any]]:
         state = state_ref()
         if not isinstance(state, FSDPState):
             continue
-        for group in getattr(state, "_fsdp_param_groups", ()):
+        for group in fsdp2_state_param_groups(state):
             for fsdp_param in group.fsdp_params:
                 found[id(fsdp_param.sharded_param)] = (group, fsdp_param)
     return found
@@ -94,18 +101,17 @@ def fsdp2_groups(params: Iterable[torch.Tensor]) -> list[FSDP2Group]:
     managed = _fsdp2_params()
     if not managed:
         return []
-    groups: dict[int, FSDP2Group] = {}
+    groups: dict[tuple[int, torch.dtype | None], FSDP2Group] = {}
     for param in params:
         entry = managed.get(id(param))
         if entry is None:
             continue
-        group, _ = entry
-        found = groups.get(id(group))
+        group, fsdp_param = entry
+        dtype = fsdp2_param_dtype(group, fsdp_param)
+        compute_dtype = None if dtype in (None, param.dtype) else dtype
+        found = groups.get((id(group), compute_dtype))
         if found is None:
-            dtype = group.mp_policy.param_dtype
-            found = groups[id(group)] = FSDP2Group(
-                [], None if dtype in (None, param.dtype) else dtype, _process_group(group)
-            )
+            found = groups[(id(group), compute_dtype)] = FSDP2Group([], compute_dtype, _process_group(group))
         if not any(p is param for p in found.params):
             found.params.append(param)
     return list(groups.values())

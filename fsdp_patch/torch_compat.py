@@ -10,17 +10,34 @@ that its features allow.
   They are looked up at each call, so that a test (or a profiler) that wraps
   ``torch.distributed``'s attributes sees every collective fsdp_patch issues.
 - ``torch._foreach_clone`` is missing from some builds; a list of ``clone()`` is equivalent.
+- torch FSDP2's private state (read by ``fsdp_patch.fsdp2`` only): an ``FSDPState`` holds its
+  parameter groups as the list ``_fsdp_param_groups`` where torch supports a mesh per parameter
+  (2.12 on), before that as the single ``_fsdp_param_group`` (or ``None``). The mixed-precision
+  policy is kept per ``FSDPParam`` (``FSDPParam.mp_policy``, resolved for that parameter on
+  torches whose policy can override the dtype per parameter, 2.15 on); ``FSDPParamGroup.mp_policy``
+  is the older, per-group place and is gone on the newest torch. Where neither shape is found
+  (a torch newer than this module), FSDP2 parameters are treated as torch would without
+  fsdp_patch, and a warning says once what is missing rather than telemetry going quiet.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "foreach_clone"]
+__all__ = [
+    "all_gather_flat",
+    "foreach_clone",
+    "fsdp2_param_dtype",
+    "fsdp2_state_param_groups",
+    "reduce_scatter_flat",
+]
+
+_warned: set[str] = set()
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
@@ -41,3 +58,42 @@ def foreach_clone(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if clone is not None:
         return list(clone(list(tensors)))
     return [tensor.clone() for tensor in tensors]
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def fsdp2_state_param_groups(state: Any) -> list[Any]:
+    """The ``FSDPParamGroup`` objects of one torch FSDP2 ``FSDPState`` (none before its module is sharded)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    try:
+        group = state._fsdp_param_group
+    except AttributeError:
+        _warn_once(
+            "param_groups",
+            f"fsdp_patch: torch {torch.__version__}'s FSDP2 state has neither _fsdp_param_groups nor "
+            "_fsdp_param_group; fsdp_patch cannot find FSDP2's parameter groups, so FSDP2 parameters get "
+            "no FSDP2 telemetry (training is unaffected)",
+        )
+        return []
+    return [] if group is None else [group]
+
+
+def fsdp2_param_dtype(group: Any, fsdp_param: Any) -> torch.dtype | None:
+    """The ``MixedPrecisionPolicy.param_dtype`` FSDP2 applies to one parameter (``None``: no cast)."""
+    policy = getattr(fsdp_param, "mp_policy", None)
+    if policy is None:
+        policy = getattr(group, "mp_policy", None)
+    if policy is None:
+        _warn_once(
+            "mp_policy",
+            f"fsdp_patch: torch {torch.__version__}'s FSDP2 keeps no mp_policy on FSDPParam nor on "
+            "FSDPParamGroup; fsdp_patch takes FSDP2's parameters as computing in their own dtype",
+        )
+        return None
+    return policy.param_dtype

@@ -1,20 +1,48 @@
 #!/usr/bin/env bash
-# Downloads, into .whl/, the wheels the GPU machine's image lacks for scripts/gpu_check.sh: the
-# OpenTelemetry API, SDK and semantic conventions, at the versions this environment has (so the GPU
-# check runs what CI runs). Pure-Python wheels, about 200 KB; the device tool's `carry` takes .whl.
-# Run here, in the repository's root, before calling the device tool (see scripts/gpu_check.sh).
+# Downloads the OpenTelemetry wheels scripts/gpu_check.sh needs on a machine that has torch,
+# numpy, wrapt and pytest but no OpenTelemetry and no network: the API, the SDK, the semantic
+# conventions and the instrumentation base, at the versions this environment has (so that the GPU
+# check runs what the test suite runs here). They are pure-Python wheels, about 400 KB together.
+#
+#   scripts/gpu_wheels.sh --dest DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64] [--python PY]
+#
+# --python-version and --platform describe the machine the wheels are for (pip download's options
+# of the same names); --python is the interpreter whose installed versions are copied (python3 by
+# default). Afterwards: scripts/gpu_check.sh --wheels DIR --out RESULTS on that machine.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+
+usage() {
+    echo "usage: scripts/gpu_wheels.sh --dest DIR [--python-version X.Y] [--platform TAG] [--python PY]" >&2
+    exit 2
+}
+
+DEST=""
+PY_VERSION=3.12
+PLATFORM=manylinux_2_28_x86_64
 PY="${PYTHON:-python3}"
-DEST=.whl
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '.whl/' .gitignore || echo '/.whl/' >> .git/info/exclude
+while [ $# -gt 0 ]; do
+    [ $# -ge 2 ] || usage
+    case "$1" in
+        --dest) DEST="$2" ;;
+        --python-version) PY_VERSION="$2" ;;
+        --platform) PLATFORM="$2" ;;
+        --python) PY="$2" ;;
+        *) echo "gpu_wheels: unknown argument '$1'" >&2; usage ;;
+    esac
+    shift 2
+done
+[ -n "$DEST" ] || { echo "gpu_wheels: --dest DIR is required (where the wheels go)" >&2; usage; }
+[[ "$PY_VERSION" =~ ^[0-9]+\.[0-9]+$ ]] || { echo "gpu_wheels: --python-version wants X.Y (such as 3.12), got '$PY_VERSION'" >&2; exit 2; }
+
 specs=()
-for package in opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions; do
-    version=$("$PY" -c "import importlib.metadata as m; print(m.version('$package'))")
+for package in opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-instrumentation; do
+    if ! version=$("$PY" -c "import importlib.metadata as m; print(m.version('$package'))" 2>/dev/null); then
+        echo "gpu_wheels: $PY has no $package to copy the version of; run it with the project's environment (--python .venv/bin/python)" >&2
+        exit 1
+    fi
     specs+=("$package==$version")
 done
 mkdir -p "$DEST"
-# The device's python is 3.12 on x86-64 (library/device/KINDS.md); these wheels are pure Python.
-"$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$DEST" "${specs[@]}"
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
+    --platform "$PLATFORM" -d "$DEST" "${specs[@]}"
 ls -1 "$DEST"

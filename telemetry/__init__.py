@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from . import env
 from .env import telemetry_enabled
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ __all__ = [
     "OptimizerObserver",
     "PrecisionView",
     "observer_for",
+    "opentelemetry_missing",
     "shutdown",
     "telemetry_active",
     "telemetry_enabled",
@@ -68,8 +70,37 @@ def telemetry_active() -> bool:
     return telemetry_enabled() or _instrumented is not None
 
 
+# What telemetry imports of OpenTelemetry: the API it records through and the SDK of its defaults.
+_OPENTELEMETRY_MODULES = {"opentelemetry.trace": "opentelemetry-api", "opentelemetry.sdk.trace": "opentelemetry-sdk"}
+
+
+def opentelemetry_missing() -> str | None:
+    """Why telemetry cannot run in this interpreter (an OpenTelemetry package it needs is not installed), or ``None``."""
+    import importlib.util
+
+    missing = []
+    for module, package in _OPENTELEMETRY_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found:
+            missing.append(package)
+    if not missing:
+        return None
+    return f"OpenTelemetry is not installed ({' and '.join(missing)} missing; installing fsdp-patch with its dependencies brings them)"
+
+
 def observer_for(optimizer: torch.optim.Optimizer, precision_aware: bool, step_count: int = 0) -> OptimizerObserver:
-    """The observer of a newly adapted (or re-instrumented) optimizer, with the instrumentor's providers if any."""
+    """The observer of a newly adapted (or re-instrumented) optimizer, with the instrumentor's providers if any.
+
+    Raises:
+        ModuleNotFoundError: OpenTelemetry is not installed.
+    """
+    missing = opentelemetry_missing()
+    if missing is not None:
+        raise ModuleNotFoundError(f"fsdp_patch telemetry is on ({env.TELEMETRY}=1 or instrumented), but {missing}; "
+                                  f"set {env.TELEMETRY}=0 to train without it")  # fmt: skip
     from .observer import OptimizerObserver
 
     given = _instrumented or {}

@@ -62,6 +62,31 @@ def exporter_names(variable: str, default: str) -> list[str]:
     return names or [default]
 
 
+def trace_files_off_reason(world_size: int = 1) -> str | None:
+    """Why this job's ranks write no trace files, or ``None`` when they do (the precision report reads them).
+
+    Args:
+        world_size: Ranks of the job, to tell whether ``FSDP_PATCH_TRACE_RANKS`` leaves any traced.
+    """
+    if env.sdk_disabled():
+        return "OTEL_SDK_DISABLED=true turns telemetry off, so no trace files were written"
+    names = exporter_names(TRACES_EXPORTER, TRACE_FILE)
+    if TRACE_FILE not in names:
+        listed = os.environ.get(TRACES_EXPORTER, "").strip()
+        keep = ",".join([name for name in names if name != "none"] + [TRACE_FILE])
+        return (
+            f"{TRACES_EXPORTER}={listed} does not list {TRACE_FILE}, so no trace files were written; to keep them "
+            f"(and this report) beside any other exporter, set {TRACES_EXPORTER}={keep}"
+        )
+    try:
+        ranks = env.trace_ranks()
+    except ValueError:
+        return None  # reported when the optimizer was adapted
+    if ranks is not None and not ranks & set(range(world_size)):
+        return f"{env.TRACE_RANKS}={os.environ.get(env.TRACE_RANKS, '').strip()} traces none of ranks 0-{world_size - 1}"
+    return None
+
+
 def otlp_protocol(signal: str) -> str:
     """OTLP protocol for ``signal`` (``traces``/``metrics``): the per-signal variable, else the general one."""
     variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
@@ -125,7 +150,7 @@ def _trace_file_exporter(rank_info: RankInfo, resource: Resource) -> TraceFileEx
     directory, max_bytes = env.trace_dir(), _trace_max_bytes()
     if rank_info.rank == 0:
         # One line at start, so nobody is surprised by the files or left wondering how to use a collector.
-        cap = f"newest steps kept, at most {max_bytes >> 20} MiB per rank" if max_bytes else "no size cap"
+        cap = f"newest steps kept, at most {trace_limits.size_text(max_bytes)} per rank" if max_bytes else "no size cap"
         print(
             f"fsdp_patch telemetry: traces go to {os.path.join(directory, 'rank*.trace.json')} "
             f"({cap}: {trace_limits.TRACE_MAX_BYTES}); to send them to a collector instead, set "
@@ -226,7 +251,13 @@ def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | N
         return
     setup.readers.append(PrometheusMetricReader(registry=registry))
     setup.prometheus_servers.append(server)
-    setup.endpoints.append(f"Prometheus: http://{host}:{server.server_address[1]}/metrics")
+    url = f"http://{host}:{server.server_address[1]}/metrics"
+    setup.endpoints.append(f"Prometheus: {url}")
+    # Every rank serves its own endpoint: each names it when it starts, where the job's output is read.
+    # One write per line: ranks share the job's stderr, and print() writes the text and its newline
+    # separately, which lets another rank's line land between them.
+    sys.stderr.write(f"fsdp_patch telemetry: rank {rank_info.rank} serves Prometheus metrics at {url}\n")
+    sys.stderr.flush()
 
 
 def build_metric_readers(
@@ -240,6 +271,9 @@ def build_metric_readers(
         prometheus_registry: Registry for the Prometheus reader (tests); the global one by default.
     """
     setup = MetricSetup()
+    # Read (and a malformed value named) whichever readers are chosen: a bad interval is the
+    # user's mistake even where the summary alone, which has no interval, makes it moot.
+    reader_arguments = otel_env.metric_reader_arguments()
     for name in exporter_names(METRICS_EXPORTER, SUMMARY):
         exporter: MetricExporter | None = None
         if name == "none":
@@ -267,7 +301,7 @@ def build_metric_readers(
                 continue
         if exporter is not None:
             setup.readers.append(
-                PeriodicExportingMetricReader(GuardedMetricExporter(exporter), **otel_env.metric_reader_arguments())
+                PeriodicExportingMetricReader(GuardedMetricExporter(exporter), **reader_arguments)
             )
             setup.endpoints.append(f"{name} ({type(exporter).__name__})")
     return setup

@@ -78,7 +78,7 @@ class FSDPOptimizerInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """OpenTelemetry instrumentor of the optimizer boundary of fsdp_patch and torch FSDP2 (see the module)."""
 
     def instrumentation_dependencies(self) -> Collection[str]:
-        return ("torch >= 2.13",)
+        return ("torch >= 2.11",)
 
     def _instrument(self, **kwargs: Any) -> None:
         """Turn telemetry on; ``tracer_provider``/``meter_provider`` replace the global ones."""

@@ -60,6 +60,8 @@ REFRESH_UNDERFLOW = semconv.METRIC_REFRESH_UNDERFLOW
 REFRESH_ERROR = semconv.METRIC_REFRESH_ERROR
 LOST_RATIO = semconv.METRIC_LOST_RATIO
 GRAD_AMAX = semconv.METRIC_GRAD_AMAX
+PRECISION_STEPS = semconv.METRIC_PRECISION_STEPS
+NONFINITE_STEPS = semconv.METRIC_NONFINITE_STEPS
 
 RANK_ATTRIBUTE = semconv.ATTR_RANK
 
@@ -108,6 +110,14 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     InstrumentSpec(
         GRAD_AMAX, GAUGE, "1",
         "Largest absolute main-grad value over all ranks; float32's largest finite value when a grad is NaN or Inf.",
+    ),
+    InstrumentSpec(
+        PRECISION_STEPS, COUNTER, "{step}",
+        "Optimizer steps whose precision diagnostics were recorded (the same count on every rank).",
+    ),
+    InstrumentSpec(
+        NONFINITE_STEPS, COUNTER, "{step}",
+        "Diagnosed steps that found a NaN or Inf element in any tensor of any rank.",
     ),
 )  # fmt: skip
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -234,34 +235,58 @@ class WarnOnce:
         self._logger.warning(msg, *args)
 
 
-def run_bounded(fn: Callable[[], object], timeout_s: float, what: str, warn: WarnOnce) -> bool:
-    """Run ``fn`` on a helper thread and wait at most ``timeout_s`` for it.
+class BoundedCall:
+    """``fn`` running on a daemon helper thread, waited for by the caller only up to a deadline.
 
-    The SDK's ``force_flush`` exports synchronously on the calling thread with no time limit,
-    so a dead collector could otherwise hold ``destroy_process_group`` or interpreter exit
-    hostage for the exporter's full retry budget.
+    The SDK's ``force_flush`` and ``shutdown`` export synchronously on the calling thread with no
+    time limit, so a dead collector could otherwise hold ``destroy_process_group`` or interpreter
+    exit hostage for the exporter's full retry budget. Several calls started together run side
+    by side and are waited for against one deadline, so that waits do not add up: one exporter
+    stuck on an unreachable collector costs the deadline once and holds no other exporter back.
+
+    Args:
+        what: What the call does, for the warnings (``"span flush (OTLPSpanExporter)"``).
+        fn: The call.
+    """
+
+    def __init__(self, what: str, fn: Callable[[], object]) -> None:
+        self.what = what
+        self._outcome: list[BaseException | None] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"fsdp-telemetry-{what}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+            self._outcome.append(None)
+        except BaseException as exc:  # reported by report(), on the caller's thread
+            self._outcome.append(exc)
+
+    def wait(self, until: float) -> bool:
+        """Wait until ``until`` (a ``time.monotonic()`` value) at most; whether the call has finished."""
+        self._thread.join(max(0.0, until - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def report(self, timeout_s: float, warn: WarnOnce) -> bool:
+        """Warn (once per ``what``) if the call is still running or raised; whether it succeeded."""
+        if self._thread.is_alive():
+            warn(f"timeout:{self.what}", "fsdp_patch telemetry: %s did not finish within %.1fs; continuing without "
+                 "waiting (raise FSDP_PATCH_FLUSH_TIMEOUT to wait longer).", self.what, timeout_s)  # fmt: skip
+            return False
+        exc = self._outcome[0] if self._outcome else None
+        if exc is not None:
+            warn(f"error:{self.what}", "fsdp_patch telemetry: %s failed (%s: %s); continuing.",
+                 self.what, type(exc).__name__, exc)  # fmt: skip
+            return False
+        return True
+
+
+def run_bounded(fn: Callable[[], object], timeout_s: float, what: str, warn: WarnOnce) -> bool:
+    """Run ``fn`` on a helper thread and wait at most ``timeout_s`` for it (see :class:`BoundedCall`).
 
     Returns:
         Whether ``fn`` finished in time without raising.
     """
-    outcome: list[BaseException | None] = []
-
-    def target() -> None:
-        try:
-            fn()
-            outcome.append(None)
-        except BaseException as exc:  # reported below, on the caller's thread
-            outcome.append(exc)
-
-    thread = threading.Thread(target=target, name=f"fsdp-telemetry-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        warn(f"timeout:{what}", "fsdp_patch telemetry: %s did not finish within %.1fs; continuing without waiting "
-             "(raise FSDP_PATCH_FLUSH_TIMEOUT to wait longer).", what, timeout_s)  # fmt: skip
-        return False
-    if outcome and outcome[0] is not None:
-        exc = outcome[0]
-        warn(f"error:{what}", "fsdp_patch telemetry: %s failed (%s: %s); continuing.", what, type(exc).__name__, exc)
-        return False
-    return True
+    call = BoundedCall(what, fn)
+    call.wait(time.monotonic() + timeout_s)
+    return call.report(timeout_s, warn)

@@ -160,6 +160,8 @@ class OptimizerObserver:
             self._refresh_error = created[semconv.METRIC_REFRESH_ERROR]
             self._lost_ratio = created[semconv.METRIC_LOST_RATIO]
             self._grad_amax = created[semconv.METRIC_GRAD_AMAX]
+            self._precision_steps = created[semconv.METRIC_PRECISION_STEPS]
+            self._nonfinite_steps = created[semconv.METRIC_NONFINITE_STEPS]
             self._rank_attrs = {semconv.ATTR_RANK: self.rank}
             self._attr_cache: dict[tuple[Any, ...], dict[str, AttributeValue]] = {}
             self._nonfinite_attrs = {
@@ -374,6 +376,9 @@ class OptimizerObserver:
     def _record_precision(self, stats: precision.PrecisionStats) -> None:
         for key, count in stats.nonfinite.items():
             self._nonfinite.add(count, self._nonfinite_attrs[key])
+        # Every diagnosed step adds to both (0 for a clean step), so the series exist from step 1.
+        self._precision_steps.add(1, self._rank_attrs)
+        self._nonfinite_steps.add(1 if any(stats.nonfinite.values()) else 0, self._rank_attrs)
         self._overflow.add(stats.overflow, self._rank_attrs)
         self._underflow.add(stats.underflow, self._rank_attrs)
         for gauge, value in (

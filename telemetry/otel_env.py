@@ -3,7 +3,7 @@
 The SDK raises ``ValueError`` from its constructors for some malformed values
 (``OTEL_BSP_MAX_QUEUE_SIZE=-1``, ``OTEL_METRIC_EXPORT_INTERVAL=-1``, a negative span limit),
 which would escape from the first ``optimizer.step()``. These are not ours to reject: each
-variable is parsed here by the specification's rules, a malformed value is warned about once
+variable is parsed here by the specification's rules, a malformed value is warned about once per value
 (naming the variable, the value, the accepted values and the default used) and replaced by the
 SDK's default, and the SDK objects get the values as explicit arguments.
 """
@@ -53,7 +53,7 @@ def _number(variable: str, default: Any, zero_ok: bool, kind: Callable[[str], An
         if value < 0 or (value == 0 and not zero_ok) or value != value or value == float("inf"):
             raise ValueError(raw)
     except ValueError:
-        _warn(variable, "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry uses the default, %s.",
+        _warn(f"{variable}={raw!r}", "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry uses the default, %s.",
               variable, raw, accepted, default)  # fmt: skip
         return default
     return value
@@ -100,7 +100,27 @@ def span_limits() -> Any:
             if int(raw) < 0:
                 raise ValueError(raw)
         except ValueError:
-            _warn(variable, "%s=%r is not valid; accepted values: a non-negative integer. fsdp_patch telemetry uses "
+            _warn(f"{variable}={raw!r}", "%s=%r is not valid; accepted values: a non-negative integer. fsdp_patch telemetry uses "
                   "the default, %s.", variable, raw, "no limit" if default is None else default)  # fmt: skip
             args[argument] = SpanLimits.UNSET if default is None else default
     return SpanLimits(**args)
+
+
+def check_sdk_disabled() -> None:
+    """Warn once about an ``OTEL_SDK_DISABLED`` that is neither ``true`` nor ``false``.
+
+    The specification reads any other value as false and asks for a warning: a typo such as
+    ``maybe`` or ``yes`` must not leave telemetry on without a word.
+    """
+    raw = os.environ.get("OTEL_SDK_DISABLED", "").strip()
+    if raw.lower() not in ("", "true", "false"):
+        _warn(f"OTEL_SDK_DISABLED={raw!r}", "OTEL_SDK_DISABLED=%r is not valid; accepted values: true, false. It reads as false "
+              "(the OpenTelemetry specification's rule): fsdp_patch telemetry stays on.", raw)  # fmt: skip
+
+
+def check_service_name(used: object) -> None:
+    """Warn once when ``OTEL_SERVICE_NAME`` is set but blank: the service is then named ``used``, not what was meant."""
+    raw = os.environ.get("OTEL_SERVICE_NAME")
+    if raw is not None and not raw.strip():
+        _warn(f"OTEL_SERVICE_NAME={raw!r} -> {used!r}", "OTEL_SERVICE_NAME is set but empty; accepted values: a non-empty name. "
+              "fsdp_patch telemetry names the service %r instead.", used)  # fmt: skip

@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from . import semconv
+from . import semconv, trace_limits
 from . import precision_thresholds as thresholds
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
@@ -39,6 +39,10 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     (semconv.METRIC_GRAD_AMAX, "grad amax", "{:>9.3g}"),
 )
 DEFAULT_MAX_LINES = 10
+WHERE_TRACE_FILES_COME_FROM = (
+    "trace files are written by runs with telemetry on whose OTEL_TRACES_EXPORTER is unset or lists trace_file, "
+    "into FSDP_PATCH_TRACE_DIR (default fsdp_patch_traces)"
+)
 
 
 @dataclass
@@ -48,8 +52,10 @@ class RunTrace:
     Attributes:
         samples: Diagnostics by step number (the worst value over ranks and optimizers).
         failed_steps: Steps whose span ended with status ERROR, with the first description.
+        first_step: Lowest step number seen (above 1 when the files no longer hold the first steps).
         last_step: Highest step number seen.
         ranks: Ranks whose files were read.
+        rotated_ranks: Ranks whose files include an older, rotated segment (``rank{R}.1.trace.json``).
         world_size: World size from the files' resource, when present.
         service: Service name from the files' resource, when present.
         files: Files read.
@@ -57,8 +63,10 @@ class RunTrace:
 
     samples: dict[int, dict[str, float]] = field(default_factory=dict)
     failed_steps: dict[int, str] = field(default_factory=dict)
+    first_step: int = 0
     last_step: int = 0
     ranks: set[int] = field(default_factory=set)
+    rotated_ranks: set[int] = field(default_factory=set)
     world_size: int | None = None
     service: str | None = None
     files: list[str] = field(default_factory=list)
@@ -84,15 +92,20 @@ def read_run(directory: str) -> RunTrace:
     Raises:
         TraceFileError: Not a directory, no trace file in it, or a file that is not a Chrome trace.
     """
-    segments = rank_segments(directory)
+    try:
+        segments = rank_segments(directory)
+    except TraceFileError as exc:
+        raise TraceFileError(f"{exc}; {WHERE_TRACE_FILES_COME_FROM}") from None
     if not segments:
-        raise TraceFileError(f"{directory} holds no rank*.trace.json file (is it a trace directory of a run?)")
+        raise TraceFileError(f"{directory} holds no rank*.trace.json file; {WHERE_TRACE_FILES_COME_FROM}")
     run = RunTrace()
     step_of_span: dict[str, int] = {}
     precision: list[tuple[str | None, dict[str, float]]] = []
     for segment in segments:
         run.ranks.add(segment.rank)
         run.files.append(segment.path)
+        if segment.age:
+            run.rotated_ranks.add(segment.rank)
         for event in iter_events(segment.path):
             args = event.get("args") or {}
             if event.get("ph") == "M" and event.get("name") == "process_name":
@@ -102,6 +115,7 @@ def read_run(directory: str) -> RunTrace:
             elif event.get("ph") == "X" and event.get("name") == semconv.SPAN_STEP and isinstance(args.get(semconv.ATTR_STEP), int):
                 step = args[semconv.ATTR_STEP]
                 step_of_span[args.get(SPAN_ID, "")] = step
+                run.first_step = min(run.first_step, step) if run.first_step else step
                 run.last_step = max(run.last_step, step)
                 if args.get(STATUS) == "ERROR":
                     run.failed_steps.setdefault(step, str(args.get(STATUS_DESCRIPTION, "")))
@@ -172,7 +186,8 @@ def range_lines(run: RunTrace, max_lines: int = DEFAULT_MAX_LINES) -> list[Range
     """Split the diagnosed steps into at most ``max_lines`` contiguous ranges and judge each."""
     steps = sorted(run.samples)
     lines: list[RangeLine] = []
-    previous_last = 0
+    # The first range starts where the files do: steps before it are not in them (rotated away).
+    previous_last = min(run.first_step or 1, steps[0] if steps else 1) - 1
     chunks = _chunks(steps, max(1, min(max_lines, len(steps))))
     for index, chunk in enumerate(chunks):
         first = previous_last + 1
@@ -188,9 +203,32 @@ def range_lines(run: RunTrace, max_lines: int = DEFAULT_MAX_LINES) -> list[Range
     return lines
 
 
-def _format(value: float | None, fmt: str) -> str:
-    text = "-" if value is None else ("nan" if math.isnan(value) else fmt.format(value))
+def _format(key: str, value: float | None, fmt: str) -> str:
+    if value is None:
+        text = "-"
+    elif math.isnan(value):
+        text = "nan"
+    elif key == semconv.METRIC_GRAD_AMAX and value >= thresholds.GRAD_AMAX_NONFINITE_MARK:
+        text = "nan/inf"  # no finite largest |grad|: the value is the diagnostics' marker
+    else:
+        text = fmt.format(value)
     return text.rjust(len(fmt.format(0)))
+
+
+def _missing_steps(run: RunTrace, step_offset: int) -> str | None:
+    """A note saying which steps the files no longer hold, and how to keep them; ``None`` if none are missing."""
+    if run.first_step <= 1:
+        return None
+    first, before = 1 + step_offset, run.first_step - 1 + step_offset
+    missing = f"step {first}" if first == before else f"steps {first}-{before}"
+    if run.rotated_ranks:
+        return (
+            f"  note: {missing} are not in these files: they were rotated away to keep each rank's trace files under "
+            f"{trace_limits.TRACE_MAX_BYTES} (default 128M), so this report covers steps {run.first_step + step_offset}-"
+            f"{run.last_step + step_offset} only. To see a whole run: raise {trace_limits.TRACE_MAX_BYTES} (0: no cap), "
+            "or read the fsdp.precision.* metrics (Prometheus/OTLP), which cover every step."
+        )
+    return f"  note: {missing} are not in these files (they begin at step {run.first_step + step_offset})."
 
 
 def _ordered(findings: Iterable[Finding]) -> list[Finding]:
@@ -216,10 +254,15 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
     """
     ranks = ", ".join(str(r) for r in sorted(run.ranks))
     of = f" of {run.world_size}" if run.world_size else ""
+    last = run.last_step + step_offset
+    kept = f", steps {run.first_step + step_offset}-{last} in these files" if run.first_step > 1 else ""
     out = [
         f"precision report: {source} (rank{'s' if len(run.ranks) > 1 else ''} {ranks}{of}, "
-        f"{run.last_step} optimizer step{'s' if run.last_step != 1 else ''}, diagnostics on {len(run.samples)})"
+        f"{run.last_step} optimizer step{'s' if run.last_step != 1 else ''}{kept}, diagnostics on {len(run.samples)})"
     ]
+    missing = _missing_steps(run, step_offset)
+    if missing:
+        out.append(missing)
     if not lines:
         out.append(
             "  no precision diagnostics in these traces: they run on step 1 and every FSDP_PATCH_PRECISION_EVERY "
@@ -230,7 +273,7 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
     out.append(header + "  failed  verdict")
     for line in lines:
         steps = f"{line.first + step_offset}-{line.last + step_offset}"
-        cells = " ".join(_format(line.values.get(key), fmt) for key, _, fmt in COLUMNS)
+        cells = " ".join(_format(key, line.values.get(key), fmt) for key, _, fmt in COLUMNS)
         out.append(f"  {steps:<13}{cells}  {line.failed:>6}  {_verdict_text(line)}")
     out.append("  (each line: the largest value over the range's diagnosed steps; values are over all ranks)")
     findings: dict[str, Finding] = {}

@@ -30,6 +30,11 @@ ALERT_SEVERITY = {"critical": PROBLEM, "warning": WARNING}
 BF16_UNIT_ROUNDOFF = 2.0**-8
 # Largest finite float16: the dashboards' red line on gradient amax.
 FP16_MAX = 65504.0
+# What the diagnostics record as grad amax once a grad element is NaN or Inf: float32's largest
+# finite value (``precision.GRAD_AMAX_NONFINITE``; gauges take finite numbers only). It marks
+# "no finite largest value", never a measurement, so no check on the grad amax fires on it: the
+# NaN/Inf itself is the ``nonfinite`` check's finding.
+GRAD_AMAX_NONFINITE_MARK = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class Threshold:
         alert: The Prometheus alert in ``dashboards/prometheus/rules.yml`` with the same
             threshold and severity, if any.
         unless: Another check whose firing makes this one meaningless for the same sample.
+        marker: Values at or above this are a marker, not a measurement (the grad amax of a
+            step whose grads hold NaN/Inf): the check never fires on them.
     """
 
     check: str
@@ -58,9 +65,12 @@ class Threshold:
     at_most: float | None = None
     alert: str | None = None
     unless: str | None = None
+    marker: float | None = None
 
     def fires(self, value: float) -> bool:
         """Whether ``value`` crosses this threshold (NaN never does: it is counted as non-finite)."""
+        if self.marker is not None and value >= self.marker:
+            return False
         if self.above is not None:
             return value > self.above
         return self.at_most is not None and value <= self.at_most
@@ -90,7 +100,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
         finding="NaN/Inf in gradients or weights",
         advice=(
             f"the metric {semconv.METRIC_NONFINITE} by {semconv.ATTR_TENSOR} (dashboard panel 'Non-finite elements "
-            f"by tensor and kind') says where it began: {semconv.TENSOR_MAIN_GRAD} first means the backward produced "
+            f"per diagnosed step, by tensor and kind') says where it began: {semconv.TENSOR_MAIN_GRAD} first means the backward produced "
             f"it (overflowing fp16 grads, a bad batch, a NaN loss); {semconv.TENSOR_MAIN_WEIGHT} the optimizer wrote "
             f"it (eps, LR); {semconv.TENSOR_COMPUTE_WEIGHT} only the refresh overflowed. Open the first bad step in "
             f"the trace (tag {semconv.ATTR_STEP})."
@@ -102,6 +112,8 @@ THRESHOLDS: tuple[Threshold, ...] = (
         above=0.9,
         severity=WARNING,
         alert="FsdpLostUpdateRatioHigh",
+        # NaN weights change bits without a finite update, which reads as lost updates.
+        unless="nonfinite",
         finding="lost updates: learning rate too small for the compute dtype (bf16/fp16 weights stop moving)",
         advice=(
             "over 90% of the main-weight changes are below half a unit in the last place of the compute "
@@ -136,6 +148,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
         metric=instruments.GRAD_AMAX,
         above=FP16_MAX,
         severity=WARNING,
+        marker=GRAD_AMAX_NONFINITE_MARK,
         finding="gradients beyond fp16's range (65504)",
         advice=(
             "fp16 grads this large overflow to Inf; scale the loss down or keep grads in bf16/fp32. A jump of "
@@ -180,9 +193,10 @@ def worst(severities: list[str]) -> str:
 
 
 def _condition(threshold: Threshold) -> str:
-    if threshold.above is not None:
-        return f"> {threshold.above:g}"
-    return f"<= {threshold.at_most:g}"
+    condition = f"> {threshold.above:g}" if threshold.above is not None else f"<= {threshold.at_most:g}"
+    if threshold.marker is not None:
+        condition += f" (not {threshold.marker:.2g}, which marks NaN/Inf grads)"
+    return condition
 
 
 def markdown_table() -> str:

@@ -9,8 +9,9 @@ the caller's span, which comes from the context, not from the provider. With
 ``OTEL_SDK_DISABLED=true`` nothing is built and no-op providers are used.
 
 Providers built here are flushed before ``torch.distributed.destroy_process_group`` tears the
-default group down, and flushed, summarised and shut down at interpreter exit. Both waits are
-bounded by ``FSDP_PATCH_FLUSH_TIMEOUT``. Everything installed for that (the ``atexit`` hook, the
+default group down, and flushed, summarised and shut down at interpreter exit. Every exporter
+flushes on its own helper thread, side by side, and the two waits together are bounded by
+``FSDP_PATCH_FLUSH_TIMEOUT``: one budget for the end of a run, however many exporters are stuck. Everything installed for that (the ``atexit`` hook, the
 ``destroy_process_group`` wrapper, logging filters) is removed again by :func:`uninstall`, and
 the wrapper and filters by :func:`shutdown`.
 """
@@ -21,6 +22,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,7 +34,7 @@ from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
 from . import env, isolation, otel_env, semconv
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
-from .isolation import OwnBatchSpanProcessor, WarnOnce, run_bounded
+from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
 from .ranks import RankInfo, current_rank_info
 from .trace_files import TraceFileExporter
 
@@ -62,6 +64,23 @@ class _Embedded:
     meter_provider: SdkMeterProvider | None = None
     metric_setup: MetricSetup = field(default_factory=MetricSetup)
     trace_files: list[TraceFileExporter] = field(default_factory=list)
+    span_processors: list[_SpanProcessor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _SpanProcessor:
+    """One exporter's batch processor, flushed and shut down on its own (side by side with the others).
+
+    Attributes:
+        processor: The processor.
+        label: The exporter's class name, for warnings.
+        local: Whether it writes local files only (the trace files): waited for a little past
+            the flush budget, since its data is the run's own record and costs no network wait.
+    """
+
+    processor: OwnBatchSpanProcessor
+    label: str
+    local: bool
 
 
 _lock = threading.RLock()
@@ -88,13 +107,8 @@ def _meter_provider_unset(provider: metrics.MeterProvider) -> bool:
     return not isinstance(provider, SdkMeterProvider)  # pragma: no cover
 
 
-def build_resource(rank_info: RankInfo) -> Resource:
-    """Resource of our providers: the ``OTEL_*`` resource plus the rank identity.
-
-    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` are honoured; without a service
-    name the service is ``fsdp_patch`` instead of the SDK's ``unknown_service``.
-    """
-    detected = Resource.create()
+def rank_attributes(rank_info: RankInfo) -> dict[str, Any]:
+    """The resource attributes of the rank identity (design page): rank, world size, local rank, run id."""
     ours: dict[str, Any] = {
         semconv.RESOURCE_RANK: rank_info.rank,
         semconv.RESOURCE_WORLD_SIZE: rank_info.world_size,
@@ -102,14 +116,55 @@ def build_resource(rank_info: RankInfo) -> Resource:
     }
     if rank_info.run_id:
         ours[semconv.RESOURCE_RUN_ID] = rank_info.run_id
-    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+    return ours
+
+
+def add_rank_identity(provider: Any, rank_info: RankInfo) -> None:
+    """Add the rank identity to an SDK provider's resource, for the attributes it lacks.
+
+    The global providers of the application or of ``opentelemetry-instrument`` (whose SDK
+    configurator builds the resource from ``OTEL_*`` before any rank is known) would otherwise
+    export every span and series of this rank without ``fsdp.rank``/``fsdp.world_size``.
+    Attributes already there are kept. Uses the SDK providers' own resource update (what
+    they do after a fork); providers without one are left as they are.
+    """
+    if isinstance(provider, SdkTracerProvider):
+        current = provider.resource
+    elif isinstance(provider, SdkMeterProvider):
+        current = getattr(getattr(provider, "_sdk_config", None), "resource", None)
+    else:
+        return
+    update = getattr(provider, "_update_resource", None)
+    if current is None or update is None:
+        _warn("rank-identity", "fsdp_patch telemetry: cannot add %s to the resource of %s (this OpenTelemetry SDK "
+              "has no resource update); series are told apart by the %s metric attribute only.",
+              semconv.RESOURCE_RANK, type(provider).__name__, semconv.ATTR_RANK)  # fmt: skip
+        return
+    missing = {k: v for k, v in rank_attributes(rank_info).items() if k not in current.attributes}
+    if missing:
+        update(Resource(missing))
+
+
+def build_resource(rank_info: RankInfo) -> Resource:
+    """Resource of our providers: the ``OTEL_*`` resource plus the rank identity.
+
+    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` are honoured; without a service
+    name the service is ``fsdp_patch`` instead of the SDK's ``unknown_service``.
+    """
+    detected = Resource.create()
+    ours = rank_attributes(rank_info)
+    detected_name = str(detected.attributes.get(SERVICE_NAME, ""))
+    if detected_name.startswith("unknown_service") or not detected_name.strip():  # unset, or set blank
         ours[SERVICE_NAME] = DEFAULT_SERVICE_NAME
-    return detected.merge(Resource(ours))
+    resource = detected.merge(Resource(ours))
+    otel_env.check_service_name(resource.attributes.get(SERVICE_NAME))
+    return resource
 
 
 def _build() -> _Embedded:
     info = current_rank_info()
     state = _Embedded(info, os.getpid())
+    otel_env.check_sdk_disabled()
     if env.sdk_disabled():
         return state
     resource: Resource | None = None
@@ -120,7 +175,10 @@ def _build() -> _Embedded:
         batch_args = otel_env.batch_processor_arguments()
         for exporter in exporters:
             # Batch processing keeps exporting off the training thread; on_end only enqueues.
-            provider.add_span_processor(OwnBatchSpanProcessor(exporter, **batch_args))
+            processor = OwnBatchSpanProcessor(exporter, **batch_args)
+            provider.add_span_processor(processor)
+            local = any(exporter.inner is trace_file for trace_file in files)
+            state.span_processors.append(_SpanProcessor(processor, type(exporter.inner).__name__, local))
         state.tracer_provider, state.trace_files = provider, files
     if _meter_provider_unset(metrics.get_meter_provider()):
         resource = resource or build_resource(info)
@@ -152,6 +210,7 @@ def tracer_provider() -> trace.TracerProvider:
         # Only when disabled (or after shutdown): a proxy would silently start recording if
         # someone installed a provider later; the decision was made now.
         return trace.NoOpTracerProvider()
+    add_rank_identity(provider, current_rank_info())
     return provider
 
 
@@ -163,6 +222,7 @@ def meter_provider() -> metrics.MeterProvider:
     provider = metrics.get_meter_provider()
     if _meter_provider_unset(provider):
         return metrics.NoOpMeterProvider()
+    add_rank_identity(provider, current_rank_info())
     return provider
 
 
@@ -195,18 +255,74 @@ def _own(state: _Embedded | None) -> _Embedded | None:
     return state if state is not None and state.pid == os.getpid() else None
 
 
-def flush() -> None:
-    """Push out pending step timings, spans and metrics of the providers we built (bounded wait)."""
+# Local work (the trace files, the summary) may run this much past the flush budget when the
+# budget is spent (a flush before destroy_process_group that waited for a dead collector):
+# it needs no network, and losing it would lose the run's own record.
+LOCAL_GRACE_S = 0.5
+
+# The end of a run waits for exporters at most FSDP_PATCH_FLUSH_TIMEOUT in all: the flush before
+# destroy_process_group and the shutdown at exit share it. (steps observed, seconds waited) of
+# that flush; a step after it means training went on, and the budget starts afresh.
+_exit_waited: tuple[int, float] | None = None
+
+
+def _steps_observed() -> int:
+    return sum(getattr(observer, "step_count", 0) for observer in list(_observers))
+
+
+def _exit_budget_s() -> float:
+    """Seconds the end of the run may still wait for exporters."""
+    global _exit_waited
+    timeout = _timeout_s()
+    if _exit_waited is None:
+        return timeout
+    steps, waited = _exit_waited
+    if steps != _steps_observed():
+        _exit_waited = None
+        return timeout
+    return max(0.0, timeout - waited)
+
+
+def _spend_exit_budget(seconds: float) -> None:
+    global _exit_waited
+    earlier = _exit_waited[1] if _exit_waited is not None and _exit_waited[0] == _steps_observed() else 0.0
+    _exit_waited = (_steps_observed(), earlier + seconds)
+
+
+def _wait(calls: list[tuple[BoundedCall, bool]], started: float, budget_s: float) -> None:
+    """Wait for ``(call, local)`` pairs against one deadline (local ones up to the grace past it), then report."""
+    for call, local in calls:
+        call.wait(started + budget_s + (LOCAL_GRACE_S if local else 0.0))
+    for call, _ in calls:
+        call.report(budget_s, _warn)
+
+
+def flush(*, at_exit: bool = False) -> None:
+    """Push out pending step timings, spans and metrics of the providers we built.
+
+    Every exporter flushes side by side, and all together wait at most ``FSDP_PATCH_FLUSH_TIMEOUT``.
+
+    Args:
+        at_exit: The flush before ``destroy_process_group``: it spends the run's one exit budget,
+            which :func:`shutdown` then gets what is left of.
+    """
     _flush_observers()
     with _lock:
         state = None if _shut_down else _own(_embedded)
     if state is None:
         return
-    timeout = _timeout_s()
-    if state.tracer_provider is not None:
-        run_bounded(state.tracer_provider.force_flush, timeout, "span flush", _warn)
+    budget = _exit_budget_s() if at_exit else _timeout_s()
+    started = time.monotonic()
+    millis = int(budget * 1000)
+    calls = [
+        (BoundedCall(f"span flush ({p.label})", lambda p=p: p.processor.force_flush(millis)), p.local)
+        for p in state.span_processors
+    ]
     if state.meter_provider is not None:
-        run_bounded(state.meter_provider.force_flush, timeout, "metric flush", _warn)
+        calls.append((BoundedCall("metric flush", lambda: state.meter_provider.force_flush(millis)), False))
+    _wait(calls, started, budget)
+    if at_exit:
+        _spend_exit_budget(time.monotonic() - started)
 
 
 def _stop_servers(setup: MetricSetup) -> None:
@@ -220,7 +336,12 @@ def _stop_servers(setup: MetricSetup) -> None:
 
 def shutdown() -> None:
     """Flush and shut down the providers we built, print the summary, remove the wrapper and
-    logging filters. Idempotent; providers of the application are left to the application."""
+    logging filters. Idempotent; providers of the application are left to the application.
+
+    Waits at most what is left of the exit budget (``FSDP_PATCH_FLUSH_TIMEOUT``, shared with the
+    flush before ``destroy_process_group``), for every exporter side by side; the trace files
+    and the summary get :data:`LOCAL_GRACE_S` more should the budget be spent.
+    """
     global _shut_down
     with _lock:
         if _shut_down:
@@ -230,20 +351,38 @@ def shutdown() -> None:
     if state is None:
         return
     _flush_observers()
-    timeout = _timeout_s()
-    if state.tracer_provider is not None:
-        # Shutdown drains the batch queue and closes the trace files.
-        run_bounded(state.tracer_provider.shutdown, timeout, "span export at shutdown", _warn)
+    budget = _exit_budget_s()
+    started = time.monotonic()
+    millis = int(budget * 1000)
+    # Shutdown drains each batch queue; the trace files' also closes them and writes the Jaeger files.
+    spans = [
+        (BoundedCall(f"span export at shutdown ({p.label})", lambda p=p: p.processor.shutdown()), p.local)
+        for p in state.span_processors
+    ]
+    for call, local in spans:
+        if local:
+            call.wait(started + budget + LOCAL_GRACE_S)
+    calls = list(spans)
     summary = state.metric_setup.summary
     if summary is not None:
+        # After the trace files are closed, so that the footer names the Jaeger files too.
         written = [path for exporter in state.trace_files for path in exporter.written_paths()]
         if written:
             summary.footer.append("  traces: " + ", ".join(written))
             summary.footer.append("      open *.trace.json in https://ui.perfetto.dev; upload *.jaeger.json in the Jaeger UI")
         summary.footer.extend(f"  metrics also sent to {e}" for e in state.metric_setup.endpoints)
-        run_bounded(summary.emit, timeout, "metric summary", _warn)
+        emitted = BoundedCall("metric summary", summary.emit)
+        emitted.wait(started + budget + LOCAL_GRACE_S)
+        calls.append((emitted, True))
     if state.meter_provider is not None:
-        run_bounded(state.meter_provider.shutdown, timeout, "metric export at shutdown", _warn)
+        meter_provider = state.meter_provider
+        calls.append((BoundedCall("metric export at shutdown", lambda: meter_provider.shutdown(timeout_millis=millis)), False))
+    _wait(calls, started, budget)
+    if state.tracer_provider is not None and all(call.wait(0.0) for call, _ in spans):
+        # Its processors are shut down above (a stuck one is abandoned, and must not be waited
+        # for again): this only marks the provider itself shut down.
+        state.tracer_provider.shutdown()
+    _spend_exit_budget(time.monotonic() - started)
     _stop_servers(state.metric_setup)
     _unwrap_destroy_process_group()
     isolation.remove_log_filters()
@@ -262,7 +401,7 @@ def uninstall() -> None:
     The telemetry instrumentor's ``uninstrument()`` calls it; tests call it (as :func:`reset`)
     together with resetting OpenTelemetry's global providers.
     """
-    global _embedded, _shut_down, _exit_hook_registered
+    global _embedded, _shut_down, _exit_hook_registered, _exit_waited
     shutdown()
     with _lock:
         if _exit_hook_registered:
@@ -270,6 +409,7 @@ def uninstall() -> None:
             _exit_hook_registered = False
         _embedded = None
         _shut_down = False
+        _exit_waited = None
         _observers.clear()
 
 
@@ -306,7 +446,7 @@ def _wrap_destroy_process_group() -> None:
     def flush_first(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         group = args[0] if args else kwargs.get("group")
         if group is None or group is c10d.GroupMember.WORLD:
-            flush()
+            flush(at_exit=True)
         return wrapped(*args, **kwargs)
 
     wrapper = wrapt.FunctionWrapper(original, flush_first)

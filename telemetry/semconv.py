@@ -109,3 +109,10 @@ PRECISION_SPAN_ATTRIBUTES = (
     METRIC_REFRESH_OVERFLOW, METRIC_REFRESH_UNDERFLOW, METRIC_REFRESH_ERROR,
     METRIC_LOST_RATIO, METRIC_GRAD_AMAX, METRIC_NONFINITE,
 )  # fmt: skip
+
+# -- counts of diagnosed steps ------------------------------------------------------------------------
+# The precision counters above add each diagnosed step's count, so their totals are element-steps;
+# these count the diagnosed steps themselves, which per-step panels divide by and alert rules count.
+
+METRIC_PRECISION_STEPS = "fsdp.precision.steps"
+METRIC_NONFINITE_STEPS = "fsdp.precision.nonfinite.steps"

@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import StatusCode
 
-from . import trace_limits, trace_reading
+from . import env, trace_limits, trace_reading
 
 _logger = logging.getLogger(__name__)
 _encode = json.JSONEncoder(separators=(",", ":")).encode
@@ -71,13 +71,7 @@ class JsonDocumentFile:
         self._lock = threading.Lock()
 
     def _open(self) -> None:
-        directory = os.path.dirname(self.path) or "."
-        created = not os.path.isdir(directory)
-        os.makedirs(directory, exist_ok=True)
-        if created:
-            # Like .pytest_cache: a directory we created should not end up in a commit.
-            with open(os.path.join(directory, ".gitignore"), "w", encoding="utf-8") as ignore:
-                ignore.write("# created by fsdp_patch telemetry\n*\n")
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._file = open(self.path, "wb")  # noqa: SIM115 - kept open across appends
         self._file.write(self._prefix + self._leading)
         self._end_of_items = len(self._prefix) + len(self._leading)
@@ -217,6 +211,7 @@ class TraceFileExporter(SpanExporter):
         self.jaeger_path = trace_reading.jaeger_path(directory, rank) if jaeger_at_shutdown else None
         self._jaeger_written = False
         self._rotations = 0
+        self._unwritable = False
         service = str(resource_attributes.get("service.name", "fsdp_patch"))
         header = [
             {
@@ -252,6 +247,23 @@ class TraceFileExporter(SpanExporter):
             paths.append(self.jaeger_path)
         return paths
 
+    def _prepare_directory(self) -> None:
+        # Created here, before anything in it is touched, so that a path that cannot be a
+        # directory is reported as such rather than as the first file tried inside it.
+        if os.path.isdir(self.directory):
+            return
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            # Like .pytest_cache: a directory we created should not end up in a commit.
+            with open(os.path.join(self.directory, ".gitignore"), "w", encoding="utf-8") as ignore:
+                ignore.write("# created by fsdp_patch telemetry\n*\n")
+        except OSError as exc:
+            self._unwritable = True
+            raise OSError(
+                f"cannot create the trace directory {self.directory} ({exc.strerror or exc}); no trace files are "
+                f"written. Set {env.TRACE_DIR} to a directory that can be created"
+            ) from None
+
     def _remove_earlier_run(self) -> None:
         # Older segments and a Jaeger file of an earlier run in this directory would read as
         # this run's (the newest segment is truncated when opened anyway).
@@ -273,9 +285,10 @@ class TraceFileExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         events = [event for span in spans for event in chrome_events(span, self.rank)]
-        if not events or self.file.broken:
+        if not events or self.file.broken or self._unwritable:
             return SpanExportResult.SUCCESS
         if not self.file.written and not self._rotations:
+            self._prepare_directory()
             self._remove_earlier_run()
         if not self._segment_bytes:
             self.file.append(events)

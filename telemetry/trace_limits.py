@@ -61,3 +61,11 @@ def trace_max_bytes(environ: Mapping[str, str] | None = None) -> int:
 def chrome_segment_bytes(max_bytes: int) -> int:
     """Largest size of one Chrome segment under the cap ``max_bytes`` (0: unbounded)."""
     return int(max_bytes * CHROME_SHARE) // CHROME_SEGMENTS if max_bytes else 0
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for people, in the binary units the variable takes: ``64 KiB``, ``128 MiB``, ``1.5 GiB``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.4g} {unit}"
+    return f"{nbytes} bytes"

@@ -81,7 +81,7 @@ SCENARIOS: dict[str, Scenario] = {
     "nan": Scenario(torch.bfloat16, 3e-3, "nan", "one NaN in a gradient halfway: NaN/Inf in grads, then weights"),
     "fp16-overflow": Scenario(torch.float16, 3e-3, "overflow", "fp16 compute weights, a main weight past 65504: refresh overflow"),
 }
-EXPORTERS = ("file", "otlp", "console", "none")
+EXPORTERS = ("file", "otlp", "console", "none", "prometheus")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
 
@@ -202,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept, newest first (default 2)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--trace-dir", default=None, help=f"trace files (default $FSDP_PATCH_TRACE_DIR, else {DEFAULT_TRACE_DIR})")
-    parser.add_argument("--exporter", default=None, help="file (default), otlp, console or none; otlp/console keep the files too")
+    parser.add_argument("--exporter", default=None, help="file (default), otlp, console, none or prometheus (a pull endpoint per rank); all but none keep the files too")
     parser.add_argument("--precision-every", type=int, default=None, help="precision diagnostics every N steps (default 5)")
     parser.add_argument("--loss-log", default=None, help="write each step's loss and learning rate as JSON lines here")
     parser.add_argument("--progress", default="auto", help="auto (a bar on a terminal, lines otherwise), bar, lines or none")

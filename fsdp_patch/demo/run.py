@@ -17,19 +17,27 @@ _EXPORTER_ENV = {
     "otlp": ("otlp,trace_file", "otlp"),
     "console": ("console,trace_file", "console"),
     "none": ("none", "none"),
+    "prometheus": ("trace_file", "prometheus"),
 }
 
 
 def _set_environment(options: RunOptions) -> None:
     """Telemetry's variables for every rank (spawned ranks inherit them; torchrun's set their own)."""
     env = os.environ
+    from fsdp_patch import telemetry
+
+    missing = telemetry.opentelemetry_missing()
+    if missing is not None:
+        # The job trains the same without telemetry; a machine without OpenTelemetry still runs it.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"fsdp-patch demo: telemetry off: {missing}", flush=True)
+        env["FSDP_PATCH_TELEMETRY"] = "0"
     env.setdefault("FSDP_PATCH_TELEMETRY", "1")
     env["FSDP_PATCH_TRACE_DIR"] = options.trace_dir
     if options.precision_every is not None:
         env["FSDP_PATCH_PRECISION_EVERY"] = str(options.precision_every)
     else:
         env.setdefault("FSDP_PATCH_PRECISION_EVERY", str(DEFAULT_PRECISION_EVERY))
-    env.setdefault("OTEL_SERVICE_NAME", "fsdp_patch_demo")
     # The precision report replaces the raw metric summary; FSDP_PATCH_SUMMARY=rank0 brings it back.
     env.setdefault("FSDP_PATCH_SUMMARY", "none")
     if options.exporter is not None:

@@ -139,9 +139,18 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
         return
     steps = options.steps - start_step
     print(f"done: {steps} step{'s' if steps != 1 else ''} in {elapsed:.1f} s", flush=True)
+    if not telemetry.telemetry_active():
+        print("no precision report: telemetry is off", flush=True)
+        return
+    from fsdp_patch.telemetry.exporters import trace_files_off_reason
     from fsdp_patch.telemetry.precision_report import report
     from fsdp_patch.telemetry.trace_reading import TraceFileError
 
+    # Checked first: trace files of an earlier run in the directory must not be reported as this run's.
+    reason = trace_files_off_reason(dist.get_world_size())
+    if reason is not None:
+        print(f"no precision report: {reason} (the report reads {options.trace_dir}).", flush=True)
+        return
     try:
         text = report(options.trace_dir, options.report_lines, step_offset=start_step)
     except TraceFileError as exc:

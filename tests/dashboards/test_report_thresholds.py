@@ -16,9 +16,10 @@ import pytest
 from fsdp_patch.telemetry import precision_thresholds as thresholds
 from tests.dashboards.dashboards_support import DASHBOARDS, load_yaml
 
-# `<aggregation> (<metric>{...}) > <number>` as the rules write them; the Prometheus name of an
-# instrument is its name with dots as underscores plus `_total` for counters.
-_EXPR = re.compile(r"\((?P<metric>fsdp_[a-z_]+)(?:\{[^}]*\})?\)\s*(?P<op>>|<=|<)\s*(?P<value>[0-9.eE+-]+)\s*$")
+# `<aggregation> (<metric>{...}) > <number>` as the rules write them, on a line of its own (the
+# first such line is the alert's condition; a rule may go on to count diagnosed steps); the
+# Prometheus name of an instrument is its name with dots as underscores plus `_total` for counters.
+_EXPR = re.compile(r"\((?P<metric>fsdp_[a-z_]+)(?:\{[^}]*\})?\)\s*(?P<op>>|<=|<)\s*(?P<value>[0-9.eE+-]+)\s*$", re.M)
 
 
 def _alerts() -> dict[str, dict]:

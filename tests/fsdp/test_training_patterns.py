@@ -7,6 +7,8 @@ unsharded; fp32, SGD with momentum. Tolerance: fp32 sums over differently split 
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any
 
 import pytest
@@ -16,6 +18,41 @@ from tests.fsdp import pattern_fns
 
 WORLD_SIZE = 2
 TOL = 1e-5
+
+# Patterns whose root returns a dataclass (pattern_fns' nets with output="dataclass").
+DATACLASS_OUTPUT_PATTERNS = ("output_dataclass", "multi_backward")
+
+
+def _fsdp2_sees_dataclass_outputs() -> bool:
+    """Whether torch's FSDP2 finds the tensors inside a dataclass a module returns.
+
+    FSDP2 registers its pre-backward hooks (which re-gather resharded parameters) on the output's
+    tensors. Where it finds them with ``collect_grad_tensors`` (torch 2.12 on), it looks inside
+    dataclasses; before, it flattened the output with pytree, which keeps an unregistered dataclass
+    whole, so no hook is registered and backward meets freed parameters.
+    """
+    try:
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# What FSDP2's backward raises when it meets a parameter it resharded without a hook to re-gather it.
+_FSDP2_FREED_PARAMETER = re.compile(r"RuntimeError: setStorage: .* out of bounds for storage of size 0")
+
+
+def fsdp2_limitation(pattern: str, results: dict[str, Any]) -> str | None:
+    """Why torch's FSDP2 (the control) cannot train ``pattern`` on this torch, or ``None`` where it can.
+
+    Only a limitation this torch is known to have counts: FSDP2 failing otherwise fails the test.
+    """
+    error = results["fsdp2"].get("error")
+    if error is None or pattern not in DATACLASS_OUTPUT_PATTERNS or _fsdp2_sees_dataclass_outputs():
+        return None
+    assert _FSDP2_FREED_PARAMETER.search(error), f"FSDP2 failed {pattern} otherwise than its known limitation: {error}"
+    return (f"torch {torch.__version__}'s FSDP2 does not look inside dataclass outputs for its pre-backward hooks, "
+            f"so {pattern} fails under it ({error})")  # fmt: skip
 
 
 def max_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -35,6 +72,11 @@ def assert_trains_like_reference(
     ``pattern`` like the unsharded reference; returns rank 0's results."""
     per_rank = run_once(WORLD_SIZE, pattern_fns.pattern_run, pattern, reshard_after_forward)
     results = per_rank[0]["results"]
+    limitation = fsdp2_limitation(pattern, results)
+    if limitation is not None:
+        # Said, and the check goes on against the unsharded reference alone.
+        warnings.warn(f"FSDP2 control left out: {limitation}; fully_shard is checked against the unsharded model", stacklevel=2)
+        fsdp2_fails = True
     impls = ("ours",) if fsdp2_fails else ("fsdp2", "ours")  # the control first: if it fails, the test is wrong
     if fsdp2_fails:
         assert "error" in results["fsdp2"], f"FSDP2 trained {pattern}; this test's premise changed"
@@ -138,6 +180,19 @@ def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, patter
     casts, same reduce dtype), for checkpointing, two optimizers over one group (bf16 main grads),
     two backwards and sync-off accumulation (fp32 main grads; FSDP2 ``reduce_dtype=fp32``)."""
     results = run_once(WORLD_SIZE, pattern_fns.mixed_run, pattern)[0]
+    limitation = fsdp2_limitation(pattern, results)
+    if limitation is not None:
+        # Without the control the claim (bitwise FSDP2's training) cannot be checked on this torch:
+        # the attachments and compute-copy lifetimes must still train bitwise alike.
+        want = results["ours"]
+        for impl in ("ours_per_gather", "ours_telemetry"):
+            got = results[impl]
+            assert got["losses"] == want["losses"], f"{pattern}/{impl}: losses {got['losses']}, hooks/persistent {want['losses']}"
+            differ = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
+            assert not differ, f"{pattern}/{impl}: final weights differ from hooks/persistent in {differ}"
+        pytest.skip(f"FSDP2 control unavailable: {limitation}; the fp32 pattern tests check fully_shard "
+                    "against the unsharded model")  # fmt: skip
+    assert "error" not in results["fsdp2"], f"{pattern} under FSDP2 raised: {results['fsdp2']['error']}"
     want = results["fsdp2"]
     for impl in ("ours", "ours_per_gather", "ours_telemetry"):
         got = results[impl]

@@ -3,20 +3,24 @@
 A 2-rank training script that never calls ``fully_shard_optimizer`` nor sets
 ``FSDP_PATCH_TELEMETRY`` runs under ``opentelemetry-instrument`` with the console span exporter;
 its step spans must appear, from both ranks. The entry point is found the way the command finds
-it, through the ``opentelemetry_instrumentor`` entry points of installed distributions: those of
-this checkout after ``make test``'s ``pip install -e .[dev]``; where the installed
-``fsdp-patch`` is another checkout (or none), a throwaway virtual environment that sees the
-system's packages gets this checkout installed in editable mode first.
+it, through the ``opentelemetry_instrumentor`` entry points of installed distributions.
+
+Which installation: the one the job itself sees, asked of the interpreter run outside the checkout
+(inside it, the ``fsdp_patch.egg-info`` that an editable install leaves in the source tree would be
+found first, and it records no install location). That is this checkout's after ``make test``'s
+editable install; where it is another checkout's (or none), this checkout is installed for the
+job alone, into a folder put first on its path, by the interpreter's own pip (never by the base
+interpreter, whose packages, such as ``wheel``, the test must not depend on).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -54,39 +58,72 @@ if __name__ == "__main__":
 """
 
 
-def _installed_here() -> bool:
-    try:
-        dist = metadata.distribution("fsdp-patch")
-    except metadata.PackageNotFoundError:
-        return False
-    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+_FIND_INSTALLATION = """
+import json
+from importlib import metadata
+try:
+    dist = metadata.distribution("fsdp-patch")
+except metadata.PackageNotFoundError:
+    print("{}")
+else:
     names = [ep.name for ep in dist.entry_points if ep.group == "opentelemetry_instrumentor"]
-    return url == REPO.as_uri() and names == ["fsdp_patch"]
+    print(json.dumps({"direct_url": json.loads(dist.read_text("direct_url.json") or "{}"), "entry_points": names}))
+"""
+
+
+def installation_seen_by_jobs(python: str, cwd: Path, env: dict[str, str]) -> dict:
+    """What ``importlib.metadata`` finds for ``fsdp-patch`` in a job run by ``python`` from ``cwd``."""
+    found = subprocess.run(
+        [python, "-c", _FIND_INSTALLATION], cwd=cwd, env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    return json.loads(found.stdout)
+
+
+def _job_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
 
 
 @pytest.fixture(scope="module")
-def python_with_this_checkout(tmp_path_factory: pytest.TempPathFactory) -> str:
-    if _installed_here():
-        return sys.executable
-    venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
+def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """PYTHONPATH for the job: empty where this checkout is the installation it sees."""
+    outside = tmp_path_factory.mktemp("outside")
+    seen = installation_seen_by_jobs(sys.executable, outside, _job_env())
+    direct_url = seen.get("direct_url", {})
+    if direct_url.get("url") == REPO.as_uri() and seen.get("entry_points") == ["fsdp_patch"]:
+        return ""
+    target, source = tmp_path_factory.mktemp("installed"), tmp_path_factory.mktemp("source")
+    # Built from a copy of what `pip install .` reads, so that the build leaves nothing in the checkout.
+    for name in ("pyproject.toml", "README.md", "fsdp_patch", "telemetry"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, source / name)
     install = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert install.returncode == 0, f"pip install -e {REPO} failed:\n{install.stderr}"
-    return python
+    assert install.returncode == 0, f"the job sees {seen or 'no fsdp-patch'}, and pip install {REPO} failed:\n{install.stderr}"
+    env = {**_job_env(), "PYTHONPATH": str(target)}
+    seen = installation_seen_by_jobs(sys.executable, outside, env)
+    assert seen.get("entry_points") == ["fsdp_patch"], f"installed into {target}, the job sees {seen}"
+    return str(target)
 
 
-def test_opentelemetry_instrument_traces_a_two_rank_job(python_with_this_checkout, tmp_path):
-    python = python_with_this_checkout
+@pytest.fixture(scope="module")
+def instrumented_job(job_python_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The 2-rank job run once under ``opentelemetry-instrument``: its stderr, the spans and the
+    metrics (console exporters) of each rank."""
+    python = sys.executable
+    tmp_path = tmp_path_factory.mktemp("instrumented")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
+    env = _job_env()
+    if job_python_path:
+        env["PYTHONPATH"] = job_python_path
     env.update(
         OTEL_TRACES_EXPORTER="console",
-        OTEL_METRICS_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="console",  # exported once, at exit
+        OTEL_METRIC_EXPORT_INTERVAL="600000",
         OTEL_LOGS_EXPORTER="none",
         OTEL_SERVICE_NAME="instrumented-job",
         FSDP_PATCH_PRECISION_EVERY="0",
@@ -99,15 +136,36 @@ def test_opentelemetry_instrument_traces_a_two_rank_job(python_with_this_checkou
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-4000:]}"
-    spans = [s for rank in range(WORLD) for s in _console_spans((tmp_path / f"rank{rank}.out").read_text())]
+    outputs = {rank: (tmp_path / f"rank{rank}.out").read_text() for rank in range(WORLD)}
+    return {
+        "stderr": result.stderr,
+        "spans": {rank: _console_spans(text) for rank, text in outputs.items()},
+        "metrics": {rank: _console_metrics(text) for rank, text in outputs.items()},
+        "trace_dir": tmp_path / "traces",
+    }
+
+
+def test_opentelemetry_instrument_traces_a_two_rank_job(instrumented_job):
+    spans = [s for rank in range(WORLD) for s in instrumented_job["spans"][rank]]
     steps = [s for s in spans if s["name"] == semconv.SPAN_STEP]
     got = sorted((s["attributes"][semconv.ATTR_RANK], s["attributes"][semconv.ATTR_STEP]) for s in steps)
     want = sorted((rank, step) for rank in range(WORLD) for step in range(1, STEPS + 1))
-    assert got == want, f"want step spans (rank, step) {want}, got {got}; stderr:\n{result.stderr[-2000:]}"
+    assert got == want, f"want step spans (rank, step) {want}, got {got}; stderr:\n{instrumented_job['stderr'][-2000:]}"
     assert {s["resource"]["attributes"]["service.name"] for s in steps} == {"instrumented-job"}
     assert {s["attributes"][semconv.ATTR_GROUPS_COUNT] for s in steps} == {3}  # two blocks and the root
     # the SDK the distro configured is used: nothing of the embedded default was written
-    assert not (tmp_path / "traces").exists()
+    assert not instrumented_job["trace_dir"].exists()
+
+
+def test_every_span_and_series_carries_the_rank_identity_under_opentelemetry_instrument(instrumented_job):
+    for rank in range(WORLD):
+        want = {semconv.RESOURCE_RANK: rank, semconv.RESOURCE_WORLD_SIZE: WORLD}
+        resources = [s["resource"]["attributes"] for s in instrumented_job["spans"][rank]]
+        resources += [rm["resource"]["attributes"] for doc in instrumented_job["metrics"][rank] for rm in doc["resource_metrics"]]
+        assert instrumented_job["metrics"][rank], f"rank {rank} exported no metrics"
+        wrong = [r for r in resources if {k: r.get(k) for k in want} != want]
+        assert not wrong, f"rank {rank}: {len(wrong)} of {len(resources)} resources lack {want}, e.g. {wrong[0]}"
+        assert {r["service.name"] for r in resources} == {"instrumented-job"}, "the configured service name was replaced"
 
 
 def _console_spans(stdout: str) -> list[dict]:
@@ -123,3 +181,18 @@ def _console_spans(stdout: str) -> list[dict]:
         if isinstance(document, dict) and "name" in document and "context" in document:
             spans.append(document)
     return spans
+
+
+def _console_metrics(stdout: str) -> list[dict]:
+    """The JSON documents ConsoleMetricExporter prints, one per export."""
+    decoder = json.JSONDecoder()
+    documents, index = [], 0
+    while (start := stdout.find("{", index)) != -1:
+        try:
+            document, index = decoder.raw_decode(stdout, start)
+        except json.JSONDecodeError:
+            index = start + 1
+            continue
+        if isinstance(document, dict) and "resource_metrics" in document:
+            documents.append(document)
+    return documents

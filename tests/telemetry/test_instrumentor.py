@@ -60,12 +60,15 @@ def spans_named(exporter: InMemorySpanExporter, name: str) -> list[Any]:
 
 
 def test_entry_point_and_instrumentor_conventions():
-    entry_points = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    target = entry_points["opentelemetry_instrumentor"]["fsdp_patch"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["opentelemetry_instrumentor"]["fsdp_patch"]
     module_name, class_name = target.split(":")
     loaded = getattr(importlib.import_module(module_name), class_name)
     assert loaded is FSDPOptimizerInstrumentor and issubclass(loaded, BaseInstrumentor)
-    assert list(loaded().instrumentation_dependencies()) == ["torch >= 2.13"]
+    # opentelemetry-instrument instruments nothing where this is not met: the package's own range.
+    want = [d for d in project["dependencies"] if d.startswith("torch")]
+    got = [d.replace(" ", "") for d in loaded().instrumentation_dependencies()]
+    assert got == want == ["torch>=2.11"], f"instrumentation_dependencies {got}, package's torch requirement {want}"
     assert FSDPOptimizerInstrumentor is telemetry.FSDPOptimizerInstrumentor
 
 
