@@ -46,12 +46,19 @@ class ScopedPatch:
         return self._live
 
     def hold(self, obj: object) -> None:
-        """Keeps the replacement installed for as long as ``obj`` lives."""
+        """Keeps the replacement installed for as long as ``obj`` lives.
+
+        If installing raises, or ``obj`` cannot be weakly referenced, nothing is held and the
+        attribute is as it was."""
         with self._lock:
-            self._live += 1
-            if self._live == 1:
+            if self._live == 0:
                 self._install()
-        weakref.finalize(obj, self._release)
+            self._live += 1
+        try:
+            weakref.finalize(obj, self._release)
+        except BaseException:
+            self._release()
+            raise
 
     def _release(self) -> None:
         with self._lock:
