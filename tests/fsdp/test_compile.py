@@ -107,9 +107,12 @@ def test_inductor_training_equals_the_uncompiled_reference(dist_pool, scope: str
     dist_pool(2).run(fp32_on_ranks, scope, "inductor")
 
 
-@pytest.mark.parametrize("backend", ("aot_eager", pytest.param("inductor", marks=pytest.mark.slow)))
-def test_compiled_bf16_equals_fsdp2(dist_pool, backend: str) -> None:
-    dist_pool(2).run(bf16_on_ranks, "model", backend)
+@pytest.mark.parametrize(
+    ("scope", "backend"),
+    (("model", "aot_eager"), ("blocks", "aot_eager"), pytest.param("model", "inductor", marks=pytest.mark.slow)),
+)
+def test_compiled_bf16_equals_fsdp2(dist_pool, scope: str, backend: str) -> None:
+    dist_pool(2).run(bf16_on_ranks, scope, backend)
 
 
 @pytest.mark.parametrize(

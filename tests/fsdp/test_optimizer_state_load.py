@@ -6,7 +6,7 @@ torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` (nothing called 
 ``set_model_state_dict`` / ``set_optimizer_state_dict``, and train the remaining steps. With bf16
 compute (main grads bf16, main weights fp32) torch's own initialization cannot assign its fp32 zero
 grads to the sharded parameters; the resumed run must still equal the uninterrupted one and
-FSDP2's resumed run bitwise. fp32 on 4 ranks (uneven shards): like the unsharded model to 1e-5.
+FSDP2's resumed run bitwise, with either compute-copy lifetime. fp32 on 4 ranks (uneven shards): like the unsharded model to 1e-5.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ TOL = 1e-5
 BF16 = torch.bfloat16
 
 
-def _make(impl: str, seed: int, dtype: torch.dtype | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _make(impl: str, seed: int, dtype: torch.dtype | None,
+          compute_copy: str = "persistent") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = pattern_fns.shard(pattern_fns.Net(), impl, reshard_after_forward=None, dtype=dtype)  # type: ignore[arg-type]
+    model = pattern_fns.shard(pattern_fns.Net(), impl, reshard_after_forward=None, dtype=dtype,  # type: ignore[arg-type]
+                              compute_copy=compute_copy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if impl == "ours":
         from fsdp_patch.optimizer import fully_shard_optimizer
@@ -59,16 +61,16 @@ def _train(impl: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps:
     return losses
 
 
-def save_and_resume(impl: str, path: str, dtype: torch.dtype | None) -> tuple[Run, Run]:
+def save_and_resume(impl: str, path: str, dtype: torch.dtype | None, compute_copy: str = "persistent") -> tuple[Run, Run]:
     """(uninterrupted, resumed): the last TOTAL - SAVE_AT steps of each."""
-    model, optimizer = _make(impl, 0, dtype)
+    model, optimizer = _make(impl, 0, dtype, compute_copy)
     _train(impl, model, optimizer, range(SAVE_AT), dtype)
     if impl != "reference":
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
     uninterrupted = Run(_train(impl, model, optimizer, range(SAVE_AT, TOTAL), dtype), full_params(model))
     if impl == "reference":
         return uninterrupted, uninterrupted
-    model, optimizer = _make(impl, 123, dtype)  # other weights, no optimizer state
+    model, optimizer = _make(impl, 123, dtype, compute_copy)  # other weights, no optimizer state
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
@@ -80,9 +82,12 @@ def save_and_resume(impl: str, path: str, dtype: torch.dtype | None) -> tuple[Ru
 def bf16_on_ranks(path: str) -> None:
     fsdp2_uninterrupted, fsdp2_resumed = save_and_resume("fsdp2", f"{path}/fsdp2", BF16)
     assert_same_training(fsdp2_resumed, fsdp2_uninterrupted, 0.0, "FSDP2 resumed against uninterrupted")
-    uninterrupted, resumed = save_and_resume("ours", f"{path}/ours", BF16)
-    assert_same_training(uninterrupted, fsdp2_uninterrupted, 0.0, "fully_shard uninterrupted against FSDP2")
-    assert_same_training(resumed, uninterrupted, 0.0, "fully_shard resumed against uninterrupted")
+    for compute_copy in ("persistent", "per_gather"):
+        uninterrupted, resumed = save_and_resume("ours", f"{path}/ours_{compute_copy}", BF16, compute_copy)
+        assert_same_training(uninterrupted, fsdp2_uninterrupted, 0.0, f"fully_shard ({compute_copy}) uninterrupted against FSDP2")
+        assert_same_training(resumed, uninterrupted, 0.0, f"fully_shard ({compute_copy}) resumed against uninterrupted")
+        # The loaded weights reach the compute copy of either lifetime: resumed equals FSDP2's resumed run.
+        assert_same_training(resumed, fsdp2_resumed, 0.0, f"fully_shard ({compute_copy}) resumed against FSDP2 resumed")
 
 
 def fp32_on_ranks(path: str) -> None:

@@ -80,6 +80,16 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
 
         fully_shard_optimizer(optimizer)
     losses = []
+    if pattern in ("eval_first", "inference_mode_first"):
+        # Validation before training starts: the first forwards of the model are without grad.
+        first = pattern_fns.rows(_batches(pattern)[0][0], rank, world_size)
+        if impl == "ours" and dtype is not None:
+            first = first.to(dtype)
+        model.eval()
+        with torch.no_grad() if pattern == "eval_first" else torch.inference_mode():
+            for _ in range(2):
+                losses.append(model(first).float().mean().item())
+        model.train()
     for batch in _batches(pattern):
         batch = tuple(pattern_fns.rows(t, rank, world_size) for t in batch)
         if impl == "ours" and dtype is not None and batch[0].is_floating_point():
@@ -117,6 +127,12 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
 
 
 def fp32_on_ranks(pattern: str) -> None:
+    if pattern == "inference_mode_first":
+        # FSDP2 keeps the tensors it makes under inference mode and then refuses to update them.
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            train("fsdp2", pattern)
+        assert_same_training(train("ours", pattern), train("reference", pattern), TOL, f"{pattern}/fully_shard", sharded_want=False)
+        return
     reference, fsdp2, ours = (train(impl, pattern) for impl in ("reference", "fsdp2", "ours"))
     if pattern == "zero_grad_between":
         # FSDP2's module.zero_grad() reaches the root's unsharded parameters only, so the
@@ -155,6 +171,17 @@ def test_patterns_around_the_kept_root_train_like_the_reference(dist_pool, patte
     forward under ``no_grad`` after each step; a grad-enabled forward whose graph is dropped;
     two forwards of the root before one backward; a microbatch with gradient sync off."""
     dist_pool(2).run(fp32_on_ranks, pattern)
+
+
+@pytest.mark.parametrize("pattern", ("eval_first", "inference_mode_first"))
+def test_evaluation_before_training_then_training_like_the_reference(dist_pool, pattern: str) -> None:
+    """``model.eval()`` forwards under ``torch.no_grad()`` (FSDP2 the same) or
+    ``torch.inference_mode()`` (FSDP2 refuses the training after it) before the first training
+    step: the root's first forwards are without grad, and training then keeps it unsharded after
+    forward as usual. bf16 (no_grad) bitwise like FSDP2."""
+    dist_pool(2).run(fp32_on_ranks, pattern)
+    if pattern == "eval_first":
+        dist_pool(2).run(bf16_on_ranks, pattern)
 
 
 def test_module_zero_grad_between_forward_and_backward_reaches_the_sharded_grads(dist_pool) -> None:
