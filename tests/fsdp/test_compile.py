@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tests.fsdp import pattern_fns
-from tests.fsdp.parity import Run, assert_same_training
+from tests.fsdp.training_runs import Run, assert_same_training
 from tests.fsdp.rank_fns import full_params, world
 
 TOL = 1e-5

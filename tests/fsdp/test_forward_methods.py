@@ -18,7 +18,7 @@ from torch import nn
 
 from fsdp_patch import register_fsdp_forward_method
 from tests.fsdp import pattern_fns
-from tests.fsdp.parity import Run, assert_same_training
+from tests.fsdp.training_runs import Run, assert_same_training
 from tests.fsdp.rank_fns import full_params, unsharded_bytes, world
 
 TOL = 1e-5

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tests.fsdp import pattern_fns
-from tests.fsdp.parity import Run, assert_same_training
+from tests.fsdp.training_runs import Run, assert_same_training
 from tests.fsdp.rank_fns import full_params, world
 
 SAVE_AT, TOTAL = 2, 4

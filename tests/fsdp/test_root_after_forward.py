@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tests.fsdp import pattern_fns
-from tests.fsdp.parity import Run, assert_same_training, max_param_diff
+from tests.fsdp.training_runs import Run, assert_same_training, max_param_diff
 from tests.fsdp.rank_fns import count_collectives, full, full_params, unsharded_bytes, world
 
 TOL = 1e-5
