@@ -20,11 +20,11 @@ Alternatives considered:
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from typing import Any
 
 import torch
+
+from .scoped_patch import ScopedPatch
 
 __all__ = ["track_fp16_main_grads", "ADVICE"]
 
@@ -34,35 +34,8 @@ ADVICE = (
     "fully_shard(..., mp_policy=MixedPrecisionPolicy(main_grads_dtype=torch.float32))."
 )
 
-_lock = threading.Lock()
-_live = 0
-_original: Any = None
-_wrapper: Any = None
 
-
-def track_fp16_main_grads(group: object) -> None:
-    """Keeps the advice installed for as long as ``group`` (with fp16 main grads) lives."""
-    global _live
-    with _lock:
-        _live += 1
-        if _live == 1:
-            _install()
-    weakref.finalize(group, _release)
-
-
-def _release() -> None:
-    global _live
-    with _lock:
-        _live -= 1
-        if _live == 0:
-            _uninstall()
-
-
-def _install() -> None:
-    global _original, _wrapper
-    scaler = torch.amp.GradScaler
-    original = scaler.__dict__["_unscale_grads_"]
-
+def _with_advice(original: Any) -> Any:
     @functools.wraps(original)
     def _unscale_grads_(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -75,16 +48,15 @@ def _install() -> None:
                 raise
             raise ValueError(f"{exc} {ADVICE}") from exc
 
-    _original, _wrapper = original, _unscale_grads_
-    scaler._unscale_grads_ = _unscale_grads_  # type: ignore[method-assign]
+    return _unscale_grads_
 
 
-def _uninstall() -> None:
-    global _original, _wrapper
-    scaler = torch.amp.GradScaler
-    if scaler.__dict__.get("_unscale_grads_") is _wrapper:
-        scaler._unscale_grads_ = _original  # type: ignore[method-assign]
-        _original = _wrapper = None
+_PATCH = ScopedPatch(lambda: torch.amp.GradScaler, "_unscale_grads_", _with_advice)
+
+
+def track_fp16_main_grads(group: object) -> None:
+    """Keeps the advice installed for as long as ``group`` (with fp16 main grads) lives."""
+    _PATCH.hold(group)
 
 
 def _holds_fp16_main_grads(optimizer: torch.optim.Optimizer) -> bool:

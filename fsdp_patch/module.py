@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compile_boundary import outside_dynamo
+from .dcp_optimizer_state import track_grad_dtype_mismatch
 from .grad_scaler_hint import track_fp16_main_grads
 from .mixed_precision import MixedPrecisionPolicy
 from .placement import mesh_device, resolve_mesh
@@ -54,12 +56,14 @@ class FSDPModule:
             self._fsdp_state.abort_forward()
             raise
 
+    @outside_dynamo
     def unshard(self) -> None:
         """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
         for group in self._fsdp_state.groups:
             group.invalidate_compute_copy()  # as the root's forward does: unshard may come first
         self._fsdp_state.unshard()
 
+    @outside_dynamo
     def reshard(self) -> None:
         """Frees this unit's unsharded parameters."""
         self._fsdp_state.reshard()
@@ -134,11 +138,15 @@ class FSDPModule:
 
         A backward that raised leaves units in mid-backward with their unsharded parameters in
         the modules; resetting first makes ``zero_grad`` reach the sharded parameters, as it
-        would have without the exception.
+        would have without the exception. Between a forward and its backward, units that keep
+        their unsharded parameters after forward put the sharded ones back first, for the same
+        reason.
         """
         context = self._fsdp_state.context
         if context is not None and torch._C._current_graph_task_id() == -1 and context.interrupted():
             context.reset()
+        for module in _units(self, recurse=True):
+            module._fsdp_state.release_kept_parameters()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     @property
@@ -285,6 +293,13 @@ def _state_dict_aliases(
     return hook
 
 
+def _release_kept_parameters_before_state_dicts(module: nn.Module, state: UnitState) -> None:
+    """Saving and loading between a forward and its backward reach the sharded parameters
+    (the main weights), not the unsharded ones a unit keeps after forward."""
+    module.register_state_dict_pre_hook(lambda *args: state.release_kept_parameters())
+    module.register_load_state_dict_pre_hook(lambda *args: state.release_kept_parameters())
+
+
 def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The FSDP units directly below ``module`` (not inside another unit), with their paths."""
     for prefix, owner in _owned_modules(module):
@@ -360,7 +375,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """Shards ``module``'s parameters over a 1-D mesh with fp32 main weights.
 
@@ -376,8 +391,12 @@ def fully_shard(
         module: Module to shard in place.
         mesh: 1-D device mesh; ``None`` builds one over the default process group.
         mp_policy: Dtypes of main weights and main grads; ``None`` means the defaults.
-        reshard_after_forward: Free the unsharded parameters after forward and gather again
-            for backward.
+        reshard_after_forward: ``True``: free the unsharded parameters after forward and
+            gather again for backward. ``False``: keep them, registered in the module, until
+            the end of the unit's backward (code between forward and backward sees plain
+            tensors, as inside forward). ``None`` (the default, as FSDP2's): ``False`` for the
+            root of the forward, whose backward starts at once, ``True`` for every other unit.
+            A forward without grad (``torch.no_grad()``, evaluation) always frees them.
 
     Returns:
         ``module``, now an :class:`FSDPModule`.
@@ -396,8 +415,8 @@ def fully_shard(
         mp_policy = MixedPrecisionPolicy()
     elif not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard expected mp_policy to be a MixedPrecisionPolicy or None, got {type(mp_policy)!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"fully_shard expected reshard_after_forward to be a bool, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"fully_shard expected reshard_after_forward to be a bool or None, got {reshard_after_forward!r}")
     mesh = resolve_mesh(mesh)
     device = mesh_device(mesh)
 
@@ -421,6 +440,8 @@ def fully_shard(
         register_group(group)
         if group.grads_dtype == torch.float16:
             track_fp16_main_grads(group)
+        if group.grads_dtype != group.main_dtype:
+            track_grad_dtype_mismatch(group)
     for param, name in zip(params, names):
         _CONSUMED[param] = f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}"
     # Units are built bottom-up, each naming its parameters from itself; a parent prefixes its
@@ -438,5 +459,6 @@ def fully_shard(
     # parameters: take their values over at once (the next forward would, too).
     module.register_load_state_dict_post_hook(lambda module, incompatible: state.adopt_replaced_parameters())
     module.register_state_dict_post_hook(_state_dict_aliases(module, groups, group_locations))
+    _release_kept_parameters_before_state_dicts(module, state)
     module.__class__ = _fsdp_class(type(module))
     return module

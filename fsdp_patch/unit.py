@@ -4,9 +4,11 @@ A unit moves through the states of FSDP2's ``TrainingState``:
 
 - ``IDLE`` -> ``FORWARD`` (pre-forward): all-gather the compute copy of each group and put the
   unsharded parameters into the module;
-- ``FORWARD`` -> ``IDLE`` (post-forward): put the sharded parameters back; free the unsharded
-  storage when ``reshard_after_forward`` (never during a backward: that forward is an
-  activation-checkpointing recompute whose backward follows at once);
+- ``FORWARD`` -> ``IDLE`` (post-forward): with ``reshard_after_forward``, put the sharded
+  parameters back and free the unsharded storage (never during a backward: that forward is an
+  activation-checkpointing recompute whose backward follows at once); without it (the root's
+  default, as FSDP2's), keep the unsharded parameters in the module until the post-backward, so
+  that code after forward can use them (a penalty on a weight, logits tied to the embedding);
 - ``IDLE`` -> ``PRE_BACKWARD`` (the first grad reaching the unit's outputs): all-gather again if
   freed and put the unsharded parameters into the module, so that a recompute inside the unit
   (``torch.utils.checkpoint`` within its forward) computes with them;
@@ -34,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from .compile_boundary import outside_dynamo
 from .mixed_precision import MixedPrecisionPolicy
 from .output_tensors import grad_tensors
 from .sharding import ParameterGroup
@@ -80,6 +83,7 @@ class RootContext:
         self.callback_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
+    @outside_dynamo
     def _final_callback(self) -> None:
         try:
             for state in reversed(self.states):
@@ -157,14 +161,21 @@ class UnitState:
         module: nn.Module,
         mesh: DeviceMesh,
         policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         groups: list[ParameterGroup],
         locations: list[list[list[Location]]],
     ) -> None:
         self.module = module
         self.mesh = mesh
         self.policy = policy
-        self.reshard_after_forward = reshard_after_forward
+        # None: decided by the unit's place, as FSDP2 decides it: the root of the forward keeps
+        # its parameters unsharded after forward (its backward comes first and needs them at
+        # once), every other unit reshards.
+        self.reshard_after_forward_setting = reshard_after_forward
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        # Whether the modules hold the unsharded parameters (inside forward and backward, and
+        # between them for a unit that keeps them after forward).
+        self.unsharded_in_module = False
         self.groups = groups
         self.locations = locations
         self.requires_gradient_sync = True
@@ -202,10 +213,22 @@ class UnitState:
                     if param.requires_grad is not wanted:
                         param.requires_grad_(wanted)
                 for owner, name in places:
-                    if unsharded and owner._parameters.get(name) is not group.params[index]:
-                        replaced.append((group, index, owner._parameters.get(name)))
+                    if unsharded:
+                        current = owner._parameters.get(name)
+                        if current is not group.params[index] and current is not param:
+                            replaced.append((group, index, current))
                     owner._parameters[name] = param
+        self.unsharded_in_module = unsharded
         return replaced
+
+    def release_kept_parameters(self) -> None:
+        """Puts the sharded parameters back into the modules of a unit that kept its unsharded
+        ones after forward (the storage stays for the backward, which swaps them in again).
+
+        Before ``state_dict``, ``load_state_dict`` and ``zero_grad``, which must reach the
+        sharded parameters (FSDP2 reshards before saving and loading likewise)."""
+        if self.unsharded_in_module and self.training_state is TrainingState.IDLE:
+            self.swap(unsharded=False)
 
     def adopt_replaced_parameters(self) -> None:
         """:meth:`adopt` for whatever replaced sharded parameters in the modules now."""
@@ -249,6 +272,8 @@ class UnitState:
         context = RootContext(self, states)
         for state in states:
             state.context = context
+            if state.reshard_after_forward_setting is None:
+                state.reshard_after_forward = state is not self
 
     def unshard(self) -> None:
         for group in self.groups:
@@ -270,6 +295,7 @@ class UnitState:
         for group in self.groups:
             group.reset_iter_state()
 
+    @outside_dynamo
     def abort_forward(self) -> None:
         """Undoes the pre-forward of a forward that raised (the post-forward never ran)."""
         if self.training_state is not TrainingState.FORWARD:
@@ -282,6 +308,7 @@ class UnitState:
                 self.context.cancel_prefetches()
 
     # ------------------------------------------------------------------ forward hooks
+    @outside_dynamo
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             return args, kwargs  # a recompute: see the module docstring
@@ -314,15 +341,19 @@ class UnitState:
             args, kwargs = _register_post_backward(self, args, kwargs)
         return args, kwargs
 
+    @outside_dynamo
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             return output
-        self.swap(unsharded=False)
+        in_backward = _in_backward()
+        grad_enabled = torch.is_grad_enabled()
+        if self.reshard_after_forward or not grad_enabled or in_backward:
+            self.swap(unsharded=False)
         self.training_state = TrainingState.IDLE
-        if self.context is not None and self.context.root is self and not _in_backward():
+        if self.context is not None and self.context.root is self and not in_backward:
             self.context.end_forward()
-        may_free = not _in_backward() and self._awaiting_final is None
-        if not torch.is_grad_enabled():
+        may_free = not in_backward and self._awaiting_final is None
+        if not grad_enabled:
             if may_free:
                 self.reshard()
             return output
@@ -336,9 +367,12 @@ class UnitState:
                 trainable = [p for g in self.groups for p in g.unsharded_params if p.requires_grad]
                 self._awaiting_final = [p.register_post_accumulate_grad_hook(self._queue_final) for p in trainable]
         elif may_free:
-            self.reshard()  # frozen, and no output needs a grad: no backward comes through here
+            # Frozen, and no output needs a grad: no backward comes through here.
+            self.swap(unsharded=False)
+            self.reshard()
         return output
 
+    @outside_dynamo
     def _queue_final(self, param: torch.Tensor) -> None:
         assert self.context is not None
         self.context.queue_final_callback()
@@ -350,6 +384,7 @@ class UnitState:
             self._awaiting_final = None
 
     # ------------------------------------------------------------------ backward hooks
+    @outside_dynamo
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -373,12 +408,13 @@ class UnitState:
                     group.start_unshard()
                 target.prefetched = True
 
+    @outside_dynamo
     def post_backward(self) -> None:
         """The unit's backward is done: reduce (or keep, with sync off) its grads, free it."""
         if self.training_state is not TrainingState.PRE_BACKWARD and self._awaiting_final is None:
             return
         self._stop_awaiting_final()
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self.unsharded_in_module:
             self.swap(unsharded=False)
         for group in self.groups:
             group.post_backward(self.requires_gradient_sync)
@@ -393,6 +429,8 @@ class UnitState:
         if self.training_state is TrainingState.PRE_BACKWARD or self._awaiting_final is not None:
             self.post_backward()
         elif self.training_state is TrainingState.IDLE:
+            if self.unsharded_in_module:
+                self.swap(unsharded=False)  # kept after a forward this backward did not reach
             self.reshard()
 
 

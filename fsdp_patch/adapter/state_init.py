@@ -83,14 +83,16 @@ def _set_grad(param: torch.Tensor, grad: torch.Tensor | None, grad_dtype: torch.
     param.grad = grad
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, *, leave_zero_grads: bool = True) -> None:
     """Allocates optimizer state so a DCP load has DTensors to fill; changes nothing else.
 
     Afterwards the parameters are bitwise unchanged and the next real step gives bitwise the
     result an optimizer that was never initialized would give. A no-op once state exists.
-    For a stateless optimizer (plain SGD), ``grad_dtype``-matched zero grads are left on
-    parameters that had none, so that torch's own initialization in
+    For a stateless optimizer (plain SGD), with ``leave_zero_grads``, ``grad_dtype``-matched
+    zero grads are left on parameters that had none, so that torch's own initialization in
     ``get_optimizer_state_dict`` finds grads and stands aside; backward accumulates onto them.
+    (Without it, the stateless optimizer is left as it was: what torch's initialization,
+    which this stands in for, leaves too.)
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` or holds a non-Parameter.
@@ -166,7 +168,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     reset(state, group)
 
     if not optimizer.state:
-        _leave_zero_grads(trainable)
+        if leave_zero_grads:
+            _leave_zero_grads(trainable)
         return
     _ForgetUntouchedState.register(optimizer)
 

@@ -7,7 +7,7 @@
   undo, the public path with telemetry on, lifetime.
 - ``test_exception_safety``: failing updates and closures, and every way of carrying on.
 - ``test_bad_input``: refused input changes nothing; no half-adapted optimizer.
-- ``test_init_state``: ``init_optimizer_state`` neutrality, and why torch's path needs it.
+- ``test_init_state``: ``init_optimizer_state`` neutrality, and torch's path using it.
 - ``test_dcp``: DCP save on 2 ranks, load on 1, 2 and 4, resume bitwise.
 - ``test_precision_aware``: no cast, bf16 grads reach the update, refresh still happens.
 
