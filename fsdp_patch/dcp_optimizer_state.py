@@ -69,7 +69,7 @@ def track_grad_dtype_mismatch(group: object) -> None:
 def _needs_grad_dtype_matched_init(optim: torch.optim.Optimizer) -> bool:
     """Whether torch's ``_init_optim_state`` would assign grads (no state, no grad yet) and one
     of them would be refused (a sharded parameter whose grad dtype is not its dtype)."""
-    from .parameter_group import parameter_group_of
+    from .sharding import parameter_group_of
 
     if optim.state:
         return False
