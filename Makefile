@@ -17,7 +17,7 @@ SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 OLDEST_TORCH ?= 2.11.0
 TORCH_RANGE_TESTS := tests --ignore=tests/dashboards --ignore=tests/test_setup_script.py --ignore=tests/cli/test_installed_command.py
 
-.PHONY: setup demo test test-torch lint bench gpu-check
+.PHONY: setup demo test test-torch lint typecheck bench gpu-check
 
 setup: $(SETUP_STAMP)
 
@@ -33,20 +33,23 @@ $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/fsdp-patch demo
 
-# Sets up (with promtool, which the dashboard tests run), then runs the whole test suite, then the
-# torch-range tests on the oldest supported torch.
-test: setup
+# Sets up (with promtool, which the dashboard tests run), checks lint and formatting, then runs the
+# whole test suite, then the torch-range tests on the oldest supported torch.
+test: setup lint
 	bash dashboards/install_promtool.sh
 	$(VENV_PYTHON) -m pytest
 ifneq ($(OLDEST_TORCH),)
 	$(MAKE) --no-print-directory test-torch TORCH=$(OLDEST_TORCH)
 endif
 
-# ruff (lint rules and formatting) and mypy, configured in pyproject.toml; the tools come with the
-# dev extras. Not yet part of `make test`: some files still carry findings.
+# ruff's rules and formatting (part of `make test`) and mypy (`make typecheck`, not yet part of it:
+# the product still carries type findings), configured in pyproject.toml; the tools come with the
+# dev extras.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+typecheck: setup
 	$(VENV)/bin/mypy
 
 test-torch:

@@ -70,8 +70,10 @@ def run(steps: int = 10, warmup: int = 2, batch: int = 16, config: GPTConfig = M
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     settings = {"FSDP_PATCH_SUMMARY": "none", "FSDP_PATCH_PRECISION_EVERY": "1"}
-    with tempfile.TemporaryDirectory() as traces, process_group("cpu"), mock.patch.dict(
-        os.environ, {**settings, "FSDP_PATCH_TRACE_DIR": traces}
+    with (
+        tempfile.TemporaryDirectory() as traces,
+        process_group("cpu"),
+        mock.patch.dict(os.environ, {**settings, "FSDP_PATCH_TRACE_DIR": traces}),
     ):
         model = _fsdp2_model(config)
         optimizers = {}
@@ -128,14 +130,20 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args.steps, args.warmup, args.batch)
     if not dist.is_initialized() or dist.get_rank() == 0:
         ratio = result["step_ratio"]
-        print(f"FSDP2 model: {result['params'] / 1e6:.1f}M parameters, bf16 param_dtype, "
-              f"{result['world_size']} rank(s), {result['steps']} steps each, diagnostics every step")
+        print(
+            f"FSDP2 model: {result['params'] / 1e6:.1f}M parameters, bf16 param_dtype, "
+            f"{result['world_size']} rank(s), {result['steps']} steps each, diagnostics every step"
+        )
         for setting in SETTINGS:
-            print(f"  training step, {setting:<12}: {result[f'step_ms_{setting}']:9.1f} ms (median), "
-                  f"optimizer.step() {result[f'optimizer_step_ms_{setting}']:.1f} ms")
+            print(
+                f"  training step, {setting:<12}: {result[f'step_ms_{setting}']:9.1f} ms (median), "
+                f"optimizer.step() {result[f'optimizer_step_ms_{setting}']:.1f} ms"
+            )
         print(f"  attribution / off            : {ratio:9.4f}  (median over rounds; target <= {TARGET_RATIO})")
-        print(f"  attribution / whole-model    : {result['step_ratio_attribution_diagnostics']:9.4f}  "
-              f"(target <= {TARGET_RATIO_WHOLE_MODEL})")
+        print(
+            f"  attribution / whole-model    : {result['step_ratio_attribution_diagnostics']:9.4f}  "
+            f"(target <= {TARGET_RATIO_WHOLE_MODEL})"
+        )
 
 
 if __name__ == "__main__":

@@ -24,28 +24,63 @@ def run(device: str, quick: bool) -> CaseResult:
     ms = {setting: large[f"step_s_{setting}"] * 1e3 for setting in settings}
     size = f"{large['params'] / 1e6:.1f}M params, AdamW"
     rows = [
-        target_row("5 telemetry", "telemetry on (diagnostics off) / off, training step", large["ratio_on_off"],
-                   at_most=1.03, note=f"{size}: {ms['on']:.0f} vs {ms['off']:.0f} ms"),
-        target_row("5 telemetry", "whole-model diagnostics every step (TOP_K=0) / telemetry off, training step",
-                   large["ratio_diagnostics_off"], note=f"{ms['diagnostics']:.0f} vs {ms['off']:.0f} ms"),
-        target_row("5 telemetry", "diagnostics with attribution every step / telemetry off, training step",
-                   large["ratio_attribution_off"], at_most=1.15, note=f"{ms['attribution']:.0f} vs {ms['off']:.0f} ms"),
-        target_row("5 telemetry", "diagnostics with attribution / whole-model diagnostics, training step",
-                   large["ratio_attribution_diagnostics"], at_most=1.05,
-                   note=f"{ms['attribution']:.0f} vs {ms['diagnostics']:.0f} ms"),
-        target_row("5 telemetry", "fixed cost of a traced step (tiny model)", tiny["fixed_cost_s"] * 1e6, unit="us",
-                   note=f"{tiny['params']} params, SGD"),
+        target_row(
+            "5 telemetry",
+            "telemetry on (diagnostics off) / off, training step",
+            large["ratio_on_off"],
+            at_most=1.03,
+            note=f"{size}: {ms['on']:.0f} vs {ms['off']:.0f} ms",
+        ),
+        target_row(
+            "5 telemetry",
+            "whole-model diagnostics every step (TOP_K=0) / telemetry off, training step",
+            large["ratio_diagnostics_off"],
+            note=f"{ms['diagnostics']:.0f} vs {ms['off']:.0f} ms",
+        ),
+        target_row(
+            "5 telemetry",
+            "diagnostics with attribution every step / telemetry off, training step",
+            large["ratio_attribution_off"],
+            at_most=1.15,
+            note=f"{ms['attribution']:.0f} vs {ms['off']:.0f} ms",
+        ),
+        target_row(
+            "5 telemetry",
+            "diagnostics with attribution / whole-model diagnostics, training step",
+            large["ratio_attribution_diagnostics"],
+            at_most=1.05,
+            note=f"{ms['attribution']:.0f} vs {ms['diagnostics']:.0f} ms",
+        ),
+        target_row(
+            "5 telemetry",
+            "fixed cost of a traced step (tiny model)",
+            tiny["fixed_cost_s"] * 1e6,
+            unit="us",
+            note=f"{tiny['params']} params, SGD",
+        ),
     ]
     raw = {"fully_shard": ours}
     if device == "cpu":
         fsdp2 = fsdp2_diagnostics.run(steps=steps, warmup=1, batch=4 if quick else 16, config=config)
-        rows.append(target_row("5 telemetry", "FSDP2 model: diagnostics with attribution every step / off, training step",
-                               fsdp2["step_ratio"], at_most=1.15,
-                               note=f"{fsdp2['params'] / 1e6:.1f}M params: {fsdp2['step_ms_attribution']:.0f} vs "
-                                    f"{fsdp2['step_ms_off']:.0f} ms"))
-        rows.append(target_row("5 telemetry", "FSDP2 model: attribution / whole-model diagnostics, training step",
-                               fsdp2["step_ratio_attribution_diagnostics"], at_most=1.05,
-                               note=f"{fsdp2['step_ms_attribution']:.0f} vs {fsdp2['step_ms_diagnostics']:.0f} ms "
-                                    f"(whole-model / off {fsdp2['step_ratio_diagnostics']:.3f}x)"))
+        rows.append(
+            target_row(
+                "5 telemetry",
+                "FSDP2 model: diagnostics with attribution every step / off, training step",
+                fsdp2["step_ratio"],
+                at_most=1.15,
+                note=f"{fsdp2['params'] / 1e6:.1f}M params: {fsdp2['step_ms_attribution']:.0f} vs "
+                f"{fsdp2['step_ms_off']:.0f} ms",
+            )
+        )
+        rows.append(
+            target_row(
+                "5 telemetry",
+                "FSDP2 model: attribution / whole-model diagnostics, training step",
+                fsdp2["step_ratio_attribution_diagnostics"],
+                at_most=1.05,
+                note=f"{fsdp2['step_ms_attribution']:.0f} vs {fsdp2['step_ms_diagnostics']:.0f} ms "
+                f"(whole-model / off {fsdp2['step_ratio_diagnostics']:.3f}x)",
+            )
+        )
         raw["fsdp2"] = fsdp2
     return CaseResult(rows, raw)

@@ -59,8 +59,9 @@ SETTINGS: dict[str, dict[str, str]] = {
 @contextmanager
 def _quiet_telemetry() -> Iterator[None]:
     """Traces to a temporary directory, no end-of-run summary."""
-    with tempfile.TemporaryDirectory() as traces, mock.patch.dict(
-        os.environ, {"FSDP_PATCH_TRACE_DIR": traces, "FSDP_PATCH_SUMMARY": "none"}
+    with (
+        tempfile.TemporaryDirectory() as traces,
+        mock.patch.dict(os.environ, {"FSDP_PATCH_TRACE_DIR": traces, "FSDP_PATCH_SUMMARY": "none"}),
     ):
         try:
             yield
@@ -138,16 +139,24 @@ def _tiny_model(steps: int, warmup: int) -> dict[str, Any]:
     model, optimizers = _build(TINY, torch.optim.SGD, ("off", "on"))
     clock = Clock(_device())
     lm_loss(model, synthetic_batches(TINY, 2, 1)[0].to(_device())).backward()
-    times = paired({setting: (lambda o=optimizer: clock.time(o.step)) for setting, optimizer in optimizers.items()},
-                   steps, warmup * 10)
+    times = paired(
+        {setting: (lambda o=optimizer: clock.time(o.step)) for setting, optimizer in optimizers.items()},
+        steps,
+        warmup * 10,
+    )
     off, on = median(times["off"]), median(times["on"])
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "steps": steps, "step_s_off": off, "step_s_on": on, "fixed_cost_s": on - off}
 
 
 def run(
-    steps: int = 30, tiny_steps: int = 400, warmup: int = 2, *, config: GPTConfig = LARGE,
-    settings: tuple[str, ...] = ("off", "on"), device: str = "cpu",
+    steps: int = 30,
+    tiny_steps: int = 400,
+    warmup: int = 2,
+    *,
+    config: GPTConfig = LARGE,
+    settings: tuple[str, ...] = ("off", "on"),
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Measures the training step per setting and the tiny model's fixed cost.
 
@@ -168,13 +177,19 @@ def run(
 
 def _report(results: dict[str, Any]) -> None:
     large, tiny = results["large"], results["tiny"]
-    print(f"large model: {large['params'] / 1e6:.1f}M parameters, {dist.get_world_size()} rank(s), {large['steps']} steps each")
+    print(
+        f"large model: {large['params'] / 1e6:.1f}M parameters, {dist.get_world_size()} rank(s), {large['steps']} steps each"
+    )
     print(f"  step time, telemetry off: {large['step_s_off'] * 1e3:9.2f} ms (median)")
     print(f"  step time, telemetry on : {large['step_s_on'] * 1e3:9.2f} ms (median)")
     ratio = large["ratio_on_off"]
-    print(f"  overhead ratio on/off   : {ratio:9.4f}  ({(ratio - 1) * 100:+.2f}%, median of adjacent pairs; target < +3%)")
-    print(f"  of which optimizer.step(): off {large['optimizer_step_s_off'] * 1e3:.2f} ms, "
-          f"on {large['optimizer_step_s_on'] * 1e3:.2f} ms, ratio {large['optimizer_step_ratio_on_off']:.4f}")
+    print(
+        f"  overhead ratio on/off   : {ratio:9.4f}  ({(ratio - 1) * 100:+.2f}%, median of adjacent pairs; target < +3%)"
+    )
+    print(
+        f"  of which optimizer.step(): off {large['optimizer_step_s_off'] * 1e3:.2f} ms, "
+        f"on {large['optimizer_step_s_on'] * 1e3:.2f} ms, ratio {large['optimizer_step_ratio_on_off']:.4f}"
+    )
     print(f"tiny model: {tiny['params']} parameters, SGD optimizer.step() alone, {tiny['steps']} steps each")
     print(f"  step, telemetry off: {tiny['step_s_off'] * 1e6:9.1f} us (median)")
     print(f"  step, telemetry on : {tiny['step_s_on'] * 1e6:9.1f} us (median)")

@@ -37,8 +37,8 @@ def _load_checkout_telemetry() -> None:
 _load_checkout_telemetry()
 
 from .adapter import cast_buffer_bytes, keep_cast_buffers, remove_fully_shard_optimizer  # noqa: E402
-from .mixed_precision import MixedPrecisionPolicy  # noqa: E402
 from .forward_methods import register_fsdp_forward_method  # noqa: E402
+from .mixed_precision import MixedPrecisionPolicy  # noqa: E402
 from .module import FSDPModule, fully_shard, parameter_groups  # noqa: E402
 from .sharding import ParameterGroup, contained_in_parameter_group, parameter_group_of  # noqa: E402
 

@@ -172,4 +172,3 @@ def fsdp2_groups(params: Iterable[torch.Tensor]) -> list[FSDP2Group]:
             part.others.append(other)
             part.fsdp_params.append(fsdp_param)
     return list(groups.values())
-

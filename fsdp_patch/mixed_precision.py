@@ -65,10 +65,7 @@ class MixedPrecisionPolicy:
             if value is None and name == "main_grads_dtype":
                 continue
             if not isinstance(value, torch.dtype) or not value.is_floating_point:
-                raise TypeError(
-                    f"MixedPrecisionPolicy.{name} must be a floating-point torch.dtype, "
-                    f"got {value!r}"
-                )
+                raise TypeError(f"MixedPrecisionPolicy.{name} must be a floating-point torch.dtype, got {value!r}")
 
     def grads_dtype_for(self, compute_dtype: torch.dtype) -> torch.dtype:
         """Main-grad dtype for parameters whose compute dtype is ``compute_dtype``."""

@@ -41,6 +41,7 @@ from .unit import Location, UnitState
 
 __all__ = ["fully_shard", "FSDPModule", "parameter_groups", "unit_name_of"]
 
+
 class FSDPModule:
     """Mixin added to the class of every module ``fully_shard`` was applied to."""
 
@@ -80,7 +81,11 @@ class FSDPModule:
             module._fsdp_state.requires_gradient_sync = requires_gradient_sync
 
     def set_overlap_limits(
-        self, *, forward_prefetch: int = 1, backward_prefetch: int = 1, reduce_scatters_in_flight: int = 2,
+        self,
+        *,
+        forward_prefetch: int = 1,
+        backward_prefetch: int = 1,
+        reduce_scatters_in_flight: int = 2,
         recurse: bool = True,
     ) -> None:
         """Bounds the communication that overlaps computation.
@@ -107,12 +112,12 @@ class FSDPModule:
             state.prefetch_depth = {1: forward_prefetch, -1: backward_prefetch}
             state.reduces_in_flight = reduce_scatters_in_flight
 
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Units whose all-gathers this unit issues when its forward starts (FSDP2's method
         of the same name); overrides the learned order for this unit. ``[]`` prefetches none."""
         self._fsdp_state.explicit_prefetch[1] = _prefetch_targets(modules, "set_modules_to_forward_prefetch")
 
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Units whose all-gathers this unit issues when its backward starts (FSDP2's method
         of the same name); overrides the learned order for this unit. ``[]`` prefetches none."""
         self._fsdp_state.explicit_prefetch[-1] = _prefetch_targets(modules, "set_modules_to_backward_prefetch")
@@ -154,7 +159,7 @@ class FSDPModule:
         """This unit's own parameter groups (not those of FSDP children)."""
         return list(self._fsdp_state.groups)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FSDPModule":
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FSDPModule:
         """``Module.to``/``.float()``/``.cpu()``/``.to_empty`` and the rest, for a sharded module.
 
         A conversion that keeps every sharded parameter's dtype and device converts the
@@ -278,7 +283,7 @@ def _state_dict_aliases(
     prefixes = {id(owner): prefix for prefix, owner in _owned_modules(module)}
     entries = [
         (prefixes[id(owner)] + name, owner, name, group, index)
-        for group, locations in zip(groups, group_locations)
+        for group, locations in zip(groups, group_locations, strict=True)
         for index, places in enumerate(locations)
         for owner, name in places
     ]
@@ -287,7 +292,11 @@ def _state_dict_aliases(
         for key, owner, name, group, index in entries:
             param = owner._parameters.get(name)
             # keep_vars=True holds the parameter itself; a tensor that replaced it is left alone.
-            if param is group.params[index] and state_dict.get(prefix + key) is not param and prefix + key in state_dict:
+            if (
+                param is group.params[index]
+                and state_dict.get(prefix + key) is not param
+                and prefix + key in state_dict
+            ):
                 state_dict[prefix + key] = group.state_dict_tensor(index)
 
     return hook
@@ -416,7 +425,9 @@ def fully_shard(
     elif not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard expected mp_policy to be a MixedPrecisionPolicy or None, got {type(mp_policy)!r}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"fully_shard expected reshard_after_forward to be a bool or None, got {reshard_after_forward!r}")
+        raise TypeError(
+            f"fully_shard expected reshard_after_forward to be a bool or None, got {reshard_after_forward!r}"
+        )
     mesh = resolve_mesh(mesh)
     device = mesh_device(mesh)
 
@@ -442,7 +453,7 @@ def fully_shard(
             track_fp16_main_grads(group)
         if group.grads_dtype != group.main_dtype:
             track_grad_dtype_mismatch(group)
-    for param, name in zip(params, names):
+    for param, name in zip(params, names, strict=True):
         _CONSUMED[param] = f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}"
     # Units are built bottom-up, each naming its parameters from itself; a parent prefixes its
     # children's names, so error messages name parameters from the outermost unit.

@@ -60,7 +60,7 @@ def _in_backward() -> bool:
 class RootContext:
     """State shared by all units under one root for the current iteration."""
 
-    def __init__(self, root: "UnitState", states: list["UnitState"]) -> None:
+    def __init__(self, root: UnitState, states: list[UnitState]) -> None:
         self.root = root
         self.states = states
         # Units in the order the last complete forward first entered them (prefetch follows
@@ -104,7 +104,7 @@ class RootContext:
     def begin_forward(self) -> None:
         self._recording = {}
 
-    def entered_forward(self, state: "UnitState") -> None:
+    def entered_forward(self, state: UnitState) -> None:
         if self._recording is not None:
             self._recording.setdefault(id(state), state)
 
@@ -123,7 +123,7 @@ class RootContext:
                 if state.training_state is TrainingState.IDLE:
                     state.reshard()
 
-    def neighbours(self, state: "UnitState", direction: int, count: int) -> list["UnitState"]:
+    def neighbours(self, state: UnitState, direction: int, count: int) -> list[UnitState]:
         """Up to ``count`` units after (``direction`` 1) or before (-1) ``state`` in the order."""
         index = self._position.get(id(state))
         if count <= 0 or index is None:
@@ -205,9 +205,9 @@ class UnitState:
             ones in: tensors that replaced sharded parameters (see :meth:`adopt`).
         """
         replaced: list[Replacement] = []
-        for group, group_locations in zip(self.groups, self.locations):
+        for group, group_locations in zip(self.groups, self.locations, strict=True):
             params = group.unsharded_params if unsharded else group.params
-            for index, (param, places) in enumerate(zip(params, group_locations)):
+            for index, (param, places) in enumerate(zip(params, group_locations, strict=True)):
                 if sync_requires_grad:
                     wanted = group.params[index].requires_grad
                     if param.requires_grad is not wanted:
@@ -233,8 +233,8 @@ class UnitState:
     def adopt_replaced_parameters(self) -> None:
         """:meth:`adopt` for whatever replaced sharded parameters in the modules now."""
         replaced: list[Replacement] = []
-        for group, group_locations in zip(self.groups, self.locations):
-            for index, (param, places) in enumerate(zip(group.params, group_locations)):
+        for group, group_locations in zip(self.groups, self.locations, strict=True):
+            for index, (param, places) in enumerate(zip(group.params, group_locations, strict=True)):
                 for owner, name in places:
                     current = owner._parameters.get(name)
                     if current is not param:
@@ -456,6 +456,6 @@ def _register_post_backward(state: UnitState, args: tuple, kwargs: dict) -> tupl
     if not indices:
         return args, kwargs
     outputs = _RegisterPostBackward.apply(state, *(flat[i] for i in indices))
-    for i, out in zip(indices, outputs):
+    for i, out in zip(indices, outputs, strict=True):
         flat[i] = out
     return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)

@@ -431,7 +431,9 @@ SHOWS_IN_WEIGHT: dict[type, frozenset[str]] = {
 }
 
 
-def state_tensors(optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]) -> tuple[list[list[ps.StateTensor]], list[tuple[str, ...]]]:
+def state_tensors(
+    optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]
+) -> tuple[list[list[ps.StateTensor]], list[tuple[str, ...]]]:
     """Per slot, its optimizer state tensors (local shards, flattened; the first
     ``param_stats.MAX_STATES`` floating tensors that are not 0-d, in the state's order) and their keys."""
     shows = SHOWS_IN_WEIGHT.get(type(optimizer), frozenset())
@@ -451,7 +453,9 @@ def state_tensors(optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]) 
     return tensors, keys
 
 
-def contexts_for(optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot], keys: Sequence[tuple[str, ...]]) -> list[ParamContext]:
+def contexts_for(
+    optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot], keys: Sequence[tuple[str, ...]]
+) -> list[ParamContext]:
     """Per slot, whether the optimizer holds its parameter, and at which learning rate."""
     lr_of: dict[int, Any] = {}
     for group in optimizer.param_groups:

@@ -125,7 +125,9 @@ class AttributionTrace:
             self.offenders[step] = by_diagnostic
         self._pending.clear()
 
-    def worst(self, diagnostic: str, limit: int, lowest: bool = False, first: int = 0, last: int | None = None) -> list[tuple[Named, int]]:
+    def worst(
+        self, diagnostic: str, limit: int, lowest: bool = False, first: int = 0, last: int | None = None
+    ) -> list[tuple[Named, int]]:
         """The parameters ``diagnostic`` named in steps ``first..last``, each with its worst value
         and the step of it (highest, or ``lowest``), worst first, at most ``limit``."""
         best: dict[tuple[str, str | None], tuple[Named, int]] = {}
@@ -220,7 +222,11 @@ def first_text(first: FirstBad, step_offset: int) -> str:
     tensor = f"{first.tensor} '{first.state}'" if first.state else first.tensor
     ranks = ", ".join(str(r) for r in first.ranks) or "?"
     others = first.params_count - 1
-    also = f"; {others} other parameter{'s' if others != 1 else ''} too ({', '.join(first.params[1:])}{', ...' if others > len(first.params) - 1 else ''})" if others > 0 else ""  # noqa: E501
+    also = (
+        f"; {others} other parameter{'s' if others != 1 else ''} too ({', '.join(first.params[1:])}{', ...' if others > len(first.params) - 1 else ''})"
+        if others > 0
+        else ""
+    )
     kind = {"nan": "NaN", "inf": "Inf"}.get(first.kind, "non-finite")
     return (f"first NaN/Inf: step {first.step + step_offset}, rank{'s' if len(first.ranks) != 1 else ''} {ranks}, "
             f"{first.param} ({_where(first.unit)}), {tensor}: {first.elements} {kind} "
@@ -243,11 +249,15 @@ def details(trace: AttributionTrace, check: str, first_step: int, limit: int, st
     for diagnostic, lowest in CHECK_DIAGNOSTICS.get(check, ()):
         named = trace.worst(diagnostic, limit, lowest=lowest, first=first, last=last)
         if named:
-            lines.append(f"{_LABELS[diagnostic]}: " + "; ".join(_named_text(n, diagnostic, s, step_offset) for n, s in named))
+            lines.append(
+                f"{_LABELS[diagnostic]}: " + "; ".join(_named_text(n, diagnostic, s, step_offset) for n, s in named)
+            )
     return lines
 
 
-def details_json(trace: AttributionTrace, check: str, first_step: int, limit: int, step_offset: int = 0) -> dict[str, Any]:
+def details_json(
+    trace: AttributionTrace, check: str, first_step: int, limit: int, step_offset: int = 0
+) -> dict[str, Any]:
     """The same as :func:`details`, for machines."""
     out: dict[str, Any] = {}
     if check == "nonfinite" and trace.first is not None:

@@ -120,9 +120,7 @@ def trace_ranks(environ: Mapping[str, str] | None = None) -> frozenset[int] | No
                 raise ValueError(item)
             ranks.update(range(lo, hi + 1))
     except ValueError:
-        raise _invalid(
-            TRACE_RANKS, value, "'all', 'none', or ranks and ranges such as '0,3' or '0-3,8'"
-        ) from None
+        raise _invalid(TRACE_RANKS, value, "'all', 'none', or ranks and ranges such as '0,3' or '0-3,8'") from None
     return frozenset(ranks)
 
 

@@ -31,11 +31,11 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
+import fsdp_patch.telemetry as telemetry
 import torch
 import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-import fsdp_patch.telemetry as telemetry
 from fsdp_patch.adapter import NullObserver, adapt_optimizer, adaptation_of, adaptations
 from fsdp_patch.fsdp2 import fsdp2_groups
 from fsdp_patch.sharding import parameter_group_of

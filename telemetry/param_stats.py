@@ -332,7 +332,7 @@ def _segments(snapshot: precision.PrecisionSnapshot, groups: Sequence[Any], tabl
         raise ValueError(f"snapshot holds {len(snapshot.main_weights)} groups, got {len(groups)}")
     weights = [precision._weights_of(g, snapshot.default_compute_dtype) for g in groups]
     for w, before in zip(weights, snapshot.main_weights, strict=True):
-        if len(w.mains) != len(before) or any(a.numel() != b.numel() for a, b in zip(w.mains, before)):
+        if len(w.mains) != len(before) or any(a.numel() != b.numel() for a, b in zip(w.mains, before, strict=True)):
             raise ValueError("precision diagnostics need equal numel: the snapshot does not match the weights")
     if states is not None and len(states) != len(table):
         raise ValueError(f"optimizer state given for {len(states)} parameters, the table has {len(table)}")
@@ -476,7 +476,9 @@ def local_rows(
                     numel = state.local.numel()
                     for start in range(0, numel, chunk):
                         length = min(chunk, numel - start)
-                        zero = torch.logical_not(state.local.narrow(0, start, length), out=_masks.get("mask", s.main, length))
+                        zero = torch.logical_not(
+                            state.local.narrow(0, start, length), out=_masks.get("mask", s.main, length)
+                        )
                         moving = _masks.get("mask2", s.main, length).copy_(s.grad.narrow(0, start, length))
                         rows.add(i, STATE_FLUSHED, _count_true(torch.logical_and(zero, moving, out=zero)))
         return rows.matrix()

@@ -196,7 +196,7 @@ class PrecisionSnapshot:
 
 def _same_layout(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
-                                    for x, y in zip(a, b))  # fmt: skip
+                                    for x, y in zip(a, b, strict=True))  # fmt: skip
 
 
 def take_snapshot(
@@ -385,7 +385,7 @@ def stats_from_vector(vector: torch.Tensor) -> PrecisionStats:
     nonfinite = {
         (tensor, kind): count(slot)
         for tensor, pair in slots.items()
-        for kind, slot in zip((semconv.NONFINITE_NAN, semconv.NONFINITE_INF), pair)
+        for kind, slot in zip((semconv.NONFINITE_NAN, semconv.NONFINITE_INF), pair, strict=True)
     }
     return PrecisionStats(
         nonfinite=nonfinite,

@@ -17,8 +17,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from . import semconv, trace_limits
 from . import precision_thresholds as thresholds
+from . import semconv, trace_limits
 from .attribution_report import AttributionTrace, details, details_json
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
@@ -120,7 +120,11 @@ def read_run(directory: str) -> RunTrace:
                 resource = args.get(RESOURCE) or {}
                 run.world_size = resource.get(semconv.RESOURCE_WORLD_SIZE, run.world_size)
                 run.service = resource.get(RESOURCE_SERVICE, run.service)
-            elif event.get("ph") == "X" and event.get("name") == semconv.SPAN_STEP and isinstance(args.get(semconv.ATTR_STEP), int):
+            elif (
+                event.get("ph") == "X"
+                and event.get("name") == semconv.SPAN_STEP
+                and isinstance(args.get(semconv.ATTR_STEP), int)
+            ):
                 step = args[semconv.ATTR_STEP]
                 step_of_span[args.get(SPAN_ID, "")] = step
                 run.first_step = min(run.first_step, step) if run.first_step else step
@@ -172,7 +176,9 @@ class RangeLine:
         return thresholds.worst([f.threshold.severity for f in self.findings])
 
 
-def _judge(samples: list[tuple[int, dict[str, float]]], failed: list[int], contract: Sequence[int] = ()) -> list[Finding]:
+def _judge(
+    samples: list[tuple[int, dict[str, float]]], failed: list[int], contract: Sequence[int] = ()
+) -> list[Finding]:
     first_fired: dict[str, int] = {}
     for step, values in samples:
         fired = {t.check for t in thresholds.THRESHOLDS if t.metric in values and t.fires(values[t.metric])}
@@ -307,7 +313,9 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
     for finding in ordered:
         threshold = finding.threshold
         alert = f" [alert {threshold.alert}]" if threshold.alert else ""
-        out.append(f"  - {threshold.finding} (first at step {finding.first_step + step_offset}){alert}: {threshold.advice}")
+        out.append(
+            f"  - {threshold.finding} (first at step {finding.first_step + step_offset}){alert}: {threshold.advice}"
+        )
         for line in details(run.attribution, threshold.check, finding.first_step, NAMED_PER_FINDING, step_offset):
             out.append(f"      {line}")
     return "\n".join(out) + "\n"

@@ -276,7 +276,10 @@ def _condition(threshold: Threshold) -> str:
 
 def markdown_table() -> str:
     """The thresholds as Markdown, the form ``telemetry/README.md`` embeds (a test keeps them equal)."""
-    rows = ["| check | value | fires when | verdict | Prometheus alert | finding |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| check | value | fires when | verdict | Prometheus alert | finding |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for threshold in (*THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT):
         value = {FAILED_STEPS.check: "steps with status ERROR", DTYPE_CONTRACT.check: "dtype-contract events"}.get(
             threshold.check, f"`{threshold.metric}`"

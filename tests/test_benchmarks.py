@@ -38,14 +38,27 @@ def test_every_case_runs_and_lands_in_the_table_and_the_json(tmp_path: Path) -> 
         for row in case["rows"]:
             assert math.isfinite(row["value"]), f"{name}: {row['measure']} is {row['value']}"
             want_verdict = bool(row["target"])
-            assert (row["met"] is not None) == want_verdict, f"{name}: {row['measure']}: target {row['target']!r}, met {row['met']!r}"
-            assert f"| {row['case']} | {row['measure']} |" in run.stdout, f"{row['measure']} missing from the printed table"
+            assert (row["met"] is not None) == want_verdict, (
+                f"{name}: {row['measure']}: target {row['target']!r}, met {row['met']!r}"
+            )
+            assert f"| {row['case']} | {row['measure']} |" in run.stdout, (
+                f"{row['measure']} missing from the printed table"
+            )
     measures = [row["measure"] for case in document["cases"].values() for row in case["rows"]]
-    for needle in ("adapted step / bare step", "per-tensor cast loop / adapter", "per parameter", "hooks / no adapter",
-                   "wrapt (no telemetry) / hooks", "telemetry on (diagnostics off) / off", "diagnostics every step",
-                   "attribution / whole-model diagnostics",
-                   "ours / FSDP2 step time, 1 microbatch", "ours / FSDP2 step time, 4 microbatches",
-                   "peak tensor bytes", "between steps tensor bytes"):
+    for needle in (
+        "adapted step / bare step",
+        "per-tensor cast loop / adapter",
+        "per parameter",
+        "hooks / no adapter",
+        "wrapt (no telemetry) / hooks",
+        "telemetry on (diagnostics off) / off",
+        "diagnostics every step",
+        "attribution / whole-model diagnostics",
+        "ours / FSDP2 step time, 1 microbatch",
+        "ours / FSDP2 step time, 4 microbatches",
+        "peak tensor bytes",
+        "between steps tensor bytes",
+    ):
         assert any(needle in m for m in measures), f"no row measures {needle!r}: {measures}"
     end_to_end = document["cases"]["6 end_to_end"]["raw"]
     assert end_to_end["world_size"] == 2, f"end to end ran on {end_to_end['world_size']} ranks, want 2"

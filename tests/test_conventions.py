@@ -44,8 +44,11 @@ def test_metric_table_is_the_instrument_table():
     # An attribute whose values differ for one instrument: the audit also names optimizer state.
     per_instrument = {(semconv.METRIC_DTYPE_CONTRACT, semconv.ATTR_TENSOR): semconv.CONTRACT_TENSORS}
     code = {
-        spec.name: (spec.kind, spec.unit,
-                    {a: tuple(per_instrument.get((spec.name, a), enumerated.get(a, ()))) for a in spec.attributes})
+        spec.name: (
+            spec.kind,
+            spec.unit,
+            {a: tuple(per_instrument.get((spec.name, a), enumerated.get(a, ()))) for a in spec.attributes},
+        )
         for spec in instruments.INSTRUMENTS
     }
     only_code = sorted(set(code) - set(page))

@@ -61,7 +61,7 @@ def _sharded_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-def _deepcopy(optimizer_ref: "weakref.ref[torch.optim.Optimizer]", memo: dict[int, Any]) -> torch.optim.Optimizer:
+def _deepcopy(optimizer_ref: weakref.ref[torch.optim.Optimizer], memo: dict[int, Any]) -> torch.optim.Optimizer:
     optimizer = optimizer_ref()
     assert optimizer is not None
     for param in _sharded_params(optimizer):
@@ -100,7 +100,7 @@ def _rebuild(cls: type, state: Any) -> torch.optim.Optimizer:
     return result
 
 
-def _reduce_ex(optimizer_ref: "weakref.ref[torch.optim.Optimizer]", protocol: int) -> tuple[Any, ...]:
+def _reduce_ex(optimizer_ref: weakref.ref[torch.optim.Optimizer], protocol: int) -> tuple[Any, ...]:
     optimizer = optimizer_ref()
     assert optimizer is not None
     return (_rebuild, (type(optimizer), _PicklingState(optimizer)))

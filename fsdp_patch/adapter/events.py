@@ -121,6 +121,7 @@ class StepObserver(Protocol):
     @property
     def step_count(self) -> int:
         """Steps observed so far (a replacing observer continues from it)."""
+
     @property
     def collective_settings(self) -> tuple[bool, int] | tuple[bool, int, bool]:
         """``(telemetry on, diagnostics interval[, per-parameter detail])``: what every rank must

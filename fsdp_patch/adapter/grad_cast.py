@@ -50,6 +50,7 @@ from ..sharding import ParameterGroup
 
 __all__ = ["GroupGradCast", "cast_in_flight"]
 
+
 class GroupGradCast:
     """Casts the grads of some parameters of one FSDP group to the main-weight dtype.
 
@@ -146,11 +147,11 @@ class GroupGradCast:
         self._hook = self.group.register_grad_write_hook(self._restore_before_grad_write)
         # A parameter refuses a grad whose dtype differs from its grad_dtype; None allows any.
         if all_present:
-            for param, view in zip(self.params, self._views):
+            for param, view in zip(self.params, self._views, strict=True):
                 param.grad_dtype = None
                 param.grad = view
         else:
-            for param, view, original in zip(self.params, self._views, originals):
+            for param, view, original in zip(self.params, self._views, originals, strict=True):
                 if original is not None:
                     param.grad_dtype = None
                     param.grad = view
@@ -183,7 +184,7 @@ class GroupGradCast:
                 released.copy_(self._buffer)
         grads_dtype = self.group.grads_dtype
         with torch.no_grad():
-            for param, view, original in zip(self.params, self._views, originals):
+            for param, view, original in zip(self.params, self._views, originals, strict=True):
                 if original is None:
                     continue
                 current = param.grad

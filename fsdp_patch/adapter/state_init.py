@@ -144,7 +144,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, *, leave_zero_grads: 
         with torch.no_grad():
             _raw_step(optimizer)(optimizer)
     finally:
-        for hooks, items in zip(hook_dicts, saved_hooks):
+        for hooks, items in zip(hook_dicts, saved_hooks, strict=True):
             hooks.update(items)
         with torch.no_grad():
             for key, group in fsdp_groups.items():
@@ -194,8 +194,14 @@ class _ForgetUntouchedState:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._entries = [
-            (param, state, {key: (value, _versions(value) if isinstance(value, torch.Tensor) else None)
-                            for key, value in state.items()})
+            (
+                param,
+                state,
+                {
+                    key: (value, _versions(value) if isinstance(value, torch.Tensor) else None)
+                    for key, value in state.items()
+                },
+            )
             for param, state in optimizer.state.items()
         ]
         self._handle: Any = None

@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("trace_dir", metavar="TRACE_DIR", help="directory of rank*.trace.json files")
     report.add_argument("--lines", type=int, default=10, help="most step ranges (default 10)")
     report.add_argument("--json", action="store_true", help="the same report as JSON, for machines")
-    trace = commands.add_parser("trace", help="merge trace files, or convert them for Jaeger", description="Trace-file tools.")
+    trace = commands.add_parser(
+        "trace", help="merge trace files, or convert them for Jaeger", description="Trace-file tools."
+    )
     tools = trace.add_subparsers(dest="trace_command", required=True, parser_class=_Parser, metavar="{merge,jaeger}")
     for name, text in (
         ("merge", "per-rank Chrome traces into one file for Perfetto (a row per rank)"),

@@ -91,19 +91,47 @@ UNDERFLOW_SCALE = 1e-30
 SCENARIOS: dict[str, Scenario] = {
     "healthy": Scenario(torch.bfloat16, 3e-3, None, "nothing planted: every verdict healthy"),
     "tiny-lr": Scenario(torch.bfloat16, 1e-7, None, "a learning rate too small for bf16 weights: lost updates"),
-    "nan": Scenario(torch.bfloat16, 3e-3, "nan", "one NaN in a gradient halfway: NaN/Inf in grads, then weights",
-                    "blocks.1.fc1.weight"),
-    "fp16-overflow": Scenario(torch.float16, 3e-3, "overflow",
-                              "fp16 compute weights, a main weight past 65504: refresh overflow", "pos"),
-    "layer-lr": Scenario(torch.bfloat16, 3e-3, "layer_lr", "one layer's param group at 1/1000 of the lr: stuck weights",
-                         "blocks.1.norm2.weight", plant_from_start=True),
-    "left-out": Scenario(torch.bfloat16, 3e-3, "left_out", "one parameter in no param group: unstepped weights",
-                         "blocks.1.proj.weight", plant_from_start=True),
-    "bf16-state": Scenario(torch.bfloat16, 3e-3, "bf16_state", "one layer's exp_avg_sq made bf16 halfway: dtype contract",
-                           "blocks.0.fc2.weight"),
-    "state-underflow": Scenario(torch.bfloat16, 3e-3, "underflow",
-                                "one layer's grads near 1e-33: exp_avg_sq flushed to zero", "blocks.0.fc1.weight",
-                                plant_from_start=True),
+    "nan": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "nan",
+        "one NaN in a gradient halfway: NaN/Inf in grads, then weights",
+        "blocks.1.fc1.weight",
+    ),
+    "fp16-overflow": Scenario(
+        torch.float16, 3e-3, "overflow", "fp16 compute weights, a main weight past 65504: refresh overflow", "pos"
+    ),
+    "layer-lr": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "layer_lr",
+        "one layer's param group at 1/1000 of the lr: stuck weights",
+        "blocks.1.norm2.weight",
+        plant_from_start=True,
+    ),
+    "left-out": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "left_out",
+        "one parameter in no param group: unstepped weights",
+        "blocks.1.proj.weight",
+        plant_from_start=True,
+    ),
+    "bf16-state": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "bf16_state",
+        "one layer's exp_avg_sq made bf16 halfway: dtype contract",
+        "blocks.0.fc2.weight",
+    ),
+    "state-underflow": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "underflow",
+        "one layer's grads near 1e-33: exp_avg_sq flushed to zero",
+        "blocks.0.fc1.weight",
+        plant_from_start=True,
+    ),
 }
 EXPORTERS = ("file", "otlp", "console", "none", "prometheus")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
@@ -222,17 +250,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, dest, kind, text in _TRAINING_FLAGS:
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=text)
     parser.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints here (and resume from here)")
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="save every N steps, and at the end (default 10; 0: only at the end)")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=10,
+        help="save every N steps, and at the end (default 10; 0: only at the end)",
+    )
     parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept, newest first (default 2)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    parser.add_argument("--trace-dir", default=None, help=f"trace files (default $FSDP_PATCH_TRACE_DIR, else {DEFAULT_TRACE_DIR})")
-    parser.add_argument("--exporter", default=None, help="file (default), otlp, console, none or prometheus (a pull endpoint per rank); all but none keep the files too")
-    parser.add_argument("--precision-every", type=int, default=None, help="precision diagnostics every N steps (default 5)")
+    parser.add_argument(
+        "--trace-dir", default=None, help=f"trace files (default $FSDP_PATCH_TRACE_DIR, else {DEFAULT_TRACE_DIR})"
+    )
+    parser.add_argument(
+        "--exporter",
+        default=None,
+        help="file (default), otlp, console, none or prometheus (a pull endpoint per rank); all but none keep the files too",
+    )
+    parser.add_argument(
+        "--precision-every", type=int, default=None, help="precision diagnostics every N steps (default 5)"
+    )
     parser.add_argument("--loss-log", default=None, help="write each step's loss and learning rate as JSON lines here")
-    parser.add_argument("--progress", default="auto", help="auto (a bar on a terminal, lines otherwise), bar, lines or none")
+    parser.add_argument(
+        "--progress", default="auto", help="auto (a bar on a terminal, lines otherwise), bar, lines or none"
+    )
     parser.add_argument("--report-lines", type=int, default=10, help="most lines of the precision report (default 10)")
-    parser.add_argument("--compute-copy", default="persistent",
-                        help="persistent (default: kept, refreshed after each step) or per_gather (cast at each all-gather: FSDP2's memory)")
+    parser.add_argument(
+        "--compute-copy",
+        default="persistent",
+        help="persistent (default: kept, refreshed after each step) or per_gather (cast at each all-gather: FSDP2's memory)",
+    )
 
 
 def _at_least(option: str, value: int, least: int) -> None:
@@ -246,7 +292,9 @@ def _choice(option: str, value: str, accepted: tuple[str, ...] | list[str]) -> s
     return value
 
 
-def training_from_args(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> tuple[TrainingConfig, frozenset[str]]:
+def training_from_args(
+    args: argparse.Namespace, saved: dict[str, Any] | None = None
+) -> tuple[TrainingConfig, frozenset[str]]:
     """The training configuration: given options, else the checkpoint's (``saved``), else defaults.
 
     Raises:
@@ -269,7 +317,9 @@ def training_from_args(args: argparse.Namespace, saved: dict[str, Any] | None = 
         try:
             config = TrainingConfig(**{**saved, **given})
         except TypeError as exc:
-            raise DemoInputError(f"incompatible checkpoint: its training settings do not fit this version ({exc})") from None
+            raise DemoInputError(
+                f"incompatible checkpoint: its training settings do not fit this version ({exc})"
+            ) from None
     else:
         scenario = SCENARIOS[given.get("scenario", "healthy")]
         compute = given.get("compute_dtype", dtype_name(scenario.compute_dtype))
@@ -323,7 +373,9 @@ def check_layout(config: TrainingConfig, world_size: int) -> None:
         )
 
 
-def run_options(args: argparse.Namespace, training: TrainingConfig, explicit: frozenset[str], world_size: int) -> RunOptions:
+def run_options(
+    args: argparse.Namespace, training: TrainingConfig, explicit: frozenset[str], world_size: int
+) -> RunOptions:
     """The whole invocation, checked.
 
     Raises:

@@ -94,7 +94,7 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
     if rank == 0:
         _print_start(options, model, resume_from, load_seconds)
     # Created (or emptied) by the launcher; a resumed run appends its steps.
-    log = open(options.loss_log, "a", encoding="utf-8") if rank == 0 and options.loss_log else None  # noqa: SIM115
+    log = open(options.loss_log, "a", encoding="utf-8") if rank == 0 and options.loss_log else None
     device = next(model.parameters()).device
     try:
         while step < options.steps:
@@ -123,7 +123,14 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
             if options.checkpoint_dir and (last or (options.checkpoint_every and step % options.checkpoint_every == 0)):
                 saved_at = time.perf_counter()
                 path = checkpoint.save(
-                    options.checkpoint_dir, step, position, model, optimizer, scheduler, training, options.keep_checkpoints
+                    options.checkpoint_dir,
+                    step,
+                    position,
+                    model,
+                    optimizer,
+                    scheduler,
+                    training,
+                    options.keep_checkpoints,
                 )
                 progress.note(f"checkpoint: {path} ({time.perf_counter() - saved_at:.1f} s)")
     finally:

@@ -43,7 +43,7 @@ class AllGather:
         return torch.empty(numel, dtype=dtype, device=device)
 
     @classmethod
-    def issue(cls, output: torch.Tensor, shard: torch.Tensor, process_group: Any, tag: int) -> "AllGather":
+    def issue(cls, output: torch.Tensor, shard: torch.Tensor, process_group: Any, tag: int) -> AllGather:
         """Starts gathering every rank's ``shard`` into ``output`` (``shard`` may be a slice of
         ``output``: this rank's slot, gathered in place)."""
         return cls(all_gather_flat(output, shard, group=process_group, async_op=True), output, tag)
@@ -80,7 +80,7 @@ class ReduceScatter:
         self.overwrite = overwrite
 
     @classmethod
-    def issue(cls, packed: torch.Tensor, process_group: Any, world_size: int, overwrite: bool) -> "ReduceScatter":
+    def issue(cls, packed: torch.Tensor, process_group: Any, world_size: int, overwrite: bool) -> ReduceScatter:
         """Starts reducing ``packed`` (``(world_size, n)``: row ``r`` is what rank ``r`` receives)."""
         if world_size == 1:
             return cls(None, packed, packed.view(-1), overwrite)

@@ -86,7 +86,7 @@ class ShardedBuffer(FlatBuffer):
     @classmethod
     def allocate(
         cls, layout: GroupLayout, specs: ShardSpecs, dtype: torch.dtype, device: torch.device, zeroed: bool
-    ) -> "ShardedBuffer":
+    ) -> ShardedBuffer:
         new = torch.zeros if zeroed else torch.empty
         return cls(new(layout.shard_numel, dtype=dtype, device=device), layout, specs)
 
@@ -117,7 +117,9 @@ class UnshardedBuffer(FlatBuffer):
         requires_grad: Per parameter, whether its unsharded parameter starts out trainable.
     """
 
-    def __init__(self, layout: GroupLayout, dtype: torch.dtype, device: torch.device, requires_grad: Sequence[bool]) -> None:
+    def __init__(
+        self, layout: GroupLayout, dtype: torch.dtype, device: torch.device, requires_grad: Sequence[bool]
+    ) -> None:
         super().__init__(torch.empty(layout.unsharded_numel, dtype=dtype, device=device))
         self.layout = layout
         flat = self.tensor

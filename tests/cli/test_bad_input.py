@@ -46,31 +46,67 @@ def _fake_checkpoint(directory: Path, step: int = 6, **changes) -> Path:
 
 
 CASES = {
-    "unknown-dtype": (["demo", "--compute-dtype", "bf17"], "--compute-dtype 'bf17' is not a dtype; expected one of bf16, fp16, fp32"),
+    "unknown-dtype": (
+        ["demo", "--compute-dtype", "bf17"],
+        "--compute-dtype 'bf17' is not a dtype; expected one of bf16, fp16, fp32",
+    ),
     "unknown-grad-dtype": (["demo", "--grad-dtype", "int8"], "--grad-dtype 'int8' is not a dtype"),
     "world-size-0": (["demo", "--world-size", "0"], "--world-size 0 is too small; expected an integer >= 1"),
     "steps-0": (["demo", "--steps", "0"], "--steps 0 is too small; expected an integer >= 1"),
     "negative-lr": (["demo", "--lr", "-1"], "--lr -1.0 must be a positive number"),
-    "unknown-scenario": (["demo", "--scenario", "bogus"], "--scenario 'bogus' is not known; expected one of healthy, tiny-lr, nan, fp16-overflow, layer-lr, left-out, bf16-state, state-underflow"),
-    "unknown-compute-copy": (["demo", "--compute-copy", "lazy"], "--compute-copy 'lazy' is not known; expected one of persistent, per_gather"),
-    "unknown-exporter": (["demo", "--exporter", "kafka"], "--exporter 'kafka' is not known; expected one of file, otlp, console, none"),
-    "batch-split": (["demo", "--batch", "6", "--microbatches", "2"], "--batch 6 does not split into --microbatches 2 x 2 ranks; expected a multiple of 4"),
+    "unknown-scenario": (
+        ["demo", "--scenario", "bogus"],
+        "--scenario 'bogus' is not known; expected one of healthy, tiny-lr, nan, fp16-overflow, layer-lr, left-out, bf16-state, state-underflow",
+    ),
+    "unknown-compute-copy": (
+        ["demo", "--compute-copy", "lazy"],
+        "--compute-copy 'lazy' is not known; expected one of persistent, per_gather",
+    ),
+    "unknown-exporter": (
+        ["demo", "--exporter", "kafka"],
+        "--exporter 'kafka' is not known; expected one of file, otlp, console, none",
+    ),
+    "batch-split": (
+        ["demo", "--batch", "6", "--microbatches", "2"],
+        "--batch 6 does not split into --microbatches 2 x 2 ranks; expected a multiple of 4",
+    ),
     "not-a-number": (["demo", "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     "unknown-option": (["demo", "--bogus"], "unrecognized arguments: --bogus"),
     "no-subcommand": ([], "the following arguments are required"),
     "resume-without-dir": (["demo", "--resume"], "--resume needs --checkpoint-dir"),
-    "resume-missing-dir": (["demo", "--resume", "--checkpoint-dir", "{tmp}/nowhere"], "cannot resume: checkpoint directory {tmp}/nowhere does not exist"),
+    "resume-missing-dir": (
+        ["demo", "--resume", "--checkpoint-dir", "{tmp}/nowhere"],
+        "cannot resume: checkpoint directory {tmp}/nowhere does not exist",
+    ),
     "resume-empty-dir": (["demo", "--resume", "--checkpoint-dir", "{tmp}"], "cannot resume: no checkpoint in {tmp}"),
-    "resume-incompatible": (["demo", "--resume", "--checkpoint-dir", "{ckpt}", "--lr", "0.01", "--steps", "10"], "incompatible checkpoint: it was trained with --lr 0.003, this run asks for --lr 0.01"),
-    "resume-other-dtype": (["demo", "--resume", "--checkpoint-dir", "{ckpt}", "--compute-dtype", "fp16", "--steps", "10"], "incompatible checkpoint: it was trained with --compute-dtype bfloat16, this run asks for --compute-dtype float16"),
-    "resume-nothing-to-do": (["demo", "--resume", "--checkpoint-dir", "{ckpt}", "--steps", "6"], "nothing to resume: checkpoint {ckpt}/step-00000006 is at step 6; pass --steps greater than 6"),
-    "resume-other-format": (["demo", "--resume", "--checkpoint-dir", "{old}", "--steps", "10"], "incompatible checkpoint: {old}/step-00000006/demo.json has format 0"),
-    "loss-log-unwritable": (["demo", "--loss-log", "{tmp}/file/loss.jsonl"], "--loss-log {tmp}/file/loss.jsonl: cannot write it"),
+    "resume-incompatible": (
+        ["demo", "--resume", "--checkpoint-dir", "{ckpt}", "--lr", "0.01", "--steps", "10"],
+        "incompatible checkpoint: it was trained with --lr 0.003, this run asks for --lr 0.01",
+    ),
+    "resume-other-dtype": (
+        ["demo", "--resume", "--checkpoint-dir", "{ckpt}", "--compute-dtype", "fp16", "--steps", "10"],
+        "incompatible checkpoint: it was trained with --compute-dtype bfloat16, this run asks for --compute-dtype float16",
+    ),
+    "resume-nothing-to-do": (
+        ["demo", "--resume", "--checkpoint-dir", "{ckpt}", "--steps", "6"],
+        "nothing to resume: checkpoint {ckpt}/step-00000006 is at step 6; pass --steps greater than 6",
+    ),
+    "resume-other-format": (
+        ["demo", "--resume", "--checkpoint-dir", "{old}", "--steps", "10"],
+        "incompatible checkpoint: {old}/step-00000006/demo.json has format 0",
+    ),
+    "loss-log-unwritable": (
+        ["demo", "--loss-log", "{tmp}/file/loss.jsonl"],
+        "--loss-log {tmp}/file/loss.jsonl: cannot write it",
+    ),
     "report-missing-dir": (["report", "{tmp}/nowhere"], "fsdp-patch report: {tmp}/nowhere is not a directory"),
     "report-no-traces": (["report", "{tmp}"], "fsdp-patch report: {tmp} holds no rank*.trace.json file"),
     "report-bad-lines": (["report", "{tmp}", "--lines", "0"], "--lines 0 is too small"),
     "report-corrupt-trace": (["report", "{corrupt}"], "is not a Chrome trace-event JSON file"),
-    "trace-missing-input": (["trace", "merge", "{tmp}/out.json", "{tmp}/none.trace.json"], "fsdp-patch trace: {tmp}/none.trace.json does not exist"),
+    "trace-missing-input": (
+        ["trace", "merge", "{tmp}/out.json", "{tmp}/none.trace.json"],
+        "fsdp-patch trace: {tmp}/none.trace.json does not exist",
+    ),
     "trace-unknown-tool": (["trace", "zip", "a", "b"], "invalid choice: 'zip'"),
 }
 

@@ -73,11 +73,58 @@ def runs(fresh_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     command = str(fresh_venv / "bin" / "fsdp-patch")
     common = ["--progress", "lines"]
     out: dict[str, Any] = {"work": work}
-    out["first"] = _run([command, "demo", "--steps", "6", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl", "--trace-dir", "t_first", *common], work)
+    out["first"] = _run(
+        [
+            command,
+            "demo",
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            "ckpt",
+            "--loss-log",
+            "resumed.jsonl",
+            "--trace-dir",
+            "t_first",
+            *common,
+        ],
+        work,
+    )
     # Resumed with the other compute-copy lifetime: it trains bit for bit alike.
-    out["resumed"] = _run([command, "demo", "--steps", "10", "--resume", "--checkpoint-dir", "ckpt", "--loss-log", "resumed.jsonl",
-                           "--trace-dir", "t_resumed", "--compute-copy", "per_gather", *common], work)
-    out["whole"] = _run([command, "demo", "--steps", "10", "--checkpoint-dir", "ckpt_whole", "--loss-log", "whole.jsonl", "--trace-dir", "t_whole", *common], work)
+    out["resumed"] = _run(
+        [
+            command,
+            "demo",
+            "--steps",
+            "10",
+            "--resume",
+            "--checkpoint-dir",
+            "ckpt",
+            "--loss-log",
+            "resumed.jsonl",
+            "--trace-dir",
+            "t_resumed",
+            "--compute-copy",
+            "per_gather",
+            *common,
+        ],
+        work,
+    )
+    out["whole"] = _run(
+        [
+            command,
+            "demo",
+            "--steps",
+            "10",
+            "--checkpoint-dir",
+            "ckpt_whole",
+            "--loss-log",
+            "whole.jsonl",
+            "--trace-dir",
+            "t_whole",
+            *common,
+        ],
+        work,
+    )
     for scenario in ("tiny-lr", "nan", "fp16-overflow", "layer-lr", "left-out", "bf16-state", "state-underflow"):
         out[f"{scenario}:demo"] = _run([command, "demo", "--scenario", scenario, "--steps", "6", "--precision-every", "1",
                                         "--trace-dir", f"t_{scenario}", *common], work)  # fmt: skip
@@ -128,7 +175,11 @@ def test_resumed_run_equals_an_uninterrupted_run_bitwise(runs: dict[str, Any], t
     got = _checkpoint_tensors(work / "ckpt" / "step-00000010", tmp_path)
     want = _checkpoint_tensors(work / "ckpt_whole" / "step-00000010", tmp_path)
     assert got.keys() == want.keys(), f"state keys differ: {sorted(got.keys() ^ want.keys())[:5]}"
-    differ = [k for k in want if not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k])]
+    differ = [
+        k
+        for k in want
+        if not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k])
+    ]
     assert not differ, f"final state differs from the uninterrupted run's in {differ[:5]}"
     assert any(k.startswith("optim.state.") and k.endswith("exp_avg_sq") for k in want), "no AdamW state was compared"
 
@@ -156,9 +207,18 @@ def test_healthy_run_ends_with_a_healthy_report(runs: dict[str, Any]) -> None:
     [
         ("tiny-lr", "overall: warning: lost updates: learning rate too small for the compute dtype"),
         ("nan", "overall: problem: NaN/Inf in gradients or weights, from step 3"),
-        ("fp16-overflow", "overall: problem: refresh overflow: main weights beyond the compute dtype's range (65504 for fp16), from step 3"),
-        ("layer-lr", "overall: warning: stuck weights: compute weights that do not move while their main weights do, from step 3"),
-        ("left-out", "overall: problem: unstepped weights: parameters that get grads but whose main weights never change, from step 3"),
+        (
+            "fp16-overflow",
+            "overall: problem: refresh overflow: main weights beyond the compute dtype's range (65504 for fp16), from step 3",
+        ),
+        (
+            "layer-lr",
+            "overall: warning: stuck weights: compute weights that do not move while their main weights do, from step 3",
+        ),
+        (
+            "left-out",
+            "overall: problem: unstepped weights: parameters that get grads but whose main weights never change, from step 3",
+        ),
         ("bf16-state", "overall: warning: dtypes the mixed-precision contract does not expect, from step 3"),
         ("state-underflow", "exp_avg_sq flushed to zero: squared grads underflow (first at step 1)"),
     ],
@@ -172,13 +232,32 @@ def test_report_names_each_planted_problem(runs: dict[str, Any], scenario: str, 
 @pytest.mark.parametrize(
     ("scenario", "layer", "named"),
     [
-        ("nan", "blocks.1.fc1.weight", "first NaN/Inf: step 3, rank 0, blocks.1.fc1.weight (unit 'blocks.1'), main_grad: 1 NaN element"),
+        (
+            "nan",
+            "blocks.1.fc1.weight",
+            "first NaN/Inf: step 3, rank 0, blocks.1.fc1.weight (unit 'blocks.1'), main_grad: 1 NaN element",
+        ),
         ("fp16-overflow", "pos", "overflowing: pos (root unit)"),
-        ("layer-lr", "blocks.1.norm2.weight", "stuck: blocks.1.norm2.weight (unit 'blocks.1'): 6 diagnosed steps at step 6"),
-        ("left-out", "blocks.1.proj.weight", "unstepped: blocks.1.proj.weight (unit 'blocks.1'): 6 diagnosed steps at step 6, not in optimizer"),
-        ("bf16-state", "blocks.0.fc2.weight",
-         "blocks.0.fc2.weight (unit 'blocks.0'): optimizer_state 'exp_avg_sq' is bfloat16, expected float32 (step 3, ranks 0, 1)"),
-        ("state-underflow", "blocks.0.fc1.weight", "exp_avg_sq flushed to zero: blocks.0.fc1.weight [exp_avg_sq] (unit 'blocks.0')"),
+        (
+            "layer-lr",
+            "blocks.1.norm2.weight",
+            "stuck: blocks.1.norm2.weight (unit 'blocks.1'): 6 diagnosed steps at step 6",
+        ),
+        (
+            "left-out",
+            "blocks.1.proj.weight",
+            "unstepped: blocks.1.proj.weight (unit 'blocks.1'): 6 diagnosed steps at step 6, not in optimizer",
+        ),
+        (
+            "bf16-state",
+            "blocks.0.fc2.weight",
+            "blocks.0.fc2.weight (unit 'blocks.0'): optimizer_state 'exp_avg_sq' is bfloat16, expected float32 (step 3, ranks 0, 1)",
+        ),
+        (
+            "state-underflow",
+            "blocks.0.fc1.weight",
+            "exp_avg_sq flushed to zero: blocks.0.fc1.weight [exp_avg_sq] (unit 'blocks.0')",
+        ),
     ],
 )
 def test_demo_and_report_name_the_planted_layer(runs: dict[str, Any], scenario: str, layer: str, named: str) -> None:
@@ -192,8 +271,15 @@ def test_report_json_names_the_first_bad_tensor(runs: dict[str, Any]) -> None:
     report = json.loads(runs["nan:json"].stdout)
     (first,) = [f["first_nonfinite"] for f in report["findings"] if "first_nonfinite" in f]
     got = {k: first[k] for k in ("step", "param", "unit", "tensor", "ranks", "kind", "elements")}
-    want = {"step": 3, "param": "blocks.1.fc1.weight", "unit": "blocks.1", "tensor": "main_grad", "ranks": [0],
-            "kind": "nan", "elements": 1}
+    want = {
+        "step": 3,
+        "param": "blocks.1.fc1.weight",
+        "unit": "blocks.1",
+        "tensor": "main_grad",
+        "ranks": [0],
+        "kind": "nan",
+        "elements": 1,
+    }
     assert got == want, f"want {want}, got {got}"
     assert report["verdict"] == "problem" and report["steps"] == 6, report
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-
 from fsdp_patch.telemetry import semconv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,15 +48,21 @@ INSTRUMENT_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (semconv.METRIC_DTYPE_CONTRACT, semconv.ATTR_TENSOR): semconv.CONTRACT_TENSORS,
 }
 # With FSDP_PATCH_PRECISION_DETAIL=unit these carry fsdp.unit too (units of a model: the root is "").
-UNIT_LABELLED = {semconv.METRIC_NONFINITE, semconv.METRIC_REFRESH_OVERFLOW, semconv.METRIC_REFRESH_UNDERFLOW,
-                 semconv.METRIC_REFRESH_ERROR, semconv.METRIC_LOST_RATIO, semconv.METRIC_GRAD_AMAX}
+UNIT_LABELLED = {
+    semconv.METRIC_NONFINITE,
+    semconv.METRIC_REFRESH_OVERFLOW,
+    semconv.METRIC_REFRESH_UNDERFLOW,
+    semconv.METRIC_REFRESH_ERROR,
+    semconv.METRIC_LOST_RATIO,
+    semconv.METRIC_GRAD_AMAX,
+}
 UNITS = ("", "blocks.0")
 
 
 @dataclass(frozen=True)
 class Metric:
-    name: str                             # OpenTelemetry instrument name
-    kind: str                             # Counter, Histogram, Gauge
+    name: str  # OpenTelemetry instrument name
+    kind: str  # Counter, Histogram, Gauge
     unit: str
     attributes: dict[str, tuple[str, ...]]  # attribute key -> values to produce series for
 
@@ -65,16 +70,22 @@ class Metric:
 def instrument_table() -> list[Metric]:
     from fsdp_patch.telemetry.instruments import INSTRUMENTS
 
-    return [Metric(spec.name, spec.kind, spec.unit,
-                   {key: INSTRUMENT_VALUES.get((spec.name, key), ATTRIBUTE_VALUES[key]) for key in spec.attributes})
-            for spec in INSTRUMENTS]
+    return [
+        Metric(
+            spec.name,
+            spec.kind,
+            spec.unit,
+            {key: INSTRUMENT_VALUES.get((spec.name, key), ATTRIBUTE_VALUES[key]) for key in spec.attributes},
+        )
+        for spec in INSTRUMENTS
+    ]
 
 
 @dataclass(frozen=True)
 class Series:
-    name: str            # sample name as exposed, e.g. fsdp_optimizer_cast_size_bytes_total
-    family_type: str     # counter, gauge, histogram
-    labels: tuple        # sorted (label, value) pairs
+    name: str  # sample name as exposed, e.g. fsdp_optimizer_cast_size_bytes_total
+    family_type: str  # counter, gauge, histogram
+    labels: tuple  # sorted (label, value) pairs
     value: float
 
 
@@ -88,8 +99,9 @@ def exposition_for_rank(rank: str) -> str:
     reader = PrometheusMetricReader(registry=registry)
     provider = MeterProvider(
         metric_readers=[reader],
-        resource=Resource.create({"service.name": "fsdp_patch", semconv.RESOURCE_RANK: int(rank),
-                                  semconv.RESOURCE_WORLD_SIZE: WORLD_SIZE}),
+        resource=Resource.create(
+            {"service.name": "fsdp_patch", semconv.RESOURCE_RANK: int(rank), semconv.RESOURCE_WORLD_SIZE: WORLD_SIZE}
+        ),
     )
     try:
         from fsdp_patch.telemetry.instruments import RANK_ATTRIBUTE, create_instruments
@@ -100,7 +112,11 @@ def exposition_for_rank(rank: str) -> str:
             units = ((semconv.ATTR_UNIT, u) for u in UNITS) if metric.name in UNIT_LABELLED else ()
             for values, unit in itertools.product(itertools.product(*(metric.attributes[k] for k in keys)),
                                                   (None, *units)):  # fmt: skip
-                point = {RANK_ATTRIBUTE: int(rank), **dict(zip(keys, values)), **dict([unit] if unit else [])}
+                point = {
+                    RANK_ATTRIBUTE: int(rank),
+                    **dict(zip(keys, values, strict=True)),
+                    **dict([unit] if unit else []),
+                }
                 instrument = instruments[metric.name]
                 if metric.kind == "Counter":
                     instrument.add(3, point)
@@ -135,10 +151,11 @@ def design_prometheus_names(exporter_names) -> dict[str, set[str]]:
 # ---------------------------------------------------------------------------------------------
 # Dashboards and their queries
 
+
 @dataclass(frozen=True)
 class Query:
-    source: str      # file and panel/variable it comes from, for messages
-    expr: str        # as written (Grafana variables unexpanded)
+    source: str  # file and panel/variable it comes from, for messages
+    expr: str  # as written (Grafana variables unexpanded)
     legend: str = ""
     kind: str = "panel"  # panel | variable | rule
 
@@ -167,8 +184,9 @@ def dashboard_queries(path: Path) -> list[Query]:
     for panel in all_panels(dash):
         for t in panel.get("targets", []):
             if target_datasource_type(panel, t) == "prometheus":
-                out.append(Query(f"{path.name}: panel {panel['title']!r} {t['refId']}",
-                                 t["expr"], t.get("legendFormat", "")))
+                out.append(
+                    Query(f"{path.name}: panel {panel['title']!r} {t['refId']}", t["expr"], t.get("legendFormat", ""))
+                )
     for var in dash.get("templating", {}).get("list", []):
         if var.get("type") == "query":
             q = var.get("query")
@@ -177,8 +195,14 @@ def dashboard_queries(path: Path) -> list[Query]:
     return out
 
 
-GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "1m", "__range": "10m",
-                    "__range_s": "600", "__interval_ms": "60000", "__all": ".*"}
+GRAFANA_BUILTINS = {
+    "__rate_interval": "1m",
+    "__interval": "1m",
+    "__range": "10m",
+    "__range_s": "600",
+    "__interval_ms": "60000",
+    "__all": ".*",
+}
 _VAR_REF = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\[\[(\w+)\]\]|\$(\w+)")
 
 
@@ -217,8 +241,23 @@ def query_as_promql(q: Query, dashboards: dict[str, dict]) -> str:
 # ---------------------------------------------------------------------------------------------
 # PromQL static reading: enough of the grammar to list metric names and label names.
 
-_PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
-                 "group_right", "bool", "offset", "inf", "nan", "start", "end"}
+_PROMQL_WORDS = {
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+    "start",
+    "end",
+}
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _SELECTOR = re.compile(r"(?<![\w:])([a-zA-Z_:][\w:]*)?\s*\{([^{}]*)\}")
 _MATCHER = re.compile(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)\s*(\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*')")
@@ -230,7 +269,7 @@ _IDENT = re.compile(r"(?<![\w.:])([a-zA-Z_:][\w:]*)(?![\w:])(?!\s*\()")
 class PromQLRefs:
     metrics: set[str]
     matchers: list[tuple[str | None, set[str]]]  # (metric or None, label names matched)
-    grouping: list[tuple[str, list[str]]]        # (by/on/..., labels) in text order
+    grouping: list[tuple[str, list[str]]]  # (by/on/..., labels) in text order
 
 
 def promql_refs(expr: str) -> PromQLRefs:
@@ -239,8 +278,7 @@ def promql_refs(expr: str) -> PromQLRefs:
         labels = {lbl for lbl, _ in _MATCHER.findall(body)}
         name_matchers = re.findall(r'__name__\s*=\s*"([^"]*)"', body)
         matchers.append((metric or (name_matchers[0] if name_matchers else None), labels))
-    grouping = [(kw, [lbl.strip() for lbl in body.split(",") if lbl.strip()])
-                for kw, body in _GROUPING.findall(expr)]
+    grouping = [(kw, [lbl.strip() for lbl in body.split(",") if lbl.strip()]) for kw, body in _GROUPING.findall(expr)]
     bare = _STRING.sub('""', expr)
     bare = re.sub(r"\{[^{}]*\}", " ", bare)
     bare = re.sub(r"\[[^\]]*\]", " ", bare)

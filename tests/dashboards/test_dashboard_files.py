@@ -11,9 +11,6 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-
-from fsdp_patch.telemetry import semconv
-from tests import conventions_doc as conventions
 from dashboards_support import (  # conftest.py puts this folder on sys.path
     DASHBOARDS,
     LABEL_VALUES,
@@ -27,6 +24,9 @@ from dashboards_support import (  # conftest.py puts this folder on sys.path
     variable_refs,
     variable_values,
 )
+from fsdp_patch.telemetry import semconv
+
+from tests import conventions_doc as conventions
 
 MAIN_DASHBOARD = "fsdp_optimizer.json"
 PROVISIONED = DASHBOARDS / "grafana" / "provisioning"
@@ -40,10 +40,18 @@ def _all_config_files():
 
 # --- parsing -----------------------------------------------------------------------------------
 
+
 def test_expected_files_exist():
-    for rel in ["grafana/fsdp_optimizer.json", "prometheus/prometheus.yml", "prometheus/rules.yml",
-                "prometheus/rules_test.yml", "otel-collector/config.yaml", "compose.yaml",
-                "README.md", "install_promtool.sh"]:
+    for rel in [
+        "grafana/fsdp_optimizer.json",
+        "prometheus/prometheus.yml",
+        "prometheus/rules.yml",
+        "prometheus/rules_test.yml",
+        "otel-collector/config.yaml",
+        "compose.yaml",
+        "README.md",
+        "install_promtool.sh",
+    ]:
         assert (DASHBOARDS / rel).is_file(), rel
     assert list((PROVISIONED / "datasources").glob("*.yaml"))
     assert list((PROVISIONED / "dashboards").glob("*.yaml"))
@@ -57,14 +65,16 @@ def test_config_file_parses(path: Path):
 
 # --- the instruments' Prometheus names ------------------------------------------------------------
 
+
 def _page_prometheus_names() -> dict[str, list[str]]:
     """docs/conventions.md's Prometheus table, ``_{bucket,count,sum}`` written out."""
     names = {}
     for instrument, exposed in conventions.table_rows(conventions.section("Metrics"), "instrument"):
         written = conventions.code_spans(exposed)[0]
         stem, _, suffixes = written.partition("{")
-        names[conventions.code_spans(instrument)[0]] = (sorted(stem + s for s in suffixes.rstrip("}").split(",")) if suffixes
-                                            else [written])
+        names[conventions.code_spans(instrument)[0]] = (
+            sorted(stem + s for s in suffixes.rstrip("}").split(",")) if suffixes else [written]
+        )
     return names
 
 
@@ -88,8 +98,14 @@ def test_instrument_table_and_attribute_values_are_the_conventions_pages():
     """The dashboards are built on telemetry.instruments: that table, and the attribute values the
     series here are made for, are docs/conventions.md's metric table."""
     rows = conventions.table_rows(conventions.section("Metrics"), "name")
-    table = {conventions.code_spans(name)[0]: (kind, conventions.code_spans(unit)[0], set(re.findall(r"`(fsdp\.[\w.]+)`", attrs)))
-             for name, kind, unit, attrs in rows}
+    table = {
+        conventions.code_spans(name)[0]: (
+            kind,
+            conventions.code_spans(unit)[0],
+            set(re.findall(r"`(fsdp\.[\w.]+)`", attrs)),
+        )
+        for name, kind, unit, attrs in rows
+    }
     ours = {m.name: (m.kind, m.unit, set(m.attributes)) for m in instrument_table()}
     assert table == ours, f"docs/conventions.md {table}, telemetry.instruments {ours}"
     made = {m.name: m.attributes for m in instrument_table()}
@@ -104,6 +120,7 @@ def test_instrument_table_and_attribute_values_are_the_conventions_pages():
 
 # --- PromQL in dashboards and rules -------------------------------------------------------------
 
+
 def _check_names_and_labels(q, exporter_names):
     expr, listed = q.expr, None
     if q.kind == "variable":
@@ -113,8 +130,10 @@ def _check_names_and_labels(q, exporter_names):
     refs = promql_refs(expr)
     assert refs.metrics, f"{q.source}: no metric in {q.expr!r}"
     unknown = refs.metrics - set(exporter_names)
-    assert not unknown, (f"{q.source}: {sorted(unknown)} are not names the Prometheus exporter "
-                         f"produces for the telemetry instruments (known: {sorted(exporter_names)})")
+    assert not unknown, (
+        f"{q.source}: {sorted(unknown)} are not names the Prometheus exporter "
+        f"produces for the telemetry instruments (known: {sorted(exporter_names)})"
+    )
     known_labels = set().union(*(exporter_names[m] for m in refs.metrics)) | SCRAPE_LABELS
     for metric, labels in refs.matchers:
         allowed = (exporter_names[metric] if metric in exporter_names else known_labels) | SCRAPE_LABELS
@@ -153,7 +172,7 @@ def test_every_panel_query_is_split_by_rank_and_filtered_by_the_variables(panel_
         assert any("fsdp_rank" in labels for kw, labels in refs.grouping if kw == "by"), q.source
         for metric, labels in refs.matchers:
             assert {"job", "fsdp_rank"} <= labels, f"{q.source}: {metric} not filtered by $job/$rank"
-        assert '$rank' in q.expr and '$job' in q.expr, q.source
+        assert "$rank" in q.expr and "$job" in q.expr, q.source
 
 
 def test_every_design_metric_is_on_a_panel(dashboards, panel_queries, exporter_names):
@@ -174,6 +193,7 @@ def test_histogram_quantiles_use_rate_of_buckets_by_le(panel_queries):
 
 
 # --- Grafana dashboards -----------------------------------------------------------------------
+
 
 def test_dashboard_structure(dashboards):
     uids = set()
@@ -232,8 +252,9 @@ def test_template_variables_resolve(dashboards):
 
 def test_trace_panel_searches_optimizer_step_spans(dashboards):
     dash = dashboards[MAIN_DASHBOARD]
-    jaeger = [(p, t) for p in all_panels(dash) for t in p.get("targets", [])
-              if target_datasource_type(p, t) == "jaeger"]
+    jaeger = [
+        (p, t) for p in all_panels(dash) for t in p.get("targets", []) if target_datasource_type(p, t) == "jaeger"
+    ]
     assert jaeger, "no Jaeger panel"
     for _, t in jaeger:
         assert t["queryType"] == "search" and t["operation"] == semconv.SPAN_STEP
@@ -270,8 +291,7 @@ def _apply_metric_relabel(name: str, configs: list[dict]) -> str:
         action = c.get("action", "replace")
         assert action == "replace", "model handles replace only"
         if m:
-            repl = re.sub(r"\$\{?(\d+)\}?", lambda g: m.group(int(g.group(1))) or "",
-                          c.get("replacement", "$1"))
+            repl = re.sub(r"\$\{?(\d+)\}?", lambda g: m.group(int(g.group(1))) or "", c.get("replacement", "$1"))
             labels[c["target_label"]] = repl
     return labels["__name__"]
 
@@ -290,6 +310,7 @@ def test_collector_names_relabel_to_the_exporter_names(exporter_names):
 
 
 # --- compose stack ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def compose():
@@ -310,7 +331,7 @@ def _host_path(service: dict, container_path: str) -> Path | None:
         if container_path == dst:
             return src
         if container_path.startswith(dst.rstrip("/") + "/"):
-            return src / container_path[len(dst.rstrip("/")) + 1:]
+            return src / container_path[len(dst.rstrip("/")) + 1 :]
     return None
 
 
@@ -320,7 +341,7 @@ def test_compose_services_and_mounted_files(compose):
     for name, svc in services.items():
         assert re.fullmatch(r"[\w./-]+:[\w.-]+", svc["image"]) and not svc["image"].endswith(":latest"), name
         for dst, src in _mounts(svc).items():
-            assert src.exists(), f"{name}: mounts missing {src}"
+            assert src.exists(), f"{name}: mounts missing {src} (at {dst})"
             assert src.is_relative_to(DASHBOARDS), f"{name}: mounts {src} from outside dashboards/"
         for dep in svc.get("depends_on", []):
             assert dep in services, (name, dep)
@@ -411,12 +432,22 @@ def test_install_script_is_executable_bash():
 
 def test_readme_documents_the_setup():
     readme = (DASHBOARDS / "README.md").read_text()
-    for needle in ["docker compose", "OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318",
-                   "OTEL_TRACES_EXPORTER=otlp", "OTEL_METRICS_EXPORTER=otlp", "FSDP_PATCH_TELEMETRY=1",
-                   "9464", "Perfetto", "install_promtool.sh"]:
+    for needle in [
+        "docker compose",
+        "OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318",
+        "OTEL_TRACES_EXPORTER=otlp",
+        "OTEL_METRICS_EXPORTER=otlp",
+        "FSDP_PATCH_TELEMETRY=1",
+        "9464",
+        "Perfetto",
+        "install_promtool.sh",
+    ]:
         assert needle in readme, needle
-    titles = [p["title"] for p in all_panels(json.loads((DASHBOARDS / "grafana" / MAIN_DASHBOARD).read_text()))
-              if p["type"] not in {"row", "text"}]
+    titles = [
+        p["title"]
+        for p in all_panels(json.loads((DASHBOARDS / "grafana" / MAIN_DASHBOARD).read_text()))
+        if p["type"] not in {"row", "text"}
+    ]
     for t in titles:
         assert t.split(" (")[0] in readme, f"README does not explain panel {t!r}"
 

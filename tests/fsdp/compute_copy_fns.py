@@ -75,7 +75,12 @@ def train(impl: str, checkpointed: bool, microbatches: int) -> dict[str, Any]:
         from fsdp_patch.optimizer import fully_shard_optimizer
 
         fully_shard_optimizer(optimizer)
-    facts: dict[str, Any] = {"losses": [], "compute_bytes_after_step": [], "compute_bytes_after_zero_grad": [], "stale_after_step": []}
+    facts: dict[str, Any] = {
+        "losses": [],
+        "compute_bytes_after_step": [],
+        "compute_bytes_after_zero_grad": [],
+        "stale_after_step": [],
+    }
     for tokens in make_batches(STEPS, batch=BATCH):
         pieces = rank_slice(tokens, rank, world_size).chunk(microbatches)
         total = 0.0
@@ -112,14 +117,28 @@ def telemetry_run() -> dict[str, Any]:
             points = metric_points(reader)
             out[impl] = {
                 "losses": facts["losses"],
-                "refresh_bytes": sum(v for attrs, v in points.get("fsdp.optimizer.cast.size", [])
-                                     if attrs.get("fsdp.cast.kind") == "weight_refresh"),
-                "grad_bytes": sum(v for attrs, v in points.get("fsdp.optimizer.cast.size", [])
-                                  if attrs.get("fsdp.cast.kind") == "grad"),
-                "gauges": {name: sorted(v for _, v in points.get(name, [])) for name in (
-                    "fsdp.precision.refresh.error", "fsdp.precision.update.lost_ratio", "fsdp.precision.grad.amax")},
-                "counters": {name: sum(v for _, v in points.get(name, [])) for name in (
-                    "fsdp.precision.refresh.overflow", "fsdp.precision.refresh.underflow")},
+                "refresh_bytes": sum(
+                    v
+                    for attrs, v in points.get("fsdp.optimizer.cast.size", [])
+                    if attrs.get("fsdp.cast.kind") == "weight_refresh"
+                ),
+                "grad_bytes": sum(
+                    v
+                    for attrs, v in points.get("fsdp.optimizer.cast.size", [])
+                    if attrs.get("fsdp.cast.kind") == "grad"
+                ),
+                "gauges": {
+                    name: sorted(v for _, v in points.get(name, []))
+                    for name in (
+                        "fsdp.precision.refresh.error",
+                        "fsdp.precision.update.lost_ratio",
+                        "fsdp.precision.grad.amax",
+                    )
+                },
+                "counters": {
+                    name: sum(v for _, v in points.get(name, []))
+                    for name in ("fsdp.precision.refresh.overflow", "fsdp.precision.refresh.underflow")
+                },
                 "refresh_spans": sum(s.name == "fsdp.optimizer.refresh" for s in spans.get_finished_spans()),
                 "shard_compute_bytes": facts["shard_compute_bytes"],
             }
@@ -154,7 +173,9 @@ def external_write_run() -> dict[str, Any]:
             "loaded": loaded,
             "unsharded_after_unshard": unsharded,
             "compute_bytes_while_unsharded": compute_while_unsharded,
-            "shard_compute_bytes": sum(g.compute_weight.numel() * g.compute_weight.element_size() for g in _groups(model)),
+            "shard_compute_bytes": sum(
+                g.compute_weight.numel() * g.compute_weight.element_size() for g in _groups(model)
+            ),
         }
     return rank0(out)
 

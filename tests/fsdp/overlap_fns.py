@@ -86,7 +86,9 @@ def train(checkpointed: bool, limits: tuple[int, int, int], microbatches: int, s
         losses.append(step_loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        storage_after_zero_grad.append(sum(g.main_grad_storage_bytes() for m in units.values() for g in m.fsdp_parameter_groups))
+        storage_after_zero_grad.append(
+            sum(g.main_grad_storage_bytes() for m in units.values() for g in m.fsdp_parameter_groups)
+        )
     return {
         "losses": losses,
         "params": rank0(full_params(model)),

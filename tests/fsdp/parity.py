@@ -107,7 +107,9 @@ def shard(model: nn.Module, impl: str, precision: str, *, main_grads_dtype: torc
     return model
 
 
-def build(impl: str, precision: str, seed: int = 0, net: dict[str, bool] | None = None, **shard_kwargs: Any) -> nn.Module:
+def build(
+    impl: str, precision: str, seed: int = 0, net: dict[str, bool] | None = None, **shard_kwargs: Any
+) -> nn.Module:
     torch.manual_seed(seed)
     return shard(Net(**(net or {})), impl, precision, **shard_kwargs)
 
@@ -135,7 +137,9 @@ def my_rows(impl: str, x: torch.Tensor) -> torch.Tensor:
     return x[rank * per : (rank + 1) * per]
 
 
-def loss_of(model: nn.Module, impl: str, precision: str, x: torch.Tensor, y: torch.Tensor, **forward: Any) -> torch.Tensor:
+def loss_of(
+    model: nn.Module, impl: str, precision: str, x: torch.Tensor, y: torch.Tensor, **forward: Any
+) -> torch.Tensor:
     x, y = my_rows(impl, x), my_rows(impl, y)
     if impl.startswith("ours") and precision == "bf16":
         x = x.to(BF16)  # FSDP2 casts forward inputs to its param_dtype itself
@@ -204,6 +208,8 @@ def contenders(precision: str) -> tuple[str, ...]:
     return FP32_CONTENDERS if precision == "fp32" else BF16_CONTENDERS
 
 
-def run_contenders(train: Callable[[str], dict[str, Any]], precision: str, impls: Iterable[str] | None = None) -> dict[str, Any]:
+def run_contenders(
+    train: Callable[[str], dict[str, Any]], precision: str, impls: Iterable[str] | None = None
+) -> dict[str, Any]:
     """``train(impl)`` for each contender of ``precision``, in order."""
     return {impl: train(impl) for impl in (impls or contenders(precision))}

@@ -176,9 +176,11 @@ def train(
         from fsdp_patch import parameter_groups
 
         result["grads_after_zero_are_views"] = all(
-            p.grad is not None and p.grad.to_local().untyped_storage().data_ptr()
-            == g.main_grad.untyped_storage().data_ptr()
-            for g in parameter_groups(model) if g.main_grad is not None for p in g.params
+            p.grad is not None
+            and p.grad.to_local().untyped_storage().data_ptr() == g.main_grad.untyped_storage().data_ptr()
+            for g in parameter_groups(model)
+            if g.main_grad is not None
+            for p in g.params
         )
         result["main_grads_zeroed"] = all(
             bool((g.main_grad == 0).all()) for g in parameter_groups(model) if g.main_grad is not None
@@ -254,7 +256,7 @@ def shard_storage_facts(model: nn.Module) -> dict[str, Any]:
     buffers = {g.main_weight.untyped_storage().data_ptr(): g.main_weight.untyped_storage().nbytes() for g in groups}
     param_storages = {}
     in_buffer = True
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         local = p.to_local()
         ptr = local.untyped_storage().data_ptr()
         param_storages[ptr] = local.untyped_storage().nbytes()
@@ -265,9 +267,7 @@ def shard_storage_facts(model: nn.Module) -> dict[str, Any]:
         "param_storage_bytes": sum(param_storages.values()),
         "main_buffer_bytes": sum(buffers.values()),
         "shard_bytes_expected": sum(g.layout.shard_numel * g.main_weight.element_size() for g in groups),
-        "unsharded_param_storage_bytes": sum(
-            p.untyped_storage().nbytes() for g in groups for p in g.unsharded_params
-        ),
+        "unsharded_param_storage_bytes": sum(p.untyped_storage().nbytes() for g in groups for p in g.unsharded_params),
     }
 
 
@@ -318,7 +318,7 @@ def geometry_run() -> dict[str, Any]:
     model(x).square().mean().backward()
     reference(x).square().mean().backward()
     grads = {}
-    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         grads[name] = {
             "is_dtensor": isinstance(p.grad, DTensor),
             "placements": tuple(p.grad.placements),
@@ -334,7 +334,7 @@ def geometry_run() -> dict[str, Any]:
         for p in list(model.parameters()) + list(reference.parameters()):
             p.sub_(0.1 * p.grad)
     facts["step_equal_reference"] = all(
-        torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters())
+        torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters(), strict=True)
     )
     facts["forward_after_step_equal"] = torch.equal(model(x), reference(x))
 
@@ -359,7 +359,9 @@ def geometry_run() -> dict[str, Any]:
         for g in mixed.fsdp_parameter_groups
     )
     facts["mixed_param_dtypes"] = {n: str(p.dtype) for n, p in mixed.named_parameters()}
-    facts["mixed_grad_dtypes"] = {n: (str(p.grad_dtype) if p.requires_grad else None) for n, p in mixed.named_parameters()}
+    facts["mixed_grad_dtypes"] = {
+        n: (str(p.grad_dtype) if p.requires_grad else None) for n, p in mixed.named_parameters()
+    }
     return facts
 
 
@@ -509,7 +511,10 @@ def unused_run() -> dict[str, Any]:
                 expected += g
         expected /= world_size
         if p.grad is None:
-            facts[name] = {"grad_is_none": True, "reference_grads": [ref.get_parameter(name).grad is not None for ref in refs]}
+            facts[name] = {
+                "grad_is_none": True,
+                "reference_grads": [ref.get_parameter(name).grad is not None for ref in refs],
+            }
             continue
         facts[name] = {
             "grad_is_none": False,
@@ -532,12 +537,14 @@ def _hand_sgd(model: nn.Module, lr: float) -> list[dict[str, Any]]:
         grad32 = group.main_grad.to(torch.float32)
         group.main_weight.add_(grad32, alpha=-lr)
         written = group.refresh_compute_weight()
-        facts.append({
-            "written": written,
-            "expected_written": group.compute_weight.numel() * group.compute_weight.element_size(),
-            "compute_equals_cast": torch.equal(group.compute_weight, group.main_weight.to(group.compute_dtype)),
-            "main_dtype": str(group.main_weight.dtype),
-        })
+        facts.append(
+            {
+                "written": written,
+                "expected_written": group.compute_weight.numel() * group.compute_weight.element_size(),
+                "compute_equals_cast": torch.equal(group.compute_weight, group.main_weight.to(group.compute_dtype)),
+                "main_dtype": str(group.main_weight.dtype),
+            }
+        )
     return facts
 
 
@@ -559,10 +566,18 @@ def mixed_precision_run(steps: int) -> dict[str, Any]:
         loss = lm_loss(model, rank_slice(batches[step], rank, world_size))
         loss.backward()
         losses.append(loss.item())
-        grad_facts.append({
-            n: (isinstance(p.grad, DTensor), tuple(p.grad.placements), str(p.grad.dtype), str(p.dtype), str(p.grad_dtype))
-            for n, p in model.named_parameters()
-        })
+        grad_facts.append(
+            {
+                n: (
+                    isinstance(p.grad, DTensor),
+                    tuple(p.grad.placements),
+                    str(p.grad.dtype),
+                    str(p.dtype),
+                    str(p.grad_dtype),
+                )
+                for n, p in model.named_parameters()
+            }
+        )
         step_facts.append(_hand_sgd(model, lr=0.1))
         model.zero_grad(set_to_none=True)
     out["bf16_losses"] = losses
@@ -630,9 +645,7 @@ def mixed_precision_run(steps: int) -> dict[str, Any]:
     out["forward_after_param_update"] = dict(gathered)
 
     # --- bf16 compute with fp32 main grads: torch's SGD steps the main weights directly.
-    model = shard_model(
-        make_model(seed=0).bfloat16(), mp_policy=MixedPrecisionPolicy(main_grads_dtype=torch.float32)
-    )
+    model = shard_model(make_model(seed=0).bfloat16(), mp_policy=MixedPrecisionPolicy(main_grads_dtype=torch.float32))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses32 = []
     for step in range(steps):
@@ -751,14 +764,14 @@ def checkpoint_load(path: str, bf16: bool = False) -> dict[str, Any]:
         fresh = shard_model(make_model(seed=6))
         fresh.load_state_dict(model.state_dict())
         facts["load_state_dict_equal"] = all(
-            torch.equal(a, b) for a, b in zip(full_params(fresh).values(), full_params(model).values())
+            torch.equal(a, b) for a, b in zip(full_params(fresh).values(), full_params(model).values(), strict=True)
         )
         facts["load_state_dict_loss"] = eval_loss(fresh)
         fresh = shard_model(make_model(seed=7))
         full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         set_model_state_dict(fresh, full_sd, options=StateDictOptions(full_state_dict=True))
         facts["full_sd_equal"] = all(
-            torch.equal(a, b) for a, b in zip(full_params(fresh).values(), full_params(model).values())
+            torch.equal(a, b) for a, b in zip(full_params(fresh).values(), full_params(model).values(), strict=True)
         )
     return facts
 
@@ -834,7 +847,9 @@ def cpu_only_run(path: str) -> dict[str, Any]:
         for tokens in batches:
             lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
             # main_grad exists from the first backward until zero_grad(set_to_none=True).
-            devices |= {str(t.device) for g in parameter_groups(model) for t in (g.main_weight, g.compute_weight, g.main_grad)}
+            devices |= {
+                str(t.device) for g in parameter_groups(model) for t in (g.main_weight, g.compute_weight, g.main_grad)
+            }
             _hand_sgd(model, lr=0.1)
             model.zero_grad()
         state = get_model_state_dict(model)
@@ -918,7 +933,7 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
         before = module_snapshot(module)
         try:
             call(module)
-        except Exception as exc:  # noqa: BLE001 - reported
+        except Exception as exc:
             outcome: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
         else:
             outcome = {"type": None, "message": ""}
@@ -932,7 +947,7 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
                 out = target(module)
                 # The repaired module trains: forward and backward through it.
                 outcome["retry_is_fsdp"] = type(out).__name__.startswith("FSDP")
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 outcome["retry"] = f"{type(exc).__name__}: {exc}"
         cases[name] = outcome
 
@@ -942,8 +957,13 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
     case("applied_twice", lambda: fully_shard(nn.Linear(4, 4)), twice)
 
     mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
-    case("mesh_2d", lambda: nn.Linear(4, 4), lambda m: fully_shard(m, mesh=mesh_2d),
-         fix=lambda m: None, retry=lambda m: fully_shard(m, mesh=mesh_2d["shard"]))
+    case(
+        "mesh_2d",
+        lambda: nn.Linear(4, 4),
+        lambda m: fully_shard(m, mesh=mesh_2d),
+        fix=lambda m: None,
+        retry=lambda m: fully_shard(m, mesh=mesh_2d["shard"]),
+    )
 
     # Tied across units: the shared weight's other use sits in an already sharded unit.
     def tied_child_first() -> nn.Module:
@@ -961,8 +981,7 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
         fully_shard(model.a)
         return model
 
-    case("tied_across_units_sibling", tied_siblings, lambda m: fully_shard(m.b),
-         target=lambda m: m.b, fix=untie)
+    case("tied_across_units_sibling", tied_siblings, lambda m: fully_shard(m.b), target=lambda m: m.b, fix=untie)
 
     # Top-down order: the child's parameters already belong to the parent's unit.
     def parent_first() -> nn.Module:
@@ -983,10 +1002,16 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
 
     case("int_param", _IntParam, lambda m: fully_shard(m), fix=int_fix)
 
-    case("not_a_module", lambda: nn.Linear(2, 2), lambda m: fully_shard(m.weight),  # type: ignore[arg-type]
-         target=lambda m: m)
+    case(
+        "not_a_module",
+        lambda: nn.Linear(2, 2),
+        lambda m: fully_shard(m.weight),  # type: ignore[arg-type]
+        target=lambda m: m,
+    )
     case("bad_mesh", lambda: nn.Linear(2, 2), lambda m: fully_shard(m, mesh="cpu"))  # type: ignore[arg-type]
-    case("bad_policy", lambda: nn.Linear(2, 2), lambda m: fully_shard(m, mp_policy={"main_params_dtype": torch.float32}))  # type: ignore[arg-type]
+    case(
+        "bad_policy", lambda: nn.Linear(2, 2), lambda m: fully_shard(m, mp_policy={"main_params_dtype": torch.float32})
+    )  # type: ignore[arg-type]
     case("bad_reshard", lambda: nn.Linear(2, 2), lambda m: fully_shard(m, reshard_after_forward=1))  # type: ignore[arg-type]
 
     # Tied within one unit is supported: one sharded parameter in both places, not duplicated.
@@ -1061,9 +1086,9 @@ def recovery_run() -> dict[str, Any]:
             # of the aborted iteration, so its .grad must be None (the next backward overwrites);
             # the others still hold the completed iteration's grads.
             facts["grads_none_after_reset"] = sorted(n for n, p in model.named_parameters() if p.grad is None)
-            facts["params_sharded_after_reset"] = all(
-                isinstance(p, DTensor) for p in model.parameters()
-            ) and all(isinstance(m.weight, DTensor) for m in model.modules() if isinstance(m, nn.Linear))
+            facts["params_sharded_after_reset"] = all(isinstance(p, DTensor) for p in model.parameters()) and all(
+                isinstance(m.weight, DTensor) for m in model.modules() if isinstance(m, nn.Linear)
+            )
         model.zero_grad(set_to_none=True)
         facts["max_abs_err"] = clean_step_error(model)
         facts["after_backward"] = unsharded_bytes(model)

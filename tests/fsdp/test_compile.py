@@ -21,15 +21,16 @@ import torch
 from torch import nn
 
 from tests.fsdp import pattern_fns
-from tests.fsdp.training_runs import Run, assert_same_training
 from tests.fsdp.rank_fns import full_params, world
+from tests.fsdp.training_runs import Run, assert_same_training
 
 TOL = 1e-5
 BF16 = torch.bfloat16
 
 
-def _compiled(impl: str, scope: str, backend: str | None, net: dict[str, Any], dtype: torch.dtype | None,
-              compute_copy: str) -> tuple[nn.Module, Any]:
+def _compiled(
+    impl: str, scope: str, backend: str | None, net: dict[str, Any], dtype: torch.dtype | None, compute_copy: str
+) -> tuple[nn.Module, Any]:
     """(the model, what the training loop calls)."""
     torch.manual_seed(0)
     model = pattern_fns.Net(**net)
@@ -49,8 +50,15 @@ def _compiled(impl: str, scope: str, backend: str | None, net: dict[str, Any], d
     return model, model
 
 
-def train(impl: str, scope: str, backend: str | None, net: dict[str, Any] | None = None,
-          dtype: torch.dtype | None = None, compute_copy: str = "persistent", eval_between: bool = False) -> Run:
+def train(
+    impl: str,
+    scope: str,
+    backend: str | None,
+    net: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    compute_copy: str = "persistent",
+    eval_between: bool = False,
+) -> Run:
     """``pattern_fns.STEPS`` SGD steps; ``backend=None`` is the uncompiled run. With
     ``eval_between``, an eval forward under ``no_grad`` follows each step."""
     rank, world_size = (0, 1) if impl == "reference" else world()

@@ -33,7 +33,16 @@ from tests.fsdp.parity import (
 )
 
 STEPS = 4
-PATTERNS = ("data_mul", "data_copy", "hf_init", "state_dict_copy", "clamp", "foreach_mul", "foreach_ema", "unadapted_foreach")
+PATTERNS = (
+    "data_mul",
+    "data_copy",
+    "hf_init",
+    "state_dict_copy",
+    "clamp",
+    "foreach_mul",
+    "foreach_ema",
+    "unadapted_foreach",
+)
 
 
 def _hf_init(model: nn.Module) -> None:

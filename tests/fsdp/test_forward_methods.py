@@ -18,8 +18,8 @@ from torch import nn
 
 from fsdp_patch import register_fsdp_forward_method
 from tests.fsdp import pattern_fns
-from tests.fsdp.training_runs import Run, assert_same_training
 from tests.fsdp.rank_fns import full_params, unsharded_bytes, world
+from tests.fsdp.training_runs import Run, assert_same_training
 
 TOL = 1e-5
 BF16 = torch.bfloat16
@@ -81,8 +81,9 @@ def _register(impl: str, how: str) -> Callable[[nn.Module, str], None]:
     return register_fsdp_forward_method  # on a reference (unsharded) model: a no-op
 
 
-def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent",
-          how: str = "torch") -> Run:
+def train(
+    impl: str, pattern: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent", how: str = "torch"
+) -> Run:
     """``pattern`` for ``pattern_fns.STEPS`` SGD steps. ``how``: the FSDP2 run registers with
     torch's function (``"torch"``) or with fsdp_patch's (``"ours"``), which hands it to torch's.
 
@@ -91,8 +92,13 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
     rank, world_size = (0, 1) if impl == "reference" else world()
     block_entry, (on_root, on_blocks), entry = PATTERNS[pattern]
     torch.manual_seed(0)
-    model = pattern_fns.shard(EncoderNet(block_entry), impl, reshard_after_forward=None, dtype=dtype,  # type: ignore[arg-type]
-                              compute_copy=compute_copy)
+    model = pattern_fns.shard(
+        EncoderNet(block_entry),
+        impl,
+        reshard_after_forward=None,
+        dtype=dtype,  # type: ignore[arg-type]
+        compute_copy=compute_copy,
+    )
     register = _register(impl, how)
     if on_blocks is not None:
         for block in model.blocks:
@@ -129,9 +135,16 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
 
 def fp32_on_ranks(pattern: str) -> None:
     reference = train("reference", pattern)
-    for impl, how in (("fsdp2", "torch"), ("ours", "ours")) + ((("fsdp2", "ours"),) if pattern == "root_method" else ()):
-        assert_same_training(train(impl, pattern, how=how), reference, TOL, f"{pattern}/{impl} registered with {how}'s function",
-                             sharded_want=False)
+    for impl, how in (("fsdp2", "torch"), ("ours", "ours")) + (
+        (("fsdp2", "ours"),) if pattern == "root_method" else ()
+    ):
+        assert_same_training(
+            train(impl, pattern, how=how),
+            reference,
+            TOL,
+            f"{pattern}/{impl} registered with {how}'s function",
+            sharded_want=False,
+        )
 
 
 def bf16_on_ranks(pattern: str) -> None:

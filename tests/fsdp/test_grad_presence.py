@@ -60,10 +60,20 @@ def _train(impl: str, pattern: str, precision: str) -> dict[str, Any]:
             # Rank 0 uses the aux head, rank 1 does not; the reference does the same per rank's rows.
             if impl == "reference":
                 per = x.shape[0] // world_size
-                loss = sum(
-                    loss_of(model, impl, precision, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per], use_aux=r == 0)
-                    for r in range(world_size)
-                ) / world_size
+                loss = (
+                    sum(
+                        loss_of(
+                            model,
+                            impl,
+                            precision,
+                            x[r * per : (r + 1) * per],
+                            y[r * per : (r + 1) * per],
+                            use_aux=r == 0,
+                        )
+                        for r in range(world_size)
+                    )
+                    / world_size
+                )
             else:
                 loss = loss_of(model, impl, precision, x, y, use_aux=rank == 0)
         else:
@@ -86,7 +96,9 @@ def presence_run(pattern: str, precision: str) -> None:
     impls = ("reference", "ours") if pattern == "rank_divergent" else None
     results = run_contenders(lambda impl: _train(impl, pattern, precision), precision, impls)
     if pattern == "rank_divergent":
-        assert_close(results["ours"]["params"], results["reference"]["params"], f"{pattern}, ours against the unsharded model")
+        assert_close(
+            results["ours"]["params"], results["reference"]["params"], f"{pattern}, ours against the unsharded model"
+        )
         control = "reference"
     else:
         assert_parity(results, precision, pattern)

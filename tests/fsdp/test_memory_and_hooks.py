@@ -100,10 +100,14 @@ def test_unused_and_rank_dependent_parameters(run_once, world_size: int) -> None
         for name in ("never.weight", "never.bias"):
             got = facts[name]
             assert got["grad_is_none"], f"rank {rank}: {name} got a grad, though no rank used it: {got}"
-            assert got["reference_grads"] == [False] * world_size, f"rank {rank}: {name}'s reference grads {got['reference_grads']}"
+            assert got["reference_grads"] == [False] * world_size, (
+                f"rank {rank}: {name}'s reference grads {got['reference_grads']}"
+            )
         for name, grad in facts.items():
             if name.startswith("never."):
                 continue
             assert not grad["grad_is_none"] and grad["grad_is_dtensor"], f"rank {rank}: {name}: {grad}"
-            assert grad["max_abs_err"] <= 1e-6, f"rank {rank}: {name}: differs from the ranks' average by {grad['max_abs_err']}"
+            assert grad["max_abs_err"] <= 1e-6, (
+                f"rank {rank}: {name}: differs from the ranks' average by {grad['max_abs_err']}"
+            )
         assert not facts["odd_only.weight"]["all_zero"], f"rank {rank}: odd_only.weight's grad is all zero"

@@ -22,7 +22,17 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tests.fsdp.parity import Net, adapt, assert_equal, assert_parity, batches, full_params, loss_of, run_contenders, shard
+from tests.fsdp.parity import (
+    Net,
+    adapt,
+    assert_equal,
+    assert_parity,
+    batches,
+    full_params,
+    loss_of,
+    run_contenders,
+    shard,
+)
 
 INITS = ("reset_parameters", "init_random", "init_constant", "copy_full")
 RANDOM = ("reset_parameters", "init_random")
@@ -87,12 +97,16 @@ def meta_run(how: str, precision: str) -> None:
     control = "fsdp2" if how in RANDOM or precision == "bf16" else "reference"
     for impl, result in results.items():
         if impl != control:
-            assert_equal(result["initial"], results[control]["initial"], f"{how}/{impl}: initial weights against {control}'s")
+            assert_equal(
+                result["initial"], results[control]["initial"], f"{how}/{impl}: initial weights against {control}'s"
+            )
     assert_parity(results, precision, f"{how}, trained")
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
 @pytest.mark.parametrize("precision", ("fp32", "bf16"))
 @pytest.mark.parametrize("how", INITS)
-def test_meta_device_construction_initializes_and_trains(dist_pool: Any, how: str, precision: str, world_size: int) -> None:
+def test_meta_device_construction_initializes_and_trains(
+    dist_pool: Any, how: str, precision: str, world_size: int
+) -> None:
     dist_pool(world_size).run(meta_run, how, precision)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -24,19 +25,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tests.fsdp import pattern_fns
-from tests.fsdp.training_runs import Run, assert_same_training
 from tests.fsdp.rank_fns import full_params, world
+from tests.fsdp.training_runs import Run, assert_same_training
 
 SAVE_AT, TOTAL = 2, 4
 TOL = 1e-5
 BF16 = torch.bfloat16
 
 
-def _make(impl: str, seed: int, dtype: torch.dtype | None,
-          compute_copy: str = "persistent") -> tuple[nn.Module, torch.optim.Optimizer]:
+def _make(
+    impl: str, seed: int, dtype: torch.dtype | None, compute_copy: str = "persistent"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = pattern_fns.shard(pattern_fns.Net(), impl, reshard_after_forward=None, dtype=dtype,  # type: ignore[arg-type]
-                              compute_copy=compute_copy)
+    model = pattern_fns.shard(
+        pattern_fns.Net(),
+        impl,
+        reshard_after_forward=None,
+        dtype=dtype,  # type: ignore[arg-type]
+        compute_copy=compute_copy,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if impl == "ours":
         from fsdp_patch.optimizer import fully_shard_optimizer
@@ -45,7 +52,9 @@ def _make(impl: str, seed: int, dtype: torch.dtype | None,
     return model, optimizer
 
 
-def _train(impl: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, dtype: torch.dtype | None) -> list[float]:
+def _train(
+    impl: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, dtype: torch.dtype | None
+) -> list[float]:
     rank, world_size = (0, 1) if impl == "reference" else world()
     data = pattern_fns.data(TOTAL)
     losses = []
@@ -61,12 +70,17 @@ def _train(impl: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps:
     return losses
 
 
-def save_and_resume(impl: str, path: str, dtype: torch.dtype | None, compute_copy: str = "persistent") -> tuple[Run, Run]:
+def save_and_resume(
+    impl: str, path: str, dtype: torch.dtype | None, compute_copy: str = "persistent"
+) -> tuple[Run, Run]:
     """(uninterrupted, resumed): the last TOTAL - SAVE_AT steps of each."""
     model, optimizer = _make(impl, 0, dtype, compute_copy)
     _train(impl, model, optimizer, range(SAVE_AT), dtype)
     if impl != "reference":
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+            checkpoint_id=path,
+        )
     uninterrupted = Run(_train(impl, model, optimizer, range(SAVE_AT, TOTAL), dtype), full_params(model))
     if impl == "reference":
         return uninterrupted, uninterrupted
@@ -84,7 +98,9 @@ def bf16_on_ranks(path: str) -> None:
     assert_same_training(fsdp2_resumed, fsdp2_uninterrupted, 0.0, "FSDP2 resumed against uninterrupted")
     for compute_copy in ("persistent", "per_gather"):
         uninterrupted, resumed = save_and_resume("ours", f"{path}/ours_{compute_copy}", BF16, compute_copy)
-        assert_same_training(uninterrupted, fsdp2_uninterrupted, 0.0, f"fully_shard ({compute_copy}) uninterrupted against FSDP2")
+        assert_same_training(
+            uninterrupted, fsdp2_uninterrupted, 0.0, f"fully_shard ({compute_copy}) uninterrupted against FSDP2"
+        )
         assert_same_training(resumed, uninterrupted, 0.0, f"fully_shard ({compute_copy}) resumed against uninterrupted")
         # The loaded weights reach the compute copy of either lifetime: resumed equals FSDP2's resumed run.
         assert_same_training(resumed, fsdp2_resumed, 0.0, f"fully_shard ({compute_copy}) resumed against FSDP2 resumed")
@@ -118,12 +134,16 @@ def torch_path_scope_on_ranks() -> None:
     patch = dcp_optimizer_state._PATCH
     held_before = patch.live
     fp32_model, _ = _make("ours", 0, None)
-    assert patch.live == held_before, f"fp32 groups (grads torch's path accepts) hold the wrapper: {patch.live} live, {held_before} before"
+    assert patch.live == held_before, (
+        f"fp32 groups (grads torch's path accepts) hold the wrapper: {patch.live} live, {held_before} before"
+    )
     model, optimizer = _make("ours", 0, BF16)
     groups = len(parameter_groups(model))
     assert patch.live >= groups, f"{patch.live} groups hold the wrapper, want at least the model's {groups}"
     wrapped = torch_state_dict._init_optim_state
-    assert hasattr(wrapped, "__wrapped__"), f"torch's _init_optim_state not wrapped while a bf16 group lives: {wrapped!r}"
+    assert hasattr(wrapped, "__wrapped__"), (
+        f"torch's _init_optim_state not wrapped while a bf16 group lives: {wrapped!r}"
+    )
     # An optimizer over plain parameters takes torch's path: its lr=0 step leaves step 1.
     plain = nn.Linear(3, 2)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -143,7 +163,9 @@ def torch_path_scope_on_ranks() -> None:
     assert alive == 0, f"{alive} of the model's groups outlived it"
     if patch.live == 0:
         restored = torch_state_dict._init_optim_state
-        assert not hasattr(restored, "__wrapped__"), f"after the last bf16 group was freed: {restored!r}, want torch's own"
+        assert not hasattr(restored, "__wrapped__"), (
+            f"after the last bf16 group was freed: {restored!r}, want torch's own"
+        )
 
 
 def test_torch_initialization_is_wrapped_only_while_needed(dist_pool) -> None:

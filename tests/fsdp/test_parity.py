@@ -123,7 +123,7 @@ def test_fp32_training_matches_single_process_reference(runs, name: str) -> None
     assert param_diffs[worst] <= tol, f"ws{world_size} {name}: {worst} differs by {param_diffs[worst]:.3g}"
     worst = max(grad_diffs, key=grad_diffs.get)
     assert grad_diffs[worst] <= tol, f"ws{world_size} {name}: grad of {worst} differs by {grad_diffs[worst]:.3g}"
-    for step, (got, want) in enumerate(zip(losses[name], ref["losses"])):
+    for step, (got, want) in enumerate(zip(losses[name], ref["losses"], strict=True)):
         assert abs(got - want) <= tol * max(1.0, abs(want)), f"ws{world_size} {name}: step {step} loss {got} vs {want}"
     # The parameters really moved (a no-op training would match a no-op reference).
     initial = dict(rank_fns.build_model(config["model"]).named_parameters())
@@ -149,7 +149,7 @@ def test_fp32_training_matches_full_batch_reference(runs, name: str) -> None:
     diffs = _compare(result["params"], ref["params"], "params")
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] <= tol, f"ws{world_size} {name}: {worst} differs by {diffs[worst]:.3g}"
-    for got, want in zip(losses[name], ref["losses"]):
+    for got, want in zip(losses[name], ref["losses"], strict=True):
         assert abs(got - want) <= tol * max(1.0, abs(want))  # relative: the tied model's loss is ~21
 
 
@@ -164,7 +164,7 @@ def test_fp32_training_matches_torch_fsdp2(runs, name: str) -> None:
     diffs = _compare(ours["grads"], torch_result["grads"], "grads vs FSDP2")
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] <= TOL, f"ws{world_size} {ours_name}: grad {worst} differs from FSDP2 by {diffs[worst]:.3g}"
-    for got, want in zip(losses[ours_name], losses[name]):
+    for got, want in zip(losses[ours_name], losses[name], strict=True):
         assert abs(got - want) <= TOL * max(1.0, abs(want))
     # And torch's FSDP2 itself agrees with the reference, so the three agree.
     diffs = _compare(torch_result["params"], reference(BY_NAME[name], world_size)["params"], "FSDP2 vs reference")

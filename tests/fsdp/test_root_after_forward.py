@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tests.fsdp import pattern_fns
-from tests.fsdp.training_runs import Run, assert_same_training, max_param_diff
 from tests.fsdp.rank_fns import count_collectives, full, full_params, unsharded_bytes, world
+from tests.fsdp.training_runs import Run, assert_same_training, max_param_diff
 
 TOL = 1e-5
 VOCAB, SEQ = 13, 5  # the embedding's 13 rows split unevenly over 2 and 4 ranks
@@ -51,7 +51,9 @@ def _build(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_co
 def _batches(pattern: str) -> list[tuple[torch.Tensor, ...]]:
     if pattern == "tied_logits":
         gen = torch.Generator().manual_seed(7)
-        return [(torch.randint(0, VOCAB, (pattern_fns.BATCH, SEQ + 1), generator=gen),) for _ in range(pattern_fns.STEPS)]
+        return [
+            (torch.randint(0, VOCAB, (pattern_fns.BATCH, SEQ + 1), generator=gen),) for _ in range(pattern_fns.STEPS)
+        ]
     return list(pattern_fns.data())
 
 
@@ -109,8 +111,12 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
             state = model.state_dict()
             params = dict(model.named_parameters())
             for name in ("inp.weight", "head.bias"):
-                assert isinstance(state[name], DTensor), f"{impl}: state_dict()[{name!r}] between forward and backward is a {type(state[name]).__name__}"
-                assert torch.equal(full(state[name]), full(params[name])), f"{impl}: state_dict()[{name!r}] is not the main weight"
+                assert isinstance(state[name], DTensor), (
+                    f"{impl}: state_dict()[{name!r}] between forward and backward is a {type(state[name]).__name__}"
+                )
+                assert torch.equal(full(state[name]), full(params[name])), (
+                    f"{impl}: state_dict()[{name!r}] is not the main weight"
+                )
         if pattern == "zero_grad_between":
             model.zero_grad()  # instead of optimizer.zero_grad() after the step
         loss.backward()
@@ -131,7 +137,9 @@ def fp32_on_ranks(pattern: str) -> None:
         # FSDP2 keeps the tensors it makes under inference mode and then refuses to update them.
         with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
             train("fsdp2", pattern)
-        assert_same_training(train("ours", pattern), train("reference", pattern), TOL, f"{pattern}/fully_shard", sharded_want=False)
+        assert_same_training(
+            train("ours", pattern), train("reference", pattern), TOL, f"{pattern}/fully_shard", sharded_want=False
+        )
         return
     reference, fsdp2, ours = (train(impl, pattern) for impl in ("reference", "fsdp2", "ours"))
     if pattern == "zero_grad_between":
@@ -201,16 +209,22 @@ def kept_until_backward_on_ranks() -> None:
         with count_collectives() as forward:
             loss = pattern_fns.mse(model(x), y)
         kind = type(model.head.weight)
-        assert kind is not DTensor, f"{impl}: the root's head.weight after forward is a {kind.__name__}, want a plain tensor"
+        assert kind is not DTensor, (
+            f"{impl}: the root's head.weight after forward is a {kind.__name__}, want a plain tensor"
+        )
         kind = type(model.blocks[0].ff.fc1.weight)
         assert kind is DTensor, f"{impl}: a block's weight after forward is a {kind.__name__}, want the sharded DTensor"
         if impl == "ours":
             stored = unsharded_bytes(model)
-            assert stored["<root>[0]"] > 0 and stored["blocks.0[0]"] == stored["blocks.1[0]"] == 0, f"after forward: {stored}"
+            assert stored["<root>[0]"] > 0 and stored["blocks.0[0]"] == stored["blocks.1[0]"] == 0, (
+                f"after forward: {stored}"
+            )
         with count_collectives() as backward:
             loss.backward()
         kind = type(model.head.weight)
-        assert kind is DTensor, f"{impl}: the root's head.weight after backward is a {kind.__name__}, want the sharded DTensor"
+        assert kind is DTensor, (
+            f"{impl}: the root's head.weight after backward is a {kind.__name__}, want the sharded DTensor"
+        )
         if impl == "ours":
             stored = unsharded_bytes(model)
             assert not any(stored.values()), f"after backward: {stored}"
@@ -228,7 +242,9 @@ def kept_until_backward_on_ranks() -> None:
         model = pattern_fns.shard(pattern_fns.Net(), impl, reshard_after_forward=True)
         loss = pattern_fns.mse(model(x), y)
         kind = type(model.head.weight)
-        assert kind is DTensor, f"{impl} with reshard_after_forward=True: head.weight after forward is a {kind.__name__}"
+        assert kind is DTensor, (
+            f"{impl} with reshard_after_forward=True: head.weight after forward is a {kind.__name__}"
+        )
         loss.backward()
 
 

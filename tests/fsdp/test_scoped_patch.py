@@ -134,18 +134,23 @@ def torch_patches_restored_on_ranks() -> None:
     assert held == {"_init_optim_state": 0, "_unscale_grads_": 0}, f"a fresh rank process already holds {held}"
 
     def current() -> dict[str, Any]:
-        return {"_init_optim_state": torch_state_dict.__dict__["_init_optim_state"],
-                "_unscale_grads_": torch.amp.GradScaler.__dict__["_unscale_grads_"]}
+        return {
+            "_init_optim_state": torch_state_dict.__dict__["_init_optim_state"],
+            "_unscale_grads_": torch.amp.GradScaler.__dict__["_unscale_grads_"],
+        }
 
     originals = {"_init_optim_state": init_original, "_unscale_grads_": unscale_original}
     x, y = (pattern_fns.rows(t, *world()) for t in pattern_fns.data()[0])
     torch.manual_seed(0)
     # bf16 main grads: torch's _init_optim_state wrapped; fp16 main grads: GradScaler's too.
     bf16 = pattern_fns.shard(pattern_fns.Net(), "ours", reshard_after_forward=None, dtype=torch.bfloat16)
-    fp16 = pattern_fns.shard(pattern_fns.Net(), "ours", reshard_after_forward=None, dtype=torch.bfloat16,
-                             main_grads_dtype=torch.float16)
+    fp16 = pattern_fns.shard(
+        pattern_fns.Net(), "ours", reshard_after_forward=None, dtype=torch.bfloat16, main_grads_dtype=torch.float16
+    )
     installed = {name: fn is not originals[name] for name, fn in current().items()}
-    assert installed == {"_init_optim_state": True, "_unscale_grads_": True}, f"installed while the models live: {installed}"
+    assert installed == {"_init_optim_state": True, "_unscale_grads_": True}, (
+        f"installed while the models live: {installed}"
+    )
     optimizer = torch.optim.AdamW(bf16.parameters(), lr=1e-2)
     fully_shard_optimizer(optimizer)
 
@@ -160,6 +165,7 @@ def torch_patches_restored_on_ranks() -> None:
     with pytest.raises(_Raise, match="forward"):
         bf16(x.to(torch.bfloat16))
     handle.remove()
+
     # A backward that raises between the blocks (a grad hook on the first block's output).
     def raise_in_backward(module: Any, args: Any, output: torch.Tensor) -> None:
         output.register_hook(lambda grad: (_ for _ in ()).throw(_Raise("backward")))

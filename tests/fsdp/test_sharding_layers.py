@@ -101,7 +101,9 @@ def ownership_run() -> None:
     assert group.main_grad is None, "the main grads outlived every grad view"
 
 
-@pytest.mark.parametrize("scenario", (dropped_grad_run, kept_view_run, presence_run, ownership_run), ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "scenario", (dropped_grad_run, kept_view_run, presence_run, ownership_run), ids=lambda f: f.__name__
+)
 def test_main_grads(dist_pool: Any, scenario: Any) -> None:
     dist_pool(WORLD_SIZE).run(scenario)
 

@@ -45,7 +45,7 @@ def assert_same_training(got: Run, want: Run, tol: float, label: str, *, sharded
     got_losses = global_losses(got.losses)
     want_losses = global_losses(want.losses) if sharded_want else want.losses
     assert len(got_losses) == len(want_losses), f"{label}: {len(got_losses)} steps, want {len(want_losses)}"
-    loss_err = max(abs(a - b) for a, b in zip(got_losses, want_losses))
+    loss_err = max(abs(a - b) for a, b in zip(got_losses, want_losses, strict=True))
     assert loss_err <= tol, f"{label}: losses {got_losses}, want {want_losses} (off by {loss_err:.3g}, tolerance {tol})"
     err, where = max_param_diff(got.params, want.params)
     assert err <= tol, f"{label}: final parameters off by {err:.3g} (in {where}), tolerance {tol}"

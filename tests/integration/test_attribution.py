@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from fsdp_patch.telemetry import semconv
+
 from tests import models
 from tests.integration.rank_fns import environment, in_memory_otel, metric_points
 
@@ -101,14 +101,22 @@ def _events(spans: list[Any]) -> dict[str, Any]:
                     key = a[semconv.ATTR_PARAM]
                     if semconv.ATTR_OPTIMIZER_STATE in a:
                         key = f"{key}:{a[semconv.ATTR_OPTIMIZER_STATE]}"
-                    offenders.setdefault(step, {}).setdefault(a[semconv.ATTR_DIAGNOSTIC], {})[key] = a[semconv.ATTR_VALUE]
+                    offenders.setdefault(step, {}).setdefault(a[semconv.ATTR_DIAGNOSTIC], {})[key] = a[
+                        semconv.ATTR_VALUE
+                    ]
                     if semconv.ATTR_CAUSE in a:
                         causes.setdefault(step, {})[key] = a[semconv.ATTR_CAUSE]
                 elif event.name == semconv.EVENT_FIRST_NONFINITE:
                     firsts.append(a)
         elif span.name == semconv.SPAN_STEP:
             contracts += [dict(e.attributes) for e in span.events if e.name == semconv.EVENT_DTYPE_CONTRACT]
-    return {"offenders": offenders, "firsts": firsts, "contracts": contracts, "attributes": attributes, "causes": causes}
+    return {
+        "offenders": offenders,
+        "firsts": firsts,
+        "contracts": contracts,
+        "attributes": attributes,
+        "causes": causes,
+    }
 
 
 def _plant_after_backward(model: torch.nn.Module, scenario: str, step: int, rank: int, world: int) -> None:
@@ -202,7 +210,9 @@ def check_scenario(kind: str, scenario: str) -> None:
             below = named(step, semconv.DIAGNOSTIC_UPDATE_RESOLUTION)
             assert list(below) == [target], f"{where}: step {step}: updates below bf16's resolution: {below}"
             want = run["references"][step][target][semconv.DIAGNOSTIC_UPDATE_RESOLUTION]
-            assert _close(below[target], want, 1e-5), f"{where}: step {step}: resolution {below[target]}, reference {want}"
+            assert _close(below[target], want, 1e-5), (
+                f"{where}: step {step}: resolution {below[target]}, reference {want}"
+            )
             assert below[target] < 1e-4, f"{where}: lr 1e-10 moves {target} by {below[target]} of a bf16 step"
             lost = named(step, semconv.METRIC_LOST_RATIO)
             assert lost.get(target) == 1.0, f"{where}: step {step}: lost ratio of {target}: {lost.get(target)}"
@@ -246,7 +256,9 @@ def check_scenario(kind: str, scenario: str) -> None:
                                 (semconv.METRIC_REFRESH_ERROR, 1e-5)):  # fmt: skip
             got = named(step, diagnostic)
             want = {n: r[diagnostic] for n, r in reference.items() if r[diagnostic] > 0}
-            assert set(got) == set(want), f"{where}: step {step} {diagnostic}: parameters {sorted(got)} vs {sorted(want)}"
+            assert set(got) == set(want), (
+                f"{where}: step {step} {diagnostic}: parameters {sorted(got)} vs {sorted(want)}"
+            )
             bad = {n: (got[n], want[n]) for n in want if not _close(got[n], want[n], rel)}
             assert not bad, f"{where}: step {step} {diagnostic}: (got, reference) {bad}"
 
@@ -291,7 +303,9 @@ def check_export_and_bitwise_training(kind: str) -> None:
         for diagnostic in (semconv.DIAGNOSTIC_STUCK, semconv.DIAGNOSTIC_UNSTEPPED, semconv.METRIC_NONFINITE,
                            semconv.DIAGNOSTIC_STATE_NONFINITE, semconv.DIAGNOSTIC_STATE_FLUSHED):  # fmt: skip
             assert diagnostic not in diagnostics, f"{where}: step {step}: healthy run names {diagnostics[diagnostic]}"
-    assert default["firsts"] == [] and default["contracts"] == [], f"{where}: {default['firsts']} {default['contracts']}"
+    assert default["firsts"] == [] and default["contracts"] == [], (
+        f"{where}: {default['firsts']} {default['contracts']}"
+    )
     assert all(not math.isnan(v) for v in default["attributes"][STEPS].values() if isinstance(v, float))
 
 

@@ -30,8 +30,8 @@ from fsdp_patch.adapter import remove_fully_shard_optimizer
 from tests.models import lm_loss
 from tests.optimizer.support import (
     ATTACHMENTS,
-    O,
     HandCast,
+    O,
     adapt,
     assert_all,
     backward,
@@ -63,10 +63,13 @@ class CastSpy:
         optimizer.register_step_pre_hook(self)
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.seen.append({
-            id(p): (id(p.grad), local(p.grad).data_ptr(), p.grad.dtype)
-            for p in fsdp_params(optimizer) if p.grad is not None
-        })
+        self.seen.append(
+            {
+                id(p): (id(p.grad), local(p.grad).data_ptr(), p.grad.dtype)
+                for p in fsdp_params(optimizer)
+                if p.grad is not None
+            }
+        )
 
     def reused(self, params: list[torch.nn.Parameter], same_memory: bool = True) -> bool:
         """Whether the last two steps gave ``params`` the same cast views (over the same memory)."""
@@ -114,7 +117,9 @@ class Pair:
         self.opt.step()
         HandCast(fsdp_params(self.ref_opt)).step(self.ref_opt)
         self.checks[f"{tag}: main weights == reference"] = same(main_weights(self.model), main_weights(self.ref))
-        self.checks[f"{tag}: optimizer state == reference"] = same(optimizer_state(self.opt), optimizer_state(self.ref_opt))
+        self.checks[f"{tag}: optimizer state == reference"] = same(
+            optimizer_state(self.opt), optimizer_state(self.ref_opt)
+        )
         self.checks[f"{tag}: compute copy fresh"] = compute_is_fresh(self.model)
         problem = grads_are_original(self.opt)
         self.checks[f"{tag}: grads are the original views ({problem})"] = problem is None
@@ -125,9 +130,14 @@ class Pair:
             self.both(lambda model, opt: opt.zero_grad(set_to_none=zero))
         if zero:
             # Nothing of the adapter holds the main grads: zero_grad(set_to_none=True) frees them.
-            held = [g.main_grad_storage_bytes() for g in parameter_groups(self.model) if all(
-                p.grad is None for p in g.params)]
-            self.checks[f"{tag}: main grads freed by zero_grad(set_to_none=True) ({held})"] = not any(held) and bool(held)
+            held = [
+                g.main_grad_storage_bytes()
+                for g in parameter_groups(self.model)
+                if all(p.grad is None for p in g.params)
+            ]
+            self.checks[f"{tag}: main grads freed by zero_grad(set_to_none=True) ({held})"] = not any(held) and bool(
+                held
+            )
 
 
 def _training_changes(attachment: str, path: str) -> dict[str, bool]:
@@ -141,10 +151,14 @@ def _training_changes(attachment: str, path: str) -> dict[str, bool]:
     pair.step("step 3", data[2], zero=True)
     pair.checks["after zero_grad(set_to_none=False): views reused"] = pair.spy.reused(first)
 
-    pair.both(lambda model, opt: opt.add_param_group({"params": list(model.parameters())[len(first):]}))
+    pair.both(lambda model, opt: opt.add_param_group({"params": list(model.parameters())[len(first) :]}))
     pair.step("add_param_group", data[3])
     pair.checks["add_param_group: unchanged groups keep their views"] = pair.spy.reused(
-        [p for p in first if parameter_group_of(p) not in {parameter_group_of(q) for q in fsdp_params(pair.opt)[len(first):]}]
+        [
+            p
+            for p in first
+            if parameter_group_of(p) not in {parameter_group_of(q) for q in fsdp_params(pair.opt)[len(first) :]}
+        ]
     )
     pair.checks["add_param_group: the added parameters are cast"] = all(
         id(p) in pair.spy.seen[-1] for p in fsdp_params(pair.opt)
@@ -155,15 +169,22 @@ def _training_changes(attachment: str, path: str) -> dict[str, bool]:
         params = fsdp_params(opt)
         for param in (params[0], params[-1]):
             param.grad = DTensor.from_local(
-                local(param.grad).detach().clone() * 3, param.device_mesh, param.placements, run_check=False,
-                shape=param.shape, stride=param.stride(),
+                local(param.grad).detach().clone() * 3,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
             )
 
     pair.step("grads replaced by the user", data[4], before_step=replace_grads)
     pair.step("after replaced grads", data[5])
     pair.checks["after replaced grads: views reused"] = pair.spy.reused(fsdp_params(pair.opt))
 
-    states = {id(pair.opt): copy.deepcopy(pair.opt.state_dict()), id(pair.ref_opt): copy.deepcopy(pair.ref_opt.state_dict())}
+    states = {
+        id(pair.opt): copy.deepcopy(pair.opt.state_dict()),
+        id(pair.ref_opt): copy.deepcopy(pair.ref_opt.state_dict()),
+    }
     pair.both(lambda model, opt: opt.load_state_dict(states[id(opt)]))
     pair.step("optimizer load_state_dict", data[6])
     pair.checks["optimizer load_state_dict: views reused"] = pair.spy.reused(fsdp_params(pair.opt))
@@ -171,7 +192,9 @@ def _training_changes(attachment: str, path: str) -> dict[str, bool]:
     # Model state loaded between steps: through set_model_state_dict (copies into the parameters),
     # then by dcp.load (writes into the local shards of the state dict's tensors). The reference
     # is a fully_shard model too, so the compute copy's freshness is checked on its own.
-    saved = {id(model): {k: v.clone() for k, v in get_model_state_dict(model).items()} for model in (pair.model, pair.ref)}
+    saved = {
+        id(model): {k: v.clone() for k, v in get_model_state_dict(model).items()} for model in (pair.model, pair.ref)
+    }
     weights_at_save = main_weights(pair.model)
     pair.step("before set_model_state_dict", data[7])
     pair.both(lambda model, opt: set_model_state_dict(model, saved[id(model)]))
@@ -216,16 +239,18 @@ def _several_optimizers(attachment: str, keep: bool | None = None) -> dict[str, 
             keep_cast_buffers(opt, keep)
     checks: dict[str, bool] = {}
     for step, tokens in enumerate(data):
-        for kind, model in built.items():
+        for model in built.values():
             backward(model, tokens)
-        for index, (opt, ref_opt) in enumerate(zip(opts["adapted"], opts["ref"])):
+        for index, (opt, ref_opt) in enumerate(zip(opts["adapted"], opts["ref"], strict=True)):
             opt.step()
             HandCast(fsdp_params(ref_opt)).step(ref_opt)
             checks[f"step {step}, optimizer {index}: grads original"] = grads_are_original(opt) is None
             # Each optimizer zeroes only its own parameters: the next one still finds its grads.
             opt.zero_grad()
             ref_opt.zero_grad()
-        checks[f"step {step}: main weights == reference"] = same(main_weights(built["adapted"]), main_weights(built["ref"]))
+        checks[f"step {step}: main weights == reference"] = same(
+            main_weights(built["adapted"]), main_weights(built["ref"])
+        )
         checks[f"step {step}: compute copy fresh"] = compute_is_fresh(built["adapted"])
     if keep is False:
         checks["freed buffers: 0 bytes after the steps"] = all(cast_buffer_bytes(opt) == 0 for opt in opts["adapted"])
@@ -236,7 +261,9 @@ def _several_optimizers(attachment: str, keep: bool | None = None) -> dict[str, 
             cast_buffer_bytes(opt) == want
         )
     whole = sum(g.layout.shard_numel for g in parameter_groups(built["adapted"])) * FP32_BYTES
-    checks["the bias-only optimizer's buffer is a sliver of the model's"] = cast_buffer_bytes(opts["adapted"][2]) * 100 < whole
+    checks["the bias-only optimizer's buffer is a sliver of the model's"] = (
+        cast_buffer_bytes(opts["adapted"][2]) * 100 < whole
+    )
     return checks
 
 
@@ -260,7 +287,10 @@ def _split_group(attachment: str) -> dict[str, bool]:
     for kind, model in built.items():
         middles = {id(g.params[len(g.params) // 2]) for g in parameter_groups(model) if len(g.params) >= 3}
         params = list(model.parameters())
-        opts[kind] = [_adamw([p for p in params if id(p) not in middles]), _adamw([p for p in params if id(p) in middles])]
+        opts[kind] = [
+            _adamw([p for p in params if id(p) not in middles]),
+            _adamw([p for p in params if id(p) in middles]),
+        ]
     for opt in opts["adapted"]:
         adapt(opt, attachment)
         keep_cast_buffers(opt, False)
@@ -292,7 +322,9 @@ def _split_group(attachment: str) -> dict[str, bool]:
             HandCast(fsdp_params(ref_opt)).step(ref_opt)
             if (step, index) != (0, 1):  # under hooks the failed step's cast is still attached then
                 checks[f"step {step}, optimizer {index}: grads original"] = grads_are_original(opt) is None
-        checks[f"step {step}: main weights == reference"] = same(main_weights(built["adapted"]), main_weights(built["ref"]))
+        checks[f"step {step}: main weights == reference"] = same(
+            main_weights(built["adapted"]), main_weights(built["ref"])
+        )
         for opt in (*opts["adapted"], *opts["ref"]):
             opt.zero_grad()
     return checks
@@ -364,7 +396,9 @@ def _undo_releases(attachment: str, fail: bool) -> dict[str, bool]:
     opt = _adamw(model.parameters())
     adapt(opt, attachment)
     captured: list[torch.Tensor] = []
-    opt.register_step_pre_hook(lambda o, a, k: captured.append(next(p.grad for p in fsdp_params(o) if p.grad is not None)))
+    opt.register_step_pre_hook(
+        lambda o, a, k: captured.append(next(p.grad for p in fsdp_params(o) if p.grad is not None))
+    )
     checks: dict[str, bool] = {}
     backward(model, data[0])
     opt.step()
@@ -415,7 +449,9 @@ def _memory_knob(attachment: str) -> dict[str, bool]:
     checks["freed: the views are reused, re-materialized"] = pair.spy.reused(fsdp_params(pair.opt), same_memory=False)
     keep_cast_buffers(pair.opt, True)
     pair.step("kept", data[2])
-    checks[f"kept: {want} bytes between steps (got {cast_buffer_bytes(pair.opt)})"] = cast_buffer_bytes(pair.opt) == want
+    checks[f"kept: {want} bytes between steps (got {cast_buffer_bytes(pair.opt)})"] = (
+        cast_buffer_bytes(pair.opt) == want
+    )
     keep_cast_buffers(pair.opt, None)
     pair.step("default (CPU: kept)", data[3])
     checks["default on the CPU: kept"] = cast_buffer_bytes(pair.opt) == want
@@ -455,7 +491,9 @@ def _external_writes() -> dict[str, bool]:
     versions = [g.compute_weight._version for g in groups]
     checks["forward equals the reference's"] = same(loss(pair.model), loss(pair.ref))
     # A write need not show in any version counter: each forward casts every compute copy once.
-    checks["the forward cast each compute copy once"] = [g.compute_weight._version for g in groups] == [v + 1 for v in versions]
+    checks["the forward cast each compute copy once"] = [g.compute_weight._version for g in groups] == [
+        v + 1 for v in versions
+    ]
     writes = {
         "DTensor parameter edited in place": lambda model: model.head.weight.mul_(0.5),
         "main-weight buffer written": lambda model: parameter_groups(model)[0].main_weight.add_(0.25),

@@ -25,8 +25,8 @@ from torch import nn
 
 from fsdp_patch.optimizer import init_optimizer_state
 from tests.optimizer.support import (
-    O,
     OPTIMIZERS,
+    O,
     adapt,
     assert_all,
     backward,
@@ -70,7 +70,9 @@ def _neutrality(name: str, attachment: str) -> dict[str, bool]:
         checks[f"{k}: grads unchanged by init"] = same(grads_snapshot(models[k]), grads)
     stateful = bool(opts["init"].state)
     checks["stateless SGD stays stateless, others get state for every param"] = (
-        not stateful if name == "sgd_stateless" else len(opts["init"].state) == sum(1 for _ in models["init"].parameters())
+        not stateful
+        if name == "sgd_stateless"
+        else len(opts["init"].state) == sum(1 for _ in models["init"].parameters())
     )
     opts["roundtrip"].load_state_dict(opts["roundtrip"].state_dict())
     for step, tokens in enumerate(data):
@@ -81,7 +83,9 @@ def _neutrality(name: str, attachment: str) -> dict[str, bool]:
             opt.step()
         fresh = main_weights(models["fresh"])
         checks[f"init: step {step} == never initialized"] = same(main_weights(models["init"]), fresh)
-        checks[f"init: step {step} state == never initialized"] = same(optimizer_state(opts["init"]), optimizer_state(opts["fresh"]))
+        checks[f"init: step {step} state == never initialized"] = same(
+            optimizer_state(opts["init"]), optimizer_state(opts["fresh"])
+        )
         roundtrip_equal = same(main_weights(models["roundtrip"]), fresh)
         if name in NOT_NEUTRAL_BY_VALUE:
             # Proves the need for the drop: the kept zero buffer changes the first update.

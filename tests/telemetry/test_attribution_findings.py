@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from telemetry_testing import Group, run_fake_step
-
 from fsdp_patch.telemetry import attribution, env, precision, semconv
 from fsdp_patch.telemetry import param_stats as ps
 from fsdp_patch.telemetry.param_stats import ParamSlot
+from telemetry_testing import Group, run_fake_step
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -64,15 +63,26 @@ def test_state_comes_before_the_weight_it_makes_nan() -> None:
     contexts = [attribution.ParamContext(), attribution.ParamContext(state_keys=("exp_avg", "exp_avg_sq"))]
     first = attribution.Attribution(3, 3).analyze(2, table, rows, contexts, lambda i, s: (0, 1)).first_nonfinite
     assert (first.tensor, first.state_key, first.slots, first.ranks, first.inf) == (
-        semconv.TENSOR_OPTIMIZER_STATE, "exp_avg_sq", (1,), (0, 1), 4), first
+        semconv.TENSOR_OPTIMIZER_STATE,
+        "exp_avg_sq",
+        (1,),
+        (0, 1),
+        4,
+    ), first
 
 
 def test_offenders_are_the_top_k_worst_first_and_only_what_has_a_value() -> None:
     table = [slot(n) for n in "abcd"]
-    rows = [healthy(), row(changed=10, lost=10, grad_amax=0.1, main_sq=1.0, update_sq=1e-12),
-            row(changed=4, lost=2, grad_amax=2.0, main_sq=1.0, update_sq=1e-9), healthy()]
+    rows = [
+        healthy(),
+        row(changed=10, lost=10, grad_amax=0.1, main_sq=1.0, update_sq=1e-12),
+        row(changed=4, lost=2, grad_amax=2.0, main_sq=1.0, update_sq=1e-9),
+        healthy(),
+    ]
     rows[3][ps.LOST] = 9
-    findings = attribution.Attribution(top_k=2, window=3).analyze(1, table, rows, [attribution.ParamContext()] * 4, no_ranks)
+    findings = attribution.Attribution(top_k=2, window=3).analyze(
+        1, table, rows, [attribution.ParamContext()] * 4, no_ranks
+    )
     assert offenders(findings, semconv.METRIC_LOST_RATIO) == [(1, 1.0), (3, 0.9)]
     assert offenders(findings, semconv.METRIC_GRAD_AMAX) == [(2, 2.0), (0, 0.5)]
     resolution = offenders(findings, semconv.DIAGNOSTIC_UPDATE_RESOLUTION)
@@ -92,7 +102,10 @@ def test_stuck_needs_the_window_and_resets() -> None:
     moving = [row(changed=10, lost=9, grad_amax=1.0, main_sq=1.0), stuck[1]]
     tracker = attribution.Attribution(top_k=3, window=3)
     contexts = [attribution.ParamContext()] * 2
-    counts = [tracker.analyze(s, table, r, contexts, no_ranks) for s, r in enumerate([stuck, stuck, stuck, stuck, moving, stuck], 1)]
+    counts = [
+        tracker.analyze(s, table, r, contexts, no_ranks)
+        for s, r in enumerate([stuck, stuck, stuck, stuck, moving, stuck], 1)
+    ]
     got = [(f.stuck, offenders(f, semconv.DIAGNOSTIC_STUCK)) for f in counts]
     want = [(0, []), (0, []), (1, [(0, 3.0)]), (1, [(0, 4.0)]), (0, []), (0, [])]
     assert got == want, f"want {want}, got {got}"
@@ -115,7 +128,9 @@ def test_unstepped_names_the_cause_and_spares_an_lr_of_zero() -> None:
 def test_a_skipped_step_needs_finite_grads() -> None:
     table = [slot("a")]
     nan_grads = [row(grad_amax=precision.GRAD_AMAX_NONFINITE, grad_nan=3)]
-    findings = attribution.Attribution(3, 3).analyze(1, table, nan_grads, [attribution.ParamContext()], lambda i, s: (0,))
+    findings = attribution.Attribution(3, 3).analyze(
+        1, table, nan_grads, [attribution.ParamContext()], lambda i, s: (0,)
+    )
     assert not findings.skipped, "a step skipped for NaN grads (a loss scaler) is the NaN finding, not a silent skip"
     moving = attribution.Attribution(3, 3).analyze(1, table, [healthy()], [attribution.ParamContext()], no_ranks)
     assert not moving.skipped
@@ -162,13 +177,21 @@ def test_observer_audits_at_the_first_step_after_a_load_and_names_each_violation
     run_fake_step(observer, [group], [torch.zeros(4)])  # no load, no diagnostics: not audited
     events = [(s.attributes[semconv.ATTR_STEP], dict(e.attributes)) for s in otel.spans() if s.name == semconv.SPAN_STEP
               for e in s.events if e.name == semconv.EVENT_DTYPE_CONTRACT]  # fmt: skip
-    got = [(step, e[semconv.ATTR_OPTIMIZER_STATE], e[semconv.ATTR_DTYPE_EXPECTED], e[semconv.ATTR_DTYPE_ACTUAL]) for step, e in events]
+    got = [
+        (step, e[semconv.ATTR_OPTIMIZER_STATE], e[semconv.ATTR_DTYPE_EXPECTED], e[semconv.ATTR_DTYPE_ACTUAL])
+        for step, e in events
+    ]
     assert got == [(1, "momentum_buffer", "float32", "bfloat16"), (4, "momentum_buffer", "float32", "float16")], got
     points = otel.points()[semconv.METRIC_DTYPE_CONTRACT]
-    assert sorted((p.attributes[semconv.ATTR_DTYPE_ACTUAL], p.value) for p in points) == [("bfloat16", 1), ("float16", 1)]
+    assert sorted((p.attributes[semconv.ATTR_DTYPE_ACTUAL], p.value) for p in points) == [
+        ("bfloat16", 1),
+        ("float16", 1),
+    ]
 
 
-def test_observer_puts_findings_on_the_precision_span_and_units_on_metrics_only_when_asked(otel, make_observer, monkeypatch):
+def test_observer_puts_findings_on_the_precision_span_and_units_on_metrics_only_when_asked(
+    otel, make_observer, monkeypatch
+):
     monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", "1")
     main = torch.linspace(1, 2, 64)
     group = Group(main.clone(), main.to(BF16), torch.ones(64, dtype=BF16))
@@ -178,7 +201,10 @@ def test_observer_puts_findings_on_the_precision_span_and_units_on_metrics_only_
     (span,) = [s for s in otel.spans() if s.name == semconv.SPAN_PRECISION]
     events = [(e.attributes[semconv.ATTR_DIAGNOSTIC], e.attributes[semconv.ATTR_PARAM]) for e in span.events
               if e.name == semconv.EVENT_OFFENDER]  # fmt: skip
-    assert (semconv.METRIC_LOST_RATIO, "group0") in events and (semconv.DIAGNOSTIC_UPDATE_RESOLUTION, "group0") in events, events
+    assert (semconv.METRIC_LOST_RATIO, "group0") in events and (
+        semconv.DIAGNOSTIC_UPDATE_RESOLUTION,
+        "group0",
+    ) in events, events
     assert span.attributes[semconv.ATTR_STUCK_PARAMS] == 0  # one step in a row: below the window
     labels = {k for points in otel.points().values() for p in points for k in p.attributes}
     assert semconv.ATTR_UNIT not in labels and semconv.ATTR_PARAM not in labels, labels
@@ -196,8 +222,12 @@ def test_observer_puts_findings_on_the_precision_span_and_units_on_metrics_only_
 
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [(semconv.SETTING_PRECISION_TOP_K, "-1"), (semconv.SETTING_PRECISION_TOP_K, "three"),
-     (semconv.SETTING_PRECISION_WINDOW, "0"), (semconv.SETTING_PRECISION_DETAIL, "param")],
+    [
+        (semconv.SETTING_PRECISION_TOP_K, "-1"),
+        (semconv.SETTING_PRECISION_TOP_K, "three"),
+        (semconv.SETTING_PRECISION_WINDOW, "0"),
+        (semconv.SETTING_PRECISION_DETAIL, "param"),
+    ],
 )
 def test_bad_attribution_settings_name_the_variable(variable: str, value: str) -> None:
     with pytest.raises(ValueError, match=f"{variable}={value!r} is not valid; accepted values: "):
@@ -206,4 +236,7 @@ def test_bad_attribution_settings_name_the_variable(variable: str, value: str) -
 
 def test_attribution_settings_defaults() -> None:
     assert (env.precision_top_k({}), env.precision_window({}), env.precision_detail({})) == (3, 3, "off")
-    assert (env.precision_top_k({semconv.SETTING_PRECISION_TOP_K: "0"}), env.precision_detail({semconv.SETTING_PRECISION_DETAIL: "UNIT"})) == (0, "unit")
+    assert (
+        env.precision_top_k({semconv.SETTING_PRECISION_TOP_K: "0"}),
+        env.precision_detail({semconv.SETTING_PRECISION_DETAIL: "UNIT"}),
+    ) == (0, "unit")

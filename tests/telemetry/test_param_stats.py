@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from telemetry_testing import reference_stats, to_numpy
-
 from fsdp_patch.layout import GroupLayout
 from fsdp_patch.telemetry import param_stats as ps
 from fsdp_patch.telemetry import precision, semconv
+from telemetry_testing import reference_stats, to_numpy
 
 NAN, INF = math.nan, math.inf
 
@@ -37,7 +36,9 @@ SHAPES = [torch.Size((50, 1000)), torch.Size((7,)), torch.Size((3, 5)), torch.Si
 NAMES = ["a.weight", "a.bias", "b.weight", "c.weight", "c.bias"]
 
 
-def flat_group(seed: int, compute_dtype: torch.dtype | None = torch.bfloat16, rank: int = 1) -> tuple[FlatGroup, torch.Tensor]:
+def flat_group(
+    seed: int, compute_dtype: torch.dtype | None = torch.bfloat16, rank: int = 1
+) -> tuple[FlatGroup, torch.Tensor]:
     layout = GroupLayout.build(SHAPES, world_size=3, rank=rank)
     g = torch.Generator().manual_seed(seed)
     main = torch.zeros(layout.shard_numel)
@@ -65,7 +66,9 @@ def flat_group(seed: int, compute_dtype: torch.dtype | None = torch.bfloat16, ra
 
 def step(groups: list, news: list[torch.Tensor], states=None, detail: bool = True):
     snapshot = precision.take_snapshot(groups)
-    befores = [(g.main_weight.clone(), None if g.compute_weight is g.main_weight else g.compute_weight.clone()) for g in groups]
+    befores = [
+        (g.main_weight.clone(), None if g.compute_weight is g.main_weight else g.compute_weight.clone()) for g in groups
+    ]
     for group, new in zip(groups, news, strict=True):
         group.main_weight.copy_(new)
         if group.compute_weight is not group.main_weight:
@@ -82,7 +85,7 @@ def reference_row(main_before, compute_before, main_after, compute_after, grad) 
     c = main_after if compute_after is None else compute_after
     finite = torch.isfinite(main_after) & torch.isfinite(c)
     m = main_after.double()[finite]
-    diff = (main_after.double() - main_before.double())
+    diff = main_after.double() - main_before.double()
     ref["main_sq"] = float((m**2).sum())
     ref["diff_sq"] = float(((c.double()[finite] - m) ** 2).sum())
     ref["update_sq"] = float((diff[torch.isfinite(diff)] ** 2).sum())
@@ -108,7 +111,7 @@ def test_rows_equal_a_per_tensor_reference(monkeypatch, chunk: int, compute_dtyp
             **{f"{t}/{k}": row[s] for (t, k), s in zip(
                 [(t, k) for t in (semconv.TENSOR_MAIN_GRAD, semconv.TENSOR_MAIN_WEIGHT, semconv.TENSOR_COMPUTE_WEIGHT)
                  for k in semconv.NONFINITE_KINDS],
-                (ps.GRAD_NAN, ps.GRAD_INF, ps.MAIN_NAN, ps.MAIN_INF, ps.COMPUTE_NAN, ps.COMPUTE_INF))},
+                (ps.GRAD_NAN, ps.GRAD_INF, ps.MAIN_NAN, ps.MAIN_INF, ps.COMPUTE_NAN, ps.COMPUTE_INF), strict=True)},
             "numel": row[ps.NUMEL], "grad_amax": row[ps.GRAD_AMAX],
         }  # fmt: skip
         want = {
@@ -165,7 +168,10 @@ def test_state_rows_count_nonfinite_and_flushed_exp_avg_sq() -> None:
     exp_avg[1][2] = NAN  # a.bias
     exp_avg_sq[3][:5] = INF  # c.weight
     exp_avg_sq[0][:20] = 0.0  # a.weight: 10 with a grad (flushed), 10 without
-    states = [[ps.StateTensor("exp_avg", 0, a), ps.StateTensor("exp_avg_sq", 1, b)] for a, b in zip(exp_avg, exp_avg_sq)]
+    states = [
+        [ps.StateTensor("exp_avg", 0, a), ps.StateTensor("exp_avg_sq", 1, b)]
+        for a, b in zip(exp_avg, exp_avg_sq, strict=True)
+    ]
     _, rows, _ = step([group], [new], states)
     got = {(table[i].name, k): rows[i][slot] for i in range(len(table)) for k, slot in
            (("exp_avg nan", ps.STATE_NAN), ("exp_avg_sq inf", ps.STATE_INF + 2), ("flushed", ps.STATE_FLUSHED))
@@ -190,13 +196,19 @@ def test_table_of_tensor_list_groups_names_and_aligns_grads() -> None:
         process_group: object = None
 
     mains = [torch.randn(5), torch.zeros(0), torch.randn(4)]
-    group = ListGroup([m.clone() for m in mains], [torch.ones(5), torch.full((4,), 2.0)], torch.bfloat16, ["x", "y", "z"])
+    group = ListGroup(
+        [m.clone() for m in mains], [torch.ones(5), torch.full((4,), 2.0)], torch.bfloat16, ["x", "y", "z"]
+    )
     snapshot = precision.take_snapshot([group])
     for weight in group.main_weights:
         weight.add_(1.0)
     table = ps.param_table([group])
     rows = ps.local_rows(snapshot, [group], table).tolist()
-    assert [(s.name, s.unit, s.length) for s in table] == [("x", "blocks.3", 5), ("y", "blocks.3", 0), ("z", "blocks.3", 4)]
+    assert [(s.name, s.unit, s.length) for s in table] == [
+        ("x", "blocks.3", 5),
+        ("y", "blocks.3", 0),
+        ("z", "blocks.3", 4),
+    ]
     assert [r[ps.GRAD_AMAX] for r in rows] == [1.0, 0.0, 2.0], "grads matched to their shards by size"
     assert [r[ps.CHANGED] for r in rows] == [5, 0, 4]
 

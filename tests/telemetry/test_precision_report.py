@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fsdp_patch.telemetry import precision_report, precision_thresholds, trace_files
+from fsdp_patch.telemetry.trace_reading import TraceFileError
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode
-
-from fsdp_patch.telemetry import precision_report, precision_thresholds, trace_files
-from fsdp_patch.telemetry.trace_reading import TraceFileError
 
 HEALTHY = {
     "fsdp.precision.nonfinite": 0,
@@ -25,10 +24,14 @@ HEALTHY = {
 }
 
 
-def _write(directory: Path, diagnostics: dict[int, dict], steps: int, failed: tuple[int, ...] = (), ranks: int = 2) -> None:
+def _write(
+    directory: Path, diagnostics: dict[int, dict], steps: int, failed: tuple[int, ...] = (), ranks: int = 2
+) -> None:
     """Step spans 1..steps per rank, a precision child on the steps in ``diagnostics``."""
     for rank in range(ranks):
-        exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False)
+        exporter = trace_files.TraceFileExporter(
+            str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False
+        )
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("t")
@@ -146,7 +149,9 @@ def _write_attributed(directory: Path, ranks: int = 2) -> None:
     from fsdp_patch.telemetry import semconv
 
     for rank in range(ranks):
-        exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False)
+        exporter = trace_files.TraceFileExporter(
+            str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False
+        )
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("t")
@@ -170,11 +175,26 @@ def _write_attributed(directory: Path, ranks: int = 2) -> None:
                     if step == 4:
                         offenders.append((semconv.METRIC_NONFINITE, "head.weight", "", 900, {}))
                     if step >= 3:
-                        offenders.append((semconv.DIAGNOSTIC_UNSTEPPED, "blocks.0.proj.weight", "blocks.0", step,
-                                          {semconv.ATTR_CAUSE: semconv.UNSTEPPED_NOT_IN_OPTIMIZER}))
+                        offenders.append(
+                            (
+                                semconv.DIAGNOSTIC_UNSTEPPED,
+                                "blocks.0.proj.weight",
+                                "blocks.0",
+                                step,
+                                {semconv.ATTR_CAUSE: semconv.UNSTEPPED_NOT_IN_OPTIMIZER},
+                            )
+                        )
                     for diagnostic, param, unit, value, extra in offenders:
-                        child.add_event(semconv.EVENT_OFFENDER, {semconv.ATTR_DIAGNOSTIC: diagnostic, semconv.ATTR_PARAM: param,
-                                                                 semconv.ATTR_UNIT: unit, semconv.ATTR_VALUE: value, **extra})
+                        child.add_event(
+                            semconv.EVENT_OFFENDER,
+                            {
+                                semconv.ATTR_DIAGNOSTIC: diagnostic,
+                                semconv.ATTR_PARAM: param,
+                                semconv.ATTR_UNIT: unit,
+                                semconv.ATTR_VALUE: value,
+                                **extra,
+                            },
+                        )
                 if step == 2:
                     span.add_event(semconv.EVENT_DTYPE_CONTRACT, {
                         semconv.ATTR_STEP: 2, semconv.ATTR_RANK: rank, semconv.ATTR_PARAM: "head.weight", semconv.ATTR_UNIT: "",
@@ -206,11 +226,25 @@ def test_report_json_carries_the_same_findings_and_parameters(tmp_path: Path) ->
     by_check = {f["check"]: f for f in data["findings"]}
     assert set(by_check) == {"nonfinite", "unstepped_weights", "dtype_contract"}, sorted(by_check)
     first = by_check["nonfinite"]["first_nonfinite"]
-    assert (first["step"], first["param"], first["ranks"], first["tensor"]) == (3, "blocks.1.fc1.weight", [1], "main_grad")
+    assert (first["step"], first["param"], first["ranks"], first["tensor"]) == (
+        3,
+        "blocks.1.fc1.weight",
+        [1],
+        "main_grad",
+    )
     (unstepped,) = by_check["unstepped_weights"]["parameters"]
-    assert (unstepped["param"], unstepped["value"], unstepped["cause"]) == ("blocks.0.proj.weight", 4.0, "not_in_optimizer")
+    assert (unstepped["param"], unstepped["value"], unstepped["cause"]) == (
+        "blocks.0.proj.weight",
+        4.0,
+        "not_in_optimizer",
+    )
     (violation,) = by_check["dtype_contract"]["violations"]
-    assert (violation["param"], violation["state"], violation["actual"], violation["ranks"]) == ("head.weight", "exp_avg_sq", "bfloat16", [0, 1])
+    assert (violation["param"], violation["state"], violation["actual"], violation["ranks"]) == (
+        "head.weight",
+        "exp_avg_sq",
+        "bfloat16",
+        [0, 1],
+    )
     import json
 
     json.dumps(data)  # plain data throughout

@@ -9,10 +9,10 @@ from unittest import mock
 
 import pytest
 import torch
+from fsdp_patch.telemetry import instruments, semconv
 from telemetry_testing import Group, fake_optimizer, point_value, run_fake_step
 
 from fsdp_patch.adapter.events import Mismatch, MismatchAction, StepPlanned
-from fsdp_patch.telemetry import instruments, semconv
 
 README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
 
@@ -74,7 +74,9 @@ def test_cast_mismatch_and_duration_values_are_exact(otel, make_observer):
     points = otel.points()
     grad = point_value(points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_GRAD})
     assert grad == sum(100 + s for s in range(steps))
-    refresh = point_value(points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_WEIGHT_REFRESH})
+    refresh = point_value(
+        points, semconv.METRIC_CAST_SIZE, **{semconv.ATTR_CAST_KIND: semconv.CAST_KIND_WEIGHT_REFRESH}
+    )
     assert refresh == steps * 8 * 2  # 8 fp16 elements written per refresh
     (refresh_point,) = [p for p in points[semconv.METRIC_CAST_SIZE] if p.value == refresh]
     assert dict(refresh_point.attributes) == {
@@ -83,8 +85,15 @@ def test_cast_mismatch_and_duration_values_are_exact(otel, make_observer):
         semconv.ATTR_DTYPE_SOURCE: "float32",
         semconv.ATTR_DTYPE_TARGET: "float16",
     }
-    assert point_value(points, semconv.METRIC_DTYPE_MISMATCHES, **{semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_CAST}) == 2 * steps
-    rejected = [p for p in points[semconv.METRIC_DTYPE_MISMATCHES] if p.attributes[semconv.ATTR_MISMATCH_ACTION] == semconv.MISMATCH_REJECTED]
+    assert (
+        point_value(points, semconv.METRIC_DTYPE_MISMATCHES, **{semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_CAST})
+        == 2 * steps
+    )
+    rejected = [
+        p
+        for p in points[semconv.METRIC_DTYPE_MISMATCHES]
+        if p.attributes[semconv.ATTR_MISMATCH_ACTION] == semconv.MISMATCH_REJECTED
+    ]
     assert len(rejected) == 1 and rejected[0].value == 7
     assert dict(rejected[0].attributes) == {
         semconv.ATTR_RANK: 0, semconv.ATTR_DTYPE_PARAM: "float32", semconv.ATTR_DTYPE_GRAD: "float16", semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_REJECTED,
@@ -122,11 +131,10 @@ def test_step_durations_measure_the_step(otel, make_observer):
 
 
 def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
+    from fsdp_patch.telemetry import OptimizerObserver
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
     from prometheus_client import CollectorRegistry, generate_latest
-
-    from fsdp_patch.telemetry import OptimizerObserver
 
     registry = CollectorRegistry()
     provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)])
