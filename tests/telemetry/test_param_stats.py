@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from fsdp_patch.layout import GroupLayout
 from fsdp_patch.telemetry import param_stats as ps
 from fsdp_patch.telemetry import precision, semconv
 from telemetry_testing import reference_stats, to_numpy
+
+from fsdp_patch.sharding.layout import GroupLayout
 
 NAN, INF = math.nan, math.inf
 
