@@ -153,7 +153,9 @@ def shard(
                 p.copy_(p.to(dtype))
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = TorchPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    # Grads reduced in the compute dtype unless told otherwise, as fully_shard's main grads are: said
+    # explicitly, since from torch 2.15 FSDP2's reduce_dtype=None follows the fp32 parameters instead.
+    policy = TorchPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype if reduce_dtype is not None else dtype)
     for block in model.blocks:
         torch_fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
