@@ -1,4 +1,4 @@
-"""The installed command end to end, in a fresh virtual environment (issue 10's "what must be shown").
+"""The installed command end to end, in a fresh virtual environment.
 
 A new venv (no system site-packages) gets the pinned CPU torch and then ``pip install`` of a copy of
 the package's files, which must bring every other dependency itself. Its ``fsdp-patch``:

@@ -1,4 +1,4 @@
-"""Tests of the optimizer adapter (issue #3), on gloo pools of 1, 2 and 4 CPU ranks.
+"""Tests of the optimizer adapter, on gloo pools of 1, 2 and 4 CPU ranks.
 
 - ``test_step_equivalence``: every optimizer of the list, both attachments, bitwise equal to
   a hand-cast fp32 reference; compute copy refreshed; LBFGS with a closure on 2 ranks.

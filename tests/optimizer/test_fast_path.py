@@ -1,4 +1,4 @@
-"""Issue 8: the adapter's fast path (cached plan, reused cast buffer and DTensor views) stays correct.
+"""The adapter's fast path (cached plan, reused cast buffer and DTensor views) stays correct.
 
 Each scenario trains an adapted model and a hand-cast reference (an unadapted optimizer whose
 grads the test casts by hand) side by side on 2 ranks, doing the same thing to both between
