@@ -173,23 +173,8 @@ def test_every_span_and_series_carries_the_rank_identity_under_opentelemetry_ins
         )
 
 
-def _console_spans(stdout: str) -> list[dict]:
-    """The JSON documents ConsoleSpanExporter prints, one per span."""
-    decoder = json.JSONDecoder()
-    spans, index = [], 0
-    while (start := stdout.find("{", index)) != -1:
-        try:
-            document, index = decoder.raw_decode(stdout, start)
-        except json.JSONDecodeError:
-            index = start + 1
-            continue
-        if isinstance(document, dict) and "name" in document and "context" in document:
-            spans.append(document)
-    return spans
-
-
-def _console_metrics(stdout: str) -> list[dict]:
-    """The JSON documents ConsoleMetricExporter prints, one per export."""
+def _json_documents(stdout: str, holds: tuple[str, ...]) -> list[dict]:
+    """The JSON objects a console exporter printed that hold every key of ``holds``."""
     decoder = json.JSONDecoder()
     documents, index = [], 0
     while (start := stdout.find("{", index)) != -1:
@@ -198,6 +183,16 @@ def _console_metrics(stdout: str) -> list[dict]:
         except json.JSONDecodeError:
             index = start + 1
             continue
-        if isinstance(document, dict) and "resource_metrics" in document:
+        if isinstance(document, dict) and all(key in document for key in holds):
             documents.append(document)
     return documents
+
+
+def _console_spans(stdout: str) -> list[dict]:
+    """The JSON documents ConsoleSpanExporter prints, one per span."""
+    return _json_documents(stdout, ("name", "context"))
+
+
+def _console_metrics(stdout: str) -> list[dict]:
+    """The JSON documents ConsoleMetricExporter prints, one per export."""
+    return _json_documents(stdout, ("resource_metrics",))
