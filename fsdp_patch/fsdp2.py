@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .torch_compat import fsdp2_param_dtype, fsdp2_state_param_groups
 
@@ -64,7 +65,7 @@ class FSDP2Group:
     @property
     def main_weights(self) -> list[torch.Tensor]:
         """This rank's shards of :attr:`members`, without padding."""
-        return [p._local_tensor for p in self.members]
+        return [cast(DTensor, p)._local_tensor for p in self.members]
 
     @property
     def main_grads(self) -> list[torch.Tensor]:
@@ -150,7 +151,7 @@ def fsdp2_groups(params: Iterable[torch.Tensor]) -> list[FSDP2Group]:
                 [], compute_dtype, _process_group(group), fsdp_group=group
             )
         if not any(p is param for p in found.params):
-            found.params.append(param)
+            found.params.append(cast(nn.Parameter, param))  # FSDP2 manages it: a sharded parameter
             found.fsdp_params.append(fsdp_param)
     # The group's parameters the optimizer does not hold join the part of that group with their
     # compute dtype, or a part of their own (nothing in it is stepped).

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ def _copy_dtensor(tensor: DTensor) -> DTensor:
 
 
 def _copy_param(param: nn.Parameter, with_grad: bool) -> nn.Parameter:
-    copied = nn.Parameter(_copy_dtensor(param), requires_grad=param.requires_grad)
+    copied = nn.Parameter(_copy_dtensor(cast(DTensor, param)), requires_grad=param.requires_grad)
     copied.grad_dtype = param.grad_dtype
     if with_grad and param.grad is not None:
         grad = param.grad
@@ -92,7 +92,7 @@ class _PicklingState:
         return (dict, (state,))
 
 
-def _rebuild(cls: type, state: Any) -> torch.optim.Optimizer:
+def _rebuild(cls: type[torch.optim.Optimizer], state: Any) -> torch.optim.Optimizer:
     if isinstance(state, _PicklingState):  # copy.copy: never pickled
         state = state.state
     result = cls.__new__(cls)

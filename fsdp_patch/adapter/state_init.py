@@ -121,39 +121,39 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, *, leave_zero_grads: 
 
     fsdp_groups: dict[int, ParameterGroup] = {}
     for param in trainable:
-        group = parameter_group_of(param)
-        if group is not None:
-            fsdp_groups.setdefault(id(group), group)
-    saved_main = {key: group.main_weight.clone() for key, group in fsdp_groups.items()}
+        fsdp_group = parameter_group_of(param)
+        if fsdp_group is not None:
+            fsdp_groups.setdefault(id(fsdp_group), fsdp_group)
+    saved_main = {key: fsdp_group.main_weight.clone() for key, fsdp_group in fsdp_groups.items()}
     saved_plain = {id(p): p.detach().clone() for p in trainable if parameter_group_of(p) is None}
     saved_grads = [(p, p.grad, p.grad_dtype) for p in trainable]
-    saved_decay = [(group, group["weight_decay"]) for group in optimizer.param_groups if "weight_decay" in group]
+    saved_decay = [(pg, pg["weight_decay"]) for pg in optimizer.param_groups if "weight_decay" in pg]
 
     # The synthetic step bypasses the step hooks (the adapter's among them): with the raw
     # step for most optimizers, and for a subclass whose step calls super().step() (which
     # runs the hooks) by emptying the instance's hook dicts for the duration.
-    hook_dicts = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
+    hook_dicts: tuple[dict[int, Any], ...] = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
     saved_hooks = [list(hooks.items()) for hooks in hook_dicts]
     try:
         for hooks in hook_dicts:
             hooks.clear()
         for param in trainable:
             _set_grad(param, torch.zeros_like(param), param.dtype)
-        for group, _ in saved_decay:
-            group["weight_decay"] = 0.0
+        for pg, _ in saved_decay:
+            pg["weight_decay"] = 0.0
         with torch.no_grad():
             _raw_step(optimizer)(optimizer)
     finally:
         for hooks, items in zip(hook_dicts, saved_hooks, strict=True):
             hooks.update(items)
         with torch.no_grad():
-            for key, group in fsdp_groups.items():
-                group.main_weight.copy_(saved_main[key])
+            for key, fsdp_group in fsdp_groups.items():
+                fsdp_group.main_weight.copy_(saved_main[key])
             for param in trainable:
                 if id(param) in saved_plain:
                     param.copy_(saved_plain[id(param)])
-        for group, decay in saved_decay:
-            group["weight_decay"] = decay
+        for pg, decay in saved_decay:
+            pg["weight_decay"] = decay
         for param, grad, grad_dtype in saved_grads:
             _set_grad(param, grad, grad_dtype)
 
@@ -193,7 +193,7 @@ class _ForgetUntouchedState:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._entries = [
+        self._entries: list[tuple[torch.Tensor, dict[str, Any], dict[str, tuple[Any, Any]]]] = [
             (
                 param,
                 state,

@@ -172,7 +172,10 @@ class StepSequence:
                     originals = list(map(_GRAD, share.params))
                     all_present = all(grad is not None for grad in originals)
                 else:
-                    main_grad, originals, all_present = group.main_grad, task.originals, task.all_present
+                    held = group.main_grad
+                    # A plan lists originals only for groups whose grads are views of the buffer.
+                    assert held is not None
+                    main_grad, originals, all_present = held, task.originals, task.all_present
                 self._in_flight.append(cast)
                 written.append((group, cast.cast(main_grad, originals, all_present, release=not self._keep)))
         except BaseException:
@@ -184,10 +187,11 @@ class StepSequence:
         """Everything after the optimizer's own step: restore the grads; if the step
         ``completed``, refresh the compute weights and finish the diagnostics."""
         state, self._step = self._step, None
-        observer = state.observer if state is not None else None
-        if observer is None:  # pragma: no cover - end without begin: torch runs post-hooks only after pre-hooks
+        # End without begin: torch runs post-hooks only after pre-hooks.
+        if state is None or state.observer is None:  # pragma: no cover
             self.restore(carry_back=False)
             return
+        observer = state.observer
         with observer.phase(Phase.RESTORE_GRADS):
             self.restore(carry_back=False)
         if not self._keep:
@@ -195,7 +199,7 @@ class StepSequence:
         if not completed:
             return
         self.refresh(observer)
-        if state.snapshot is not None:
+        if state.snapshot is not None and state.observed is not None:
             with observer.phase(Phase.PRECISION):
                 observer.precision_end(state.snapshot, state.observed)
 

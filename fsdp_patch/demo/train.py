@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from .. import MixedPrecisionPolicy
+from .. import FSDPModule, MixedPrecisionPolicy
 from ..optimizer import fully_shard_optimizer
 from . import checkpoint
 from .data import tokens_at
@@ -48,11 +50,12 @@ def _param_groups(model: GPT, training: TrainingConfig) -> list[dict[str, object
     parameter left out of the optimizer, or one in a group of its own with a far smaller lr."""
     scenario = SCENARIOS[training.scenario]
     named = dict(model.named_parameters())
+    layer = scenario.layer
     if scenario.plant == "left_out":
-        return [{"params": [p for name, p in named.items() if name != scenario.layer]}]
-    if scenario.plant == "layer_lr":
-        rest = [p for name, p in named.items() if name != scenario.layer]
-        return [{"params": rest}, {"params": [named[scenario.layer]], "lr": training.lr * LAYER_LR_FACTOR}]
+        return [{"params": [p for name, p in named.items() if name != layer]}]
+    if scenario.plant == "layer_lr" and layer is not None:
+        rest = [p for name, p in named.items() if name != layer]
+        return [{"params": rest}, {"params": [named[layer]], "lr": training.lr * LAYER_LR_FACTOR}]
     return [{"params": list(named.values())}]
 
 
@@ -62,15 +65,19 @@ def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfi
     plant = scenario.plant
     if plant is None or step < training.plant_step or (step != training.plant_step and plant != "underflow"):
         return
-    param = dict(model.named_parameters())[scenario.layer]
+    if scenario.layer is None:
+        raise ValueError(f"scenario {training.scenario!r} plants {plant!r} but names no layer")
+    # fully_shard's parameters are DTensors; the layers planted into take part in every backward.
+    param = cast(DTensor, dict(model.named_parameters())[scenario.layer])
+    grad = cast(DTensor, param.grad)
     with torch.no_grad():
         if plant == "nan" and dist.get_rank() == 0:
-            param.grad.to_local().view(-1)[0] = float("nan")
+            grad.to_local().view(-1)[0] = float("nan")
         elif plant == "overflow":
             # Main weights (fp32) past fp16's largest value: the refresh to fp16 gives Inf.
             param.to_local().fill_(7.0e4)
         elif plant == "underflow":
-            param.grad.to_local().mul_(UNDERFLOW_SCALE)
+            grad.to_local().mul_(UNDERFLOW_SCALE)
         elif plant == "bf16_state" and "exp_avg_sq" in optimizer.state.get(param, {}):
             # AdamW keeps stepping with it, silently; the next dtype audit names it.
             state = optimizer.state[param]
@@ -104,7 +111,7 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
             for micro in range(training.microbatches):
                 tokens = tokens_at(config, rows, position, training.seed)[rank * per_rank : (rank + 1) * per_rank]
                 position += 1
-                model.set_requires_gradient_sync(micro == training.microbatches - 1)
+                cast(FSDPModule, model).set_requires_gradient_sync(micro == training.microbatches - 1)
                 loss = lm_loss(model, tokens.to(device)) / training.microbatches
                 loss.backward()
                 loss_sum += loss.detach()

@@ -39,7 +39,7 @@ def shard_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = 
     )
     wrapper._spec = spec
     wrapper._local_tensor = local
-    return wrapper  # type: ignore[no-any-return]
+    return wrapper
 
 
 class ShardSpecs:

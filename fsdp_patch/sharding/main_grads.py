@@ -167,7 +167,7 @@ class MainGrads:
             self._overwrite = True
             return
         self._overwrite = False
-        views = self.views(range(self._count))  # type: ignore[arg-type]
+        views = self.views(range(self._count))
         if all(kept) and all(map(operator.is_, grads, views)):
             self._ensure()
             return

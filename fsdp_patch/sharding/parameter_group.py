@@ -104,7 +104,7 @@ class ParameterGroup:
             for index, param in enumerate(params)
         ]
         for param in self.params:
-            param._is_param = True  # type: ignore[attr-defined]
+            param._is_param = True
             param.grad_dtype = self.grads_dtype
         self._index_of = {id(param): index for index, param in enumerate(self.params)}
         self._grads = MainGrads(self.layout, self._specs, self.grads_dtype, device)
