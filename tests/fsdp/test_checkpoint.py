@@ -9,11 +9,21 @@ loaded weights. ``model.state_dict()``/``load_state_dict`` and DCP's full state 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-from tests.fsdp import rank_fns
+from tests.fsdp.sharded_views import full_params, rank0, world
+from tests.fsdp.transformer_variants import MICROBATCH, build_model
+from tests.models import lm_loss, make_batches, make_model, rank_slice
+
+
+def eval_loss(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return lm_loss(model, make_batches(1, batch=4, seed=9)[0]).detach()
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +31,40 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("dcp") / "ws2")
 
 
+def checkpoint_save(path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tests.models import shard_model
+
+    rank, world_size = world()
+    model = shard_model(build_model("plain"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for tokens in make_batches(2, batch=MICROBATCH):
+        lm_loss(model, rank_slice(tokens, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    state = get_model_state_dict(model)
+    dcp.save(state, checkpoint_id=path)
+    plain = model.state_dict()
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {
+        "params": rank0(full_params(model)),
+        "loss": eval_loss(model),
+        "dcp_keys": sorted(state),
+        "dcp_values_dtensor": all(isinstance(v, DTensor) for v in state.values()),
+        "state_dict_keys": sorted(plain),
+        "state_dict_values_dtensor": all(isinstance(v, DTensor) for v in plain.values()),
+        "unwrapped_keys": sorted(build_model("plain").state_dict()),
+        "full_sd_plain_equal": all(
+            not isinstance(full_sd[k], DTensor) and torch.equal(full_sd[k], plain[k].full_tensor()) for k in plain
+        ),
+    }
+
+
 @pytest.fixture(scope="module")
 def saved(run_once, checkpoint_dir: str) -> list[dict]:
-    return run_once(2, rank_fns.checkpoint_save, checkpoint_dir)
+    return run_once(2, checkpoint_save, checkpoint_dir)
 
 
 def test_state_dicts_have_unwrapped_fqns_and_dtensor_values(saved) -> None:
@@ -34,12 +75,59 @@ def test_state_dicts_have_unwrapped_fqns_and_dtensor_values(saved) -> None:
         assert facts["full_sd_plain_equal"]
 
 
+def checkpoint_load(path: str, bf16: bool = False) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from fsdp_patch import parameter_groups
+    from tests.models import shard_model
+
+    rank, world_size = world()
+    model = make_model(seed=5)  # different weights than the checkpoint
+    if bf16:
+        model = model.bfloat16()
+    shard_model(model)
+    before = full_params(model)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state)
+    facts = {
+        "params": rank0(full_params(model)),
+        "changed": any(not torch.equal(before[n], p) for n, p in full_params(model).items()),
+        "loss": eval_loss(model),
+        "main_dtypes": sorted({str(g.main_weight.dtype) for g in parameter_groups(model)}),
+        "compute_equals_cast": all(
+            torch.equal(g.compute_weight, g.main_weight.to(g.compute_dtype)) for g in parameter_groups(model)
+        ),
+    }
+    if not bf16:
+        # model.state_dict()/load_state_dict round trip, and a full (unsharded) state dict set
+        # through DCP's helpers, both without pre-processing.
+        fresh = shard_model(make_model(seed=6))
+        fresh.load_state_dict(model.state_dict())
+        facts["load_state_dict_equal"] = all(
+            torch.equal(a, b) for a, b in zip(full_params(fresh).values(), full_params(model).values(), strict=True)
+        )
+        facts["load_state_dict_loss"] = eval_loss(fresh)
+        fresh = shard_model(make_model(seed=7))
+        full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(fresh, full_sd, options=StateDictOptions(full_state_dict=True))
+        facts["full_sd_equal"] = all(
+            torch.equal(a, b) for a, b in zip(full_params(fresh).values(), full_params(model).values(), strict=True)
+        )
+    return facts
+
+
 @pytest.mark.parametrize(("world_size", "bf16"), [(1, False), (4, False), (4, True)], ids=["ws1", "ws4", "ws4-bf16"])
 def test_dcp_checkpoint_loads_at_another_world_size(
     run_once, saved, checkpoint_dir: str, world_size: int, bf16: bool
 ) -> None:
     assert Path(checkpoint_dir, ".metadata").exists()
-    loaded = run_once(world_size, rank_fns.checkpoint_load, checkpoint_dir, bf16)
+    loaded = run_once(world_size, checkpoint_load, checkpoint_dir, bf16)
     expected = saved[0]["params"]
     got = loaded[0]["params"]
     assert list(got) == list(expected)

@@ -9,16 +9,127 @@ into the group's flat main-weight buffer, and a link to their group. Groups spli
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
-from tests.fsdp import rank_fns
+from tests.fsdp.sharded_views import shard_storage_facts, world
+
+
+class Uneven(nn.Module):
+    """Parameters whose dim 0 does not divide by 2 or 4, including dims smaller than 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(5, 3)  # weight (3, 5), bias (3,)
+        self.b = nn.Linear(3, 1)  # weight (1, 3), bias (1,)
+        self.c = nn.Parameter(torch.randn(2, 2, 2))
+        self.d = nn.Linear(3, 9)  # weight (9, 3), bias (9,)
+        self.e = nn.Linear(9, 5)  # weight (5, 9), bias (5,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * self.c.sum()
+        return self.e(torch.tanh(self.d(h))).sum(-1) + self.b(h).squeeze(-1)
+
+
+def geometry_run() -> dict[str, Any]:
+    """Sharding geometry, FQNs, grouping, group links and a reference step on uneven shapes."""
+    from fsdp_patch import MixedPrecisionPolicy, fully_shard, parameter_group_of, parameter_groups
+
+    rank, world_size = world()
+    facts: dict[str, Any] = {}
+
+    # Uneven shapes: DTensor Shard(0), chunked like torch.chunk, one unit, one SGD step.
+    model = Uneven()
+    reference = Uneven()
+    originals = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names_before = [n for n, _ in model.named_parameters()]
+    fully_shard(model)
+    facts["fqns_before"] = names_before
+    facts["fqns_after"] = [n for n, _ in model.named_parameters()]
+    facts["state_dict_keys"] = list(model.state_dict().keys())
+    shards = {}
+    for name, p in model.named_parameters():
+        chunks = torch.chunk(originals[name], world_size, dim=0)
+        expected = chunks[rank] if rank < len(chunks) else originals[name][:0]
+        shards[name] = {
+            "is_dtensor": isinstance(p, DTensor),
+            "is_parameter": isinstance(p, nn.Parameter),
+            "placements": tuple(p.placements),
+            "mesh_ndim": p.device_mesh.ndim,
+            "global_shape": tuple(p.shape),
+            "local_shape": tuple(p.to_local().shape),
+            "expected_local_shape": tuple(expected.shape),
+            "local_equal": torch.equal(p.to_local(), expected),
+            "full_equal": torch.equal(p.full_tensor(), originals[name]),
+            "grad_dtype": p.grad_dtype,
+            "requires_grad": p.requires_grad,
+        }
+    facts["shards"] = shards
+    facts["storage"] = shard_storage_facts(model)
+    group = parameter_groups(model)[0]
+    facts["group_links"] = all(parameter_group_of(p) is group for p in model.parameters())
+    facts["group_params_are_module_params"] = [id(p) for p in group.params] == [id(p) for p in model.parameters()]
+    facts["plain_tensor_has_no_group"] = parameter_group_of(torch.zeros(3)) is None
+
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(7))
+    model(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    grads = {}
+    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        grads[name] = {
+            "is_dtensor": isinstance(p.grad, DTensor),
+            "placements": tuple(p.grad.placements),
+            "local_shape": tuple(p.grad.to_local().shape),
+            "dtype": p.grad.dtype,
+            "in_main_grad": p.grad.to_local().untyped_storage().data_ptr()
+            == group.main_grad.untyped_storage().data_ptr(),
+            # Every rank saw the same input: the average equals the single-process grad exactly.
+            "equal_reference": torch.equal(p.grad.full_tensor(), ref.grad),
+        }
+    facts["grads"] = grads
+    with torch.no_grad():
+        for p in list(model.parameters()) + list(reference.parameters()):
+            p.sub_(0.1 * p.grad)
+    facts["step_equal_reference"] = all(
+        torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    facts["forward_after_step_equal"] = torch.equal(model(x), reference(x))
+
+    # Grouping by (dtype, requires_grad); frozen groups have no main grad; buffers per policy.
+    mixed = nn.Module()
+    mixed.f32 = nn.Linear(4, 3)
+    mixed.bf16 = nn.Linear(4, 3).bfloat16()
+    mixed.frozen = nn.Linear(4, 3)
+    mixed.frozen.requires_grad_(False)
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(main_grads_dtype=torch.float32))
+    facts["groups"] = sorted(
+        (
+            str(g.compute_dtype),
+            g.requires_grad,
+            str(g.main_weight.dtype),
+            str(g.compute_weight.dtype),
+            None if g.main_grad is None else str(g.main_grad.dtype),
+            None if g.grads_dtype is None else str(g.grads_dtype),
+            sorted(g.names),
+            g.compute_weight is g.main_weight,
+        )
+        for g in mixed.fsdp_parameter_groups
+    )
+    facts["mixed_param_dtypes"] = {n: str(p.dtype) for n, p in mixed.named_parameters()}
+    facts["mixed_grad_dtypes"] = {
+        n: (str(p.grad_dtype) if p.requires_grad else None) for n, p in mixed.named_parameters()
+    }
+    return facts
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda w: f"ws{w}")
 def geometry(request: pytest.FixtureRequest, run_once) -> tuple[int, list[dict]]:
-    return request.param, run_once(request.param, rank_fns.geometry_run)
+    return request.param, run_once(request.param, geometry_run)
 
 
 def test_parameters_are_shard0_dtensors_split_like_torch_chunk(geometry) -> None:
