@@ -7,7 +7,7 @@ value on rank 0 only, so that what a rank body returns pickles small.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -86,24 +86,58 @@ def unsharded_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def shard_storage_facts(model: nn.Module) -> dict[str, Any]:
-    """Whether every parameter's local data lives in its group's main-weight buffer and nothing
-    else holds parameter storage."""
+    """The parameters whose local data do not live in their group's main-weight buffer, and the
+    bytes of parameter storage, of those buffers and of unsharded parameters."""
     from fsdp_patch import parameter_group_of, parameter_groups
 
     groups = parameter_groups(model)
     buffers = {g.main_weight.untyped_storage().data_ptr(): g.main_weight.untyped_storage().nbytes() for g in groups}
     param_storages = {}
-    in_buffer = True
-    for p in model.parameters():
+    outside: list[str] = []
+    for name, p in model.named_parameters():
         local = p.to_local()
         ptr = local.untyped_storage().data_ptr()
         param_storages[ptr] = local.untyped_storage().nbytes()
         g = parameter_group_of(p)
-        in_buffer &= g is not None and ptr == g.main_weight.untyped_storage().data_ptr()
+        if g is None or ptr != g.main_weight.untyped_storage().data_ptr():
+            outside.append(name)
     return {
-        "params_in_main_buffers": in_buffer,
+        "params_outside_main_buffers": outside,
         "param_storage_bytes": sum(param_storages.values()),
         "main_buffer_bytes": sum(buffers.values()),
         "shard_bytes_expected": sum(g.layout.shard_numel * g.main_weight.element_size() for g in groups),
         "unsharded_param_storage_bytes": sum(p.untyped_storage().nbytes() for g in groups for p in g.unsharded_params),
     }
+
+
+def difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """``None`` when ``torch.equal(got, want)``; otherwise what differs, for a failure message:
+    the shapes or dtypes, or the largest absolute difference and the first differing index."""
+    if torch.equal(got, want):
+        return None
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    delta = (got.double() - want.double()).abs()
+    unequal = (got != want).nonzero()
+    first = tuple(unequal[0].tolist()) if len(unequal) else ()
+    at = f"first at {first}: got {got[first].item()!r}, want {want[first].item()!r}" if len(unequal) else "NaNs"
+    return f"max abs diff {delta.nan_to_num(nan=float('inf')).max().item():.3g}, {at}"
+
+
+def stale_compute_copies(groups: Iterable[Any], dtype: torch.dtype | None = None) -> dict[str, str]:
+    """The groups (by parameter names) whose compute copy is not their main weights cast to the
+    compute dtype (``dtype`` when given), with what differs; empty when every copy is fresh."""
+    stale = {}
+    for g in groups:
+        diff = difference(g.compute_weight, g.main_weight.to(dtype or g.compute_dtype))
+        if diff is not None:
+            stale[",".join(sorted(g.names))] = diff
+    return stale
+
+
+def param_differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The tensors of ``got`` not ``torch.equal`` to ``want``'s of the same name, with what differs
+    (under ``"<names>"`` when the names themselves differ); empty when all are equal."""
+    if list(got) != list(want):
+        return {"<names>": f"got {list(got)}, want {list(want)}"}
+    return {n: diff for n in want if (diff := difference(got[n], want[n])) is not None}

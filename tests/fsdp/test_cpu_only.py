@@ -8,6 +8,7 @@ torch's own DTensor and DeviceMesh code query on CPU, raises only when fsdp_patc
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -81,9 +82,9 @@ def cpu_only_run(path: str) -> dict[str, Any]:
     with forbid_cuda() as touched:
         try:  # the guard itself works: a direct call raises and is recorded
             torch.cuda.current_device()
-            guard_works = False
+            guard = {"raised": False, "touched": list(touched)}
         except RuntimeError:
-            guard_works = touched == ["current_device"]
+            guard = {"raised": True, "touched": list(touched)}
         touched.clear()
         shard_model(model)  # mesh=None: builds the mesh from the default (gloo) group
         device_types = sorted({p.device_mesh.device_type for p in model.parameters()})
@@ -103,10 +104,10 @@ def cpu_only_run(path: str) -> dict[str, Any]:
         loss = eval_loss(model)
     return {
         "touched": touched,
-        "guard_works": guard_works,
+        "guard": guard,
         "device_types": device_types,
         "devices": sorted(devices),
-        "finite": bool(torch.isfinite(loss)),
+        "loss": loss.item(),
         "cuda_initialized": torch.cuda.is_initialized(),
     }
 
@@ -114,9 +115,12 @@ def cpu_only_run(path: str) -> dict[str, Any]:
 def test_cpu_path_never_touches_torch_cuda(run_once, tmp_path) -> None:
     per_rank = run_once(2, cpu_only_run, str(tmp_path / "ckpt"))
     for facts in per_rank:
-        assert facts["guard_works"], "the torch.cuda guard did not catch a direct call"
+        want_guard = {"raised": True, "touched": ["current_device"]}
+        assert facts["guard"] == want_guard, (
+            f"the torch.cuda guard on a direct call: {facts['guard']}, want {want_guard}"
+        )
         assert facts["touched"] == [], f"torch.cuda used: {facts['touched']}"
-        assert facts["device_types"] == ["cpu"]
-        assert facts["devices"] == ["cpu"]
-        assert facts["finite"]
-        assert not facts["cuda_initialized"]
+        assert facts["device_types"] == ["cpu"], f"mesh device types {facts['device_types']}"
+        assert facts["devices"] == ["cpu"], f"buffer devices {facts['devices']}"
+        assert math.isfinite(facts["loss"]), f"loss after the checkpoint round trip: {facts['loss']}"
+        assert facts["cuda_initialized"] is False, f"torch.cuda.is_initialized(): {facts['cuda_initialized']}"

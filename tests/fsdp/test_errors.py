@@ -4,6 +4,7 @@ and calling again then works (no registry state was left behind)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -83,7 +84,10 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
             outcome: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
         else:
             outcome = {"type": None, "message": ""}
-        outcome["unchanged"] = module_snapshot(module) == before
+        after = module_snapshot(module)
+        outcome["changed"] = [
+            (was, now) for was, now in itertools.zip_longest(before, after) if was != now
+        ]  # (before, after) of each submodule the call changed
         outcome["target_is_fsdp"] = type(target(module)).__name__.startswith("FSDP")
         if fix is not None:
             fix(module)
@@ -185,9 +189,9 @@ def test_bad_input_raises_and_leaves_module_unchanged(cases, case: str) -> None:
         assert outcome["type"] == exc_type, outcome
         for word in words:
             assert word in outcome["message"], f"{word!r} not in {outcome['message']!r}"
-        assert outcome["unchanged"], "the failed call changed the module"
+        assert outcome["changed"] == [], f"the failed call changed the module: {outcome['changed']}"
         if case != "applied_twice":
-            assert not outcome["target_is_fsdp"]
+            assert outcome["target_is_fsdp"] is False, f"{case}: the target became an FSDP module"
         if case in RETRIED:
             assert outcome["retry"] == "ok" and outcome["retry_is_fsdp"], outcome
 
@@ -195,7 +199,7 @@ def test_bad_input_raises_and_leaves_module_unchanged(cases, case: str) -> None:
 def test_tied_parameters_within_one_unit_are_not_duplicated(cases) -> None:
     for facts in cases:
         tied = facts["tied_within_unit"]
-        assert tied["same_object"]
+        assert tied["same_object"] is True, "the tied weight is two objects after fully_shard"
         assert tied["named_parameters"] == ["a.weight", "a.bias", "b.bias"]
         assert tied["state_dict_keys"] == ["a.bias", "a.weight", "b.bias", "b.weight"]
         assert tied["group_params"] == 3

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.fsdp.sharded_views import count_collectives, shard_storage_facts, unsharded_bytes, world
+from tests.fsdp.sharded_views import count_collectives, difference, shard_storage_facts, unsharded_bytes, world
 from tests.fsdp.transformer_variants import MICROBATCH, build_model
 from tests.models import lm_loss, make_batches, rank_slice
 
@@ -84,12 +84,12 @@ def memory_run() -> dict[str, Any]:
         phase["after_no_grad_forward"] = unsharded_bytes(model)
         model.train()
         with torch.no_grad():
-            phase["no_grad_matches_grad_mode"] = torch.equal(eval_logits, model(tokens[:, :-1]))
+            phase["no_grad_vs_grad_mode_diff"] = difference(eval_logits, model(tokens[:, :-1]))
         # The next training step still works and is reduce-scattered normally.
         opt.zero_grad()
         lm_loss(model, tokens).backward()
         phase["after_second_backward"] = unsharded_bytes(model)
-        phase["grads_present"] = all(p.grad is not None for p in model.parameters())
+        phase["grads_missing"] = [n for n, p in model.named_parameters() if p.grad is None]
         facts[f"reshard_{reshard}"] = phase
 
     # Frozen block: backward re-gathers it for its input grads and must free it again.
@@ -110,14 +110,14 @@ def memory_run() -> dict[str, Any]:
     with count_collectives() as nosync:
         lm_loss(model, tokens).backward()
     facts["nosync_collectives"] = dict(nosync)
-    facts["nosync_grads_none"] = all(p.grad is None for p in model.parameters())
+    facts["nosync_grads_installed"] = [n for n, p in model.named_parameters() if p.grad is not None]
     facts["nosync_after_backward"] = unsharded_bytes(model)
     model.set_requires_gradient_sync(True)
     with count_collectives() as sync:
         lm_loss(model, tokens).backward()
     facts["sync_collectives"] = dict(sync)
     facts["sync_groups"] = sum(g.requires_grad for g in parameter_groups(model))
-    facts["sync_grads_present"] = all(p.grad is not None for p in model.parameters())
+    facts["sync_grads_missing"] = [n for n, p in model.named_parameters() if p.grad is None]
     try:
         model.set_requires_gradient_sync("no")  # type: ignore[arg-type]
         facts["sync_bad_arg"] = None
@@ -147,7 +147,8 @@ def test_reshard_after_forward_keeps_only_shards_between_uses(memory) -> None:
         assert phase["seen_in_forward"] == {("" if k == "<root>" else k): v for k, v in by_unit.items()}
         assert phase["seen_in_backward"] == phase["seen_in_forward"]
         storage = phase["storage_after_step"]
-        assert storage["params_in_main_buffers"]
+        outside = storage["params_outside_main_buffers"]
+        assert outside == [], f"parameters whose local data are outside their group's buffer: {outside}"
         assert storage["param_storage_bytes"] == storage["shard_bytes_expected"]
         assert storage["unsharded_param_storage_bytes"] == 0
 
@@ -175,8 +176,10 @@ def test_no_grad_forward_reshards(memory) -> None:
         for reshard in (True, False):
             phase = facts[f"reshard_{reshard}"]
             assert _all_zero(phase["after_no_grad_forward"]), phase["after_no_grad_forward"]
-            assert phase["no_grad_matches_grad_mode"]
-            assert phase["grads_present"], "training after an eval forward lost grads"
+            diff = phase["no_grad_vs_grad_mode_diff"]
+            assert diff is None, f"reshard={reshard}: eval no_grad logits differ from train-mode no_grad ones: {diff}"
+            missing = phase["grads_missing"]
+            assert missing == [], f"reshard={reshard}: training after an eval forward lost grads of {missing}"
 
 
 def test_frozen_unit_is_freed_after_backward(memory) -> None:
@@ -191,10 +194,11 @@ def test_frozen_unit_is_freed_after_backward(memory) -> None:
 def test_set_requires_gradient_sync_false_skips_reduce_scatter(memory) -> None:
     for facts in memory:
         assert facts["nosync_collectives"]["reduce_scatter"] == 0
-        assert facts["nosync_grads_none"], "grads installed although the reduce-scatter was skipped"
+        installed = facts["nosync_grads_installed"]
+        assert installed == [], f"grads of {installed} installed although the reduce-scatter was skipped"
         assert _all_zero(facts["nosync_after_backward"])
         assert facts["sync_collectives"]["reduce_scatter"] == facts["sync_groups"]
-        assert facts["sync_grads_present"]
+        assert facts["sync_grads_missing"] == [], f"no grads after the synced backward: {facts['sync_grads_missing']}"
         assert "must be a bool" in facts["sync_bad_arg"]
 
 

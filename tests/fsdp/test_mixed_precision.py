@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.fsdp.sharded_views import full, full_params, rank0, world
+from tests.fsdp.sharded_views import difference, full, full_params, rank0, stale_compute_copies, world
 from tests.fsdp.transformer_variants import MICROBATCH
 from tests.models import lm_loss, make_batches, make_model, rank_slice
 
@@ -34,7 +34,7 @@ def _hand_sgd(model: nn.Module, lr: float) -> list[dict[str, Any]]:
             {
                 "written": written,
                 "expected_written": group.compute_weight.numel() * group.compute_weight.element_size(),
-                "compute_equals_cast": torch.equal(group.compute_weight, group.main_weight.to(group.compute_dtype)),
+                "compute_vs_cast": difference(group.compute_weight, group.main_weight.to(group.compute_dtype)),
                 "main_dtype": str(group.main_weight.dtype),
             }
         )
@@ -111,7 +111,7 @@ def mixed_precision_run(steps: int) -> dict[str, Any]:
     def look(module: nn.Module, args: Any, output: Any) -> None:
         gathered["dtype"] = str(module.fc1.weight.dtype)
         gathered["is_dtensor"] = isinstance(module.fc1.weight, DTensor)
-        gathered["equals_compute_copy"] = torch.equal(module.fc1.weight.detach(), expected_weight)
+        gathered["vs_compute_copy"] = difference(module.fc1.weight.detach(), expected_weight)
 
     handle = block.register_forward_hook(look, prepend=True)
     with torch.no_grad():
@@ -151,9 +151,7 @@ def mixed_precision_run(steps: int) -> dict[str, Any]:
             g.refresh_compute_weight()
         opt.zero_grad()
     out["fp32grads_losses"] = losses32
-    out["fp32grads_compute_equals_cast"] = all(
-        torch.equal(g.compute_weight, g.main_weight.to(torch.bfloat16)) for g in parameter_groups(model)
-    )
+    out["fp32grads_stale_compute_copies"] = stale_compute_copies(parameter_groups(model), torch.bfloat16)
 
     # --- the optimizer adapter, when it is there: same SGD as the hand-written step.
     try:
@@ -174,10 +172,8 @@ def mixed_precision_run(steps: int) -> dict[str, Any]:
         out["adapter"] = {
             "losses": adapter_losses,
             "params": rank0(full_params(model)),
-            "compute_equals_cast": all(
-                torch.equal(g.compute_weight, g.main_weight.to(torch.bfloat16)) for g in parameter_groups(model)
-            ),
-            "grads_after_zero": [p.grad is None for p in model.parameters()],
+            "stale_compute_copies": stale_compute_copies(parameter_groups(model), torch.bfloat16),
+            "grads_after_zero": [n for n, p in model.named_parameters() if p.grad is not None],
             "main_dtypes": sorted({str(g.main_weight.dtype) for g in parameter_groups(model)}),
         }
     return out
@@ -225,9 +221,11 @@ def test_compute_copy_equals_main_weights_cast_after_each_refresh(mixed) -> None
     for facts in mixed:
         for step in facts["bf16_step_facts"]:
             for group in step:
-                assert group["main_dtype"] == "torch.float32"
-                assert group["compute_equals_cast"]
-                assert group["written"] == group["expected_written"] > 0
+                assert group["main_dtype"] == "torch.float32", f"main weights in {group['main_dtype']}"
+                diff = group["compute_vs_cast"]
+                assert diff is None, f"the compute copy is not the main weights cast: {diff}"
+                got, want = group["written"], group["expected_written"]
+                assert got == want > 0, f"refresh wrote {got} bytes, want {want}"
 
 
 def test_refresh_is_one_cast_per_group(mixed) -> None:
@@ -238,22 +236,26 @@ def test_refresh_is_one_cast_per_group(mixed) -> None:
 def test_main_weights_keep_fp32_precision(mixed) -> None:
     params, initial = mixed[0]["bf16_params"], mixed[0]["bf16_initial_params"]
     moved = [n for n in params if not torch.equal(params[n], initial[n])]
-    assert len(moved) == len(params)
+    assert len(moved) == len(params), f"unchanged by training: {sorted(set(params) - set(moved))}"
     # SGD updates accumulated in fp32: the main weights are no longer all bf16-representable.
     off_grid = [n for n, p in params.items() if not torch.equal(p, p.to(torch.bfloat16).float())]
     assert off_grid, "main weights look like bf16 values: updates were not kept in fp32"
-    assert all(p.dtype == torch.float32 for p in params.values())
+    dtypes = {n: p.dtype for n, p in params.items() if p.dtype != torch.float32}
+    assert dtypes == {}, f"main weights not in fp32: {dtypes}"
 
 
 def test_forward_gathers_the_compute_copy_without_a_cast(mixed) -> None:
     for facts in mixed:
         seen = facts["forward_sees"]
         assert seen["dtype"] == "torch.bfloat16" and not seen["is_dtensor"]
-        assert seen["equals_compute_copy"], "forward did not use the (modified) compute copy as is"
+        diff = seen["vs_compute_copy"]
+        assert diff is None, f"forward did not use the (modified) compute copy as is: {diff}"
         # A change of the main weights outside the optimizer is refreshed before the next gather.
-        assert facts["forward_after_main_edit"]["equals_compute_copy"]
+        diff = facts["forward_after_main_edit"]["vs_compute_copy"]
+        assert diff is None, f"forward after an edit of the main weights: {diff}"
         # So is an in-place update through a sharded DTensor parameter.
-        assert facts["forward_after_param_update"]["equals_compute_copy"]
+        diff = facts["forward_after_param_update"]["vs_compute_copy"]
+        assert diff is None, f"forward after an update through the DTensor parameter: {diff}"
 
 
 def test_bf16_loss_curve_tracks_fp32_reference(mixed, fp32_reference_losses) -> None:
@@ -269,7 +271,8 @@ def test_bf16_loss_curve_tracks_fp32_reference(mixed, fp32_reference_losses) -> 
 def test_fp32_main_grads_with_bf16_compute(mixed) -> None:
     for facts in mixed:
         assert facts["fp32_grads_dtypes"] == ["torch.float32"]
-        assert facts["fp32grads_compute_equals_cast"]
+        stale = facts["fp32grads_stale_compute_copies"]
+        assert stale == {}, f"compute copies not the main weights cast: {stale}"
 
 
 def test_optimizer_adapter_steps_like_the_hand_written_step(mixed) -> None:
@@ -279,8 +282,11 @@ def test_optimizer_adapter_steps_like_the_hand_written_step(mixed) -> None:
     assert isinstance(adapter, dict), adapter
     assert adapter["losses"] == mixed[0]["bf16_losses"]
     for name, value in adapter["params"].items():
-        assert torch.equal(value, mixed[0]["bf16_params"][name]), name
+        diff = difference(value, mixed[0]["bf16_params"][name])
+        assert diff is None, f"{name}: adapter's step differs from the hand-written one: {diff}"
     for facts in mixed:
-        assert facts["adapter"]["compute_equals_cast"]
-        assert facts["adapter"]["main_dtypes"] == ["torch.float32"]
-        assert all(facts["adapter"]["grads_after_zero"])
+        stale = facts["adapter"]["stale_compute_copies"]
+        assert stale == {}, f"compute copies not the main weights cast: {stale}"
+        assert facts["adapter"]["main_dtypes"] == ["torch.float32"], facts["adapter"]["main_dtypes"]
+        kept = facts["adapter"]["grads_after_zero"]
+        assert kept == [], f"grads left after the adapter's zero_grad: {kept}"
