@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tests.fsdp.pattern_models import IMPLS, STEPS, build, data, mse, rows, sgd
-from tests.fsdp.sharded_views import full, full_params, rank0, world
+from tests.fsdp.sharded_views import difference, full, full_params, param_differences, rank0, world
 
 WORLD_SIZE = 2
 TOL = 1e-5
@@ -179,17 +179,19 @@ def train(impl: str, pattern: str, reshard_after_forward: bool = True) -> dict[s
             elif pattern in ("load_assign", "load_copy"):
                 loaded = {k: v.detach() * 0.5 + 0.01 for k, v in model.state_dict().items()}
                 model.load_state_dict(loaded, assign=pattern == "load_assign")
-                facts["loaded_values_in_use"] = all(
-                    torch.equal(full(model.get_parameter(k)), full(v)) for k, v in loaded.items()
-                )
+                facts["loaded_values_not_in_use"] = {
+                    k: diff
+                    for k, v in loaded.items()
+                    if (diff := difference(full(model.get_parameter(k)), full(v))) is not None
+                }
                 if pattern == "load_assign":
                     # assign=True registers new tensors: an optimizer must be built over them.
                     optimizers = [sgd(model.parameters())]
         if pattern == "autograd_grad":
             xi = x.clone().requires_grad_()
             (input_grad,) = torch.autograd.grad(mse(model(xi), y), xi)
-            facts.setdefault("grads_none_after_autograd_grad", []).append(
-                all(p.grad is None for p in model.parameters())
+            facts.setdefault("grads_after_autograd_grad", []).append(
+                [n for n, p in model.named_parameters() if p.grad is not None]
             )
             facts.setdefault("input_grad_norm", []).append(input_grad.norm().item() * world_size)
         output = model(x)
@@ -305,7 +307,8 @@ def test_autograd_grad_leaves_parameter_grads_alone(run_once: Any) -> None:
     """``torch.autograd.grad`` through the sharded model fills no ``.grad`` and reduces nothing."""
     results = assert_trains_like_reference(run_once, "autograd_grad")
     got, want = results["ours"], results["reference"]
-    assert got["grads_none_after_autograd_grad"] == [True] * STEPS, got["grads_none_after_autograd_grad"]
+    written = got["grads_after_autograd_grad"]
+    assert written == [[]] * STEPS, f"per step, parameters whose .grad torch.autograd.grad wrote: {written}"
     # The input grad itself: each rank's is that of its own rows (averaged loss over fewer rows).
     assert len(got["input_grad_norm"]) == len(want["input_grad_norm"]) == STEPS
 
@@ -324,7 +327,8 @@ def test_load_state_dict_then_train(run_once: Any, pattern: str) -> None:
     """``load_state_dict`` with ``assign=True`` (new tensors registered in the module) and
     ``assign=False``: the loaded values are the ones the next forward uses and the optimizer steps."""
     results = assert_trains_like_reference(run_once, pattern)
-    assert results["ours"]["loaded_values_in_use"], "after load_state_dict the parameters do not hold the loaded values"
+    diffs = results["ours"]["loaded_values_not_in_use"]
+    assert diffs == {}, f"after load_state_dict the parameters do not hold the loaded values: {diffs}"
 
 
 @pytest.mark.parametrize("pattern", ("late_freeze", "late_unfreeze"))
@@ -441,9 +445,10 @@ def refusals_run() -> dict[str, Any]:
             "pickle": _raises(lambda: pickle.dumps(model)),
         }
         if impl == "ours":
-            facts["untouched"] = objects == dict(model.named_parameters()) and all(
-                torch.equal(values[n], v) for n, v in full_params(model).items()
+            facts["replaced"] = sorted(n for n, p in model.named_parameters() if objects.get(n) is not p) + sorted(
+                set(objects) - dict(model.named_parameters()).keys()
             )
+            facts["changed"] = param_differences(full_params(model), values)
             facts["dtypes_after"] = sorted({str(p.dtype) for p in model.parameters()})
             # A replacement of the wrong shape: refused at the next forward, the module keeps
             # its sharded parameter, and the forward after that works.
@@ -451,8 +456,10 @@ def refusals_run() -> dict[str, Any]:
             model.head.weight = nn.Parameter(torch.zeros(2, 2))
             x = data()[0][0][:2]
             facts["bad_replacement"] = _raises(lambda: model(x))
-            facts["bad_replacement_reverted"] = model.head.weight is head_weight
-            facts["forward_after"] = _raises(lambda: model(x)) is None
+            facts["head_weight_after_refusal"] = (
+                None if model.head.weight is head_weight else f"a {tuple(model.head.weight.shape)} tensor"
+            )
+            facts["forward_after"] = _raises(lambda: model(x))
         out[impl] = facts
     return rank0(out)
 
@@ -466,7 +473,8 @@ def test_refusals_name_the_parameter_and_the_alternative(run_once: Any) -> None:
         message = ours[call] or ""
         for needle in ("ValueError", "inp.weight", "torch.float32", "MixedPrecisionPolicy", "before fully_shard"):
             assert needle in message, f"{call}: {needle!r} missing from {message!r}"
-    assert ours["untouched"], "a refused conversion changed the parameters"
+    assert ours["replaced"] == [], f"a refused conversion replaced the parameters {ours['replaced']}"
+    assert ours["changed"] == {}, f"a refused conversion changed the parameters: {ours['changed']}"
     assert ours["dtypes_after"] == ["torch.float32"], ours["dtypes_after"]
     for call in ("deepcopy", "averaged_model", "pickle"):
         message = ours[call] or ""
@@ -476,8 +484,9 @@ def test_refusals_name_the_parameter_and_the_alternative(run_once: Any) -> None:
     bad = ours["bad_replacement"] or ""
     for needle in ("ValueError", "head.weight", "(2, 2)", "(5, 12)"):
         assert needle in bad, f"bad replacement: {needle!r} missing from {bad!r}"
-    assert ours["bad_replacement_reverted"], "the refused replacement stayed in the module"
-    assert ours["forward_after"], "the forward after a refused replacement failed"
+    left = ours["head_weight_after_refusal"]
+    assert left is None, f"the refused replacement stayed in the module: head.weight is {left}"
+    assert ours["forward_after"] is None, f"the forward after a refused replacement failed: {ours['forward_after']}"
 
 
 def grad_scaler_run() -> dict[str, Any]:
