@@ -1,5 +1,6 @@
 """What the fsdp tests read off a sharded model on the ranks: full tensors gathered from the
-shards, unsharded storage per unit, the collectives issued and where the shards' storage lives.
+shards, unsharded storage per unit, the collectives issued, where the shards' storage lives, and
+what differs where tensors should be equal (for failure messages that carry the values).
 
 Full tensors are gathered on every rank (``full_tensor`` is a collective); :func:`rank0` keeps a
 value on rank 0 only, so that what a rank body returns pickles small.
