@@ -11,7 +11,7 @@ ours runs with both compute-copy lifetimes and is held to FSDP2 with the same dt
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,13 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class NetOptions(TypedDict, total=False):
+    """Keyword arguments of :class:`Net`."""
+
+    spare: bool
+    aux: bool
 
 
 class Net(nn.Module):
@@ -107,9 +114,7 @@ def shard(model: nn.Module, impl: str, precision: str, *, main_grads_dtype: torc
     return model
 
 
-def build(
-    impl: str, precision: str, seed: int = 0, net: dict[str, bool] | None = None, **shard_kwargs: Any
-) -> nn.Module:
+def build(impl: str, precision: str, seed: int = 0, net: NetOptions | None = None, **shard_kwargs: Any) -> nn.Module:
     torch.manual_seed(seed)
     return shard(Net(**(net or {})), impl, precision, **shard_kwargs)
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.fsdp import pattern_fns
-from tests.fsdp.rank_fns import full_params, world
+from tests.fsdp import pattern_models
+from tests.fsdp.sharded_views import full_params, world
 from tests.fsdp.training_runs import Run, assert_same_training
 
 TOL = 1e-5
@@ -33,11 +33,11 @@ def _compiled(
 ) -> tuple[nn.Module, Any]:
     """(the model, what the training loop calls)."""
     torch.manual_seed(0)
-    model = pattern_fns.Net(**net)
+    model = pattern_models.Net(**net)
     if backend is not None and scope == "compile_then_shard":
         for index, block in enumerate(model.blocks):
             model.blocks[index] = torch.compile(block, backend=backend)
-    model = pattern_fns.shard(model, impl, reshard_after_forward=None, dtype=dtype, compute_copy=compute_copy)  # type: ignore[arg-type]
+    model = pattern_models.shard(model, impl, reshard_after_forward=None, dtype=dtype, compute_copy=compute_copy)  # type: ignore[arg-type]
     if backend is None or scope == "compile_then_shard":
         return model, model
     if scope == "model":
@@ -59,22 +59,22 @@ def train(
     compute_copy: str = "persistent",
     eval_between: bool = False,
 ) -> Run:
-    """``pattern_fns.STEPS`` SGD steps; ``backend=None`` is the uncompiled run. With
+    """``pattern_models.STEPS`` SGD steps; ``backend=None`` is the uncompiled run. With
     ``eval_between``, an eval forward under ``no_grad`` follows each step."""
     rank, world_size = (0, 1) if impl == "reference" else world()
     torch._dynamo.reset()  # each model compiles afresh, not against guards of the last one
     model, call = _compiled(impl, scope, backend, net or {}, dtype, compute_copy)
-    optimizer = pattern_fns.sgd(model.parameters())
+    optimizer = pattern_models.sgd(model.parameters())
     if impl == "ours" and dtype is not None:
         from fsdp_patch.optimizer import fully_shard_optimizer
 
         fully_shard_optimizer(optimizer)
     losses = []
-    for x, y in pattern_fns.data():
-        x, y = pattern_fns.rows(x, rank, world_size), pattern_fns.rows(y, rank, world_size)
+    for x, y in pattern_models.data():
+        x, y = pattern_models.rows(x, rank, world_size), pattern_models.rows(y, rank, world_size)
         if impl == "ours" and dtype is not None:
             x = x.to(dtype)  # FSDP2 casts its forward inputs itself
-        loss = pattern_fns.mse(call(x), y)
+        loss = pattern_models.mse(call(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fsdp_patch import register_fsdp_forward_method
-from tests.fsdp import pattern_fns
-from tests.fsdp.rank_fns import full_params, unsharded_bytes, world
+from tests.fsdp import pattern_models
+from tests.fsdp.sharded_views import full_params, unsharded_bytes, world
 from tests.fsdp.training_runs import Run, assert_same_training
 
 TOL = 1e-5
@@ -30,7 +30,7 @@ class MixBlock(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ff = pattern_fns.FeedForward()
+        self.ff = pattern_models.FeedForward()
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ff(x)
@@ -45,9 +45,9 @@ class EncoderNet(nn.Module):
 
     def __init__(self, block_entry: str) -> None:
         super().__init__()
-        self.inp = nn.Linear(pattern_fns.IN, pattern_fns.DIM)
+        self.inp = nn.Linear(pattern_models.IN, pattern_models.DIM)
         self.blocks = nn.ModuleList(MixBlock() for _ in range(2))
-        self.head = nn.Linear(pattern_fns.DIM, pattern_fns.OUT)
+        self.head = nn.Linear(pattern_models.DIM, pattern_models.OUT)
         self.block_entry = block_entry
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ def _register(impl: str, how: str) -> Callable[[nn.Module, str], None]:
 def train(
     impl: str, pattern: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent", how: str = "torch"
 ) -> Run:
-    """``pattern`` for ``pattern_fns.STEPS`` SGD steps. ``how``: the FSDP2 run registers with
+    """``pattern`` for ``pattern_models.STEPS`` SGD steps. ``how``: the FSDP2 run registers with
     torch's function (``"torch"``) or with fsdp_patch's (``"ours"``), which hands it to torch's.
 
     With ``no_grad_method`` each step's ``Run.losses`` entry is followed by the mean of the
@@ -92,7 +92,7 @@ def train(
     rank, world_size = (0, 1) if impl == "reference" else world()
     block_entry, (on_root, on_blocks), entry = PATTERNS[pattern]
     torch.manual_seed(0)
-    model = pattern_fns.shard(
+    model = pattern_models.shard(
         EncoderNet(block_entry),
         impl,
         reshard_after_forward=None,
@@ -105,7 +105,7 @@ def train(
             register(block, on_blocks)
     if on_root is not None:
         register(model, on_root)
-    optimizer = pattern_fns.sgd(model.parameters())
+    optimizer = pattern_models.sgd(model.parameters())
     if impl == "ours" and dtype is not None:
         from fsdp_patch.optimizer import fully_shard_optimizer
 
@@ -113,8 +113,8 @@ def train(
     torch._dynamo.reset()
     call = {"encode": model.encode, "forward": model}.get(entry) or torch.compile(model.encode, backend="aot_eager")
     scalars: list[float] = []
-    for x, y in pattern_fns.data():
-        x, y = pattern_fns.rows(x, rank, world_size), pattern_fns.rows(y, rank, world_size)
+    for x, y in pattern_models.data():
+        x, y = pattern_models.rows(x, rank, world_size), pattern_models.rows(y, rank, world_size)
         if impl == "ours" and dtype is not None:
             x = x.to(dtype)  # FSDP2 casts its forward inputs itself
         if pattern == "no_grad_method":
@@ -123,7 +123,7 @@ def train(
             if impl == "ours":
                 stored = unsharded_bytes(model)
                 assert not any(stored.values()), f"gathered after a no_grad call of encode: {stored}"
-        loss = pattern_fns.mse(call(x), y)
+        loss = pattern_models.mse(call(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -174,7 +174,7 @@ def refusals_on_ranks() -> None:
     from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
 
     torch.manual_seed(0)
-    model = pattern_fns.shard(EncoderNet("call"), "ours", reshard_after_forward=None)  # type: ignore[arg-type]
+    model = pattern_models.shard(EncoderNet("call"), "ours", reshard_after_forward=None)  # type: ignore[arg-type]
     encode = model.encode
     with pytest.raises(ValueError, match=r"FSDPEncoderNet has no method 'decode'"):
         register_fsdp_forward_method(model, "decode")
@@ -204,9 +204,9 @@ def test_refusals_name_the_method_and_leave_the_module_alone(dist_pool) -> None:
 
 def raising_method_on_ranks() -> None:
     """A registered method that raises leaves the unit sharded and nothing gathered."""
-    x, y = (pattern_fns.rows(t, *world()) for t in pattern_fns.data()[0])
+    x, y = (pattern_models.rows(t, *world()) for t in pattern_models.data()[0])
     torch.manual_seed(0)
-    model = pattern_fns.shard(EncoderNet("call"), "ours", reshard_after_forward=None)  # type: ignore[arg-type]
+    model = pattern_models.shard(EncoderNet("call"), "ours", reshard_after_forward=None)  # type: ignore[arg-type]
 
     def failing(inputs: torch.Tensor) -> Any:
         model.inp(inputs)
@@ -221,7 +221,7 @@ def raising_method_on_ranks() -> None:
     kinds = {type(p).__name__ for p in model.parameters()}
     assert kinds == {"DTensor"}, f"parameters after the method raised: {kinds}"
     register_fsdp_forward_method(model, "encode")
-    loss = pattern_fns.mse(model.encode(x), y)
+    loss = pattern_models.mse(model.encode(x), y)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters()), "no grads after the next call"
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.fsdp.parity import (
+    NetOptions,
     adapt,
     assert_close,
     assert_parity,
@@ -38,7 +39,7 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def _train(impl: str, pattern: str, precision: str) -> dict[str, Any]:
-    net = {"spare": pattern == "unused", "aux": pattern == "rank_divergent"}
+    net: NetOptions = {"spare": pattern == "unused", "aux": pattern == "rank_divergent"}
     # Grads accumulate across backwards here: in fp32 main grads, as FSDP2 adds into its fp32
     # sharded grads (with its reduce in fp32 too, the same dtypes throughout).
     model = build(impl, precision, net=net, main_grads_dtype=torch.float32 if precision == "bf16" else None)

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tests.fsdp import pattern_fns
-from tests.fsdp.rank_fns import full_params, world
+from tests.fsdp import pattern_models
+from tests.fsdp.sharded_views import full_params, world
 from tests.fsdp.training_runs import Run, assert_same_training
 
 SAVE_AT, TOTAL = 2, 4
@@ -37,8 +37,8 @@ def _make(
     impl: str, seed: int, dtype: torch.dtype | None, compute_copy: str = "persistent"
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = pattern_fns.shard(
-        pattern_fns.Net(),
+    model = pattern_models.shard(
+        pattern_models.Net(),
         impl,
         reshard_after_forward=None,
         dtype=dtype,  # type: ignore[arg-type]
@@ -56,13 +56,13 @@ def _train(
     impl: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, dtype: torch.dtype | None
 ) -> list[float]:
     rank, world_size = (0, 1) if impl == "reference" else world()
-    data = pattern_fns.data(TOTAL)
+    data = pattern_models.data(TOTAL)
     losses = []
     for step in steps:
-        x, y = (pattern_fns.rows(t, rank, world_size) for t in data[step])
+        x, y = (pattern_models.rows(t, rank, world_size) for t in data[step])
         if impl == "ours" and dtype is not None:
             x = x.to(dtype)  # FSDP2 casts its forward inputs itself
-        loss = pattern_fns.mse(model(x), y)
+        loss = pattern_models.mse(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

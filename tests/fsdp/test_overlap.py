@@ -1,4 +1,4 @@
-"""Communication overlap (issue: "faster and leaner than FSDP2"): each unit issues the next
+"""Communication overlap: each unit issues the next
 units' all-gathers before it computes, in forward and backward, up to a limit, and leaves its
 reduce-scatter running while backward goes on. Training must not change by a bit, at most the
 configured number of units may be gathered ahead, and an exception must leave nothing behind."""
@@ -9,8 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from tests.fsdp import overlap_fns
+from tests.fsdp.sharded_views import full_params, rank0, unsharded_bytes, world
+from tests.models import TinyTransformer, lm_loss, make_batches, rank_slice, shard_model
 
 CASES = [  # (world size, checkpointed, microbatches, gradient sync)
     (2, False, 1, "all"),
@@ -22,9 +25,106 @@ CASES = [  # (world size, checkpointed, microbatches, gradient sync)
 LIMITS = {"off": 0, "default": 1, "deep": 2}
 
 
+LAYERS = 4
+
+
+STEPS = 3
+
+
+BATCH = 8  # rows per step: 4 microbatches of 2 split over 2 ranks, or 1 microbatch over 4
+
+
+class CheckpointedTransformer(TinyTransformer):
+    """The test transformer with each block under non-reentrant activation checkpointing."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def build(checkpointed: bool, limits: tuple[int, int, int]) -> nn.Module:
+    torch.manual_seed(0)
+    model = (CheckpointedTransformer if checkpointed else TinyTransformer)(layers=LAYERS)
+    shard_model(model)
+    forward, backward, reduces = limits
+    model.set_overlap_limits(forward_prefetch=forward, backward_prefetch=backward, reduce_scatters_in_flight=reduces)
+    return model
+
+
+def _units(model: nn.Module) -> dict[str, nn.Module]:
+    from fsdp_patch import FSDPModule
+
+    return {name or "<root>": m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+
+
+def _gathered(units: dict[str, nn.Module]) -> set[str]:
+    return {name for name, m in units.items() if any(g.unsharded_storage_bytes() for g in m.fsdp_parameter_groups)}
+
+
+def train(checkpointed: bool, limits: tuple[int, int, int], microbatches: int, sync: str) -> dict[str, Any]:
+    """Trains STEPS AdamW steps; records, at every unit's forward and backward, which other
+    units hold gathered weights besides the one computing and the root."""
+    rank, world_size = world()
+    model = build(checkpointed, limits)
+    units = _units(model)
+    ahead: dict[str, list[int]] = {"forward": [], "backward": []}
+
+    def note(direction: str, current: str) -> None:
+        ahead[direction].append(len(_gathered(units) - {current, "<root>"}))
+
+    def forward_hook(current: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch._C._current_graph_task_id() == -1:  # not a checkpoint's recompute
+                note("forward", current)
+
+        return hook
+
+    for name, unit in units.items():
+        if name == "<root>":
+            continue
+        # Registered after fully_shard's: runs once the unit is gathered and its prefetch issued.
+        unit.register_forward_pre_hook(forward_hook(name))
+        # Runs when backward computes this unit's first weight grad: the unit is computing.
+        unit.fsdp_parameter_groups[0].unsharded_params[0].register_hook(lambda g, name=name: note("backward", name))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4)
+    batches = make_batches(STEPS, batch=BATCH)
+    losses, storage_after_zero_grad = [], []
+    for tokens in batches:
+        pieces = rank_slice(tokens, rank, world_size).chunk(microbatches)
+        step_loss = 0.0
+        for k, piece in enumerate(pieces):
+            if sync == "last":
+                model.set_requires_gradient_sync(k == len(pieces) - 1)
+            loss = lm_loss(model, piece) / len(pieces)
+            loss.backward()
+            step_loss += loss.item()
+        losses.append(step_loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        storage_after_zero_grad.append(
+            sum(g.main_grad_storage_bytes() for m in units.values() for g in m.fsdp_parameter_groups)
+        )
+    return {
+        "losses": losses,
+        "params": rank0(full_params(model)),
+        "ahead": ahead,
+        "storage_after_zero_grad": storage_after_zero_grad,
+        "gathered_at_end": sorted(_gathered(units)),
+    }
+
+
+def overlap_run(checkpointed: bool, microbatches: int, sync: str) -> dict[str, Any]:
+    """The same training with overlap off (every collective blocking), the defaults, and deeper
+    prefetch with more reduce-scatters in flight."""
+    settings = {"off": (0, 0, 0), "default": (1, 1, 2), "deep": (2, 2, 4)}
+    return {name: train(checkpointed, limits, microbatches, sync) for name, limits in settings.items()}
+
+
 def _run(run_once: Any, case: tuple[int, bool, int, str]) -> list[dict[str, Any]]:
     world_size, checkpointed, microbatches, sync = case
-    return run_once(world_size, overlap_fns.overlap_run, checkpointed, microbatches, sync)
+    return run_once(world_size, overlap_run, checkpointed, microbatches, sync)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"ws{c[0]}-{'ckpt' if c[1] else 'plain'}-mb{c[2]}-sync_{c[3]}")
@@ -63,16 +163,53 @@ def test_main_grad_memory_is_free_after_zero_grad_set_to_none(run_once: Any) -> 
     for rank, facts in enumerate(_run(run_once, CASES[0])):
         for name in LIMITS:
             got = facts[name]["storage_after_zero_grad"]
-            assert got == [0] * overlap_fns.STEPS, f"rank {rank}, {name}: main-grad bytes after zero_grad: {got}"
+            assert got == [0] * STEPS, f"rank {rank}, {name}: main-grad bytes after zero_grad: {got}"
+
+
+def forward_exception_run() -> dict[str, Any]:
+    """A block's forward raises while the next blocks' all-gathers are in flight."""
+    rank, world_size = world()
+    model = build(False, (2, 2, 2))
+    units = _units(model)
+    tokens = rank_slice(make_batches(1, batch=BATCH)[0], rank, world_size)
+    lm_loss(model, tokens).backward()  # one iteration first, so the forward order is learned
+
+    class Boom(RuntimeError):
+        pass
+
+    def fail(module: nn.Module, args: Any) -> None:
+        in_flight["at_raise"] = sum(g.gather_in_flight for m in units.values() for g in m.fsdp_parameter_groups)
+        raise Boom("forward")
+
+    in_flight: dict[str, int] = {}
+    handle = model.blocks[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(Boom, match="forward"):
+            lm_loss(model, tokens)
+    finally:
+        handle.remove()
+    facts = {
+        "in_flight_at_raise": in_flight.get("at_raise"),
+        "gathered_after": unsharded_bytes(model),
+        "in_flight_after": sum(g.gather_in_flight for m in units.values() for g in m.fsdp_parameter_groups),
+        "unsharded_in_modules": [
+            n for n, p in model.named_parameters() if not isinstance(p, torch.distributed.tensor.DTensor)
+        ],
+    }
+    model.zero_grad(set_to_none=True)
+    lm_loss(model, tokens).backward()
+    facts["next_iteration_no_grad"] = [n for n, p in model.named_parameters() if p.grad is None]
+    return facts
 
 
 def test_exception_mid_forward_leaves_nothing_gathered_or_in_flight(run_once: Any) -> None:
-    for rank, facts in enumerate(run_once(2, overlap_fns.forward_exception_run)):
-        assert facts["raised"], f"rank {rank}: the planted exception did not propagate"
+    for rank, facts in enumerate(run_once(2, forward_exception_run)):
         assert facts["in_flight_at_raise"] >= 1, f"rank {rank}: no all-gather was in flight when the forward raised"
         assert set(facts["gathered_after"].values()) == {0}, (
             f"rank {rank}: gathered after the exception: {facts['gathered_after']}"
         )
         assert facts["in_flight_after"] == 0, f"rank {rank}: {facts['in_flight_after']} all-gathers still in flight"
-        assert facts["sharded_in_modules"], f"rank {rank}: unsharded parameters left in the modules"
-        assert facts["next_iteration_grads"], f"rank {rank}: the next iteration produced no grads"
+        left = facts["unsharded_in_modules"]
+        assert left == [], f"rank {rank}: unsharded parameters left in the modules: {left}"
+        missing = facts["next_iteration_no_grad"]
+        assert missing == [], f"rank {rank}: the next iteration produced no grads for {missing}"

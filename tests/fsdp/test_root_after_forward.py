@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.fsdp import pattern_fns
-from tests.fsdp.rank_fns import count_collectives, full, full_params, unsharded_bytes, world
+from tests.fsdp import pattern_models
+from tests.fsdp.sharded_views import count_collectives, full, full_params, unsharded_bytes, world
 from tests.fsdp.training_runs import Run, assert_same_training, max_param_diff
 
 TOL = 1e-5
@@ -30,9 +30,9 @@ class TiedLM(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, pattern_fns.DIM)
-        self.blocks = nn.ModuleList(pattern_fns.Block("none") for _ in range(2))
-        self.norm = nn.LayerNorm(pattern_fns.DIM)
+        self.embed = nn.Embedding(VOCAB, pattern_models.DIM)
+        self.blocks = nn.ModuleList(pattern_models.Block("none") for _ in range(2))
+        self.norm = nn.LayerNorm(pattern_models.DIM)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -43,18 +43,19 @@ class TiedLM(nn.Module):
 
 def _build(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent") -> nn.Module:
     torch.manual_seed(0)
-    model = TiedLM() if pattern == "tied_logits" else pattern_fns.Net()
+    model = TiedLM() if pattern == "tied_logits" else pattern_models.Net()
     # reshard_after_forward left at its default (None) for both implementations.
-    return pattern_fns.shard(model, impl, reshard_after_forward=None, dtype=dtype, compute_copy=compute_copy)  # type: ignore[arg-type]
+    return pattern_models.shard(model, impl, reshard_after_forward=None, dtype=dtype, compute_copy=compute_copy)  # type: ignore[arg-type]
 
 
 def _batches(pattern: str) -> list[tuple[torch.Tensor, ...]]:
     if pattern == "tied_logits":
         gen = torch.Generator().manual_seed(7)
         return [
-            (torch.randint(0, VOCAB, (pattern_fns.BATCH, SEQ + 1), generator=gen),) for _ in range(pattern_fns.STEPS)
+            (torch.randint(0, VOCAB, (pattern_models.BATCH, SEQ + 1), generator=gen),)
+            for _ in range(pattern_models.STEPS)
         ]
-    return list(pattern_fns.data())
+    return list(pattern_models.data())
 
 
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, ...], pattern: str) -> torch.Tensor:
@@ -64,19 +65,19 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, ...], pattern: str) -> to
         logits = hidden @ model.embed.weight.t()  # the root's weight, outside forward
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     x, y = batch
-    loss = pattern_fns.mse(model(x), y)
+    loss = pattern_models.mse(model(x), y)
     if pattern == "two_forwards":
-        loss = loss + pattern_fns.mse(model(0.5 * x), y)  # the root's forward twice, one backward
+        loss = loss + pattern_models.mse(model(0.5 * x), y)  # the root's forward twice, one backward
     if pattern == "head_penalty":
         loss = loss + 0.01 * model.head.weight.float().pow(2).sum()  # the root's weight, outside forward
     return loss
 
 
 def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent") -> Run:
-    """``pattern`` for ``pattern_fns.STEPS`` SGD steps; ``dtype`` is the compute dtype."""
+    """``pattern`` for ``pattern_models.STEPS`` SGD steps; ``dtype`` is the compute dtype."""
     rank, world_size = (0, 1) if impl == "reference" else world()
     model = _build(impl, pattern, dtype, compute_copy)
-    optimizer = pattern_fns.sgd(model.parameters())
+    optimizer = pattern_models.sgd(model.parameters())
     if impl == "ours" and dtype is not None:
         from fsdp_patch.optimizer import fully_shard_optimizer
 
@@ -84,7 +85,7 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
     losses = []
     if pattern in ("eval_first", "inference_mode_first"):
         # Validation before training starts: the first forwards of the model are without grad.
-        first = pattern_fns.rows(_batches(pattern)[0][0], rank, world_size)
+        first = pattern_models.rows(_batches(pattern)[0][0], rank, world_size)
         if impl == "ours" and dtype is not None:
             first = first.to(dtype)
         model.eval()
@@ -93,7 +94,7 @@ def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_cop
                 losses.append(model(first).float().mean().item())
         model.train()
     for batch in _batches(pattern):
-        batch = tuple(pattern_fns.rows(t, rank, world_size) for t in batch)
+        batch = tuple(pattern_models.rows(t, rank, world_size) for t in batch)
         if impl == "ours" and dtype is not None and batch[0].is_floating_point():
             batch = (batch[0].to(dtype), *batch[1:])  # FSDP2 casts its forward inputs itself
         if pattern == "forward_without_backward":
@@ -203,11 +204,11 @@ def kept_until_backward_on_ranks() -> None:
     """What the module holds, and what is gathered, between forward and backward."""
     from fsdp_patch import FSDPModule
 
-    x, y = (pattern_fns.rows(t, *world()) for t in pattern_fns.data()[0])
+    x, y = (pattern_models.rows(t, *world()) for t in pattern_models.data()[0])
     for impl in ("fsdp2", "ours"):
         model = _build(impl, "head_penalty")
         with count_collectives() as forward:
-            loss = pattern_fns.mse(model(x), y)
+            loss = pattern_models.mse(model(x), y)
         kind = type(model.head.weight)
         assert kind is not DTensor, (
             f"{impl}: the root's head.weight after forward is a {kind.__name__}, want a plain tensor"
@@ -239,8 +240,8 @@ def kept_until_backward_on_ranks() -> None:
     # outside forward and a penalty on them fails there as it does under FSDP2.
     for impl in ("fsdp2", "ours"):
         torch.manual_seed(0)
-        model = pattern_fns.shard(pattern_fns.Net(), impl, reshard_after_forward=True)
-        loss = pattern_fns.mse(model(x), y)
+        model = pattern_models.shard(pattern_models.Net(), impl, reshard_after_forward=True)
+        loss = pattern_models.mse(model(x), y)
         kind = type(model.head.weight)
         assert kind is DTensor, (
             f"{impl} with reshard_after_forward=True: head.weight after forward is a {kind.__name__}"

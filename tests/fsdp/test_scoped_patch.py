@@ -17,8 +17,8 @@ import torch
 
 from fsdp_patch.scoped_patch import ScopedPatch
 from tests.distributed_pool import DistributedPool
-from tests.fsdp import pattern_fns
-from tests.fsdp.rank_fns import world
+from tests.fsdp import pattern_models
+from tests.fsdp.sharded_views import world
 
 
 class Owner:
@@ -140,12 +140,12 @@ def torch_patches_restored_on_ranks() -> None:
         }
 
     originals = {"_init_optim_state": init_original, "_unscale_grads_": unscale_original}
-    x, y = (pattern_fns.rows(t, *world()) for t in pattern_fns.data()[0])
+    x, y = (pattern_models.rows(t, *world()) for t in pattern_models.data()[0])
     torch.manual_seed(0)
     # bf16 main grads: torch's _init_optim_state wrapped; fp16 main grads: GradScaler's too.
-    bf16 = pattern_fns.shard(pattern_fns.Net(), "ours", reshard_after_forward=None, dtype=torch.bfloat16)
-    fp16 = pattern_fns.shard(
-        pattern_fns.Net(), "ours", reshard_after_forward=None, dtype=torch.bfloat16, main_grads_dtype=torch.float16
+    bf16 = pattern_models.shard(pattern_models.Net(), "ours", reshard_after_forward=None, dtype=torch.bfloat16)
+    fp16 = pattern_models.shard(
+        pattern_models.Net(), "ours", reshard_after_forward=None, dtype=torch.bfloat16, main_grads_dtype=torch.float16
     )
     installed = {name: fn is not originals[name] for name, fn in current().items()}
     assert installed == {"_init_optim_state": True, "_unscale_grads_": True}, (
@@ -171,7 +171,7 @@ def torch_patches_restored_on_ranks() -> None:
         output.register_hook(lambda grad: (_ for _ in ()).throw(_Raise("backward")))
 
     handle = bf16.blocks[0].register_forward_hook(raise_in_backward)
-    loss = pattern_fns.mse(bf16(x.to(torch.bfloat16)), y)
+    loss = pattern_models.mse(bf16(x.to(torch.bfloat16)), y)
     handle.remove()
     with pytest.raises(_Raise, match="backward"):
         loss.backward()

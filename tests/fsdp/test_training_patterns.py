@@ -1,5 +1,5 @@
 """``fully_shard`` trains like the unsharded model on the patterns real training scripts use,
-with torch's FSDP2 as the control in every test (issue: "trains exactly like an unsharded model").
+with torch's FSDP2 as the control in every test.
 
 Each pattern runs on 2 gloo ranks with ``fully_shard`` and with FSDP2, and in one process
 unsharded; fp32, SGD with momentum. Tolerance: fp32 sums over differently split batches.
@@ -7,20 +7,113 @@ unsharded; fp32, SGD with momentum. Tolerance: fp32 sums over differently split 
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
-from tests.fsdp import pattern_fns
+from tests.fsdp.pattern_models import IMPLS, STEPS, build, data, mse, rows, sgd
+from tests.fsdp.sharded_views import difference, full, full_params, param_differences, rank0, world
 
 WORLD_SIZE = 2
 TOL = 1e-5
 
-# Patterns whose root returns a dataclass (pattern_fns' nets with output="dataclass").
+# Patterns whose root returns a dataclass (pattern_models' nets with output="dataclass").
 DATACLASS_OUTPUT_PATTERNS = ("output_dataclass", "multi_backward")
+
+
+BF16 = torch.bfloat16
+
+
+MICROBATCHES = 4
+
+
+def train_mixed(impl: str, pattern: str) -> dict[str, Any]:
+    """bf16 compute, fp32 main weights: ``fully_shard`` + ``fully_shard_optimizer`` ("ours",
+    hook attachment; "ours_telemetry", wrapt attachment with telemetry and diagnostics every
+    step) against FSDP2 with ``param_dtype=bf16``, whose arithmetic is the same.
+
+    Patterns: ``ckpt`` (checkpoint inside and around units) and ``two_optimizers`` with bf16
+    main grads (the default policy; FSDP2 reduces in bf16); ``multi_backward`` (two backwards
+    add their grads: in fp32 main grads, as FSDP2 adds into its fp32 sharded grads) and
+    ``fp32_accum`` (fp32 main grads, MICROBATCHES microbatches with gradient sync off but for
+    the last one) with fp32 main grads (FSDP2: ``reduce_dtype=fp32``).
+    """
+    rank, world_size = world()
+    net = {"ckpt": {"inner": "nonreentrant", "outer": "reentrant"}, "multi_backward": {"output": "dataclass"}}.get(
+        pattern
+    )
+    fp32_grads = pattern in ("multi_backward", "fp32_accum")
+    if impl == "fsdp2":
+        model = build("fsdp2", net, dtype=BF16, reduce_dtype=torch.float32 if fp32_grads else BF16)
+    else:
+        model = build(
+            "ours",
+            net,
+            dtype=BF16,
+            main_grads_dtype=torch.float32 if fp32_grads else None,
+            compute_copy="per_gather" if impl == "ours_per_gather" else "persistent",
+        )
+    if pattern == "two_optimizers":
+        bias = model.head.bias
+        optimizers = [sgd([p for p in model.parameters() if p is not bias]), torch.optim.SGD([bias], lr=0.1)]
+    else:
+        optimizers = [sgd(model.parameters())]
+    if impl != "fsdp2":
+        from fsdp_patch.optimizer import fully_shard_optimizer
+
+        for optimizer in optimizers:
+            fully_shard_optimizer(optimizer)
+    facts: dict[str, Any] = {"losses": [], "accumulator": []}
+    microbatches = MICROBATCHES if fp32_grads else 1
+    for x, y in data():
+        x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+        if impl != "fsdp2":
+            x = x.to(BF16)  # FSDP2 casts forward inputs to param_dtype itself
+        for k, (xk, yk) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)):
+            if fp32_grads:
+                model.set_requires_gradient_sync(k == microbatches - 1)
+            output = model(xk)
+            loss = mse(output, yk) / microbatches
+            if pattern == "multi_backward":
+                aux = 0.1 * output.hidden.float().pow(2).mean()
+                loss.backward(retain_graph=True)
+                aux.backward()
+            else:
+                loss.backward()
+            facts["losses"].append(loss.item())
+            if fp32_grads and impl != "fsdp2":
+                facts["accumulator"].append(_accumulators(model))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    facts["params"] = full_params(model)
+    return facts
+
+
+def _accumulators(model: nn.Module) -> list[tuple[str, int] | None]:
+    """Per group: the fp32 accumulation buffer of sync-off microbatches (dtype, elements) or None."""
+    from fsdp_patch import parameter_groups
+
+    return [
+        None if g._accumulated is None else (str(g._accumulated.dtype), g._accumulated.numel())
+        for g in parameter_groups(model)
+    ]
+
+
+def _raises(fn: Callable[[], Any]) -> str | None:
+    """``"Type: message"`` (with notes) of what ``fn`` raised, or None."""
+    try:
+        fn()
+    except Exception as exc:
+        notes = " ".join(getattr(exc, "__notes__", []))
+        return f"{type(exc).__name__}: {exc} {notes}".strip()
+    return None
 
 
 def _fsdp2_sees_dataclass_outputs() -> bool:
@@ -40,6 +133,90 @@ def _fsdp2_sees_dataclass_outputs() -> bool:
 
 # What FSDP2's backward raises when it meets a parameter it resharded without a hook to re-gather it.
 _FSDP2_FREED_PARAMETER = re.compile(r"RuntimeError: setStorage: .* out of bounds for storage of size 0")
+
+
+def train(impl: str, pattern: str, reshard_after_forward: bool = True) -> dict[str, Any]:
+    """Trains ``pattern`` STEPS steps with ``impl``; returns losses, final params and facts."""
+    rank, world_size = world()
+    if impl == "reference":
+        rank, world_size = 0, 1
+    nets = {
+        "ckpt_inside_nonreentrant": {"inner": "nonreentrant"},
+        "ckpt_inside_reentrant": {"inner": "reentrant"},
+        "ckpt_around_nonreentrant": {"outer": "nonreentrant"},
+        "ckpt_around_reentrant": {"outer": "reentrant"},
+        "multi_backward": {"output": "dataclass"},
+        "output_dataclass": {"output": "dataclass"},
+        "output_object": {"output": "object"},
+        "output_nested": {"output": "nested"},
+        "zero_size": {"zero_size": True},
+    }
+    model = build(
+        impl, nets.get(pattern), frozen_head=pattern == "late_unfreeze", reshard_after_forward=reshard_after_forward
+    )
+    if pattern == "convert_noop":
+        model.float()
+        model.to(torch.float32)
+        model.cpu()
+        model.to("cpu")
+        # Meta-device style initialization: empty storage, then the values loaded.
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.to_empty(device="cpu")
+        model.load_state_dict(saved)
+    if pattern == "two_optimizers":
+        bias = model.head.bias
+        optimizers = [sgd([p for p in model.parameters() if p is not bias]), torch.optim.SGD([bias], lr=0.1)]
+    else:
+        optimizers = [sgd(model.parameters())]
+    facts: dict[str, Any] = {"losses": []}
+    for step, (x, y) in enumerate(data()):
+        x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+        if step == 1:
+            if pattern == "late_freeze":
+                model.head.requires_grad_(False)
+            elif pattern == "late_unfreeze":
+                model.head.requires_grad_(True)
+            elif pattern in ("load_assign", "load_copy"):
+                loaded = {k: v.detach() * 0.5 + 0.01 for k, v in model.state_dict().items()}
+                model.load_state_dict(loaded, assign=pattern == "load_assign")
+                facts["loaded_values_not_in_use"] = {
+                    k: diff
+                    for k, v in loaded.items()
+                    if (diff := difference(full(model.get_parameter(k)), full(v))) is not None
+                }
+                if pattern == "load_assign":
+                    # assign=True registers new tensors: an optimizer must be built over them.
+                    optimizers = [sgd(model.parameters())]
+        if pattern == "autograd_grad":
+            xi = x.clone().requires_grad_()
+            (input_grad,) = torch.autograd.grad(mse(model(xi), y), xi)
+            facts.setdefault("grads_after_autograd_grad", []).append(
+                [n for n, p in model.named_parameters() if p.grad is not None]
+            )
+            facts.setdefault("input_grad_norm", []).append(input_grad.norm().item() * world_size)
+        output = model(x)
+        loss = mse(output, y)
+        if pattern == "multi_backward":
+            aux = 0.1 * output.hidden.pow(2).mean()
+            loss.backward(retain_graph=True)
+            aux.backward()
+            loss = loss + aux.detach()
+        else:
+            loss.backward()
+        facts["losses"].append(loss.item())
+        if step == STEPS - 1:
+            facts["grads"] = {n: full(p.grad) for n, p in model.named_parameters()}
+        for optimizer in optimizers:
+            optimizer.step()
+            if pattern != "user_grad":
+                optimizer.zero_grad()
+        if pattern == "user_grad":
+            # A grad assigned by the user (a new tensor, not fully_shard's view) is what the next
+            # backward accumulates onto, as in an unsharded model.
+            for p in model.parameters():
+                p.grad = p.grad * 0.5
+    facts["params"] = full_params(model)
+    return facts
 
 
 def fsdp2_limitation(pattern: str, results: dict[str, Any]) -> str | None:
@@ -65,12 +242,24 @@ def global_losses(run: dict[str, Any], impl: str) -> list[float]:
     return [sum(step) / len(per_rank) for step in zip(*per_rank, strict=True)]
 
 
+def pattern_run(pattern: str, reshard_after_forward: bool = True, impls: tuple[str, ...] = IMPLS) -> dict[str, Any]:
+    """``train`` for each implementation; an implementation that raises is reported, not fatal."""
+    out: dict[str, Any] = {}
+    for impl in impls:
+        try:
+            out[impl] = train(impl, pattern, reshard_after_forward)
+        except Exception as exc:
+            out[impl] = {"error": f"{type(exc).__name__}: {exc}"}
+    losses = {impl: r.get("losses") for impl, r in out.items()}
+    return {"results": rank0(out), "losses": losses}
+
+
 def assert_trains_like_reference(
     run_once: Any, pattern: str, reshard_after_forward: bool = True, fsdp2_fails: bool = False
 ) -> dict[str, Any]:
     """Asserts ``fully_shard`` (and FSDP2, unless ``fsdp2_fails``: then FSDP2 must raise) train
     ``pattern`` like the unsharded reference; returns rank 0's results."""
-    per_rank = run_once(WORLD_SIZE, pattern_fns.pattern_run, pattern, reshard_after_forward)
+    per_rank = run_once(WORLD_SIZE, pattern_run, pattern, reshard_after_forward)
     results = per_rank[0]["results"]
     limitation = fsdp2_limitation(pattern, results)
     if limitation is not None:
@@ -118,9 +307,10 @@ def test_autograd_grad_leaves_parameter_grads_alone(run_once: Any) -> None:
     """``torch.autograd.grad`` through the sharded model fills no ``.grad`` and reduces nothing."""
     results = assert_trains_like_reference(run_once, "autograd_grad")
     got, want = results["ours"], results["reference"]
-    assert got["grads_none_after_autograd_grad"] == [True] * pattern_fns.STEPS, got["grads_none_after_autograd_grad"]
+    written = got["grads_after_autograd_grad"]
+    assert written == [[]] * STEPS, f"per step, parameters whose .grad torch.autograd.grad wrote: {written}"
     # The input grad itself: each rank's is that of its own rows (averaged loss over fewer rows).
-    assert len(got["input_grad_norm"]) == len(want["input_grad_norm"]) == pattern_fns.STEPS
+    assert len(got["input_grad_norm"]) == len(want["input_grad_norm"]) == STEPS
 
 
 @pytest.mark.parametrize("output", ("output_dataclass", "output_object", "output_nested"))
@@ -137,7 +327,8 @@ def test_load_state_dict_then_train(run_once: Any, pattern: str) -> None:
     """``load_state_dict`` with ``assign=True`` (new tensors registered in the module) and
     ``assign=False``: the loaded values are the ones the next forward uses and the optimizer steps."""
     results = assert_trains_like_reference(run_once, pattern)
-    assert results["ours"]["loaded_values_in_use"], "after load_state_dict the parameters do not hold the loaded values"
+    diffs = results["ours"]["loaded_values_not_in_use"]
+    assert diffs == {}, f"after load_state_dict the parameters do not hold the loaded values: {diffs}"
 
 
 @pytest.mark.parametrize("pattern", ("late_freeze", "late_unfreeze"))
@@ -175,13 +366,27 @@ def test_zero_size_parameter_trains(run_once: Any) -> None:
     assert shape == (0, 3), f"zero-size parameter's global shape: got {shape}, want (0, 3)"
 
 
+def mixed_run(pattern: str) -> dict[str, Any]:
+    from tests.integration.rank_fns import environment, in_memory_otel
+
+    out = {impl: train_mixed(impl, pattern) for impl in ("ours", "ours_per_gather")}
+    try:
+        out["fsdp2"] = train_mixed("fsdp2", pattern)
+    except Exception as exc:
+        out["fsdp2"] = {"error": f"{type(exc).__name__}: {exc}"}
+    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, _):
+        out["ours_telemetry"] = train_mixed("ours_telemetry", pattern)
+        out["ours_telemetry"]["step_spans"] = sum(s.name == "fsdp.optimizer.step" for s in spans.get_finished_spans())
+    return rank0(out)
+
+
 @pytest.mark.parametrize("pattern", ("ckpt", "multi_backward", "two_optimizers", "fp32_accum"))
 def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, pattern: str) -> None:
     """bf16 compute with the optimizer adapter, hook attachment (compute copy persistent and
     ``per_gather``) and wrapt attachment with telemetry: losses and final weights bitwise those of FSDP2 with ``param_dtype=bf16`` (same
     casts, same reduce dtype), for checkpointing, two optimizers over one group (bf16 main grads),
     two backwards and sync-off accumulation (fp32 main grads; FSDP2 ``reduce_dtype=fp32``)."""
-    results = run_once(WORLD_SIZE, pattern_fns.mixed_run, pattern)[0]
+    results = run_once(WORLD_SIZE, mixed_run, pattern)[0]
     limitation = fsdp2_limitation(pattern, results)
     if limitation is not None:
         # Without the control the claim (bitwise FSDP2's training) cannot be checked on this torch:
@@ -204,18 +409,15 @@ def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, patter
         differ = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
         assert not differ, f"{pattern}/{impl}: final weights differ from FSDP2's in {differ}"
     spans = results["ours_telemetry"]["step_spans"]
-    want_spans = pattern_fns.STEPS * (2 if pattern == "two_optimizers" else 1)
+    want_spans = STEPS * (2 if pattern == "two_optimizers" else 1)
     assert spans == want_spans, f"telemetry on: {spans} step spans, want {want_spans}"
 
 
 def test_sync_off_accumulates_in_fp32_and_frees_the_buffer(run_once: Any) -> None:
     """With bf16 compute and fp32 main grads, sync-off microbatches accumulate in an fp32
     buffer (the reduce-scatter input), which the synced microbatch consumes and frees."""
-    ours = run_once(WORLD_SIZE, pattern_fns.mixed_run, "fp32_accum")[0]["ours"]
-    per_step = [
-        ours["accumulator"][i : i + pattern_fns.MICROBATCHES]
-        for i in range(0, len(ours["accumulator"]), pattern_fns.MICROBATCHES)
-    ]
+    ours = run_once(WORLD_SIZE, mixed_run, "fp32_accum")[0]["ours"]
+    per_step = [ours["accumulator"][i : i + MICROBATCHES] for i in range(0, len(ours["accumulator"]), MICROBATCHES)]
     for step, seen in enumerate(per_step):
         accumulating, synced = seen[:-1], seen[-1]
         for k, groups in enumerate(accumulating):
@@ -224,16 +426,55 @@ def test_sync_off_accumulates_in_fp32_and_frees_the_buffer(run_once: Any) -> Non
         assert synced == [None] * len(synced), f"step {step}: buffers left after the synced microbatch: {synced}"
 
 
+def refusals_run() -> dict[str, Any]:
+    """What ``fully_shard`` refuses, with FSDP2's answer to the same call as the control."""
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel
+
+    out: dict[str, Any] = {}
+    for impl in ("ours", "fsdp2"):
+        model = build(impl)
+        objects = {n: p for n, p in model.named_parameters()}
+        values = full_params(model)
+        facts = {
+            "to_bf16": _raises(lambda: model.to(torch.bfloat16)),
+            "half": _raises(lambda: model.half()),
+            "deepcopy": _raises(lambda: copy.deepcopy(model)),
+            "averaged_model": _raises(lambda: AveragedModel(model)),
+            "pickle": _raises(lambda: pickle.dumps(model)),
+        }
+        if impl == "ours":
+            facts["replaced"] = sorted(n for n, p in model.named_parameters() if objects.get(n) is not p) + sorted(
+                set(objects) - dict(model.named_parameters()).keys()
+            )
+            facts["changed"] = param_differences(full_params(model), values)
+            facts["dtypes_after"] = sorted({str(p.dtype) for p in model.parameters()})
+            # A replacement of the wrong shape: refused at the next forward, the module keeps
+            # its sharded parameter, and the forward after that works.
+            head_weight = model.head.weight
+            model.head.weight = nn.Parameter(torch.zeros(2, 2))
+            x = data()[0][0][:2]
+            facts["bad_replacement"] = _raises(lambda: model(x))
+            facts["head_weight_after_refusal"] = (
+                None if model.head.weight is head_weight else f"a {tuple(model.head.weight.shape)} tensor"
+            )
+            facts["forward_after"] = _raises(lambda: model(x))
+        out[impl] = facts
+    return rank0(out)
+
+
 def test_refusals_name_the_parameter_and_the_alternative(run_once: Any) -> None:
     """Conversions that would change the sharded parameters, deep copies (``AveragedModel``
     makes one) and pickling are refused before anything changes; FSDP2 refuses deepcopy too."""
-    results = run_once(WORLD_SIZE, pattern_fns.refusals_run)[0]
+    results = run_once(WORLD_SIZE, refusals_run)[0]
     ours, control = results["ours"], results["fsdp2"]
     for call in ("to_bf16", "half"):
         message = ours[call] or ""
         for needle in ("ValueError", "inp.weight", "torch.float32", "MixedPrecisionPolicy", "before fully_shard"):
             assert needle in message, f"{call}: {needle!r} missing from {message!r}"
-    assert ours["untouched"], "a refused conversion changed the parameters"
+    assert ours["replaced"] == [], f"a refused conversion replaced the parameters {ours['replaced']}"
+    assert ours["changed"] == {}, f"a refused conversion changed the parameters: {ours['changed']}"
     assert ours["dtypes_after"] == ["torch.float32"], ours["dtypes_after"]
     for call in ("deepcopy", "averaged_model", "pickle"):
         message = ours[call] or ""
@@ -243,15 +484,64 @@ def test_refusals_name_the_parameter_and_the_alternative(run_once: Any) -> None:
     bad = ours["bad_replacement"] or ""
     for needle in ("ValueError", "head.weight", "(2, 2)", "(5, 12)"):
         assert needle in bad, f"bad replacement: {needle!r} missing from {bad!r}"
-    assert ours["bad_replacement_reverted"], "the refused replacement stayed in the module"
-    assert ours["forward_after"], "the forward after a refused replacement failed"
+    left = ours["head_weight_after_refusal"]
+    assert left is None, f"the refused replacement stayed in the module: head.weight is {left}"
+    assert ours["forward_after"] is None, f"the forward after a refused replacement failed: {ours['forward_after']}"
+
+
+def grad_scaler_run() -> dict[str, Any]:
+    """fp16 compute with GradScaler: fp32 main grads (supported) against FSDP2 (fp16 params,
+    fp32 reduce); fp16 main grads get torch's error with the advice."""
+    import gc
+
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world_size = world()
+    f16 = torch.float16
+    original = torch.amp.GradScaler.__dict__["_unscale_grads_"]
+    out: dict[str, Any] = {}
+    for impl in ("ours", "fsdp2", "ours_fp16_grads"):
+        if impl == "fsdp2":
+            model = build(impl, dtype=f16, reduce_dtype=torch.float32)
+        else:
+            model = build("ours", dtype=f16, main_grads_dtype=f16 if impl == "ours_fp16_grads" else torch.float32)
+        optimizer = sgd(model.parameters())
+        if impl != "fsdp2":
+            fully_shard_optimizer(optimizer)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        facts: dict[str, Any] = {"losses": [], "scales": [], "error": None}
+        for step, (x, y) in enumerate(data()):
+            x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+            if impl != "fsdp2":
+                x = x.to(f16)
+            loss = mse(model(x), y)
+            # Step 1 overflows fp16 grads: GradScaler skips it and halves the scale.
+            scaler.scale(loss * (1e6 if step == 1 else 1.0)).backward()
+            try:
+                scaler.unscale_(optimizer)  # as before gradient clipping
+            except ValueError:
+                facts["error"] = _raises(lambda: scaler.unscale_(optimizer))
+                break
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            facts["losses"].append(loss.item())
+            facts["scales"].append(scaler.get_scale())
+        facts["params"] = full_params(model)
+        out[impl] = facts
+        if impl == "ours_fp16_grads":
+            facts["hint_installed"] = torch.amp.GradScaler.__dict__["_unscale_grads_"] is not original
+            del model, optimizer, loss, scaler
+            gc.collect()
+            facts["hint_removed_exactly"] = torch.amp.GradScaler.__dict__["_unscale_grads_"] is original
+    return rank0(out)
 
 
 def test_grad_scaler_with_fp32_main_grads_equals_fsdp2_and_fp16_main_grads_get_advice(run_once: Any) -> None:
     """The supported fp16 combination: ``main_grads_dtype=torch.float32``, which GradScaler
     unscales (bitwise FSDP2's training, overflowed step skipped by both); with fp16 main grads
     torch's refusal carries what to set, and the hint is removed with the last fp16 group."""
-    results = run_once(WORLD_SIZE, pattern_fns.grad_scaler_run)[0]
+    results = run_once(WORLD_SIZE, grad_scaler_run)[0]
     ours, want = results["ours"], results["fsdp2"]
     assert want["error"] is None and ours["error"] is None, (want["error"], ours["error"])
     assert ours["losses"] == want["losses"], f"losses {ours['losses']}, FSDP2 {want['losses']}"
@@ -267,7 +557,30 @@ def test_grad_scaler_with_fp32_main_grads_equals_fsdp2_and_fp16_main_grads_get_a
     assert fp16["hint_installed"] and fp16["hint_removed_exactly"], fp16
 
 
+def freed_run() -> dict[str, Any]:
+    """Whether a trained sharded model, its groups and its adapted optimizer are freed once the
+    script drops them (the group registry once kept every sharded model alive)."""
+    import gc
+    import weakref
+
+    from fsdp_patch import parameter_groups
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world_size = world()
+    model = build("ours", dtype=BF16)
+    optimizer = sgd(model.parameters())
+    fully_shard_optimizer(optimizer)
+    x, y = data()[0]
+    mse(model(rows(x, rank, world_size).to(BF16)), rows(y, rank, world_size)).backward()
+    optimizer.step()
+    refs = {"model": weakref.ref(model), "optimizer": weakref.ref(optimizer)}
+    refs.update({f"group{i}": weakref.ref(g) for i, g in enumerate(parameter_groups(model))})
+    del model, optimizer
+    gc.collect()
+    return {name: ref() is None for name, ref in refs.items()}
+
+
 def test_sharded_model_and_adapted_optimizer_are_freed(run_once: Any) -> None:
-    for facts in run_once(WORLD_SIZE, pattern_fns.freed_run):
+    for facts in run_once(WORLD_SIZE, freed_run):
         alive = [name for name, freed in facts.items() if not freed]
         assert not alive, f"still alive after the last reference went: {alive}"
