@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_patch.optimizer import init_optimizer_state
@@ -36,7 +35,6 @@ from tests.optimizer.support import (
     grads_snapshot,
     main_weights,
     optimizer_state,
-    same,
 )
 
 NEUTRAL = {name: make for name, make in OPTIMIZERS.items() if name != "lbfgs"}
@@ -172,7 +170,7 @@ def test_init_is_noop_once_state_exists_and_rejects_lbfgs(pool1: Any) -> None:
     pool1.run(_noop_and_lbfgs)
 
 
-def _torch_path(name: str) -> dict[str, Any]:
+def _torch_path(name: str) -> None:
     """What torch's get_optimizer_state_dict does on a fresh adapted optimizer."""
     from torch.distributed.checkpoint import state_dict as torch_state_dict
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -180,17 +178,14 @@ def _torch_path(name: str) -> dict[str, Any]:
     model = build_model()
     opt = NEUTRAL[name](model.parameters())
     adapt(opt, "hooks")
-    out: dict[str, Any] = {}
     # torch's own initialization, unwrapped: it assigns zeros_like(param) (fp32) as the grad of
-    # a parameter that advertises bf16 grads.
+    # a parameter that advertises bf16 grads, which torch refuses naming grad_dtype.
     original = getattr(torch_state_dict._init_optim_state, "__wrapped__", None)
-    try:
+    with pytest.raises((RuntimeError, TypeError), match="grad_dtype"):
         original(opt)  # type: ignore[misc]
-        out["error"] = None
-    except (RuntimeError, TypeError) as exc:
-        out["error"] = str(exc)
     # get_optimizer_state_dict itself, on a fresh optimizer and after init_optimizer_state:
     # the same state, the parameters untouched.
+    want = 0 if name == "sgd_stateless" else sum(1 for _ in model.parameters())
     for how in ("fresh", "after_init"):
         model = build_model()
         opt = NEUTRAL[name](model.parameters())
@@ -199,20 +194,11 @@ def _torch_path(name: str) -> dict[str, Any]:
         if how == "after_init":
             init_optimizer_state(opt)
         osd = get_optimizer_state_dict(model, opt)
-        out[f"{how}_state_entries"] = len(osd["state"])
-        out[f"{how}_weights_unchanged"] = same(main_weights(model), weights)
-    out["params"] = sum(1 for _ in model.parameters())
-    out["rank"] = dist.get_rank()
-    return out
+        got = len(osd["state"])
+        assert got == want, f"{how}: get_optimizer_state_dict made {got} state entries, want {want}"
+        assert_same(main_weights(model), weights, f"{how}: main weights after get_optimizer_state_dict")
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd_stateless"])
 def test_torch_get_optimizer_state_dict_works_without_init(pool1: Any, name: str) -> None:
-    (out,) = pool1.run(_torch_path, name)
-    error = out["error"] or ""
-    assert "grad_dtype" in error, f"torch's unwrapped _init_optim_state: want its grad_dtype refusal, got {error!r}"
-    expected = 0 if name == "sgd_stateless" else out["params"]
-    for how in ("fresh", "after_init"):
-        got = out[f"{how}_state_entries"]
-        assert got == expected, f"{how}: get_optimizer_state_dict made {got} state entries, want {expected}"
-        assert out[f"{how}_weights_unchanged"], f"{how}: get_optimizer_state_dict changed the main weights"
+    pool1.run(_torch_path, name)
