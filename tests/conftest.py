@@ -8,17 +8,19 @@ import pytest
 
 from tests.distributed_pool import DistributedPool
 
-_POOLS: dict[int, DistributedPool] = {}
+_POOLS: dict[tuple[int, str], DistributedPool] = {}
 
 
 @pytest.fixture(scope="session")
 def dist_pool() -> Iterator:
-    """``dist_pool(world_size)`` returns a running pool of that many gloo ranks."""
+    """``dist_pool(world_size)`` returns a running pool of that many gloo ranks;
+    ``dist_pool(world_size, backend="nccl")`` one of NCCL ranks, one GPU each."""
 
-    def get(world_size: int) -> DistributedPool:
-        if world_size not in _POOLS:
-            _POOLS[world_size] = DistributedPool(world_size)
-        return _POOLS[world_size]
+    def get(world_size: int, backend: str = "gloo") -> DistributedPool:
+        key = (world_size, backend)
+        if key not in _POOLS:
+            _POOLS[key] = DistributedPool(world_size, backend)
+        return _POOLS[key]
 
     yield get
     for pool in _POOLS.values():

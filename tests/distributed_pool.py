@@ -1,4 +1,6 @@
-"""A pool of gloo ranks that stays up across tests, so each test pays no process start-up.
+"""A pool of ranks that stays up across tests, so each test pays no process start-up.
+
+Gloo on the CPU by default; ``backend="nccl"`` gives each rank the GPU of its index.
 
 ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank (``fn`` must be importable at module
 level) and returns the per-rank results. An exception on any rank is re-raised here with the
@@ -20,14 +22,16 @@ from typing import Any
 _TIMEOUT_S = float(os.environ.get("FSDP_PATCH_TEST_TIMEOUT", "240"))
 
 
-def _worker(rank: int, world_size: int, init_file: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
+def _worker(rank: int, world_size: int, backend: str, init_file: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -54,8 +58,9 @@ class RankError(AssertionError):
 
 
 class DistributedPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
         self.world_size = world_size
+        self.backend = backend
         self._procs: list[mp.Process] = []
         self._start()
 
@@ -67,7 +72,9 @@ class DistributedPool:
         self._outbox = ctx.Queue()
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, self.world_size, init_file, self._inboxes[r], self._outbox), daemon=True
+                target=_worker,
+                args=(r, self.world_size, self.backend, init_file, self._inboxes[r], self._outbox),
+                daemon=True,
             )
             for r in range(self.world_size)
         ]

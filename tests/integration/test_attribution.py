@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fsdp_patch.telemetry import semconv
 
 from tests import models
-from tests.integration.rank_fns import environment, in_memory_otel, metric_points
+from tests.integration.otel_training import environment, in_memory_otel, metric_points
 
 KINDS = ("fully_shard", "fsdp2")
 WORLDS = (2, 4)

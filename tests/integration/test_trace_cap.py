@@ -8,16 +8,56 @@ file is valid JSON, the newest steps are kept, and the precision report reads th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from fsdp_patch.telemetry import precision_report
 
-from tests.integration import rank_fns
+from tests import models
+from tests.integration.otel_training import bf16_model, environment, reset_otel
 
 pytestmark = pytest.mark.slow
 STEPS = 120
 CAP = 64 << 10
+
+
+def capped_trace_files(directory: str, steps: int, max_bytes: str) -> dict[str, Any]:
+    """Trains ``steps`` steps on the embedded default trace files under a size cap; returns this rank's files."""
+    import fsdp_patch.telemetry as telemetry
+
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    reset_otel()
+    settings = dict(
+        FSDP_PATCH_TELEMETRY="1",
+        FSDP_PATCH_PRECISION_EVERY="1",
+        FSDP_PATCH_TRACE_DIR=directory,
+        FSDP_PATCH_TRACE_MAX_BYTES=max_bytes,
+        FSDP_PATCH_SUMMARY="none",
+        OTEL_TRACES_EXPORTER=None,
+        OTEL_METRICS_EXPORTER=None,
+    )
+    try:
+        with environment(**settings):
+            model = bf16_model()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            fully_shard_optimizer(optimizer)
+            batches = models.make_batches(4)
+            for step in range(steps):
+                tokens = batches[step % len(batches)]
+                models.lm_loss(model, models.rank_slice(tokens, rank, world_size)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            telemetry.shutdown()
+    finally:
+        reset_otel()
+    names = sorted(n for n in os.listdir(directory) if n.startswith(f"rank{rank}."))
+    return {"files": {n: os.path.getsize(os.path.join(directory, n)) for n in names}}
 
 
 def _step_numbers(path: Path) -> list[int]:
@@ -26,7 +66,7 @@ def _step_numbers(path: Path) -> list[int]:
 
 
 def test_long_run_stays_under_the_cap_keeping_the_newest_steps(dist_pool, tmp_path: Path) -> None:
-    results = dist_pool(2).run(rank_fns.capped_trace_files, str(tmp_path), STEPS, "64K")
+    results = dist_pool(2).run(capped_trace_files, str(tmp_path), STEPS, "64K")
     for rank, result in enumerate(results):
         files = result["files"]
         want = {f"rank{rank}.1.trace.json", f"rank{rank}.trace.json", f"rank{rank}.jaeger.json"}

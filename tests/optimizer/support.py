@@ -2,8 +2,8 @@
 
 Everything here runs inside the gloo pool workers (``tests.distributed_pool``): build the
 bf16 FSDP model, adapt an optimizer through either attachment, step a hand-cast reference,
-and compare tensors bit for bit. Worker functions return plain data (dicts of bools and
-strings, detached CPU tensors); the test process asserts on it.
+and compare tensors bit for bit. The rank bodies sit beside their tests and assert on the
+ranks; ``assert_same`` says where two values differ and what each holds.
 """
 
 from __future__ import annotations
@@ -291,21 +291,59 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()])
 
 
+def difference(got: Any, want: Any, where: str = "") -> str | None:
+    """``None`` when ``got`` and ``want`` are bitwise equal (tensors, DTensors compared by
+    local shard, nested in dicts, lists and tuples) or ``==`` otherwise; else the first place
+    they differ, with both values."""
+    at = where or "value"
+    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
+            return f"{at}: got {type(got).__name__}, want {type(want).__name__}"
+        if isinstance(got, DTensor) != isinstance(want, DTensor):
+            return f"{at}: got {type(got).__name__}, want {type(want).__name__}"
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return f"{at}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+        unequal = (bits(got) != bits(want)).flatten()
+        if not unequal.any():
+            return None
+        first = int(unequal.nonzero()[0])
+        g, w = local(got).detach().flatten()[first].item(), local(want).detach().flatten()[first].item()
+        return (
+            f"{at}: {int(unequal.sum())} of {unequal.numel()} elements differ bitwise, "
+            f"first at flat index {first}: got {g!r}, want {w!r}"
+        )
+    if isinstance(got, dict) and isinstance(want, dict):
+        if got.keys() != want.keys():
+            return f"{at}: keys {sorted(map(str, got))}, want {sorted(map(str, want))}"
+        return next((d for k in got if (d := difference(got[k], want[k], f"{where}[{k!r}]")) is not None), None)
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            return f"{at}: {len(got)} items, want {len(want)}"
+        pairs = zip(got, want, strict=True)
+        return next((d for i, (x, y) in enumerate(pairs) if (d := difference(x, y, f"{where}[{i}]")) is not None), None)
+    return None if got == want else f"{at}: got {got!r}, want {want!r}"
+
+
 def same(a: Any, b: Any) -> bool:
     """Bitwise equality of tensors (DTensors compared by local shard), or ``==`` otherwise."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if isinstance(a, DTensor) != isinstance(b, DTensor):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        return torch.equal(bits(a), bits(b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
+    return difference(a, b) is None
+
+
+def assert_same(got: Any, want: Any, what: str) -> None:
+    """Asserts ``same(got, want)``, naming ``what`` and the first difference."""
+    found = difference(got, want)
+    assert found is None, f"{what}: {found}"
+
+
+def assert_changed(got: Any, before: Any, what: str) -> None:
+    """Asserts that ``got`` is no longer ``same`` as ``before``."""
+    assert not same(got, before), f"{what}: bitwise unchanged"
+
+
+def assert_grads_original(optimizer: torch.optim.Optimizer, what: str) -> None:
+    """Asserts :func:`grads_are_original`, with what is wrong."""
+    wrong = grads_are_original(optimizer)
+    assert wrong is None, f"{what}: {wrong}"
 
 
 def main_weights(model: nn.Module) -> list[torch.Tensor]:
@@ -315,6 +353,13 @@ def main_weights(model: nn.Module) -> list[torch.Tensor]:
 def compute_is_fresh(model: nn.Module) -> bool:
     """Every group's compute copy equals its main weights cast to the compute dtype."""
     return all(same(g.compute_weight, g.main_weight.to(g.compute_dtype)) for g in parameter_groups(model))
+
+
+def assert_compute_fresh(model: nn.Module, what: str) -> None:
+    """Asserts :func:`compute_is_fresh`, naming the first stale group and where it differs."""
+    for index, g in enumerate(parameter_groups(model)):
+        want = g.main_weight.to(g.compute_dtype)
+        assert_same(g.compute_weight, want, f"{what}: group {index}'s compute copy vs {g.compute_dtype}(main weights)")
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -357,15 +402,3 @@ def grads_snapshot(model: nn.Module) -> list[torch.Tensor | None]:
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (DTensors gathered), detached on CPU."""
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
-
-
-def failures(checks: dict[str, bool]) -> list[str]:
-    return [name for name, ok in checks.items() if not ok]
-
-
-def assert_all(results: list[dict[str, bool]]) -> None:
-    """Test-process side: asserts every check of every rank, naming the failing ones per rank."""
-    assert results and all(results), "a rank returned no checks"
-    bad = {rank: failures(checks) for rank, checks in enumerate(results)}
-    bad = {rank: names for rank, names in bad.items() if names}
-    assert not bad, f"failed checks per rank: {bad}"

@@ -30,12 +30,13 @@ from tests.optimizer.support import (
     FP32,
     O,
     adapt,
-    assert_all,
+    assert_changed,
+    assert_grads_original,
+    assert_same,
     backward,
     batches,
     build_model,
     env,
-    grads_are_original,
     main_weights,
     optimizer_state,
     same,
@@ -50,97 +51,92 @@ def _instance_snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
-def _unchanged(opt: torch.optim.Optimizer, before: dict[str, Any]) -> bool:
+def _assert_unchanged(opt: torch.optim.Optimizer, before: dict[str, Any], what: str, adaptation: Any = None) -> None:
+    """The instance's ``__dict__`` holds the same objects, its hook dicts are as before, and
+    ``adaptation_of`` is ``adaptation``."""
     now = _instance_snapshot(opt)
-    return (
-        now["dict"].keys() == before["dict"].keys()
-        and all(now["dict"][k] is v for k, v in before["dict"].items())
-        and now["pre"] == before["pre"]
-        and now["post"] == before["post"]
-    )
+    added, removed = now["dict"].keys() - before["dict"].keys(), before["dict"].keys() - now["dict"].keys()
+    assert not added and not removed, f"{what}: __dict__ gained {sorted(added)}, lost {sorted(removed)}"
+    replaced = sorted(k for k, v in before["dict"].items() if now["dict"][k] is not v)
+    assert not replaced, f"{what}: __dict__ values replaced: {replaced}"
+    for hooks in ("pre", "post"):
+        assert now[hooks] == before[hooks], f"{what}: step {hooks} hooks {now[hooks]}, want {before[hooks]}"
+    got = adaptation_of(opt)
+    assert got is adaptation, f"{what}: adaptation_of is {got}, want {adaptation}"
 
 
 def _grad_records(params: list[nn.Parameter]) -> list[Any]:
     return [(p.grad, None if p.grad is None else p.grad.dtype, p.grad_dtype) for p in params]
 
 
-def _same_grad_records(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(x[0] is y[0] and x[1:] == y[1:] for x, y in zip(a, b, strict=True))
+def _assert_same_grad_records(got: list[Any], want: list[Any], what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} grads, want {len(want)}"
+    for index, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g[0] is w[0], f"{what}: parameter {index}'s grad is another object"
+        assert g[1:] == w[1:], f"{what}: parameter {index}'s (grad dtype, grad_dtype) {g[1:]}, want {w[1:]}"
 
 
-def _adapt_time_errors() -> dict[str, bool]:
-    checks: dict[str, bool] = {}
+def _adapt_time_errors() -> None:
     model = build_model()
     plain = torch.zeros(3, requires_grad=True)  # a leaf tensor, not an nn.Parameter
     for attachment in ATTACHMENTS:
         opt = O.SGD([{"params": list(model.parameters())}, {"params": [nn.Parameter(torch.ones(2)), plain]}], lr=0.1)
         before = _instance_snapshot(opt)
-        try:
+        with pytest.raises(TypeError, match=r"param_groups\[1\]\['params'\]\[1\].*Tensor"):
             adapt(opt, attachment)
-            checks[f"{attachment}: non-Parameter refused"] = False
-        except TypeError as exc:
-            message = str(exc)
-            checks[f"{attachment}: non-Parameter refused"] = (
-                "param_groups[1]['params'][1]" in message and "Tensor" in message
-            )
-        checks[f"{attachment}: non-Parameter: optimizer untouched"] = (
-            _unchanged(opt, before) and adaptation_of(opt) is None
-        )
+        _assert_unchanged(opt, before, f"{attachment}: non-Parameter refused")
 
     opt = O.SGD(model.parameters(), lr=0.1)
     before = _instance_snapshot(opt)
     cases = {
-        "precision_aware not a bool": (TypeError, lambda: adapt_optimizer(opt, precision_aware=1, attachment="hooks")),
-        "unknown attachment": (ValueError, lambda: adapt_optimizer(opt, precision_aware=False, attachment="patch")),
-        "wrapt without observer": (ValueError, lambda: adapt_optimizer(opt, precision_aware=False, attachment="wrapt")),
+        "precision_aware not a bool": (
+            TypeError,
+            "precision_aware",
+            lambda: adapt_optimizer(opt, precision_aware=1, attachment="hooks"),
+        ),
+        "unknown attachment": (
+            ValueError,
+            "patch",
+            lambda: adapt_optimizer(opt, precision_aware=False, attachment="patch"),
+        ),
+        "wrapt without observer": (
+            ValueError,
+            "observer",
+            lambda: adapt_optimizer(opt, precision_aware=False, attachment="wrapt"),
+        ),
         "observer factory raises": (
             KeyError,
+            "no observer",
             lambda: adapt_optimizer(
                 opt, precision_aware=False, attachment="wrapt", observer_factory=lambda: {}["no observer"]
             ),
         ),
     }
-    for name, (error, call) in cases.items():
-        try:
+    for name, (error, names, call) in cases.items():
+        with pytest.raises(error, match=names):
             call()
-            checks[f"{name}: raised"] = False
-        except error:
-            checks[f"{name}: raised"] = True
-        checks[f"{name}: optimizer untouched"] = _unchanged(opt, before) and adaptation_of(opt) is None
-    try:
+        _assert_unchanged(opt, before, name)
+    with pytest.raises(TypeError, match="object"):
         adapt_optimizer(object(), precision_aware=False, attachment="hooks")  # type: ignore[arg-type]
-        checks["not an optimizer: TypeError"] = False
-    except TypeError:
-        checks["not an optimizer: TypeError"] = True
     # A malformed FSDP_PATCH_TELEMETRY fails the public entry point before any change.
     from fsdp_patch.optimizer import fully_shard_optimizer
 
-    with env(FSDP_PATCH_TELEMETRY="yes please"):
-        try:
-            fully_shard_optimizer(opt)
-            checks["bad FSDP_PATCH_TELEMETRY: ValueError"] = False
-        except ValueError as exc:
-            checks["bad FSDP_PATCH_TELEMETRY: ValueError"] = "FSDP_PATCH_TELEMETRY" in str(exc)
-    checks["bad FSDP_PATCH_TELEMETRY: optimizer untouched"] = _unchanged(opt, before) and adaptation_of(opt) is None
+    with env(FSDP_PATCH_TELEMETRY="yes please"), pytest.raises(ValueError, match="FSDP_PATCH_TELEMETRY"):
+        fully_shard_optimizer(opt)
+    _assert_unchanged(opt, before, "bad FSDP_PATCH_TELEMETRY")
     # An instance attribute the adapter would need is already taken: refused, untouched.
     opt.__dict__["__deepcopy__"] = lambda memo: None
     taken = _instance_snapshot(opt)
-    try:
+    with pytest.raises(ValueError, match="__deepcopy__"):
         adapt(opt, "hooks")
-        checks["taken __deepcopy__: ValueError"] = False
-    except ValueError:
-        checks["taken __deepcopy__: ValueError"] = True
-    checks["taken __deepcopy__: optimizer untouched"] = _unchanged(opt, taken) and adaptation_of(opt) is None
+    _assert_unchanged(opt, taken, "taken __deepcopy__")
     del opt.__dict__["__deepcopy__"]
     # Registering the post hook fails after the pre hook was registered: both are gone.
     opt.register_step_post_hook = lambda hook: (_ for _ in ()).throw(RuntimeError("no post hooks today"))  # type: ignore[method-assign]
     failing = _instance_snapshot(opt)
-    try:
+    with pytest.raises(RuntimeError, match="no post hooks today"):
         adapt(opt, "hooks")
-        checks["failing hook registration: raised"] = False
-    except RuntimeError:
-        checks["failing hook registration: raised"] = True
-    checks["failing hook registration: optimizer untouched"] = _unchanged(opt, failing) and adaptation_of(opt) is None
+    _assert_unchanged(opt, failing, "failing hook registration")
     del opt.register_step_post_hook
     # Already adapted with other settings: refused, the existing adaptation stays as it was.
     for attachment in ATTACHMENTS:
@@ -150,52 +146,38 @@ def _adapt_time_errors() -> dict[str, bool]:
         adaptation = adaptation_of(opt)
         adapted = _instance_snapshot(opt)
         for precision_aware, kind in ((True, attachment), (False, other)):
-            try:
+            with pytest.raises(ValueError, match="remove_fully_shard_optimizer"):
                 adapt(opt, kind, precision_aware=precision_aware)
-                checks[f"{attachment} then {kind}/precision_aware={precision_aware}: refused"] = False
-            except ValueError as exc:
-                checks[f"{attachment} then {kind}/precision_aware={precision_aware}: refused"] = (
-                    "remove_fully_shard_optimizer" in str(exc)
-                )
-            checks[f"{attachment} then {kind}/precision_aware={precision_aware}: unchanged"] = (
-                _unchanged(opt, adapted) and adaptation_of(opt) is adaptation
-            )
-    return checks
+            what = f"{attachment} then {kind}/precision_aware={precision_aware}"
+            _assert_unchanged(opt, adapted, what, adaptation)
 
 
 def test_adaptation_errors_leave_optimizer_untouched(pool1: Any) -> None:
-    assert_all(pool1.run(_adapt_time_errors))
+    pool1.run(_adapt_time_errors)
 
 
-def _step_error_checks(
+def _assert_step_refused(
     tag: str,
     opt: torch.optim.Optimizer,
     model: nn.Module,
     params: list[nn.Parameter],
     error: type[BaseException],
-    needles: tuple[str, ...],
-) -> dict[str, bool]:
-    """Steps ``opt`` expecting ``error`` whose message holds ``needles``; checks nothing changed."""
-    checks: dict[str, bool] = {}
+    names: str,
+) -> None:
+    """Steps ``opt`` expecting ``error`` whose message matches ``names``; asserts nothing changed."""
     records, grads = _grad_records(params), [None if p.grad is None else p.grad.detach().clone() for p in params]
     weights, plain_weights, state = main_weights(model), [p.detach().clone() for p in params], optimizer_state(opt)
-    try:
+    with pytest.raises(error, match=names):
         opt.step()
-        checks[f"{tag}: raised"] = False
-    except error as exc:
-        checks[f"{tag}: raised"] = all(n in str(exc) for n in needles)
-    checks[f"{tag}: grads unchanged (objects, dtypes, grad_dtype)"] = _same_grad_records(_grad_records(params), records)
-    checks[f"{tag}: grad values unchanged"] = same([None if p.grad is None else p.grad.detach() for p in params], grads)
-    checks[f"{tag}: weights unchanged"] = same(main_weights(model), weights) and same(
-        [p.detach() for p in params], plain_weights
-    )
-    checks[f"{tag}: state unchanged"] = same(optimizer_state(opt), state)
-    checks[f"{tag}: nothing cast"] = grads_are_original(opt) is None
-    return checks
+    _assert_same_grad_records(_grad_records(params), records, f"{tag}: grads (objects, dtypes, grad_dtype)")
+    assert_same([None if p.grad is None else p.grad.detach() for p in params], grads, f"{tag}: grad values")
+    assert_same(main_weights(model), weights, f"{tag}: main weights")
+    assert_same([p.detach() for p in params], plain_weights, f"{tag}: parameters")
+    assert_same(optimizer_state(opt), state, f"{tag}: optimizer state")
+    assert_grads_original(opt, f"{tag}: nothing cast")
 
 
-def _step_time_errors(attachment: str) -> dict[str, bool]:
-    checks: dict[str, bool] = {}
+def _step_time_errors(attachment: str) -> None:
     data = batches(3)
     model = build_model()
     fsdp = list(model.parameters())
@@ -214,18 +196,11 @@ def _step_time_errors(attachment: str) -> dict[str, bool]:
     extra.grad = None
     extra.grad_dtype = BF16
     extra.grad = torch.ones(4, dtype=BF16)
-    checks.update(
-        _step_error_checks(
-            "plain bf16 grad", opt, model, params, TypeError, ("param_groups[1]['params'][0]", "precision_aware")
-        )
-    )
+    names = r"(?s)(?=.*param_groups\[1\]\['params'\]\[0\])(?=.*precision_aware)"  # both, in any order
+    _assert_step_refused("plain bf16 grad", opt, model, params, TypeError, names)
     if observer is not None:
-        checks["plain bf16 grad: observer counted a rejected mismatch"] = (
-            FP32,
-            BF16,
-            MismatchAction.REJECTED,
-            1,
-        ) in observer.mismatches
+        want = (FP32, BF16, MismatchAction.REJECTED, 1)
+        assert want in observer.mismatches, f"plain bf16 grad: observer mismatches {observer.mismatches}, want {want}"
     extra.grad = None
     extra.grad_dtype = None
     extra.grad = torch.ones(4)
@@ -238,39 +213,34 @@ def _step_time_errors(attachment: str) -> dict[str, bool]:
     others = [p for p in fsdp if p is not victim]
     before_victim, before_others = victim.detach().clone(), [p.detach().clone() for p in others]
     opt.step()
-    checks["partial FSDP grads: grad-less parameter unchanged"] = same(victim.detach(), before_victim)
-    checks["partial FSDP grads: its grad stays None"] = victim.grad is None
-    checks["partial FSDP grads: the others stepped"] = all(
-        not same(p.detach(), b) for p, b in zip(others, before_others, strict=True)
-    )
-    checks["partial FSDP grads: grads original afterwards"] = grads_are_original(opt) is None
+    assert_same(victim.detach(), before_victim, f"partial FSDP grads: grad-less {victim_name}")
+    assert victim.grad is None, f"partial FSDP grads: {victim_name}'s grad is {victim.grad}, want None"
+    unstepped = [i for i, (p, b) in enumerate(zip(others, before_others, strict=True)) if same(p.detach(), b)]
+    assert not unstepped, f"partial FSDP grads: the other parameters {unstepped} did not step"
+    assert_grads_original(opt, "partial FSDP grads: afterwards")
     victim.grad = saved
 
     # 3. A non-Parameter in a group added after the adaptation.
     stray = torch.zeros(2, requires_grad=True)
     stray.grad = torch.ones(2)
     opt.add_param_group({"params": [stray]})
-    checks.update(
-        _step_error_checks(
-            "non-Parameter added later", opt, model, params, TypeError, ("param_groups[2]['params'][0]",)
-        )
-    )
+    names = r"param_groups\[2\]\['params'\]\[0\]"
+    _assert_step_refused("non-Parameter added later", opt, model, params, TypeError, names)
     opt.param_groups.pop()
 
     # Fixed input: the step works and the grads are as before.
     weights = main_weights(model)
     opt.step()
-    checks["after the errors: step works"] = not same(main_weights(model), weights)
-    checks["after the errors: grads original"] = grads_are_original(opt) is None
-    return checks
+    assert_changed(main_weights(model), weights, "after the errors: the step")
+    assert_grads_original(opt, "after the errors")
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_step_time_errors_change_nothing(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_step_time_errors, attachment))
+    pool1.run(_step_time_errors, attachment)
 
 
-def _plain_passthrough(attachment: str) -> dict[str, bool]:
+def _plain_passthrough(attachment: str) -> None:
     """precision_aware lets a plain parameter's bf16 grad through to an optimizer that takes it."""
     extra = nn.Parameter(torch.randn(4))
     opt = O.SGD([extra], lr=0.5)
@@ -282,19 +252,17 @@ def _plain_passthrough(attachment: str) -> dict[str, bool]:
     extra.grad = grad
     expected = extra.detach() - 0.5 * grad.float()
     opt.step()
-    checks = {
-        "bf16 grad reached the update": seen == [BF16],
-        "update == p - lr * float(g)": same(extra.detach(), expected),
-        "grad untouched": extra.grad is grad,
-    }
+    assert seen == [BF16], f"grad dtypes the update saw: got {seen}, want [{BF16}]"
+    assert_same(extra.detach(), expected, "update vs p - lr * float(g)")
+    assert extra.grad is grad, "the grad was replaced"
     if observer is not None:
-        checks["observer counted a passthrough"] = (FP32, BF16, MismatchAction.PASSTHROUGH, 1) in observer.mismatches
-    return checks
+        want = (FP32, BF16, MismatchAction.PASSTHROUGH, 1)
+        assert want in observer.mismatches, f"observer mismatches {observer.mismatches}, want {want}"
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_plain_mismatch_passes_through_when_precision_aware(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_plain_passthrough, attachment))
+    pool1.run(_plain_passthrough, attachment)
 
 
 def test_plain_parameters_are_not_fsdp_managed() -> None:

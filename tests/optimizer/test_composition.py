@@ -44,7 +44,9 @@ from tests.optimizer.support import (
     HandCast,
     O,
     adapt,
-    assert_all,
+    assert_compute_fresh,
+    assert_grads_original,
+    assert_same,
     backward,
     batches,
     build_model,
@@ -52,13 +54,11 @@ from tests.optimizer.support import (
     env,
     fsdp_params,
     grad_dtypes,
-    grads_are_original,
     grads_snapshot,
     local,
     local_tokens,
     main_weights,
     optimizer_state,
-    same,
 )
 
 # ----------------------------------------------------------------------------- step hooks
@@ -84,7 +84,7 @@ EXPECTED_HOOKS = {
 HOOK_ORDER = ["global_pre", "pre_before", "pre_after", "post_before", "post_after", "global_post"]
 
 
-def _step_hooks(attachment: str) -> dict[str, Any]:
+def _step_hooks(attachment: str) -> None:
     model = build_model()
     opt = OPTIMIZERS["adamw"](model.parameters())
     log: list[tuple[str, set[torch.dtype], bool]] = []
@@ -109,20 +109,22 @@ def _step_hooks(attachment: str) -> dict[str, Any]:
     finally:
         for handle in handles:
             handle.remove()
-    checks = {"each hook ran once per step, in torch's order": [name for name, *_ in log] == HOOK_ORDER * 2}
+    order = [name for name, *_ in log]
+    assert order == HOOK_ORDER * 2, f"hooks ran in the order {order}, want {HOOK_ORDER * 2} (once per step)"
     for name, dtypes, fresh in log:
         expected = EXPECTED_HOOKS[attachment][name]
-        checks[f"{name} saw {sorted(map(str, expected[0]))}, compute fresh={expected[1]}"] = (dtypes, fresh) == expected
-    return checks
+        assert (dtypes, fresh) == expected, (
+            f"{name} saw (grad dtypes, compute fresh) {(dtypes, fresh)}, want {expected}"
+        )
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_instance_and_global_step_hooks_run(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_step_hooks, attachment))
+    pool1.run(_step_hooks, attachment)
 
 
 # ----------------------------------------------------------------------------- GradScaler
-def _grad_scaler(attachment: str) -> dict[str, bool]:
+def _grad_scaler(attachment: str) -> None:
     model, ref = build_model(), build_model()
     opt, ropt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
     observer = adapt(opt, attachment)
@@ -131,7 +133,6 @@ def _grad_scaler(attachment: str) -> dict[str, bool]:
     opt.register_step_pre_hook(lambda o, a, k: calls.append(grad_dtypes(o)))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     rscaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
-    checks: dict[str, bool] = {}
     for step, tokens in enumerate(batches(4)):
         for m, s in ((model, scaler), (ref, rscaler)):
             s.scale(lm_loss(m, local_tokens(tokens))).backward()
@@ -155,32 +156,32 @@ def _grad_scaler(attachment: str) -> dict[str, bool]:
         rscaler.update()
         tag = f"step {step}"
         if skipped:
-            checks[f"{tag} skipped: optimizer.step not called"] = len(calls) == calls_before
-            checks[f"{tag} skipped: scale backed off"] = scaler.get_scale() == scale_before / 2
-            checks[f"{tag} skipped: no cast, grads original"] = grads_are_original(opt) is None
-            checks[f"{tag} skipped: main weights unchanged"] = same(main_weights(model), main_before)
-            checks[f"{tag} skipped: compute copy not refreshed"] = same(
-                [g.compute_weight for g in parameter_groups(model)], compute_before
-            )
+            assert len(calls) == calls_before, f"{tag} skipped: optimizer.step called {len(calls) - calls_before} times"
+            scale, want = scaler.get_scale(), scale_before / 2
+            assert scale == want, f"{tag} skipped: scale {scale}, want {want} (backed off)"
+            assert_grads_original(opt, f"{tag} skipped: no cast")
+            assert_same(main_weights(model), main_before, f"{tag} skipped: main weights")
+            compute = [g.compute_weight for g in parameter_groups(model)]
+            assert_same(compute, compute_before, f"{tag} skipped: compute copy (not refreshed)")
             if observer is not None:
-                checks[f"{tag} skipped: no step observed, no cast recorded"] = len(observer.steps) == observed_before
+                got = len(observer.steps)
+                assert got == observed_before, f"{tag} skipped: observer saw {got} steps, want {observed_before}"
         else:
-            checks[f"{tag}: update saw fp32 grads"] = len(calls) == calls_before + 1 and calls[-1] == {FP32}
-            checks[f"{tag}: weights == reference"] = same(main_weights(model), main_weights(ref))
-            checks[f"{tag}: state == reference"] = same(optimizer_state(opt), optimizer_state(ropt))
-            checks[f"{tag}: compute copy fresh"] = compute_is_fresh(model)
+            assert calls[calls_before:] == [{FP32}], f"{tag}: grad dtypes the update saw: {calls[calls_before:]}"
+            assert_same(main_weights(model), main_weights(ref), f"{tag}: weights vs reference")
+            assert_same(optimizer_state(opt), optimizer_state(ropt), f"{tag}: state vs reference")
+            assert_compute_fresh(model, tag)
         opt.zero_grad()
         ropt.zero_grad()
-    return checks
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_grad_scaler_skipped_steps_neither_cast_nor_refresh(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_grad_scaler, attachment))
+    pool1.run(_grad_scaler, attachment)
 
 
 # ----------------------------------------------------------------------------- state_dict
-def _state_dict_roundtrip(attachment: str) -> dict[str, bool]:
+def _state_dict_roundtrip(attachment: str) -> None:
     data = batches(3)
     model, other = build_model(), build_model()
     opt, first = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](other.parameters())
@@ -200,73 +201,64 @@ def _state_dict_roundtrip(attachment: str) -> dict[str, bool]:
     # state_dict() returns references and load_state_dict() keeps tensors whose dtype and
     # device already match (torch's semantics): copy, as one does when both live on.
     loaded.load_state_dict(copy.deepcopy(saved))
-    checks = {
-        "state_dict has torch's format": saved.keys() == plain_format.keys()
-        and all(isinstance(i, int) for g in saved["param_groups"] for i in g["params"]),
-        "state_dict holds the live state": all(
-            saved["state"][i]["exp_avg"] is opt.state[p]["exp_avg"] for i, p in enumerate(model.parameters())
-        ),
-        "loaded state == saved state": same(optimizer_state(loaded), optimizer_state(opt)),
-    }
+    assert saved.keys() == plain_format.keys(), f"state_dict keys {list(saved)}, torch's {list(plain_format)}"
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    assert all(isinstance(i, int) for i in ids), f"state_dict's param_groups name parameters by {ids}, want ints"
+    stale = [i for i, p in enumerate(model.parameters()) if saved["state"][i]["exp_avg"] is not opt.state[p]["exp_avg"]]
+    assert not stale, f"state_dict's exp_avg of parameters {stale} is not the live state"
+    assert_same(optimizer_state(loaded), optimizer_state(opt), "loaded state vs saved state")
     for m in (model, other):
         backward(m, data[2])
     opt.step()
     loaded.step()
-    checks["next step equal after the round trip"] = same(main_weights(model), main_weights(other))
-    checks["next state equal after the round trip"] = same(optimizer_state(loaded), optimizer_state(opt))
-    checks["compute copy fresh"] = compute_is_fresh(other)
-    return checks
+    assert_same(main_weights(other), main_weights(model), "next step after the round trip: main weights")
+    assert_same(optimizer_state(loaded), optimizer_state(opt), "next step after the round trip: state")
+    assert_compute_fresh(other, "after the round trip")
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_state_dict_round_trip(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_state_dict_roundtrip, attachment))
+    pool1.run(_state_dict_roundtrip, attachment)
 
 
 # ----------------------------------------------------------------------------- copies
-def _is_plain(copied: torch.optim.Optimizer, original: torch.optim.Optimizer) -> bool:
-    return (
-        type(copied) is type(original)
-        and adaptation_of(copied) is None
-        and not ({"step", "zero_grad", "__deepcopy__", "__reduce_ex__"} & copied.__dict__.keys())
-        and not copied._optimizer_step_pre_hooks
-        and not copied._optimizer_step_post_hooks
-    )
+def _assert_plain(copied: torch.optim.Optimizer, original: torch.optim.Optimizer, what: str) -> None:
+    """``copied`` is an unadapted optimizer of ``original``'s class, with nothing of the adapter."""
+    assert type(copied) is type(original), f"{what}: a {type(copied).__name__}, want {type(original).__name__}"
+    assert adaptation_of(copied) is None, f"{what}: adapted ({adaptation_of(copied)})"
+    ours = {"step", "zero_grad", "__deepcopy__", "__reduce_ex__"} & copied.__dict__.keys()
+    assert not ours, f"{what}: instance attributes of the adapter {sorted(ours)}"
+    hooks = (dict(copied._optimizer_step_pre_hooks), dict(copied._optimizer_step_post_hooks))
+    assert hooks == ({}, {}), f"{what}: step (pre, post) hooks {hooks}"
 
 
-def _copy_checks(
-    tag: str, copied: torch.optim.Optimizer, opt: torch.optim.Optimizer, with_grads: bool
-) -> dict[str, bool]:
+def _assert_copy(tag: str, copied: torch.optim.Optimizer, opt: torch.optim.Optimizer, with_grads: bool) -> None:
     originals = [p for g in opt.param_groups for p in g["params"]]
     params = [p for g in copied.param_groups for p in g["params"]]
-    checks = {
-        f"{tag}: a plain, unadapted {type(opt).__name__}": _is_plain(copied, opt),
-        f"{tag}: new parameters, not FSDP-managed": all(
-            q is not p and parameter_group_of(q) is None for p, q in zip(originals, params, strict=True)
-        ),
-        f"{tag}: parameters are DTensors with the same values": all(
-            isinstance(q, DTensor) and q.placements == p.placements and same(q.detach(), p.detach())
-            for p, q in zip(originals, params, strict=True)
-        ),
-        f"{tag}: state == original's, and separate": same(optimizer_state(copied), optimizer_state(opt))
-        and all(
-            copied.state[q]["exp_avg"] is not opt.state[p]["exp_avg"] for p, q in zip(originals, params, strict=True)
-        ),
-        f"{tag}: state keyed by the copied parameters": all(q in copied.state for q in params),
-        f"{tag}: same hyperparameters": [{k: v for k, v in g.items() if k != "params"} for g in copied.param_groups]
-        == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-    }
-    if with_grads:
-        checks[f"{tag}: grads copied with their dtype and grad_dtype"] = all(
-            q.grad is not None and q.grad is not p.grad and q.grad_dtype == BF16 and same(q.grad, p.grad)
-            for p, q in zip(originals, params, strict=True)
+    _assert_plain(copied, opt, tag)
+    assert len(params) == len(originals), f"{tag}: {len(params)} parameters, want {len(originals)}"
+    for index, (p, q) in enumerate(zip(originals, params, strict=True)):
+        assert q is not p and parameter_group_of(q) is None, f"{tag}: parameter {index} is not a new, unmanaged one"
+        assert isinstance(q, DTensor) and q.placements == p.placements, (
+            f"{tag}: parameter {index} is a {type(q).__name__} {getattr(q, 'placements', None)}, want {p.placements}"
         )
-    else:
-        checks[f"{tag}: no grads (torch never pickles them)"] = all(q.grad is None for q in params)
-    return checks
+        assert_same(q.detach(), p.detach(), f"{tag}: parameter {index}'s values")
+        assert copied.state[q]["exp_avg"] is not opt.state[p]["exp_avg"], f"{tag}: parameter {index}'s state is shared"
+        if with_grads:
+            assert q.grad is not None and q.grad is not p.grad, f"{tag}: parameter {index}'s grad not copied"
+            assert q.grad_dtype == BF16, f"{tag}: parameter {index}'s grad_dtype {q.grad_dtype}, want {BF16}"
+            assert_same(q.grad, p.grad, f"{tag}: parameter {index}'s grad")
+        else:
+            assert q.grad is None, f"{tag}: parameter {index} has a grad (torch never pickles them)"
+    assert_same(optimizer_state(copied), optimizer_state(opt), f"{tag}: state vs the original's")
+    unkeyed = [i for i, q in enumerate(params) if q not in copied.state]
+    assert not unkeyed, f"{tag}: state not keyed by the copied parameters {unkeyed}"
+    got = [{k: v for k, v in g.items() if k != "params"} for g in copied.param_groups]
+    want = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert got == want, f"{tag}: hyperparameters {got}, want {want}"
 
 
-def _copies(attachment: str) -> dict[str, bool]:
+def _copies(attachment: str) -> None:
     data = batches(3)
     model, ref = build_model(), build_model()
     opt, ropt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
@@ -282,37 +274,34 @@ def _copies(attachment: str) -> dict[str, bool]:
     for m in (model, ref):
         backward(m, data[2])  # grads present while copying
     grads = grads_snapshot(model)
-    checks: dict[str, bool] = {}
-    checks.update(_copy_checks("deepcopy", copy.deepcopy(opt), opt, with_grads=True))
-    checks.update(_copy_checks("pickle", pickle.loads(pickle.dumps(opt)), opt, with_grads=False))
+    _assert_copy("deepcopy", copy.deepcopy(opt), opt, with_grads=True)
+    _assert_copy("pickle", pickle.loads(pickle.dumps(opt)), opt, with_grads=False)
     buffer = io.BytesIO()
     torch.save(opt, buffer)
     buffer.seek(0)
-    checks.update(_copy_checks("torch.save/load", torch.load(buffer, weights_only=False), opt, with_grads=False))
+    _assert_copy("torch.save/load", torch.load(buffer, weights_only=False), opt, with_grads=False)
     shallow = copy.copy(opt)
-    checks["copy.copy: plain, unadapted"] = _is_plain(shallow, opt)
-    checks["copy.copy: shares parameters and state"] = shallow.param_groups[0]["params"][0] is opt.param_groups[0][
-        "params"
-    ][0] and (shallow.state is opt.state)
-    checks["original: still adapted, grads untouched"] = adaptation_of(opt) is not None and same(
-        grads_snapshot(model), grads
-    )
+    _assert_plain(shallow, opt, "copy.copy")
+    assert shallow.param_groups[0]["params"][0] is opt.param_groups[0]["params"][0], "copy.copy: other parameters"
+    assert shallow.state is opt.state, "copy.copy: another state"
+    assert adaptation_of(opt) is not None, "original: no longer adapted after the copies"
+    assert_same(grads_snapshot(model), grads, "original: grads after the copies")
     opt.step()
     hand.step(ropt)
-    checks["original: next step == reference"] = same(main_weights(model), main_weights(ref))
-    checks["original: grads original, compute fresh"] = grads_are_original(opt) is None and compute_is_fresh(model)
+    assert_same(main_weights(model), main_weights(ref), "original: next step vs reference")
+    assert_grads_original(opt, "original: after the next step")
+    assert_compute_fresh(model, "original: after the next step")
     if observer is not None:
-        checks["original: observer saw 3 steps"] = len(observer.steps) == 3
-    return checks
+        assert len(observer.steps) == 3, f"original: observer saw {len(observer.steps)} steps, want 3"
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_deepcopy_and_pickle_give_plain_optimizers(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_copies, attachment))
+    pool1.run(_copies, attachment)
 
 
 # ----------------------------------------------------------------------------- twice / undo
-def _twice(attachment: str) -> dict[str, bool]:
+def _twice(attachment: str) -> None:
     once, twice = build_model(), build_model()
     opt_once, opt_twice = OPTIMIZERS["adamw"](once.parameters()), OPTIMIZERS["adamw"](twice.parameters())
     adapt(opt_once, attachment)
@@ -322,45 +311,46 @@ def _twice(attachment: str) -> dict[str, bool]:
     adapt(opt_twice, attachment)
     if attachment == "hooks":
         fully_shard_optimizer(opt_twice)  # and a third time, plain public call
-    checks = {
-        "same adaptation": adaptation_of(opt_twice) is adaptation,
-        "instance unchanged by the second call": opt_twice.__dict__.keys() == snapshot.keys()
-        and all(opt_twice.__dict__[k] is v for k, v in snapshot.items()),
-        "one pre and one post hook": len(opt_twice._optimizer_step_pre_hooks) == (1 if attachment == "hooks" else 0)
-        and len(opt_twice._optimizer_step_post_hooks) == (1 if attachment == "hooks" else 0),
-    }
+    assert adaptation_of(opt_twice) is adaptation, f"another adaptation: {adaptation_of(opt_twice)}, was {adaptation}"
+    assert opt_twice.__dict__.keys() == snapshot.keys(), (
+        f"__dict__ keys {sorted(opt_twice.__dict__)}, was {sorted(snapshot)}"
+    )
+    replaced = sorted(k for k, v in snapshot.items() if opt_twice.__dict__[k] is not v)
+    assert not replaced, f"__dict__ values replaced by the second call: {replaced}"
+    hooks = (len(opt_twice._optimizer_step_pre_hooks), len(opt_twice._optimizer_step_post_hooks))
+    want_hooks = (1, 1) if attachment == "hooks" else (0, 0)
+    assert hooks == want_hooks, f"(pre, post) step hooks {hooks}, want {want_hooks}"
     for tokens in batches(2):
         for m, o in ((once, opt_once), (twice, opt_twice)):
             backward(m, tokens)
             o.step()
             o.zero_grad()
-    checks["trains like a once-adapted optimizer"] = same(main_weights(twice), main_weights(once))
+    assert_same(main_weights(twice), main_weights(once), "main weights vs a once-adapted optimizer's")
     if observer is not None:
-        grad_casts = [c for c in observer.casts if c[0] == "grads_cast"]
-        checks["one grad cast per group per step"] = len(grad_casts) == 2 * len(parameter_groups(twice))
-    return checks
+        got, want = len([c for c in observer.casts if c[0] == "grads_cast"]), 2 * len(parameter_groups(twice))
+        assert got == want, f"{got} grad casts in 2 steps, want {want} (one per group per step)"
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_fully_shard_optimizer_twice_is_harmless(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_twice, attachment))
+    pool1.run(_twice, attachment)
 
 
-def _undo(attachment: str, scheduler: str) -> dict[str, bool]:
+def _undo(attachment: str, scheduler: str) -> None:
     model = build_model()
     opt = O.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    checks: dict[str, bool] = {}
     sched = L.StepLR(opt, step_size=1, gamma=0.5) if scheduler == "before" else None
     before = dict(opt.__dict__)
     # 1. Adapt and undo at once: the instance is exactly as before.
     adapt(opt, attachment)
     remove_fully_shard_optimizer(opt)
-    checks["immediate undo: same __dict__ keys and values"] = opt.__dict__.keys() == before.keys() and all(
-        opt.__dict__[k] is v for k, v in before.items()
+    assert opt.__dict__.keys() == before.keys(), (
+        f"immediate undo: __dict__ keys {sorted(opt.__dict__)}, was {sorted(before)}"
     )
-    checks["immediate undo: hook dicts empty"] = (
-        not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
-    )
+    replaced = sorted(k for k, v in before.items() if opt.__dict__[k] is not v)
+    assert not replaced, f"immediate undo: __dict__ values replaced: {replaced}"
+    hooks = (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_step_post_hooks))
+    assert hooks == ({}, {}), f"immediate undo: step (pre, post) hooks {hooks}"
     # 2. Adapt, train, undo.
     adapt(opt, attachment)
     if scheduler == "after":
@@ -381,10 +371,13 @@ def _undo(attachment: str, scheduler: str) -> dict[str, bool]:
         torch_keys = {"_opt_called"} if sched is not None else set()
         if scheduler == "after":
             torch_keys.add("step")
-        checks["undo: no key of ours left"] = opt.__dict__.keys() - before.keys() <= torch_keys
-        checks["undo: every other value as before"] = all(opt.__dict__[k] is v for k, v in before.items())
-        checks["undo: hook dicts empty"] = not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
-        checks["undo: not adapted"] = adaptation_of(opt) is None
+        ours = opt.__dict__.keys() - before.keys() - torch_keys
+        assert not ours, f"undo: keys of ours left in __dict__: {sorted(ours)}"
+        replaced = sorted(k for k, v in before.items() if opt.__dict__[k] is not v)
+        assert not replaced, f"undo: __dict__ values replaced: {replaced}"
+        hooks = (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_step_post_hooks))
+        assert hooks == ({}, {}), f"undo: step (pre, post) hooks {hooks}"
+        assert adaptation_of(opt) is None, f"undo: still adapted ({adaptation_of(opt)})"
         # The optimizer is plain again: it steps the bf16 grads as they are, refreshes nothing.
         seen: list[set[torch.dtype]] = []
         opt.register_step_pre_hook(lambda o, a, k: seen.append(grad_dtypes(o)))
@@ -392,23 +385,22 @@ def _undo(attachment: str, scheduler: str) -> dict[str, bool]:
         opt.step()
         if sched is not None:
             sched.step()
-        checks["after undo: the update sees bf16 grads"] = seen == [{BF16}]
-        checks["after undo: no refresh by the adapter"] = not compute_is_fresh(model)
-    checks["no scheduler warning"] = not [w for w in caught if "optimizer.step()" in str(w.message)]
-    return checks
+        assert seen == [{BF16}], f"after undo: grad dtypes the update saw {seen}, want [{{{BF16}}}]"
+        assert not compute_is_fresh(model), "after undo: the compute copy was refreshed, by nothing but the adapter"
+    warned = [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
+    assert not warned, f"scheduler warnings: {warned}"
 
 
 @pytest.mark.parametrize("scheduler", ["none", "before", "after"])
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_remove_fully_shard_optimizer_restores_the_instance(pool1: Any, attachment: str, scheduler: str) -> None:
-    assert_all(pool1.run(_undo, attachment, scheduler))
+    pool1.run(_undo, attachment, scheduler)
 
 
 # ----------------------------------------------------------------------------- telemetry on
-def _telemetry_public_path() -> dict[str, bool]:
+def _telemetry_public_path() -> None:
     import fsdp_patch.telemetry as telemetry
 
-    checks: dict[str, bool] = {}
     default_model = build_model()
     default_opt = OPTIMIZERS["adamw"](default_model.parameters())
     adapt(default_opt, "hooks")
@@ -418,31 +410,27 @@ def _telemetry_public_path() -> dict[str, bool]:
         fully_shard_optimizer(opt)
         fully_shard_optimizer(opt)
         adaptation = adaptation_of(opt)
-        checks["telemetry on: wrapt attachment"] = adaptation is not None and adaptation.kind == "wrapt"
-        checks["telemetry on: telemetry's observer"] = isinstance(
-            adaptation.attachment._observer, telemetry.OptimizerObserver
-        )
-        checks["telemetry on: no step hooks of ours"] = not opt._optimizer_step_pre_hooks
+        kind = None if adaptation is None else adaptation.kind
+        assert kind == "wrapt", f"telemetry on: attachment {kind}, want wrapt"
+        observer = adaptation.attachment._observer
+        assert isinstance(observer, telemetry.OptimizerObserver), f"telemetry on: observer {observer!r}"
+        hooks = dict(opt._optimizer_step_pre_hooks)
+        assert not hooks, f"telemetry on: step pre hooks {hooks}, want none"
         for tokens in batches(3):
             for m, o in ((model, opt), (default_model, default_opt)):
                 backward(m, tokens)
                 o.step()
-            checks["telemetry on: grads restored"] = grads_are_original(opt) is None
+            assert_grads_original(opt, "telemetry on: grads restored")
             for o in (opt, default_opt):
                 o.zero_grad()
-        checks["telemetry on: bitwise the default path"] = same(main_weights(model), main_weights(default_model))
-        checks["telemetry on: compute copy fresh"] = compute_is_fresh(model)
-    with env(FSDP_PATCH_TELEMETRY="0"):
-        try:
-            fully_shard_optimizer(opt)
-            checks["switching attachments is refused"] = False
-        except ValueError:
-            checks["switching attachments is refused"] = True
-    return checks
+        assert_same(main_weights(model), main_weights(default_model), "telemetry on vs the default path")
+        assert_compute_fresh(model, "telemetry on")
+    with env(FSDP_PATCH_TELEMETRY="0"), pytest.raises(ValueError, match="remove_fully_shard_optimizer"):
+        fully_shard_optimizer(opt)
 
 
 def test_public_path_with_telemetry_on(pool2: Any) -> None:
-    assert_all(pool2.run(_telemetry_public_path))
+    pool2.run(_telemetry_public_path)
 
 
 def test_public_path_with_telemetry_env_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -469,8 +457,7 @@ def test_public_path_with_telemetry_env_in_process(monkeypatch: pytest.MonkeyPat
 
 
 # ----------------------------------------------------------------------------- lifetime
-def _freed() -> dict[str, bool]:
-    checks: dict[str, bool] = {}
+def _freed() -> None:
     for attachment in ATTACHMENTS:
         model = build_model()
         opt = OPTIMIZERS["adamw"](model.parameters())
@@ -480,9 +467,8 @@ def _freed() -> dict[str, bool]:
         ref = weakref.ref(opt)
         del opt
         gc.collect()
-        checks[f"{attachment}: adapted optimizer freed"] = ref() is None
-    return checks
+        assert ref() is None, f"{attachment}: the adapted optimizer outlived its last reference"
 
 
 def test_adapted_optimizer_is_freed(pool1: Any) -> None:
-    assert_all(pool1.run(_freed))
+    pool1.run(_freed)

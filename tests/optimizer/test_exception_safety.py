@@ -30,18 +30,17 @@ from tests.optimizer.support import (
     OPTIMIZERS,
     HandCast,
     adapt,
-    assert_all,
+    assert_compute_fresh,
+    assert_grads_original,
+    assert_same,
     backward,
     batches,
     build_model,
-    compute_is_fresh,
     fsdp_params,
-    grads_are_original,
     grads_snapshot,
     main_weights,
     make_closure,
     optimizer_state,
-    same,
 )
 
 CONTINUATIONS = ("step", "zero_grad", "zero_grad_keep", "accumulate", "undo")
@@ -51,13 +50,12 @@ def _any_cast(model: torch.nn.Module) -> bool:
     return any(cast_in_flight(g) for g in parameter_groups(model))
 
 
-def _failing_update(attachment: str, continuation: str) -> dict[str, bool]:
+def _failing_update(attachment: str, continuation: str) -> None:
     data = batches(3)
     model, ref = build_model(), build_model()
     opt, ropt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
     adapt(opt, attachment)
     hand = HandCast(fsdp_params(ref))
-    checks: dict[str, bool] = {}
 
     for m in (model, ref):
         backward(m, data[0])
@@ -76,19 +74,16 @@ def _failing_update(attachment: str, continuation: str) -> dict[str, bool]:
             raise RuntimeError("boom inside the step")
 
     opt.register_step_pre_hook(boom)  # after the adaptation's: runs once grads are cast
-    try:
+    with pytest.raises(RuntimeError, match="boom inside the step"):
         opt.step()
-        checks["step raised"] = False
-    except RuntimeError as exc:
-        checks["step raised"] = "boom" in str(exc)
     failing["on"] = False
-    checks["failed step changed no weights"] = same(main_weights(model), weights)
-    checks["failed step changed no state"] = same(optimizer_state(opt), state)
+    assert_same(main_weights(model), weights, "failed step: main weights")
+    assert_same(optimizer_state(opt), state, "failed step: optimizer state")
     if attachment == "wrapt":
-        checks["wrapt: original grads back at once"] = grads_are_original(opt) is None
-        checks["wrapt: same grad values"] = same(grads_snapshot(model), grads)
+        assert_grads_original(opt, "wrapt: original grads back at once")
+        assert_same(grads_snapshot(model), grads, "wrapt: grad values after the failed step")
     else:
-        checks["hooks: grads stay cast until repaired (documented)"] = _any_cast(model)
+        assert _any_cast(model), "hooks: grads stay cast until repaired (documented), yet no group holds a cast"
 
     if continuation == "step":
         opt.step()
@@ -100,29 +95,29 @@ def _failing_update(attachment: str, continuation: str) -> dict[str, bool]:
             ropt.zero_grad(set_to_none=set_to_none)
         for m in (model, ref):
             backward(m, data[2])
-        checks["repaired by backward"] = grads_are_original(opt) is None
-        checks["grads after backward == reference"] = same(grads_snapshot(model), grads_snapshot(ref))
+        assert_grads_original(opt, "repaired by backward")
+        assert_same(grads_snapshot(model), grads_snapshot(ref), "grads after backward vs reference")
         opt.step()
         hand.step(ropt)
     elif continuation == "undo":
         remove_fully_shard_optimizer(opt)
-        checks["undo repaired"] = grads_are_original(opt) is None and not _any_cast(model)
-        checks["undo: same grad values"] = same(grads_snapshot(model), grads)
-        return checks
-    checks["next step works: grads original"] = grads_are_original(opt) is None
-    checks["next step: weights == reference"] = same(main_weights(model), main_weights(ref))
-    checks["next step: state == reference"] = same(optimizer_state(opt), optimizer_state(ropt))
-    checks["next step: compute copy fresh"] = compute_is_fresh(model)
-    return checks
+        assert_grads_original(opt, "undo repaired")
+        assert not _any_cast(model), "undo: a group still holds cast grads"
+        assert_same(grads_snapshot(model), grads, "undo: grad values")
+        return
+    assert_grads_original(opt, "next step: grads")
+    assert_same(main_weights(model), main_weights(ref), "next step: main weights vs reference")
+    assert_same(optimizer_state(opt), optimizer_state(ropt), "next step: optimizer state vs reference")
+    assert_compute_fresh(model, "next step")
 
 
 @pytest.mark.parametrize("continuation", CONTINUATIONS)
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_failing_update_then_continue(pool1: Any, attachment: str, continuation: str) -> None:
-    assert_all(pool1.run(_failing_update, attachment, continuation))
+    pool1.run(_failing_update, attachment, continuation)
 
 
-def _real_update_error(attachment: str) -> dict[str, bool]:
+def _real_update_error(attachment: str) -> None:
     """AdamW itself raises mid-update (lr=None): grads are repaired, the next step runs."""
     data = batches(2)
     model = build_model()
@@ -132,31 +127,30 @@ def _real_update_error(attachment: str) -> dict[str, bool]:
     grads = grads_snapshot(model)
     lr = opt.param_groups[0]["lr"]
     opt.param_groups[0]["lr"] = None
-    checks: dict[str, bool] = {}
-    try:
+    # AdamW multiplies by the learning rate: None there is torch's own TypeError.
+    with pytest.raises(TypeError, match="NoneType"):
         opt.step()
-        checks["AdamW raised"] = False
-    except TypeError:
-        checks["AdamW raised"] = True
     opt.param_groups[0]["lr"] = lr
     if attachment == "wrapt":
-        checks["original grads back at once"] = grads_are_original(opt) is None and same(grads_snapshot(model), grads)
+        assert_grads_original(opt, "original grads back at once")
+        assert_same(grads_snapshot(model), grads, "grad values right after the failure")
     opt.step()
-    checks["next step: grads original"] = grads_are_original(opt) is None and same(grads_snapshot(model), grads)
-    checks["next step: compute copy fresh"] = compute_is_fresh(model)
+    assert_grads_original(opt, "next step: grads")
+    assert_same(grads_snapshot(model), grads, "next step: grad values")
+    assert_compute_fresh(model, "next step")
     opt.zero_grad()
     backward(model, data[1])
     opt.step()
-    checks["training goes on: weights finite"] = all(torch.isfinite(w).all() for w in main_weights(model))
-    return checks
+    nonfinite = [i for i, w in enumerate(main_weights(model)) if not torch.isfinite(w).all()]
+    assert not nonfinite, f"training goes on: groups {nonfinite} hold non-finite main weights"
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_real_update_error(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_real_update_error, attachment))
+    pool1.run(_real_update_error, attachment)
 
 
-def _closure_error(attachment: str) -> dict[str, bool]:
+def _closure_error(attachment: str) -> None:
     """LBFGS's second closure evaluation raises (the first one's grads were cast): nothing
     stays cast; the next step works."""
     data = batches(2, **EVEN)
@@ -172,24 +166,20 @@ def _closure_error(attachment: str) -> dict[str, bool]:
             raise RuntimeError("closure boom")
         return inner()
 
-    checks: dict[str, bool] = {}
-    try:
+    with pytest.raises(RuntimeError, match="closure boom"):
         opt.step(closure)
-        checks["step raised"] = False
-    except RuntimeError as exc:
-        checks["step raised"] = "closure boom" in str(exc)
-    checks["closure ran once before failing"] = calls["n"] == 2
-    checks["original grads back at once"] = grads_are_original(opt) is None and not _any_cast(model)
+    assert calls["n"] == 2, f"closure calls before the failure: got {calls['n']}, want 2"
+    assert_grads_original(opt, "original grads back at once")
+    assert not _any_cast(model), "a group still holds cast grads after the closure failed"
     # torch's LBFGS keeps half-updated bookkeeping (n_iter without prev_flat_grad) after a
     # failure inside its step and cannot take another one from there; start it over.
     opt.state.clear()
     loss = opt.step(make_closure(model, opt, data[1]))
-    checks["next step works"] = bool(torch.isfinite(torch.as_tensor(loss)))
-    checks["next step: grads original"] = grads_are_original(opt) is None
-    checks["next step: compute copy fresh"] = compute_is_fresh(model)
-    return checks
+    assert bool(torch.isfinite(torch.as_tensor(loss))), f"next step: loss {loss}, want finite"
+    assert_grads_original(opt, "next step: grads")
+    assert_compute_fresh(model, "next step")
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_closure_error(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_closure_error, attachment))
+    pool1.run(_closure_error, attachment)

@@ -33,19 +33,19 @@ from tests.optimizer.support import (
     HandCast,
     O,
     adapt,
-    assert_all,
+    assert_changed,
+    assert_compute_fresh,
+    assert_grads_original,
+    assert_same,
     backward,
     batches,
     build_model,
-    compute_is_fresh,
     fsdp_params,
-    grads_are_original,
     grads_snapshot,
     local,
     local_tokens,
     main_weights,
     optimizer_state,
-    same,
 )
 
 FP32_BYTES = 4
@@ -71,13 +71,17 @@ class CastSpy:
             }
         )
 
-    def reused(self, params: list[torch.nn.Parameter], same_memory: bool = True) -> bool:
-        """Whether the last two steps gave ``params`` the same cast views (over the same memory)."""
-        if len(self.seen) < 2 or not params:
-            return False
+    def assert_reused(self, params: list[torch.nn.Parameter], what: str, same_memory: bool = True) -> None:
+        """Asserts that the last two steps gave ``params`` the same cast views (over the same memory)."""
+        assert len(self.seen) >= 2 and params, f"{what}: {len(self.seen)} steps seen, {len(params)} parameters"
         last, before = self.seen[-1], self.seen[-2]
         width = 3 if same_memory else 1
-        return all(id(p) in last and id(p) in before and last[id(p)][:width] == before[id(p)][:width] for p in params)
+        for index, p in enumerate(params):
+            got, had = last.get(id(p)), before.get(id(p))
+            assert got is not None and had is not None, f"{what}: parameter {index} cast in {had} then {got}"
+            assert got[:width] == had[:width], (
+                f"{what}: parameter {index}'s cast view (id, data_ptr, dtype) {got[:width]}, the step before {had[:width]}"
+            )
 
 
 def _expected_cast_bytes(params: list[torch.nn.Parameter]) -> int:
@@ -101,7 +105,6 @@ class Pair:
         self.ref_opt = _adamw(params_of(list(self.ref.parameters())))
         adapt(self.opt, attachment)
         self.spy = CastSpy(self.opt)
-        self.checks: dict[str, bool] = {}
 
     def both(self, fn: Any) -> None:
         """Does ``fn(model, optimizer)`` to the adapted pair and to the reference."""
@@ -116,16 +119,12 @@ class Pair:
             self.both(before_step)
         self.opt.step()
         HandCast(fsdp_params(self.ref_opt)).step(self.ref_opt)
-        self.checks[f"{tag}: main weights == reference"] = same(main_weights(self.model), main_weights(self.ref))
-        self.checks[f"{tag}: optimizer state == reference"] = same(
-            optimizer_state(self.opt), optimizer_state(self.ref_opt)
-        )
-        self.checks[f"{tag}: compute copy fresh"] = compute_is_fresh(self.model)
-        problem = grads_are_original(self.opt)
-        self.checks[f"{tag}: grads are the original views ({problem})"] = problem is None
-        self.checks[f"{tag}: the update saw fp32 grads"] = bool(self.spy.seen[-1]) and all(
-            dtype == torch.float32 for _, _, dtype in self.spy.seen[-1].values()
-        )
+        assert_same(main_weights(self.model), main_weights(self.ref), f"{tag}: main weights vs reference")
+        assert_same(optimizer_state(self.opt), optimizer_state(self.ref_opt), f"{tag}: optimizer state vs reference")
+        assert_compute_fresh(self.model, tag)
+        assert_grads_original(self.opt, f"{tag}: grads are the original views")
+        dtypes = [dtype for _, _, dtype in self.spy.seen[-1].values()]
+        assert dtypes and set(dtypes) == {torch.float32}, f"{tag}: grad dtypes the update saw: {dtypes}"
         if zero is not None:
             self.both(lambda model, opt: opt.zero_grad(set_to_none=zero))
         if zero:
@@ -135,34 +134,27 @@ class Pair:
                 for g in parameter_groups(self.model)
                 if all(p.grad is None for p in g.params)
             ]
-            self.checks[f"{tag}: main grads freed by zero_grad(set_to_none=True) ({held})"] = not any(held) and bool(
-                held
-            )
+            assert held and not any(held), f"{tag}: main-grad bytes held after zero_grad(set_to_none=True): {held}"
 
 
-def _training_changes(attachment: str, path: str) -> dict[str, bool]:
+def _training_changes(attachment: str, path: str) -> None:
     data = batches(9)
     # The optimizer starts with the blocks' parameters only; the rest is added later.
     pair = Pair(attachment, params_of=lambda params: params[: len(params) // 2])
     first = fsdp_params(pair.opt)
     pair.step("step 1", data[0], zero=True)
     pair.step("step 2", data[1], zero=False)
-    pair.checks["after zero_grad(set_to_none=True): views reused"] = pair.spy.reused(first)
+    pair.spy.assert_reused(first, "after zero_grad(set_to_none=True)")
     pair.step("step 3", data[2], zero=True)
-    pair.checks["after zero_grad(set_to_none=False): views reused"] = pair.spy.reused(first)
+    pair.spy.assert_reused(first, "after zero_grad(set_to_none=False)")
 
     pair.both(lambda model, opt: opt.add_param_group({"params": list(model.parameters())[len(first) :]}))
     pair.step("add_param_group", data[3])
-    pair.checks["add_param_group: unchanged groups keep their views"] = pair.spy.reused(
-        [
-            p
-            for p in first
-            if parameter_group_of(p) not in {parameter_group_of(q) for q in fsdp_params(pair.opt)[len(first) :]}
-        ]
-    )
-    pair.checks["add_param_group: the added parameters are cast"] = all(
-        id(p) in pair.spy.seen[-1] for p in fsdp_params(pair.opt)
-    )
+    added_groups = {parameter_group_of(q) for q in fsdp_params(pair.opt)[len(first) :]}
+    unchanged = [p for p in first if parameter_group_of(p) not in added_groups]
+    pair.spy.assert_reused(unchanged, "add_param_group: unchanged groups")
+    uncast = [i for i, p in enumerate(fsdp_params(pair.opt)) if id(p) not in pair.spy.seen[-1]]
+    assert not uncast, f"add_param_group: parameters {uncast} were not cast"
 
     def replace_grads(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         # A user's grads in place of two main-grad views: a DTensor and a scaled copy.
@@ -179,7 +171,7 @@ def _training_changes(attachment: str, path: str) -> dict[str, bool]:
 
     pair.step("grads replaced by the user", data[4], before_step=replace_grads)
     pair.step("after replaced grads", data[5])
-    pair.checks["after replaced grads: views reused"] = pair.spy.reused(fsdp_params(pair.opt))
+    pair.spy.assert_reused(fsdp_params(pair.opt), "after replaced grads")
 
     states = {
         id(pair.opt): copy.deepcopy(pair.opt.state_dict()),
@@ -187,7 +179,7 @@ def _training_changes(attachment: str, path: str) -> dict[str, bool]:
     }
     pair.both(lambda model, opt: opt.load_state_dict(states[id(opt)]))
     pair.step("optimizer load_state_dict", data[6])
-    pair.checks["optimizer load_state_dict: views reused"] = pair.spy.reused(fsdp_params(pair.opt))
+    pair.spy.assert_reused(fsdp_params(pair.opt), "optimizer load_state_dict")
 
     # Model state loaded between steps: through set_model_state_dict (copies into the parameters),
     # then by dcp.load (writes into the local shards of the state dict's tensors). The reference
@@ -198,9 +190,9 @@ def _training_changes(attachment: str, path: str) -> dict[str, bool]:
     weights_at_save = main_weights(pair.model)
     pair.step("before set_model_state_dict", data[7])
     pair.both(lambda model, opt: set_model_state_dict(model, saved[id(model)]))
-    pair.checks["set_model_state_dict: weights loaded"] = same(main_weights(pair.model), weights_at_save)
+    assert_same(main_weights(pair.model), weights_at_save, "set_model_state_dict: weights loaded")
     _forward(pair.model, data[7])
-    pair.checks["set_model_state_dict: the next forward refreshed the compute copy"] = compute_is_fresh(pair.model)
+    assert_compute_fresh(pair.model, "set_model_state_dict, then a forward")
     pair.step("after set_model_state_dict", data[7])
     weights_at_save = main_weights(pair.model)
     for index, model in enumerate((pair.model, pair.ref)):
@@ -208,20 +200,19 @@ def _training_changes(attachment: str, path: str) -> dict[str, bool]:
     pair.step("before dcp.load", data[8])
     for index, model in enumerate((pair.model, pair.ref)):
         dcp.load(get_model_state_dict(model), checkpoint_id=f"{path}/model{index}")
-    pair.checks["dcp.load: weights loaded in place"] = same(main_weights(pair.model), weights_at_save)
+    assert_same(main_weights(pair.model), weights_at_save, "dcp.load: weights loaded in place")
     _forward(pair.model, data[8])
-    pair.checks["dcp.load: the next forward refreshed the compute copy"] = compute_is_fresh(pair.model)
+    assert_compute_fresh(pair.model, "dcp.load, then a forward")
     pair.step("after dcp.load", data[8])
-    pair.checks["after the loads: views reused"] = pair.spy.reused(fsdp_params(pair.opt))
-    return pair.checks
+    pair.spy.assert_reused(fsdp_params(pair.opt), "after the loads")
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_cached_views_stay_valid_across_changes(pool2: Any, attachment: str, tmp_path: Any) -> None:
-    assert_all(pool2.run(_training_changes, attachment, str(tmp_path)))
+    pool2.run(_training_changes, attachment, str(tmp_path))
 
 
-def _several_optimizers(attachment: str, keep: bool | None = None) -> dict[str, bool]:
+def _several_optimizers(attachment: str, keep: bool | None = None) -> None:
     """Three optimizers over one model: alternate parameters, and the head's bias alone. With
     ``keep=False`` the buffers are freed after each step; no optimizer covers a whole group
     then, so none may free the main grads the others still step on."""
@@ -237,47 +228,41 @@ def _several_optimizers(attachment: str, keep: bool | None = None) -> dict[str, 
         adapt(opt, attachment)
         if keep is not None:
             keep_cast_buffers(opt, keep)
-    checks: dict[str, bool] = {}
     for step, tokens in enumerate(data):
         for model in built.values():
             backward(model, tokens)
         for index, (opt, ref_opt) in enumerate(zip(opts["adapted"], opts["ref"], strict=True)):
             opt.step()
             HandCast(fsdp_params(ref_opt)).step(ref_opt)
-            checks[f"step {step}, optimizer {index}: grads original"] = grads_are_original(opt) is None
+            assert_grads_original(opt, f"step {step}, optimizer {index}")
             # Each optimizer zeroes only its own parameters: the next one still finds its grads.
             opt.zero_grad()
             ref_opt.zero_grad()
-        checks[f"step {step}: main weights == reference"] = same(
-            main_weights(built["adapted"]), main_weights(built["ref"])
-        )
-        checks[f"step {step}: compute copy fresh"] = compute_is_fresh(built["adapted"])
+        assert_same(main_weights(built["adapted"]), main_weights(built["ref"]), f"step {step}: main weights")
+        assert_compute_fresh(built["adapted"], f"step {step}")
     if keep is False:
-        checks["freed buffers: 0 bytes after the steps"] = all(cast_buffer_bytes(opt) == 0 for opt in opts["adapted"])
-        return checks
+        held = [cast_buffer_bytes(opt) for opt in opts["adapted"]]
+        assert held == [0] * len(held), f"freed buffers: cast-buffer bytes after the steps {held}, want 0 each"
+        return
     for index, opt in enumerate(opts["adapted"]):
-        want = _expected_cast_bytes(fsdp_params(opt))
-        checks[f"optimizer {index}: cast buffer spans its own parameters ({cast_buffer_bytes(opt)} vs {want})"] = (
-            cast_buffer_bytes(opt) == want
-        )
+        got, want = cast_buffer_bytes(opt), _expected_cast_bytes(fsdp_params(opt))
+        assert got == want, f"optimizer {index}: cast buffer of {got} bytes, want {want} (its own parameters' span)"
     whole = sum(g.layout.shard_numel for g in parameter_groups(built["adapted"])) * FP32_BYTES
-    checks["the bias-only optimizer's buffer is a sliver of the model's"] = (
-        cast_buffer_bytes(opts["adapted"][2]) * 100 < whole
-    )
-    return checks
+    sliver = cast_buffer_bytes(opts["adapted"][2])
+    assert sliver * 100 < whole, f"the bias-only optimizer's buffer: {sliver} bytes of the model's {whole}"
 
 
 @pytest.mark.parametrize("keep", (None, False), ids=("buffers default", "buffers freed"))
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_several_optimizers_over_one_model(pool2: Any, attachment: str, keep: bool | None) -> None:
-    assert_all(pool2.run(_several_optimizers, attachment, keep))
+    pool2.run(_several_optimizers, attachment, keep)
 
 
 class _Planted(RuntimeError):
     pass
 
 
-def _split_group(attachment: str) -> dict[str, bool]:
+def _split_group(attachment: str) -> None:
     """Buffers freed; per FSDP group, one optimizer holds every parameter but a middle one, so
     its cast spans the whole buffer, and a second optimizer holds the middle one: the first must
     not free main grads the second steps on after it."""
@@ -294,7 +279,7 @@ def _split_group(attachment: str) -> dict[str, bool]:
     for opt in opts["adapted"]:
         adapt(opt, attachment)
         keep_cast_buffers(opt, False)
-    checks: dict[str, bool] = {"some group has a middle parameter": bool(fsdp_params(opts["adapted"][1]))}
+    assert fsdp_params(opts["adapted"][1]), "no FSDP group has a middle parameter"
     fail = {"now": True}
 
     def planted(opt: Any, args: Any, kwargs: Any) -> None:
@@ -309,10 +294,8 @@ def _split_group(attachment: str) -> dict[str, bool]:
         if step == 0:
             # Under hooks the failed step's cast stays attached: the second optimizer steps
             # while it is, on the middle parameters' main grads.
-            try:
+            with pytest.raises(_Planted, match="fails after its cast"):
                 opts["adapted"][0].step()
-            except _Planted:
-                checks["the planted failure propagated"] = True
         # After the failure the second optimizer goes first (its parameters are disjoint from
         # the first's, so the order changes nothing in the reference).
         order = (1, 0) if step == 0 else (0, 1)
@@ -321,21 +304,18 @@ def _split_group(attachment: str) -> dict[str, bool]:
             opt.step()
             HandCast(fsdp_params(ref_opt)).step(ref_opt)
             if (step, index) != (0, 1):  # under hooks the failed step's cast is still attached then
-                checks[f"step {step}, optimizer {index}: grads original"] = grads_are_original(opt) is None
-        checks[f"step {step}: main weights == reference"] = same(
-            main_weights(built["adapted"]), main_weights(built["ref"])
-        )
+                assert_grads_original(opt, f"step {step}, optimizer {index}")
+        assert_same(main_weights(built["adapted"]), main_weights(built["ref"]), f"step {step}: main weights")
         for opt in (*opts["adapted"], *opts["ref"]):
             opt.zero_grad()
-    return checks
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_an_optimizer_spanning_a_group_frees_nothing_another_holds(pool2: Any, attachment: str) -> None:
-    assert_all(pool2.run(_split_group, attachment))
+    pool2.run(_split_group, attachment)
 
 
-def _main_grads_released_in_step(attachment: str) -> dict[str, bool]:
+def _main_grads_released_in_step(attachment: str) -> None:
     """Buffers freed between steps: while the update runs, the main grads' memory is free (the
     fp32 copies stand in); afterwards they hold exactly what they held before the step, also
     when the step raised after the cast."""
@@ -358,39 +338,36 @@ def _main_grads_released_in_step(attachment: str) -> dict[str, bool]:
         before[id(model)] = grads_snapshot(model)
 
     pair.step("released", data[0], zero=None, before_step=snapshot)
-    checks = pair.checks
-    checks[f"during the step: no main-grad memory ({during[-1]})"] = during[-1] == [0] * len(groups)
-    checks["after the step: main grads bitwise as before it"] = same(grads_snapshot(pair.model), before[id(pair.model)])
-    checks["after the step: main-grad memory back"] = all(g.main_grad_storage_bytes() for g in groups)
+    assert during[-1] == [0] * len(groups), f"main-grad bytes per group during the step: {during[-1]}, want 0"
+    assert_same(grads_snapshot(pair.model), before[id(pair.model)], "after the step: main grads vs before it")
+    back = [g.main_grad_storage_bytes() for g in groups]
+    assert all(back), f"main-grad bytes per group after the step: {back}, want all held"
     pair.both(lambda model, opt: opt.zero_grad(set_to_none=True))
 
     backward(pair.model, data[1])
     want = grads_snapshot(pair.model)
     fail["now"] = True
-    try:
+    with pytest.raises(_Planted, match="planted failure inside the step"):
         pair.opt.step()
-        checks["the planted failure propagated"] = False
-    except _Planted:
-        checks["the planted failure propagated"] = True
     fail["now"] = False
     # wrapt restores at once; hooks leave the fp32 copies attached until the next step or
     # backward: either way the grads hold the same values.
     got = [None if g is None else g.to(torch.bfloat16) for g in grads_snapshot(pair.model)]
-    checks["after the failed step: grads hold their values"] = same(got, want)
+    assert_same(got, want, "after the failed step: grad values")
     main_weights_before = main_weights(pair.model)
     pair.opt.step()  # puts the main grads back (hooks), then steps on them
-    checks["after the failed step: main grads restored before the next step"] = same(grads_snapshot(pair.model), want)
-    checks["the retried step updated the weights"] = not same(main_weights(pair.model), main_weights_before)
-    checks["buffers freed after the retried step"] = cast_buffer_bytes(pair.opt) == 0
-    return checks
+    assert_same(grads_snapshot(pair.model), want, "after the retried step: main grads")
+    assert_changed(main_weights(pair.model), main_weights_before, "the retried step: main weights")
+    held = cast_buffer_bytes(pair.opt)
+    assert held == 0, f"cast-buffer bytes after the retried step: {held}, want 0 (freed)"
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_main_grads_released_during_the_step(pool2: Any, attachment: str) -> None:
-    assert_all(pool2.run(_main_grads_released_in_step, attachment))
+    pool2.run(_main_grads_released_in_step, attachment)
 
 
-def _undo_releases(attachment: str, fail: bool) -> dict[str, bool]:
+def _undo_releases(attachment: str, fail: bool) -> None:
     data = batches(2)
     model = build_model()
     opt = _adamw(model.parameters())
@@ -399,11 +376,10 @@ def _undo_releases(attachment: str, fail: bool) -> dict[str, bool]:
     opt.register_step_pre_hook(
         lambda o, a, k: captured.append(next(p.grad for p in fsdp_params(o) if p.grad is not None))
     )
-    checks: dict[str, bool] = {}
     backward(model, data[0])
     opt.step()
-    want = _expected_cast_bytes(fsdp_params(opt))
-    checks[f"kept on the CPU after a step: {cast_buffer_bytes(opt)} == {want} bytes"] = cast_buffer_bytes(opt) == want
+    got, want = cast_buffer_bytes(opt), _expected_cast_bytes(fsdp_params(opt))
+    assert got == want, f"kept on the CPU after a step: {got} bytes, want {want}"
     if fail:
         # An update that raises after the cast: the hook attachment leaves the cast grads attached.
         def boom(o: Any, a: Any, k: Any) -> None:
@@ -411,89 +387,80 @@ def _undo_releases(attachment: str, fail: bool) -> dict[str, bool]:
 
         handle = opt.register_step_pre_hook(boom)
         backward(model, data[1])
-        try:
+        with pytest.raises(RuntimeError, match="update failed"):
             opt.step()
-        except RuntimeError:
-            pass
         handle.remove()
     view = captured[-1]
-    checks["the captured cast view holds memory before the undo"] = local(view).untyped_storage().nbytes() > 0
+    held = local(view).untyped_storage().nbytes()
+    assert held > 0, f"the captured cast view holds {held} bytes before the undo, want some"
     remove_fully_shard_optimizer(opt)
-    checks["undo: the cast buffer's memory is released"] = local(view).untyped_storage().nbytes() == 0
-    problem = grads_are_original(opt)
-    checks[f"undo: grads are the original views ({problem})"] = problem is None
-    try:
+    held = local(view).untyped_storage().nbytes()
+    assert held == 0, f"undo: the captured cast view still holds {held} bytes"
+    assert_grads_original(opt, "undo: grads are the original views")
+    with pytest.raises(ValueError, match="unadapted AdamW"):
         cast_buffer_bytes(opt)
-        checks["undo: cast_buffer_bytes refuses the unadapted optimizer"] = False
-    except ValueError as exc:
-        checks["undo: cast_buffer_bytes refuses the unadapted optimizer"] = "unadapted AdamW" in str(exc)
-    return checks
 
 
 @pytest.mark.parametrize("fail", (False, True), ids=("after a step", "after a failed step"))
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_undo_releases_the_cast_buffers(pool1: Any, attachment: str, fail: bool) -> None:
-    assert_all(pool1.run(_undo_releases, attachment, fail))
+    pool1.run(_undo_releases, attachment, fail)
 
 
-def _memory_knob(attachment: str) -> dict[str, bool]:
+def _memory_knob(attachment: str) -> None:
     data = batches(5)
     pair = Pair(attachment)
     want = _expected_cast_bytes(fsdp_params(pair.opt))
-    checks = pair.checks
-    checks["no buffer before the first step"] = cast_buffer_bytes(pair.opt) == 0
+
+    def assert_bytes(want: int, what: str) -> None:
+        got = cast_buffer_bytes(pair.opt)
+        assert got == want, f"{what}: {got} cast-buffer bytes, want {want}"
+
+    assert_bytes(0, "before the first step")
     keep_cast_buffers(pair.opt, False)
     pair.step("freed between steps, step 1", data[0])
-    checks[f"freed: 0 bytes between steps (got {cast_buffer_bytes(pair.opt)})"] = cast_buffer_bytes(pair.opt) == 0
+    assert_bytes(0, "freed, between steps")
     pair.step("freed between steps, step 2", data[1])
-    checks["freed: the views are reused, re-materialized"] = pair.spy.reused(fsdp_params(pair.opt), same_memory=False)
+    pair.spy.assert_reused(fsdp_params(pair.opt), "freed: views re-materialized", same_memory=False)
     keep_cast_buffers(pair.opt, True)
     pair.step("kept", data[2])
-    checks[f"kept: {want} bytes between steps (got {cast_buffer_bytes(pair.opt)})"] = (
-        cast_buffer_bytes(pair.opt) == want
-    )
+    assert_bytes(want, "kept, between steps")
     keep_cast_buffers(pair.opt, None)
     pair.step("default (CPU: kept)", data[3])
-    checks["default on the CPU: kept"] = cast_buffer_bytes(pair.opt) == want
+    assert_bytes(want, "default on the CPU (kept)")
     plain = _adamw(build_model().parameters())
-    for name, call, error, needle in (
-        ("unadapted optimizer", lambda: keep_cast_buffers(plain, False), ValueError, "unadapted AdamW"),
-        ("not an optimizer", lambda: cast_buffer_bytes("opt"), ValueError, "'opt'"),
-        ("keep not a bool", lambda: keep_cast_buffers(pair.opt, "no"), TypeError, "'no'"),
+    for call, error, names in (
+        (lambda: keep_cast_buffers(plain, False), ValueError, "unadapted AdamW"),
+        (lambda: cast_buffer_bytes("opt"), ValueError, "'opt'"),
+        (lambda: keep_cast_buffers(pair.opt, "no"), TypeError, "'no'"),
     ):
-        try:
+        with pytest.raises(error, match=names):
             call()
-            checks[f"{name}: refused"] = False
-        except error as exc:
-            checks[f"{name}: refused, naming it"] = needle in str(exc)
-    checks["after the refusals: buffers as they were"] = cast_buffer_bytes(pair.opt) == want
+    assert_bytes(want, "after the refusals")
     pair.step("after the refusals", data[4])
-    return checks
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_keep_cast_buffers_and_their_bytes(pool2: Any, attachment: str) -> None:
-    assert_all(pool2.run(_memory_knob, attachment))
+    pool2.run(_memory_knob, attachment)
 
 
-def _external_writes() -> dict[str, bool]:
+def _external_writes() -> None:
     """Main weights written outside the adapter between steps reach the next forward, which
     casts each compute copy once."""
     data = batches(2)
     pair = Pair("hooks")
     pair.step("step", data[0])
-    checks = pair.checks
     groups = parameter_groups(pair.model)
 
     def loss(model: torch.nn.Module) -> torch.Tensor:
         return _forward(model, data[1])
 
     versions = [g.compute_weight._version for g in groups]
-    checks["forward equals the reference's"] = same(loss(pair.model), loss(pair.ref))
+    assert_same(loss(pair.model), loss(pair.ref), "forward vs the reference's")
     # A write need not show in any version counter: each forward casts every compute copy once.
-    checks["the forward cast each compute copy once"] = [g.compute_weight._version for g in groups] == [
-        v + 1 for v in versions
-    ]
+    got, want = [g.compute_weight._version for g in groups], [v + 1 for v in versions]
+    assert got == want, f"compute copies' versions after one forward: {got}, want {want} (one cast each)"
     writes = {
         "DTensor parameter edited in place": lambda model: model.head.weight.mul_(0.5),
         "main-weight buffer written": lambda model: parameter_groups(model)[0].main_weight.add_(0.25),
@@ -504,9 +471,8 @@ def _external_writes() -> dict[str, bool]:
             with torch.no_grad():
                 write(model)
         HandCast(fsdp_params(pair.ref_opt)).refresh()
-        checks[f"{name}: next forward equals the reference's"] = same(loss(pair.model), loss(pair.ref))
-        checks[f"{name}: compute copy fresh after it"] = compute_is_fresh(pair.model)
-    return checks
+        assert_same(loss(pair.model), loss(pair.ref), f"{name}: next forward vs the reference's")
+        assert_compute_fresh(pair.model, f"{name}, then a forward")
 
 
 def _forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -516,4 +482,4 @@ def _forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def test_main_weights_written_outside_the_adapter_reach_the_next_forward(pool2: Any) -> None:
-    assert_all(pool2.run(_external_writes))
+    pool2.run(_external_writes)

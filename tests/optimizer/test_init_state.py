@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_patch.optimizer import init_optimizer_state
@@ -28,14 +27,14 @@ from tests.optimizer.support import (
     OPTIMIZERS,
     O,
     adapt,
-    assert_all,
+    assert_changed,
+    assert_same,
     backward,
     batches,
     build_model,
     grads_snapshot,
     main_weights,
     optimizer_state,
-    same,
 )
 
 NEUTRAL = {name: make for name, make in OPTIMIZERS.items() if name != "lbfgs"}
@@ -50,7 +49,7 @@ NEUTRAL.update(
 NOT_NEUTRAL_BY_VALUE = {"sgd_momentum"}  # dampening=0.1
 
 
-def _neutrality(name: str, attachment: str) -> dict[str, bool]:
+def _neutrality(name: str, attachment: str) -> None:
     make = NEUTRAL[name]
     data = batches(3)
     # "fresh": never initialized; "init": initialized, state kept as init left it until the
@@ -59,21 +58,17 @@ def _neutrality(name: str, attachment: str) -> dict[str, bool]:
     opts = {k: make(m.parameters()) for k, m in models.items()}
     for opt in opts.values():
         adapt(opt, attachment)
-    checks: dict[str, bool] = {}
     # Grads present when init runs must survive it.
     for k in models:
         backward(models[k], data[0])
     for k in ("init", "roundtrip"):
         weights, grads = main_weights(models[k]), grads_snapshot(models[k])
         init_optimizer_state(opts[k])
-        checks[f"{k}: params bitwise unchanged by init"] = same(main_weights(models[k]), weights)
-        checks[f"{k}: grads unchanged by init"] = same(grads_snapshot(models[k]), grads)
-    stateful = bool(opts["init"].state)
-    checks["stateless SGD stays stateless, others get state for every param"] = (
-        not stateful
-        if name == "sgd_stateless"
-        else len(opts["init"].state) == sum(1 for _ in models["init"].parameters())
-    )
+        assert_same(main_weights(models[k]), weights, f"{k}: main weights after init")
+        assert_same(grads_snapshot(models[k]), grads, f"{k}: grads after init")
+    entries = len(opts["init"].state)
+    want = 0 if name == "sgd_stateless" else sum(1 for _ in models["init"].parameters())
+    assert entries == want, f"init made state for {entries} parameters, want {want}"
     opts["roundtrip"].load_state_dict(opts["roundtrip"].state_dict())
     for step, tokens in enumerate(data):
         if step:
@@ -82,35 +77,34 @@ def _neutrality(name: str, attachment: str) -> dict[str, bool]:
         for opt in opts.values():
             opt.step()
         fresh = main_weights(models["fresh"])
-        checks[f"init: step {step} == never initialized"] = same(main_weights(models["init"]), fresh)
-        checks[f"init: step {step} state == never initialized"] = same(
-            optimizer_state(opts["init"]), optimizer_state(opts["fresh"])
+        assert_same(main_weights(models["init"]), fresh, f"init: step {step}: main weights vs never initialized")
+        assert_same(
+            optimizer_state(opts["init"]),
+            optimizer_state(opts["fresh"]),
+            f"init: step {step}: state vs never initialized",
         )
-        roundtrip_equal = same(main_weights(models["roundtrip"]), fresh)
         if name in NOT_NEUTRAL_BY_VALUE:
             # Proves the need for the drop: the kept zero buffer changes the first update.
-            checks[f"roundtrip: step {step} differs (dampening)"] = not roundtrip_equal
+            assert_changed(main_weights(models["roundtrip"]), fresh, f"roundtrip: step {step} (dampening)")
         else:
-            checks[f"roundtrip: step {step} == never initialized"] = roundtrip_equal
+            assert_same(main_weights(models["roundtrip"]), fresh, f"roundtrip: step {step}: vs never initialized")
         for opt in opts.values():
             opt.zero_grad()
-    return checks
 
 
 @pytest.mark.parametrize("name", list(NEUTRAL))
 def test_init_optimizer_state_is_neutral(pool1: Any, name: str) -> None:
-    assert_all(pool1.run(_neutrality, name, "hooks"))
+    pool1.run(_neutrality, name, "hooks")
 
 
 def test_init_optimizer_state_is_neutral_under_wrapt(pool1: Any) -> None:
-    assert_all(pool1.run(_neutrality, "adamw", "wrapt"))
+    pool1.run(_neutrality, "adamw", "wrapt")
 
 
-def _plain_rprop() -> dict[str, bool]:
+def _plain_rprop() -> None:
     # Rprop cannot step DTensor parameters on CPU (its update index_put_s a Shard(0) tensor,
     # which DTensor refuses), so its state is checked on plain parameters. A synthetic step
     # with lr forced to 0 (torch's _init_optim_state) would leave step sizes of 0.
-    checks: dict[str, bool] = {}
     for lr in (1e-2, 100.0):  # 100 > step_size_max: the first step clamps
         torch.manual_seed(0)
         fresh, init = nn.Linear(5, 3), nn.Linear(5, 3)
@@ -120,10 +114,10 @@ def _plain_rprop() -> dict[str, bool]:
             adapt(opt, "hooks")
         before = [p.detach().clone() for p in init.parameters()]
         init_optimizer_state(opts["init"])
-        checks[f"lr={lr}: params unchanged"] = same([p.detach() for p in init.parameters()], before)
-        checks[f"lr={lr}: step sizes start at lr"] = all(
-            torch.equal(s["step_size"], torch.full_like(s["step_size"], lr)) for s in opts["init"].state.values()
-        )
+        assert_same([p.detach() for p in init.parameters()], before, f"lr={lr}: parameters after init")
+        for index, state in enumerate(opts["init"].state.values()):
+            sizes = state["step_size"]
+            assert torch.equal(sizes, torch.full_like(sizes, lr)), f"lr={lr}: state {index}'s step sizes {sizes}"
         opts["init"].load_state_dict(opts["init"].state_dict())  # keep the values: no drop
         gen = torch.Generator().manual_seed(3)
         for step in range(3):
@@ -132,18 +126,15 @@ def _plain_rprop() -> dict[str, bool]:
                 opt.zero_grad()
                 model(x).square().sum().backward()
                 opt.step()
-            checks[f"lr={lr}: step {step} == never initialized"] = same(
-                [p.detach() for p in init.parameters()], [p.detach() for p in fresh.parameters()]
-            )
-    return checks
+            got, want = [p.detach() for p in init.parameters()], [p.detach() for p in fresh.parameters()]
+            assert_same(got, want, f"lr={lr}: step {step}: parameters vs never initialized")
 
 
 def test_rprop_step_sizes_neutral(pool1: Any) -> None:
-    assert_all(pool1.run(_plain_rprop))
+    pool1.run(_plain_rprop)
 
 
-def _noop_and_lbfgs() -> dict[str, Any]:
-    checks: dict[str, Any] = {}
+def _noop_and_lbfgs() -> None:
     model = build_model()
     opt = O.AdamW(model.parameters(), lr=1e-2)
     adapt(opt, "hooks")
@@ -154,35 +145,32 @@ def _noop_and_lbfgs() -> dict[str, Any]:
     weights, grads = main_weights(model), grads_snapshot(model)
     hooks_before = len(opt._optimizer_step_pre_hooks)
     init_optimizer_state(opt)
-    checks["no-op once state exists: same state objects"] = all(
-        all(opt.state[p][k] is v for k, v in state_objects[id(p)].items()) for p in opt.state
-    )
-    checks["no-op once state exists: same state values"] = same(optimizer_state(opt), state_values)
-    checks["no-op once state exists: params and grads unchanged"] = same(main_weights(model), weights) and same(
-        grads_snapshot(model), grads
-    )
-    checks["no-op once state exists: no hook registered"] = len(opt._optimizer_step_pre_hooks) == hooks_before
+    replaced = [
+        (index, k)
+        for index, p in enumerate(opt.state)
+        for k, v in state_objects[id(p)].items()
+        if opt.state[p][k] is not v
+    ]
+    assert not replaced, f"no-op once state exists: (parameter, state key) replaced {replaced}"
+    assert_same(optimizer_state(opt), state_values, "no-op once state exists: state values")
+    assert_same(main_weights(model), weights, "no-op once state exists: main weights")
+    assert_same(grads_snapshot(model), grads, "no-op once state exists: grads")
+    hooks = len(opt._optimizer_step_pre_hooks)
+    assert hooks == hooks_before, f"no-op once state exists: {hooks} step pre hooks, was {hooks_before}"
     lbfgs = O.LBFGS(build_model().parameters())
     adapt(lbfgs, "hooks")
-    try:
+    with pytest.raises(NotImplementedError, match=r"(?s)(?=.*LBFGS)(?=.*load_state_dict)"):
         init_optimizer_state(lbfgs)
-        checks["LBFGS raises NotImplementedError naming LBFGS"] = False
-    except NotImplementedError as exc:
-        checks["LBFGS raises NotImplementedError naming LBFGS"] = "LBFGS" in str(exc) and "load_state_dict" in str(exc)
-    checks["LBFGS state untouched"] = not lbfgs.state
-    try:
+    assert not lbfgs.state, f"LBFGS state after the refusal: {dict(lbfgs.state)}"
+    with pytest.raises(TypeError, match="object"):
         init_optimizer_state(object())  # type: ignore[arg-type]
-        checks["non-optimizer is a TypeError"] = False
-    except TypeError:
-        checks["non-optimizer is a TypeError"] = True
-    return checks
 
 
 def test_init_is_noop_once_state_exists_and_rejects_lbfgs(pool1: Any) -> None:
-    assert_all(pool1.run(_noop_and_lbfgs))
+    pool1.run(_noop_and_lbfgs)
 
 
-def _torch_path(name: str) -> dict[str, Any]:
+def _torch_path(name: str) -> None:
     """What torch's get_optimizer_state_dict does on a fresh adapted optimizer."""
     from torch.distributed.checkpoint import state_dict as torch_state_dict
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -190,17 +178,14 @@ def _torch_path(name: str) -> dict[str, Any]:
     model = build_model()
     opt = NEUTRAL[name](model.parameters())
     adapt(opt, "hooks")
-    out: dict[str, Any] = {}
     # torch's own initialization, unwrapped: it assigns zeros_like(param) (fp32) as the grad of
-    # a parameter that advertises bf16 grads.
+    # a parameter that advertises bf16 grads, which torch refuses naming grad_dtype.
     original = getattr(torch_state_dict._init_optim_state, "__wrapped__", None)
-    try:
+    with pytest.raises((RuntimeError, TypeError), match="grad_dtype"):
         original(opt)  # type: ignore[misc]
-        out["error"] = None
-    except (RuntimeError, TypeError) as exc:
-        out["error"] = str(exc)
     # get_optimizer_state_dict itself, on a fresh optimizer and after init_optimizer_state:
     # the same state, the parameters untouched.
+    want = 0 if name == "sgd_stateless" else sum(1 for _ in model.parameters())
     for how in ("fresh", "after_init"):
         model = build_model()
         opt = NEUTRAL[name](model.parameters())
@@ -209,20 +194,11 @@ def _torch_path(name: str) -> dict[str, Any]:
         if how == "after_init":
             init_optimizer_state(opt)
         osd = get_optimizer_state_dict(model, opt)
-        out[f"{how}_state_entries"] = len(osd["state"])
-        out[f"{how}_weights_unchanged"] = same(main_weights(model), weights)
-    out["params"] = sum(1 for _ in model.parameters())
-    out["rank"] = dist.get_rank()
-    return out
+        got = len(osd["state"])
+        assert got == want, f"{how}: get_optimizer_state_dict made {got} state entries, want {want}"
+        assert_same(main_weights(model), weights, f"{how}: main weights after get_optimizer_state_dict")
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd_stateless"])
 def test_torch_get_optimizer_state_dict_works_without_init(pool1: Any, name: str) -> None:
-    (out,) = pool1.run(_torch_path, name)
-    error = out["error"] or ""
-    assert "grad_dtype" in error, f"torch's unwrapped _init_optim_state: want its grad_dtype refusal, got {error!r}"
-    expected = 0 if name == "sgd_stateless" else out["params"]
-    for how in ("fresh", "after_init"):
-        got = out[f"{how}_state_entries"]
-        assert got == expected, f"{how}: get_optimizer_state_dict made {got} state entries, want {expected}"
-        assert out[f"{how}_weights_unchanged"], f"{how}: get_optimizer_state_dict changed the main weights"
+    pool1.run(_torch_path, name)

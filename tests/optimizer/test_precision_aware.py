@@ -21,16 +21,16 @@ from tests.optimizer.support import (
     BF16,
     HandCast,
     adapt,
-    assert_all,
+    assert_changed,
+    assert_compute_fresh,
+    assert_grads_original,
+    assert_same,
     backward,
     batches,
     build_model,
-    compute_is_fresh,
     fsdp_params,
     grad_dtypes,
-    grads_are_original,
     main_weights,
-    same,
 )
 
 
@@ -59,14 +59,13 @@ MAKERS = {
 }
 
 
-def _precision_aware(name: str, attachment: str) -> dict[str, bool]:
+def _precision_aware(name: str, attachment: str) -> None:
     model, ref = build_model(), build_model()
     opt, ropt = MAKERS[name](model.parameters()), MAKERS[name](ref.parameters())
     observer = adapt(opt, attachment, precision_aware=True)
     seen: list[set[torch.dtype]] = []
     opt.register_step_pre_hook(lambda o, a, k: seen.append(grad_dtypes(o)))
     refresh = HandCast(fsdp_params(ref)).refresh
-    checks: dict[str, bool] = {}
     for step, tokens in enumerate(batches(3)):
         for m in (model, ref):
             backward(m, tokens)
@@ -76,29 +75,29 @@ def _precision_aware(name: str, attachment: str) -> dict[str, bool]:
         ropt.step()
         refresh()
         tag = f"step {step}"
-        checks[f"{tag}: the update saw bf16 grads"] = seen[-1] == {BF16}
-        checks[f"{tag}: same grad objects afterwards"] = all(
-            p.grad is g for p, g in zip(model.parameters(), grad_objects, strict=True)
-        )
-        checks[f"{tag}: grads original"] = grads_are_original(opt) is None
-        checks[f"{tag}: weights == unadapted on bf16 grads"] = same(main_weights(model), main_weights(ref))
-        checks[f"{tag}: compute copy refreshed"] = compute_is_fresh(model) and not same(
-            [g.compute_weight for g in parameter_groups(model)], compute_before
-        )
+        assert seen[-1] == {BF16}, f"{tag}: grad dtypes the update saw: {seen[-1]}, want {{{BF16}}}"
+        replaced = [i for i, (p, g) in enumerate(zip(model.parameters(), grad_objects, strict=True)) if p.grad is not g]
+        assert not replaced, f"{tag}: grads of parameters {replaced} are other objects afterwards"
+        assert_grads_original(opt, tag)
+        assert_same(main_weights(model), main_weights(ref), f"{tag}: weights vs unadapted on bf16 grads")
+        assert_compute_fresh(model, tag)
+        assert_changed([g.compute_weight for g in parameter_groups(model)], compute_before, f"{tag}: compute copy")
         for o in (opt, ropt):
             o.zero_grad()
     if isinstance(opt, Bf16MomentumSGD):
-        checks["the optimizer itself saw bf16 grads"] = bool(opt.seen) and all(s == {BF16} for s in opt.seen)
+        assert opt.seen and all(s == {BF16} for s in opt.seen), f"grad dtypes the optimizer itself saw: {opt.seen}"
     if observer is not None:
-        checks["no grad cast recorded"] = not any(kind == "grads_cast" for kind, *_ in observer.casts)
-        checks["refresh casts recorded"] = any(kind == "weights_refreshed" for kind, *_ in observer.casts)
-        checks["passthrough mismatches recorded"] = any(
-            action is MismatchAction.PASSTHROUGH for *_, action, _ in observer.mismatches
+        grad_casts = [c for c in observer.casts if c[0] == "grads_cast"]
+        assert not grad_casts, f"grad casts recorded: {grad_casts}"
+        assert any(kind == "weights_refreshed" for kind, *_ in observer.casts), (
+            f"no refresh cast recorded among {observer.casts}"
         )
-    return checks
+        assert any(action is MismatchAction.PASSTHROUGH for *_, action, _ in observer.mismatches), (
+            f"no passthrough mismatch recorded among {observer.mismatches}"
+        )
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_precision_aware_passes_bf16_grads_and_refreshes(pool2: Any, name: str, attachment: str) -> None:
-    assert_all(pool2.run(_precision_aware, name, attachment))
+    pool2.run(_precision_aware, name, attachment)

@@ -25,16 +25,15 @@ from tests.optimizer.support import (
     HandCast,
     O,
     adapt,
-    assert_all,
+    assert_compute_fresh,
+    assert_grads_original,
+    assert_same,
     backward,
     batches,
     build_model,
-    compute_is_fresh,
     fsdp_params,
     grad_dtypes,
-    grads_are_original,
     main_weights,
-    same,
 )
 
 STEPS = 3
@@ -73,8 +72,7 @@ def test_every_scheduler_class_is_covered() -> None:
     assert public <= SCHEDULERS.keys(), f"schedulers without a test: {public - SCHEDULERS.keys()}"
 
 
-def _schedulers(attachment: str) -> dict[str, bool]:
-    checks: dict[str, bool] = {}
+def _schedulers(attachment: str) -> None:
     for name, make in SCHEDULERS.items():
         for when in ("before", "after"):
             tag = f"{name} created {when} adaptation"
@@ -94,15 +92,14 @@ def _schedulers(attachment: str) -> dict[str, bool]:
                 seen: list[set[torch.dtype]] = []
                 opt.register_step_pre_hook(lambda o, a, k: seen.append(grad_dtypes(o)))
                 lrs: list[list[float]] = []
-                ok = {"weights": True, "fresh": True, "restored": True, "lr": True}
                 for step, tokens in enumerate(batches(STEPS)):
                     for m in (model, ref):
                         backward(m, tokens)
                     opt.step()
                     hand.step(ropt)
-                    ok["weights"] &= same(main_weights(model), main_weights(ref))
-                    ok["fresh"] &= compute_is_fresh(model)
-                    ok["restored"] &= grads_are_original(opt) is None
+                    assert_same(main_weights(model), main_weights(ref), f"{tag}: step {step}: weights vs reference")
+                    assert_compute_fresh(model, f"{tag}: step {step}")
+                    assert_grads_original(opt, f"{tag}: step {step}: grads restored")
                     if isinstance(sched, L.ReduceLROnPlateau):
                         sched.step(float(step))  # a worsening metric: the plateau cuts lr
                         rsched.step(float(step))
@@ -110,22 +107,21 @@ def _schedulers(attachment: str) -> dict[str, bool]:
                         sched.step()
                         rsched.step()
                     lrs.append([float(g["lr"]) for g in opt.param_groups])
-                    ok["lr"] &= lrs[-1] == [float(g["lr"]) for g in ropt.param_groups]
+                    want = [float(g["lr"]) for g in ropt.param_groups]
+                    assert lrs[-1] == want, f"{tag}: step {step}: lr {lrs[-1]}, reference {want}"
                     opt.zero_grad()
                     ropt.zero_grad()
             step_warnings = [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
-            checks[f"{tag}: no scheduler warning"] = not step_warnings
-            checks[f"{tag}: weights == reference"] = ok["weights"]
-            checks[f"{tag}: lr == reference"] = ok["lr"]
-            checks[f"{tag}: lr changed"] = len({tuple(x) for x in lrs}) > 1
-            checks[f"{tag}: compute copy refreshed"] = ok["fresh"]
-            checks[f"{tag}: grads restored"] = ok["restored"]
-            checks[f"{tag}: update saw fp32 grads"] = len(seen) == STEPS and all(s == {FP32} for s in seen)
+            assert not step_warnings, f"{tag}: scheduler warnings {step_warnings}"
+            assert len({tuple(x) for x in lrs}) > 1, f"{tag}: lr never changed: {lrs}"
+            assert len(seen) == STEPS and all(s == {FP32} for s in seen), (
+                f"{tag}: grad dtypes the update saw per step: {seen}, want {STEPS} x {{{FP32}}}"
+            )
             if observer is not None:
-                checks[f"{tag}: observer saw every step"] = len(observer.steps) == STEPS
-    return checks
+                got = len(observer.steps)
+                assert got == STEPS, f"{tag}: observer saw {got} steps, want {STEPS}"
 
 
 @pytest.mark.parametrize("attachment", ATTACHMENTS)
 def test_schedulers_drive_the_adapted_step(pool1: Any, attachment: str) -> None:
-    assert_all(pool1.run(_schedulers, attachment))
+    pool1.run(_schedulers, attachment)

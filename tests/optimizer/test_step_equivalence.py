@@ -30,26 +30,26 @@ from tests.optimizer.support import (
     OPTIMIZERS,
     HandCast,
     adapt,
-    assert_all,
+    assert_changed,
+    assert_compute_fresh,
+    assert_grads_original,
+    assert_same,
     backward,
     batches,
     build_model,
-    compute_is_fresh,
     fsdp_params,
     grad_dtypes,
-    grads_are_original,
     grads_snapshot,
     lbfgs_state,
     main_weights,
     make_closure,
     optimizer_state,
-    same,
 )
 
 STEPS = 3
 
 
-def _equivalence(name: str) -> dict[str, bool]:
+def _equivalence(name: str) -> None:
     kinds = (*ATTACHMENTS, "ref")
     closure_mode = name in CLOSURE_OPTIMIZERS
     sizes = EVEN if closure_mode else {}
@@ -72,7 +72,6 @@ def _equivalence(name: str) -> dict[str, bool]:
             opts[k]._gather_flat_grad = spy
         else:
             opts[k].register_step_pre_hook(lambda opt, args, kwargs, k=k: seen[k].append(grad_dtypes(opt)))
-    checks: dict[str, bool] = {}
     before = main_weights(models["hooks"])
     for step, tokens in enumerate(batches(STEPS, **sizes)):
         if closure_mode:
@@ -84,45 +83,42 @@ def _equivalence(name: str) -> dict[str, bool]:
                 backward(models[k], tokens)
             ref_grads = grads_snapshot(models["ref"])
             for k in ATTACHMENTS:
-                checks[f"{k}: step {step} starts from the reference's grads"] = same(
-                    grads_snapshot(models[k]), ref_grads
-                )
+                assert_same(grads_snapshot(models[k]), ref_grads, f"{k}: step {step}: grads going in vs reference")
             for k in ATTACHMENTS:
                 opts[k].step()
             reference.step(opts["ref"])
         ref_main = main_weights(models["ref"])
         for k in ATTACHMENTS:
             tag = f"{k}: step {step}"
-            checks[f"{tag} main weights == hand-cast reference"] = same(main_weights(models[k]), ref_main)
-            checks[f"{tag} compute copy == bf16(new main weights)"] = compute_is_fresh(models[k])
-            checks[f"{tag} grads are the original bf16 views"] = grads_are_original(opts[k]) is None
-            checks[f"{tag} update saw fp32 grads only"] = bool(seen[k]) and all(s == {FP32} for s in seen[k])
+            assert_same(main_weights(models[k]), ref_main, f"{tag}: main weights vs hand-cast reference")
+            assert_compute_fresh(models[k], tag)
+            assert_grads_original(opts[k], f"{tag}: grads are the original bf16 views")
+            assert seen[k] and all(s == {FP32} for s in seen[k]), f"{tag}: grad dtypes the update saw: {seen[k]}"
             seen[k].clear()
             if closure_mode:
-                checks[f"{tag} LBFGS state == reference"] = same(lbfgs_state(opts[k]), lbfgs_state(opts["ref"]))
+                assert_same(lbfgs_state(opts[k]), lbfgs_state(opts["ref"]), f"{tag}: LBFGS state vs reference")
             else:
-                checks[f"{tag} optimizer state == reference"] = same(
-                    optimizer_state(opts[k]), optimizer_state(opts["ref"])
-                )
-        checks[f"step {step}: the reference's update saw fp32 grads only"] = bool(seen["ref"]) and all(
-            s == {FP32} for s in seen["ref"]
+                assert_same(optimizer_state(opts[k]), optimizer_state(opts["ref"]), f"{tag}: state vs reference")
+        assert seen["ref"] and all(s == {FP32} for s in seen["ref"]), (
+            f"step {step}: grad dtypes the reference's update saw: {seen['ref']}"
         )
         seen["ref"].clear()
-        checks[f"step {step}: grads after the step equal across all three"] = same(
-            grads_snapshot(models["hooks"]), grads_snapshot(models["wrapt"])
-        ) and same(grads_snapshot(models["hooks"]), grads_snapshot(models["ref"]))
+        after = grads_snapshot(models["hooks"])
+        assert_same(grads_snapshot(models["wrapt"]), after, f"step {step}: grads after the step, wrapt vs hooks")
+        assert_same(grads_snapshot(models["ref"]), after, f"step {step}: grads after the step, reference vs hooks")
         for k in kinds:
             opts[k].zero_grad()
-    checks["training moved the weights"] = not same(main_weights(models["hooks"]), before)
+    assert_changed(main_weights(models["hooks"]), before, "training")
     observer = observers["wrapt"]
-    checks["wrapt observer saw one step per step"] = len(observer.steps) == STEPS
-    checks["wrapt observer recorded bf16->fp32 grad casts"] = any(
-        kind == "grads_cast" and (src, dst) == (BF16, FP32) and n > 0 for kind, src, dst, n in observer.casts
+    assert len(observer.steps) == STEPS, f"wrapt observer saw {len(observer.steps)} steps, want {STEPS}"
+    grad_casts = [(src, dst, n) for kind, src, dst, n in observer.casts if kind == "grads_cast"]
+    assert any((src, dst) == (BF16, FP32) and n > 0 for src, dst, n in grad_casts), (
+        f"wrapt observer's grad casts {grad_casts}, want a bf16->fp32 one of some bytes"
     )
-    checks["wrapt observer recorded refresh casts"] = any(kind == "weights_refreshed" for kind, *_ in observer.casts)
-    return checks
+    refreshes = [c for c in observer.casts if c[0] == "weights_refreshed"]
+    assert refreshes, f"wrapt observer recorded no refresh cast among {observer.casts}"
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_adapted_step_equals_hand_cast_reference(pool2: Any, name: str) -> None:
-    assert_all(pool2.run(_equivalence, name))
+    pool2.run(_equivalence, name)

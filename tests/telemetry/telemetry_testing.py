@@ -1,6 +1,6 @@
 """Helpers shared by the telemetry tests and their spawned worker processes.
 
-Kept out of conftest.py because ``torch.multiprocessing`` workers import them by module name.
+Kept out of conftest.py because the dist_pool ranks import them by module name.
 """
 
 from __future__ import annotations

@@ -174,9 +174,11 @@ def test_rejected_step_span_carries_every_attribute_and_the_public_error_type(ot
     adapt_optimizer(
         optimizer, precision_aware=False, attachment="wrapt", observer_factory=lambda: make_observer(optimizer)
     )
-    with pytest.raises(TypeError) as info:
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[0\]") as info:
         optimizer.step()
-    assert type(info.value).__name__.startswith("_"), "the adapter raises an internal TypeError subclass"
+    assert type(info.value).__name__.startswith("_"), (
+        f"the adapter raised {type(info.value)}, want its internal subclass"
+    )
     (step,) = spans_named(otel.span_exporter, semconv.SPAN_STEP)
     missing = [k for k in semconv.STEP_ATTRIBUTES if k not in step.attributes]
     assert missing == [], f"rejected step span lacks {missing}"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fsdp_patch.telemetry import semconv
 
 from tests import models
-from tests.integration.rank_fns import environment, in_memory_otel, metric_points
+from tests.integration.otel_training import environment, in_memory_otel, metric_points
 
 WORLD = 2
 GRAD_MAX = (1.0, 2.0)  # max |grad| per rank

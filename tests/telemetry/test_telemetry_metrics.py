@@ -66,7 +66,7 @@ def test_cast_mismatch_and_duration_values_are_exact(otel, make_observer):
         run_fake_step(observer, [group], [main + 1], cast_bytes=100 + step)
     for count in (5, 2):  # two steps rejected by the adapter, as it reports them
         rejected_plan = StepPlanned(1, 1, (Mismatch(torch.float32, torch.float16, MismatchAction.REJECTED, count),))
-        with pytest.raises(TypeError), observer.step():
+        with pytest.raises(TypeError, match="rejected"), observer.step():
             observer.step_planned(rejected_plan)
             raise TypeError("rejected")
     elapsed = time.perf_counter() - started
@@ -111,8 +111,8 @@ def test_cast_mismatch_and_duration_values_are_exact(otel, make_observer):
 
 def test_failed_step_still_records_one_duration(otel, make_observer):
     observer = make_observer()
-    with pytest.raises(ValueError):
-        run_fake_step(observer, [], fail_in_inner_step=ValueError("x"))
+    with pytest.raises(ValueError, match="planted inner-step failure"):
+        run_fake_step(observer, [], fail_in_inner_step=ValueError("planted inner-step failure"))
     run_fake_step(observer, [])
     (hist,) = otel.points()[semconv.METRIC_STEP_DURATION]
     assert hist.count == 2

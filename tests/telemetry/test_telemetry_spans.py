@@ -104,7 +104,7 @@ def test_zero_grad_span(otel, make_observer):
 def test_failing_step_marks_error_records_exception_and_reraises_unchanged(otel, make_observer):
     observer = make_observer()
     boom = RuntimeError("inner optimizer exploded")
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(RuntimeError, match="inner optimizer exploded") as info:
         run_fake_step(observer, [small_group()], fail_in_inner_step=boom)
     assert info.value is boom
 
