@@ -42,8 +42,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, inbox: mp.
         job = inbox.get()
         if job is None:
             break
-        fn, args, kwargs = job
         try:
+            # Unpickled here, so that a body whose module fails to import on the rank is an
+            # error of this call (with the ImportError) rather than a rank that dies silently.
+            fn, args, kwargs = pickle.loads(job)
             result = fn(*args, **kwargs)
             # Pickled here, not in the queue's feeder thread, so that an unpicklable result
             # is an error of this call rather than a hang.
@@ -109,7 +111,7 @@ class DistributedPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         for inbox in self._inboxes:
-            inbox.put((fn, args, kwargs))
+            inbox.put(pickle.dumps((fn, args, kwargs)))
         return self._collect()
 
     def restart(self) -> None:

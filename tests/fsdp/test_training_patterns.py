@@ -367,7 +367,7 @@ def test_zero_size_parameter_trains(run_once: Any) -> None:
 
 
 def mixed_run(pattern: str) -> dict[str, Any]:
-    from tests.integration.rank_fns import environment, in_memory_otel
+    from tests.integration.otel_training import environment, in_memory_otel
 
     out = {impl: train_mixed(impl, pattern) for impl in ("ours", "ours_per_gather")}
     try:
