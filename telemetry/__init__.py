@@ -4,9 +4,11 @@ On with ``FSDP_PATCH_TELEMETRY=1`` (embedded default exporters, no configuration
 :class:`FSDPOptimizerInstrumentor` is instrumented, which ``opentelemetry-instrument`` does
 through the ``opentelemetry_instrumentor`` entry point ``fsdp_patch``.
 
-Importing this package and calling :func:`telemetry_active`, :func:`telemetry_enabled` or
-:func:`shutdown` import nothing but :mod:`.env` (no OpenTelemetry, no torch): with telemetry off,
-``fsdp_patch`` must not pay for (or depend on) OpenTelemetry. Everything else is imported on
+Importing this package registers its observer source into the adapter
+(``fsdp_patch.adapter.observer_source``); it and calling :func:`telemetry_active`,
+:func:`telemetry_enabled` or :func:`shutdown` import nothing of OpenTelemetry: with telemetry
+off, ``fsdp_patch`` must not pay for (or depend on) it. With ``FSDP_PATCH_TELEMETRY`` unset the
+adapter does not import this package at all. Everything else is imported on
 first access. See ``telemetry/README.md`` for variables, exporters and the instrument table;
 the names of spans, metrics and attributes are in :mod:`.semconv`.
 """
@@ -16,8 +18,11 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from fsdp_patch.adapter.observer_source import register_observer_source
+
 from . import env
 from .env import telemetry_enabled
+from .source import TelemetrySource
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +118,11 @@ def observer_for(optimizer: torch.optim.Optimizer, precision_aware: bool, step_c
         meter_provider=given.get("meter_provider"),
         step_count=step_count,
     )
+
+
+# The adapter asks it whether each newly adapted optimizer gets an observer.
+SOURCE = TelemetrySource()
+register_observer_source(SOURCE)
 
 
 def shutdown() -> None:
