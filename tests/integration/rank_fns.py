@@ -41,7 +41,7 @@ def environment(**values: str | None) -> Iterator[None]:
 
 
 def _reset_otel() -> None:
-    from fsdp_patch.telemetry import providers
+    from fsdp_patch.telemetry.export import providers
 
     providers.reset()
     reset_otel_globals()
@@ -237,7 +237,7 @@ def silent_training(patched: bool) -> list[torch.Tensor]:
         "opentelemetry.context.get_current",
         "opentelemetry.sdk.trace.Tracer.start_span",
         "opentelemetry.sdk.trace.Tracer.start_as_current_span",
-        "fsdp_patch.telemetry.observer.OptimizerObserver.__init__",
+        "fsdp_patch.telemetry.instrumentation.observer.OptimizerObserver.__init__",
     ]
     with contextlib.ExitStack() as stack, environment(FSDP_PATCH_TELEMETRY=None):
         if patched:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fsdp_patch.telemetry import precision_report
+from fsdp_patch.telemetry.offline import precision_report
 
 from tests.integration import rank_fns
 

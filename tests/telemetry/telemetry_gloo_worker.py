@@ -38,7 +38,8 @@ def rank_groups(rank: int) -> tuple[list[Group], list[list[torch.Tensor]]]:
 
 def worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    from fsdp_patch.telemetry import OptimizerObserver, providers
+    from fsdp_patch.telemetry import OptimizerObserver
+    from fsdp_patch.telemetry.export import providers
 
     memory = in_memory_telemetry()
     observer = OptimizerObserver(

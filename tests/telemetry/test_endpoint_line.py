@@ -15,8 +15,8 @@ pytest.importorskip("opentelemetry.exporter.prometheus")
 from prometheus_client import CollectorRegistry
 
 from dashboards.demo_alerts import _ENDPOINT
-from telemetry.exporters import MetricSetup, _start_prometheus
-from telemetry.ranks import RankInfo
+from telemetry.export.exporters import MetricSetup, _start_prometheus
+from telemetry.export.ranks import RankInfo
 
 
 class _Writes(io.StringIO):

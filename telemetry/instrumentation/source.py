@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from . import env, semconv
+from .. import env, semconv
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ class TelemetrySource:
     def observer_factory(
         self, optimizer: torch.optim.Optimizer, precision_aware: bool
     ) -> Callable[[], StepObserver] | None:
-        from . import observer_for, telemetry_active
+        from .. import observer_for, telemetry_active
 
         if not telemetry_active():
             return None

@@ -3,7 +3,7 @@
 ``OTEL_TRACES_EXPORTER`` and ``OTEL_METRICS_EXPORTER`` take comma-separated names. When a
 variable is unset or empty its signal gets this package's embedded default, which needs no
 server: trace files for spans (``trace_file``) and an exit summary for metrics
-(``summary``). Every exporter is wrapped by :mod:`fsdp_patch.telemetry.isolation`.
+(``summary``). Every exporter is wrapped by :mod:`fsdp_patch.telemetry.export.isolation`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
-from . import env, otel_env, trace_limits
+from .. import env, trace_limits
+from . import otel_env
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
 from .ranks import RankInfo
 from .summary import MetricSummary

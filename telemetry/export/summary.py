@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from .instruments import RANK_ATTRIBUTE
+from ..semconv import ATTR_RANK as RANK_ATTRIBUTE
 
 
 def _number(value: float) -> str:
