@@ -15,7 +15,7 @@ from telemetry_testing import Group, fake_optimizer, point_value, run_fake_step
 
 from fsdp_patch.adapter.events import Mismatch, MismatchAction, StepPlanned
 
-README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(instruments.__file__)), "README.md")  # telemetry/README.md
 
 # docs/conventions.md's metric table: kinds, units and attribute sets written out independently of
 # telemetry/instrumentation/instruments.py (tests/test_conventions.py pins the table to the page itself).
