@@ -86,6 +86,7 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     # Every part is in the summary, each line saying how it went.
     want = [
         "0 wheels",
+        "0 checkout",
         "0 environment",
         "1 CUDA tests",
         "2 demo, torchrun",
