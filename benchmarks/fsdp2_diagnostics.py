@@ -104,7 +104,7 @@ def run(steps: int = 10, warmup: int = 2, batch: int = 16, config: GPTConfig = M
             shift = index % len(names)
             for setting in names[shift:] + names[:shift]:
                 train_step(setting, tokens, record=index >= warmup)
-        from fsdp_patch.telemetry import providers
+        from fsdp_patch.telemetry.export import providers
 
         providers.uninstall()
     return {

@@ -66,7 +66,7 @@ def _quiet_telemetry() -> Iterator[None]:
         try:
             yield
         finally:
-            from fsdp_patch.telemetry import providers
+            from fsdp_patch.telemetry.export import providers
 
             providers.uninstall()
 

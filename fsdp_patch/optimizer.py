@@ -5,10 +5,11 @@ the grads of FSDP groups whose grad dtype differs from their main-weight dtype (
 group buffer), runs the optimizer's own step, puts the original grads back, and refreshes the
 compute copy of every group the optimizer touched.
 
-Attachment, chosen by ``FSDP_PATCH_TELEMETRY`` and the telemetry instrumentor:
+Attachment, chosen by the observer source registered in ``adapter.observer_source``
+(telemetry's, following ``FSDP_PATCH_TELEMETRY`` and the telemetry instrumentor):
 
 - unset, ``0``, ``false``, not instrumented: torch's step pre/post hooks; no OpenTelemetry
-  call on the step, and nothing of ``fsdp_patch.telemetry`` imported beyond deciding that.
+  call on the step, and with the variable unset nothing of ``fsdp_patch.telemetry`` imported.
 - ``1``, ``true``, or ``FSDPOptimizerInstrumentor`` instrumented (``opentelemetry-instrument``):
   a wrapt wrapper on the instance's ``step`` and ``zero_grad`` that emits spans and metrics
   (see the ``telemetry`` package). Both train bitwise identically.
@@ -29,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import StepObserver, adapt_optimizer
+from .adapter import adapt_optimizer
 from .adapter import init_optimizer_state as _init_optimizer_state
+from .adapter.observer_source import registered_source
 
 __all__ = ["fully_shard_optimizer", "init_optimizer_state"]
 
@@ -55,16 +57,12 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
         ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, or the optimizer is
             already adapted with other settings.
     """
-    from fsdp_patch import telemetry
-
-    if not telemetry.telemetry_active():
+    source = registered_source()
+    factory = source.observer_factory(optimizer, precision_aware) if source is not None else None
+    if factory is None:
         adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="hooks")
-        return
-
-    def observer() -> StepObserver:
-        return telemetry.observer_for(optimizer, precision_aware)
-
-    adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=observer)
+    else:
+        adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=factory)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

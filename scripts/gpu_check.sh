@@ -10,11 +10,13 @@
 #   3. the benchmark suite's cases on the GPU (BENCH_CASES below, one line each), timed with CUDA
 #      events, each writing its JSON, named after the GPU, into DIR.
 #
-# What it needs: the checkout (put on PYTHONPATH; fsdp_patch need not be installed), an interpreter
-# (--python, else python3) with torch >= 2.11, numpy, wrapt, pytest and pytest-timeout. It never
-# installs torch nor anything into that interpreter's environment. OpenTelemetry, where the machine
-# has none, comes from --wheels DIR (made elsewhere by scripts/gpu_wheels.sh), installed into a
-# temporary folder for this run only.
+# What it needs: the checkout, an interpreter (--python, else python3) with torch >= 2.11, numpy,
+# wrapt, pytest and pytest-timeout, and pip. It never installs torch nor anything into that
+# interpreter's environment: the checkout is built (pip install --no-deps, from a copy, so the
+# checkout gets no build files) into a temporary folder for this run only, and so is
+# OpenTelemetry, where the machine has none, from --wheels DIR (made elsewhere by
+# scripts/gpu_wheels.sh, which adds the setuptools and wheel wheels the build needs offline). The
+# parts run from that temporary folder, so that the installed fsdp_patch is the one imported.
 #
 # Without CUDA it still runs: the CUDA tests skip (each saying why), the demo runs under torchrun
 # on gloo for 2+1 steps, the benchmarks are skipped, and the summary says so. The test suite runs
@@ -79,9 +81,11 @@ BENCH_CASES=(
 )
 
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
+SITE="$SCRATCH/site"
+# The installed checkout first; the checkout itself for tests/ and benchmarks/, which are not installed.
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 declare -a SUMMARY=()
 declare -a BENCH_LOGS=()
@@ -150,16 +154,32 @@ run_part() {  # run_part NAME LIMIT COMMAND...: runs it within its limit and the
 
 install_wheels() {
     [ -n "$WHEELS" ] || return 0
-    local site="$SCRATCH/site"
-    echo "== wheels: installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into a temporary folder (nothing else is installed)"
+    local otel=("$WHEELS"/opentelemetry*.whl)
+    echo "== wheels: installing ${#otel[@]} OpenTelemetry wheels from $WHEELS into a temporary folder (nothing else is installed)"
     if "$PY" -m pip --version >/dev/null 2>&1; then
-        "$PY" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --target "$site" "$WHEELS"/*.whl
+        "$PY" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --target "$SITE" "${otel[@]}"
     else
         # No pip: a pure-Python wheel is a zip of what goes into site-packages.
-        "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$site" "$WHEELS"/*.whl
+        "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" "${otel[@]}"
     fi || { record "0 wheels" FAIL "could not install the wheels of $WHEELS"; return 1; }
-    export PYTHONPATH="$PYTHONPATH:$site"
-    record "0 wheels" PASS "$(ls "$WHEELS"/*.whl | wc -l) from $WHEELS"
+    record "0 wheels" PASS "${#otel[@]} from $WHEELS"
+}
+
+install_checkout() {  # fsdp_patch built from a copy of the checkout into $SITE (telemetry/ becomes fsdp_patch.telemetry)
+    local source="$SCRATCH/source" name
+    mkdir -p "$source"
+    for name in pyproject.toml README.md fsdp_patch telemetry; do
+        cp -R "$REPO/$name" "$source/$name"
+    done
+    local index=()
+    # Offline: the build's setuptools and wheel from the wheel folder.
+    [ -n "$WHEELS" ] && index=(--no-index --find-links "$WHEELS")
+    echo "== checkout: installing fsdp_patch from $REPO into a temporary folder${WHEELS:+ (build requirements from $WHEELS)}"
+    if ! "$PY" -m pip install --quiet --no-deps --no-compile --disable-pip-version-check "${index[@]}" --target "$SITE" "$source"; then
+        record "0 checkout" FAIL "pip could not build the checkout into a temporary folder (needs pip, and setuptools>=64 from the index or --wheels DIR)"
+        return 1
+    fi
+    record "0 checkout" PASS "fsdp_patch $(checkout_id) installed for this run"
 }
 
 environment() {  # prints facts as "key: value" lines; records what is missing
@@ -191,6 +211,7 @@ check() {
     echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), checkout $(checkout_id)"
     command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
     install_wheels
+    install_checkout
     if ! ENVIRONMENT=$(environment 2>&1); then
         echo "$ENVIRONMENT"
         record "0 environment" FAIL "$PY cannot import torch (see the log)"
@@ -210,7 +231,7 @@ check() {
 
     # 1. CUDA-marked tests. Collected from tests/cuda only: the rest of the suite needs packages
     # (yaml, the exporters) that this check does not ask the machine for.
-    local pytest=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider tests/cuda)
+    local pytest=("$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --import-mode=append --rootdir "$REPO" "$REPO/tests/cuda")
     if [ "$HAS_CUDA" = 1 ]; then
         run_part "1 CUDA tests" "$TESTS_LIMIT" "${pytest[@]}"
     else
@@ -287,6 +308,8 @@ main() {
     else
         echo "gpu_check: no CUDA device: running what runs without one, skipping the CUDA parts"
     fi
+    mkdir -p "$SITE"
+    cd "$SCRATCH" || return 1  # not the checkout: its fsdp_patch/ (without telemetry) would shadow the installed one
     check
     write_summary
     echo

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Downloads the OpenTelemetry wheels scripts/gpu_check.sh needs on a machine that has torch,
-# numpy, wrapt and pytest but no OpenTelemetry and no network: the API, the SDK, the semantic
-# conventions and the instrumentation base, at the versions this environment has (so that the GPU
-# check runs what the test suite runs here). They are pure-Python wheels, about 400 KB together.
+# Downloads the wheels scripts/gpu_check.sh needs on a machine that has torch, numpy, wrapt and
+# pytest but no OpenTelemetry and no network: the API, the SDK, the semantic conventions and the
+# instrumentation base, at the versions this environment has (so that the GPU check runs what the
+# test suite runs here), and setuptools and wheel, which build the checkout offline there
+# (pip install --no-index --find-links DIR --no-deps .). Pure-Python wheels, about 2 MB together.
 #
 #   scripts/gpu_wheels.sh --dest DIR [--python-version 3.12] [--platform manylinux_2_28_x86_64] [--python PY]
 #
@@ -45,4 +46,7 @@ done
 mkdir -p "$DEST"
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
     --platform "$PLATFORM" -d "$DEST" "${specs[@]}"
+# What pyproject.toml's [build-system] requires, for building the checkout without an index.
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
+    --platform "$PLATFORM" -d "$DEST" "setuptools>=64" wheel
 ls -1 "$DEST"

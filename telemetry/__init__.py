@@ -4,11 +4,21 @@ On with ``FSDP_PATCH_TELEMETRY=1`` (embedded default exporters, no configuration
 :class:`FSDPOptimizerInstrumentor` is instrumented, which ``opentelemetry-instrument`` does
 through the ``opentelemetry_instrumentor`` entry point ``fsdp_patch``.
 
-Importing this package and calling :func:`telemetry_active`, :func:`telemetry_enabled` or
-:func:`shutdown` import nothing but :mod:`.env` (no OpenTelemetry, no torch): with telemetry off,
-``fsdp_patch`` must not pay for (or depend on) OpenTelemetry. Everything else is imported on
+Importing this package registers its observer source into the adapter
+(``fsdp_patch.adapter.observer_source``); it and calling :func:`telemetry_active`,
+:func:`telemetry_enabled` or :func:`shutdown` import nothing of OpenTelemetry: with telemetry
+off, ``fsdp_patch`` must not pay for (or depend on) it. With ``FSDP_PATCH_TELEMETRY`` unset the
+adapter does not import this package at all. Everything else is imported on
 first access. See ``telemetry/README.md`` for variables, exporters and the instrument table;
 the names of spans, metrics and attributes are in :mod:`.semconv`.
+
+Layers, each importing only those below it (``tests/test_telemetry_layers.py``), from the bottom:
+the names and settings (:mod:`.semconv`, :mod:`.env`, :mod:`.precision_thresholds`,
+:mod:`.trace_limits`); :mod:`.offline` (trace files read back and the reports: no OpenTelemetry,
+no torch); :mod:`.diagnostics` (the precision statistics: torch, no OpenTelemetry);
+:mod:`.export` (the embedded SDK defaults); :mod:`.instrumentation` (the instrumentor, the
+observer, the instruments, the adapter's observer source). This facade holds the instrumented
+state, which only the top layer reads.
 """
 
 from __future__ import annotations
@@ -16,17 +26,20 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from fsdp_patch.adapter.observer_source import register_observer_source
+
 from . import env
 from .env import telemetry_enabled
+from .instrumentation.source import TelemetrySource
 
 if TYPE_CHECKING:
     import torch
 
-    from .instrumentor import FSDPOptimizerInstrumentor
-    from .observer import OptimizerObserver
-    from .observer import StepScope as StepScope
-    from .precision import PrecisionSnapshot as PrecisionSnapshot
-    from .precision import PrecisionView
+    from .diagnostics.precision import PrecisionSnapshot as PrecisionSnapshot
+    from .diagnostics.precision import PrecisionView
+    from .instrumentation.instrumentor import FSDPOptimizerInstrumentor
+    from .instrumentation.observer import OptimizerObserver
+    from .instrumentation.observer import StepScope as StepScope
 
 __all__ = [
     "FSDPOptimizerInstrumentor",
@@ -40,11 +53,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "FSDPOptimizerInstrumentor": f"{__name__}.instrumentor",
-    "OptimizerObserver": f"{__name__}.observer",
-    "StepScope": f"{__name__}.observer",
-    "PrecisionView": f"{__name__}.precision",
-    "PrecisionSnapshot": f"{__name__}.precision",
+    "FSDPOptimizerInstrumentor": f"{__name__}.instrumentation.instrumentor",
+    "OptimizerObserver": f"{__name__}.instrumentation.observer",
+    "StepScope": f"{__name__}.instrumentation.observer",
+    "PrecisionView": f"{__name__}.diagnostics.precision",
+    "PrecisionSnapshot": f"{__name__}.diagnostics.precision",
 }
 
 # Set by FSDPOptimizerInstrumentor while instrumented: the providers it was given (either may be
@@ -103,7 +116,7 @@ def observer_for(optimizer: torch.optim.Optimizer, precision_aware: bool, step_c
     if missing is not None:
         raise ModuleNotFoundError(f"fsdp_patch telemetry is on ({env.TELEMETRY}=1 or instrumented), but {missing}; "
                                   f"set {env.TELEMETRY}=0 to train without it")  # fmt: skip
-    from .observer import OptimizerObserver
+    from .instrumentation.observer import OptimizerObserver
 
     given = _instrumented or {}
     return OptimizerObserver(
@@ -115,8 +128,13 @@ def observer_for(optimizer: torch.optim.Optimizer, precision_aware: bool, step_c
     )
 
 
+# The adapter asks it whether each newly adapted optimizer gets an observer.
+SOURCE = TelemetrySource()
+register_observer_source(SOURCE)
+
+
 def shutdown() -> None:
     """Flush and shut down the providers this package built; idempotent, and free when none were."""
-    providers = sys.modules.get(f"{__name__}.providers")
+    providers = sys.modules.get(f"{__name__}.export.providers")
     if providers is not None:
         providers.shutdown()

@@ -1,6 +1,6 @@
 """When a precision diagnostic is healthy, a warning or a problem: the one table of thresholds.
 
-The precision report (:mod:`fsdp_patch.telemetry.precision_report`) judges every step range
+The precision report (:mod:`fsdp_patch.telemetry.offline.precision_report`) judges every step range
 with this table, and the Prometheus alerts in ``dashboards/prometheus/rules.yml`` fire on the
 same thresholds: each row that names an ``alert`` has that alert's comparison, threshold and
 severity (``critical`` is a problem, ``warning`` a warning), which ``tests/dashboards`` checks
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import instruments, semconv
+from . import semconv
 
 HEALTHY = "healthy"
 WARNING = "warning"
@@ -81,7 +81,7 @@ class Threshold:
 THRESHOLDS: tuple[Threshold, ...] = (
     Threshold(
         check="refresh_overflow",
-        metric=instruments.REFRESH_OVERFLOW,
+        metric=semconv.METRIC_REFRESH_OVERFLOW,
         above=0,
         severity=PROBLEM,
         alert="FsdpRefreshOverflow",
@@ -93,7 +93,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="nonfinite",
-        metric=instruments.NONFINITE,
+        metric=semconv.METRIC_NONFINITE,
         above=0,
         severity=PROBLEM,
         alert="FsdpNonFiniteValues",
@@ -108,7 +108,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="lost_updates",
-        metric=instruments.LOST_RATIO,
+        metric=semconv.METRIC_LOST_RATIO,
         above=0.9,
         severity=WARNING,
         alert="FsdpLostUpdateRatioHigh",
@@ -123,7 +123,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="refresh_underflow",
-        metric=instruments.REFRESH_UNDERFLOW,
+        metric=semconv.METRIC_REFRESH_UNDERFLOW,
         above=0,
         severity=WARNING,
         finding="refresh underflow: non-zero main weights flushed to 0 in the compute dtype",
@@ -134,7 +134,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="refresh_error",
-        metric=instruments.REFRESH_ERROR,
+        metric=semconv.METRIC_REFRESH_ERROR,
         above=BF16_UNIT_ROUNDOFF,
         severity=WARNING,
         finding="refresh error above bf16 rounding (2^-8): compute weights do not follow the main weights",
@@ -145,7 +145,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="grad_amax_fp16",
-        metric=instruments.GRAD_AMAX,
+        metric=semconv.METRIC_GRAD_AMAX,
         above=FP16_MAX,
         severity=WARNING,
         marker=GRAD_AMAX_NONFINITE_MARK,
@@ -157,7 +157,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         check="grad_zero",
-        metric=instruments.GRAD_AMAX,
+        metric=semconv.METRIC_GRAD_AMAX,
         at_most=0,
         severity=WARNING,
         unless="nonfinite",

@@ -10,7 +10,8 @@ import inspect
 import re
 from importlib import metadata
 
-from fsdp_patch.telemetry import env, instruments, semconv, trace_limits
+from fsdp_patch.telemetry import env, semconv, trace_limits
+from fsdp_patch.telemetry.instrumentation import instruments
 
 from tests.conventions_doc import REPO, code_spans, conventions_text, section, table_rows
 
@@ -68,8 +69,8 @@ def test_every_instrument_has_its_prometheus_name_on_the_page():
 
 
 def test_resource_attributes_are_the_pages():
-    from fsdp_patch.telemetry.providers import rank_attributes
-    from fsdp_patch.telemetry.ranks import RankInfo
+    from fsdp_patch.telemetry.export.providers import rank_attributes
+    from fsdp_patch.telemetry.export.ranks import RankInfo
 
     listed = {code_spans(r[0])[0] for r in table_rows(section("Resource attributes"), "attribute")}
     emitted = set(rank_attributes(RankInfo(rank=1, world_size=2, local_rank=1, run_id="job-7")))
@@ -140,7 +141,9 @@ def test_command_line_is_the_pages():
 
 def test_instrumentor_entry_point_is_installed_as_the_page_says():
     points = {ep.name: ep.value for ep in metadata.entry_points(group="opentelemetry_instrumentor")}
-    assert points.get("fsdp_patch") == "fsdp_patch.telemetry.instrumentor:FSDPOptimizerInstrumentor", points
+    assert points.get("fsdp_patch") == "fsdp_patch.telemetry.instrumentation.instrumentor:FSDPOptimizerInstrumentor", (
+        points
+    )
     from fsdp_patch.telemetry import FSDPOptimizerInstrumentor
 
     assert "`fsdp_patch.telemetry.FSDPOptimizerInstrumentor`" in section("Instrumentation scope and entry point")

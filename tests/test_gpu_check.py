@@ -3,7 +3,8 @@
 Without CUDA the script must pass, say that it skips the CUDA parts, have the CUDA tests skip with
 their reason, run the demo under torchrun (gloo) with a checkpoint and a resume, skip the GPU
 benchmarks, and leave in ``--out DIR`` its log, each part's log and a summary a person can read.
-OpenTelemetry comes from a wheel folder made by scripts/gpu_wheels.sh, as on a machine without it.
+OpenTelemetry, and the setuptools and wheel that build the checkout offline, come from a wheel
+folder made by scripts/gpu_wheels.sh, as on a machine without them.
 With CUDA it must pass and leave each benchmark's JSON, named after the GPU, in DIR.
 """
 
@@ -43,6 +44,8 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
         "opentelemetry_instrumentation",
         "opentelemetry_sdk",
         "opentelemetry_semantic_conventions",
+        "setuptools",
+        "wheel",
     ]
     assert names == want_names, f"want the wheels {want_names}, got {names}"
 
@@ -59,6 +62,7 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     parts = _parts(summary)
     assert "Result: no part failed." in summary, summary
     assert parts["0 wheels"] == ("PASS", f"4 from {wheels}"), parts
+    assert parts["0 checkout"][0] == "PASS", parts
     assert parts["0 environment"][0] == "PASS", parts
     assert f"torch: {torch.__version__}" in summary, summary
     if torch.cuda.is_available():
@@ -82,6 +86,7 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     # Every part is in the summary, each line saying how it went.
     want = [
         "0 wheels",
+        "0 checkout",
         "0 environment",
         "1 CUDA tests",
         "2 demo, torchrun",

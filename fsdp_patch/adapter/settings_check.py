@@ -6,7 +6,8 @@ have it off: a payload of another size) would skip it or send other rows while i
 collective mismatch on gloo, a hang on NCCL. So at its first step every adapted optimizer,
 whichever its attachment, gathers ``(telemetry on, diagnostics interval, per-parameter detail on)``
 from every rank of its process group in one small ``all_gather``, and a difference raises the
-same error on every rank, naming the variables and each rank's value. A rank with telemetry off
+same error on every rank, naming each rank's values and, in the registered observer source's
+words (telemetry's), the variables they come from. A rank with telemetry off
 takes part through the same call in the hook attachment: one collective of three integers per
 optimizer, at its first step only.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from ..torch_compat import all_gather_flat
+from .observer_source import registered_source
 
 __all__ = ["CollectiveSettingsError", "check_collective_settings", "process_group_and_device"]
 
@@ -40,18 +42,16 @@ def process_group_and_device(groups: Sequence[Any]) -> tuple[Any, torch.device] 
 
 
 def _describe(values: list[list[int]]) -> str:
-    from fsdp_patch.telemetry import env, semconv  # only to name the variables in the message
-
-    telemetry = ", ".join(f"rank {r} {'on' if v[0] else 'off'}" for r, v in enumerate(values))
-    every = ", ".join(f"rank {r} {v[1]}" + (" (off)" if not v[1] else "") for r, v in enumerate(values))
-    detail = ", ".join(f"rank {r} {'on' if v[2] else 'off'}" for r, v in enumerate(values))
+    # Only a source knows which variables these settings come from; a rank whose optimizer has
+    # no observer asks it too, so every rank words the error alike.
+    source = registered_source(load=True)
+    if source is not None:
+        return source.describe_settings(values)
+    rows = ", ".join(f"rank {r} {tuple(v)}" for r, v in enumerate(values))
     return (
         "fsdp_patch: ranks of this optimizer's process group disagree on settings that change "
-        f"collectives. Telemetry ({env.TELEMETRY}, or running under opentelemetry-instrument): {telemetry}. "
-        f"Precision diagnostics every N steps ({env.PRECISION_EVERY}; 0 when telemetry is off or "
-        f"OTEL_SDK_DISABLED=true): {every}. Per-parameter detail ({semconv.SETTING_PRECISION_TOP_K} "
-        f"above 0): {detail}. Expected the same values on every rank: set these variables (and "
-        "opentelemetry-instrument) alike for all ranks."
+        f"collectives (observer on, diagnostics interval, per-parameter detail): {rows}. Expected the "
+        "same values on every rank."
     )
 
 

@@ -47,7 +47,7 @@ def _set_environment(options: RunOptions) -> None:
 def _remove_other_runs_traces(trace_dir: str, world_size: int) -> None:
     # Ranks of this run replace their own files; files of ranks an earlier, larger run had would
     # otherwise be read into this run's report.
-    from fsdp_patch.telemetry.trace_reading import rank_segments
+    from fsdp_patch.telemetry.offline.trace_reading import rank_segments
 
     if not os.path.isdir(trace_dir):
         return

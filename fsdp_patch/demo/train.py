@@ -182,9 +182,9 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
     if not telemetry.telemetry_active():
         print("no precision report: telemetry is off", flush=True)
         return
-    from fsdp_patch.telemetry.exporters import trace_files_off_reason
-    from fsdp_patch.telemetry.precision_report import report
-    from fsdp_patch.telemetry.trace_reading import TraceFileError
+    from fsdp_patch.telemetry.export.exporters import trace_files_off_reason
+    from fsdp_patch.telemetry.offline.precision_report import report
+    from fsdp_patch.telemetry.offline.trace_reading import TraceFileError
 
     # Checked first: trace files of an earlier run in the directory must not be reported as this run's.
     reason = trace_files_off_reason(dist.get_world_size())

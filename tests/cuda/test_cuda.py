@@ -113,7 +113,7 @@ def event_timings(device: str, steps: int = 8) -> dict[str, Any]:
     The model is made wide enough that a step's device work dominates its launch overhead.
     """
     from fsdp_patch.telemetry import OptimizerObserver
-    from fsdp_patch.telemetry.timing import DeviceEventDurationRecorder, duration_recorder_for
+    from fsdp_patch.telemetry.instrumentation.timing import DeviceEventDurationRecorder, duration_recorder_for
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider

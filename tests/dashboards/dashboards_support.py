@@ -2,7 +2,7 @@
 
 The Prometheus names the dashboards may use are not written down here: they are read off the real
 OpenTelemetry Prometheus exporter (opentelemetry-exporter-prometheus + prometheus_client), after
-creating every instrument of the telemetry package's table (telemetry.instruments, the metrics of
+creating every instrument of the telemetry package's table (telemetry.instrumentation.instruments, the metrics of
 docs/conventions.md) with its own create_instruments() on an SDK MeterProvider, and recording a
 point for every combination of the attribute values the page lists, once per rank, the way a job
 of two ranks exposes them on its pull endpoints (port 9464 + local_rank).
@@ -26,7 +26,7 @@ INSTALL_PROMTOOL = "dashboards/install_promtool.sh"
 RANKS = ("0", "1")
 WORLD_SIZE = 2
 
-# The instrument table is the telemetry package's own (telemetry.instruments.INSTRUMENTS, which
+# The instrument table is the telemetry package's own (telemetry.instrumentation.instruments.INSTRUMENTS, which
 # follows docs/conventions.md's "Metrics" table); the series are made by its own create_instruments().
 # The page lists the attribute keys and their enumerated values; the values below are those, the
 # dtype ones (free-form on the page) are examples.
@@ -68,7 +68,7 @@ class Metric:
 
 
 def instrument_table() -> list[Metric]:
-    from fsdp_patch.telemetry.instruments import INSTRUMENTS
+    from fsdp_patch.telemetry.instrumentation.instruments import INSTRUMENTS
 
     return [
         Metric(
@@ -104,7 +104,7 @@ def exposition_for_rank(rank: str) -> str:
         ),
     )
     try:
-        from fsdp_patch.telemetry.instruments import RANK_ATTRIBUTE, create_instruments
+        from fsdp_patch.telemetry.instrumentation.instruments import RANK_ATTRIBUTE, create_instruments
 
         instruments = create_instruments(provider.get_meter("fsdp_patch"))
         for metric in instrument_table():

@@ -95,7 +95,7 @@ def test_exporter_names_are_the_conventions_pages(exporter_names):
 
 
 def test_instrument_table_and_attribute_values_are_the_conventions_pages():
-    """The dashboards are built on telemetry.instruments: that table, and the attribute values the
+    """The dashboards are built on telemetry.instrumentation.instruments: that table, and the attribute values the
     series here are made for, are docs/conventions.md's metric table."""
     rows = conventions.table_rows(conventions.section("Metrics"), "name")
     table = {
@@ -107,7 +107,7 @@ def test_instrument_table_and_attribute_values_are_the_conventions_pages():
         for name, kind, unit, attrs in rows
     }
     ours = {m.name: (m.kind, m.unit, set(m.attributes)) for m in instrument_table()}
-    assert table == ours, f"docs/conventions.md {table}, telemetry.instruments {ours}"
+    assert table == ours, f"docs/conventions.md {table}, telemetry.instrumentation.instruments {ours}"
     made = {m.name: m.attributes for m in instrument_table()}
     for name, _, _, attrs in rows:
         for key in re.findall(r"`(fsdp\.[\w.]+)`", attrs):

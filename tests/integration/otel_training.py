@@ -41,7 +41,7 @@ def environment(**values: str | None) -> Iterator[None]:
 
 
 def reset_otel() -> None:
-    from fsdp_patch.telemetry import providers
+    from fsdp_patch.telemetry.export import providers
 
     providers.reset()
     reset_otel_globals()

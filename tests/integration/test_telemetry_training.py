@@ -180,7 +180,7 @@ def silent_training(patched: bool) -> list[torch.Tensor]:
         "opentelemetry.context.get_current",
         "opentelemetry.sdk.trace.Tracer.start_span",
         "opentelemetry.sdk.trace.Tracer.start_as_current_span",
-        "fsdp_patch.telemetry.observer.OptimizerObserver.__init__",
+        "fsdp_patch.telemetry.instrumentation.observer.OptimizerObserver.__init__",
     ]
     with contextlib.ExitStack() as stack, environment(FSDP_PATCH_TELEMETRY=None):
         if patched:

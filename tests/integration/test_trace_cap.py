@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_patch.telemetry import precision_report
+from fsdp_patch.telemetry.offline import precision_report
 
 from tests import models
 from tests.integration.otel_training import bf16_model, environment, reset_otel

@@ -25,7 +25,7 @@ def clean_telemetry_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Ite
         ):  # fmt: skip
             monkeypatch.delenv(name)
     monkeypatch.setenv("FSDP_PATCH_TRACE_DIR", str(tmp_path / "traces"))
-    from fsdp_patch.telemetry import providers
+    from fsdp_patch.telemetry.export import providers
 
     providers.reset()
     reset_otel_globals()

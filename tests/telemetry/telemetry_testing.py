@@ -150,7 +150,7 @@ def reference_stats(
 ) -> dict[str, Any]:
     """The diagnostics of docs/conventions.md computed independently with numpy over all elements
     (norms over finite elements; amax float32's largest value once any grad is NaN/Inf, as
-    telemetry.precision documents).
+    telemetry.diagnostics.precision documents).
 
     ``compute_*`` None means the compute weight is the main weight. Arrays of all ranks may
     simply be concatenated per group before calling this.

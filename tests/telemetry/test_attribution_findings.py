@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_patch.telemetry import attribution, env, precision, semconv
-from fsdp_patch.telemetry import param_stats as ps
-from fsdp_patch.telemetry.param_stats import ParamSlot
+from fsdp_patch.telemetry import env, semconv
+from fsdp_patch.telemetry.diagnostics import attribution, precision
+from fsdp_patch.telemetry.diagnostics import param_stats as ps
+from fsdp_patch.telemetry.diagnostics.param_stats import ParamSlot
 from telemetry_testing import Group, run_fake_step
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.prometheus")
 
+from fsdp_patch.telemetry.export.exporters import MetricSetup, _start_prometheus
+from fsdp_patch.telemetry.export.ranks import RankInfo
 from prometheus_client import CollectorRegistry
 
 from dashboards.demo_alerts import _ENDPOINT
-from telemetry.exporters import MetricSetup, _start_prometheus
-from telemetry.ranks import RankInfo
 
 
 class _Writes(io.StringIO):

@@ -19,7 +19,8 @@ import fsdp_patch.telemetry as telemetry
 import pytest
 import tomllib
 import torch
-from fsdp_patch.telemetry import FSDPOptimizerInstrumentor, providers, semconv
+from fsdp_patch.telemetry import FSDPOptimizerInstrumentor, semconv
+from fsdp_patch.telemetry.export import providers
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.sdk.metrics import MeterProvider
@@ -226,8 +227,8 @@ def test_bare_zero_grad_records_torch_default_set_to_none(monkeypatch, otel):
     ],
 )
 def test_invalid_otel_values_warn_once_and_training_goes_on(monkeypatch, caplog, variable, value, exporters):
-    from fsdp_patch.telemetry import otel_env
-    from fsdp_patch.telemetry.isolation import WarnOnce
+    from fsdp_patch.telemetry.export import otel_env
+    from fsdp_patch.telemetry.export.isolation import WarnOnce
 
     monkeypatch.setattr(otel_env, "_warn", WarnOnce(otel_env._logger))  # "once" per process: fresh for each case
     monkeypatch.setenv(variable, value)

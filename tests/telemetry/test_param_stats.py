@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from fsdp_patch.telemetry import param_stats as ps
-from fsdp_patch.telemetry import precision, semconv
+from fsdp_patch.telemetry import semconv
+from fsdp_patch.telemetry.diagnostics import param_stats as ps
+from fsdp_patch.telemetry.diagnostics import precision
 from telemetry_testing import reference_stats, to_numpy
 
 from fsdp_patch.sharding.layout import GroupLayout

@@ -95,7 +95,7 @@ def test_a_diagnosed_step_reports_global_values_under_the_right_names(dist_pool)
 
 def planted_stats() -> dict[str, float]:
     """The diagnostics' own result for the planted groups: snapshot before the step, stats after it."""
-    from fsdp_patch.telemetry import precision
+    from fsdp_patch.telemetry.diagnostics import precision
 
     from fsdp_patch import parameter_groups
 

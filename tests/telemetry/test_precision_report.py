@@ -9,8 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
-from fsdp_patch.telemetry import precision_report, precision_thresholds, trace_files
-from fsdp_patch.telemetry.trace_reading import TraceFileError
+from fsdp_patch.telemetry import precision_thresholds
+from fsdp_patch.telemetry.export import trace_files
+from fsdp_patch.telemetry.offline import precision_report
+from fsdp_patch.telemetry.offline.trace_reading import TraceFileError
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode

@@ -13,7 +13,10 @@ from pathlib import Path
 import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
-from fsdp_patch.telemetry import OptimizerObserver, env, precision, precision_report, precision_thresholds, providers
+from fsdp_patch.telemetry import OptimizerObserver, env, precision_thresholds
+from fsdp_patch.telemetry.diagnostics import precision
+from fsdp_patch.telemetry.export import providers
+from fsdp_patch.telemetry.offline import precision_report
 from telemetry_testing import Group, fake_optimizer, run_fake_step
 
 from fsdp_patch.cli import main as cli_main

@@ -73,7 +73,8 @@ def two_rank_run(trace_dir: str, rendezvous: str) -> dict[str, Any]:
 
 
 def _observed_steps(rank: int, world_size: int, rendezvous: str) -> dict[str, Any]:
-    from fsdp_patch.telemetry import OptimizerObserver, providers
+    from fsdp_patch.telemetry import OptimizerObserver
+    from fsdp_patch.telemetry.export import providers
 
     memory = in_memory_telemetry()
     observer = OptimizerObserver(

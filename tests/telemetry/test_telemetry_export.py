@@ -12,9 +12,10 @@ import urllib.request
 import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
-from fsdp_patch.telemetry import OptimizerObserver, exporters, providers, semconv, trace_files
-from fsdp_patch.telemetry.isolation import GuardedSpanExporter, WarnOnce, run_bounded
-from fsdp_patch.telemetry.ranks import RankInfo
+from fsdp_patch.telemetry import OptimizerObserver, semconv
+from fsdp_patch.telemetry.export import exporters, providers, trace_files
+from fsdp_patch.telemetry.export.isolation import GuardedSpanExporter, WarnOnce, run_bounded
+from fsdp_patch.telemetry.export.ranks import RankInfo
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -198,7 +199,7 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
-    from fsdp_patch.telemetry.ranks import current_rank_info
+    from fsdp_patch.telemetry.export.ranks import current_rank_info
 
     resource = providers.build_resource(current_rank_info())
     attributes = dict(resource.attributes)
@@ -474,7 +475,7 @@ class BlockingExporter(SpanExporter):
 
 
 def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_once(monkeypatch, caplog):
-    from fsdp_patch.telemetry import isolation
+    from fsdp_patch.telemetry.export import isolation
 
     monkeypatch.setattr(isolation._ONCE, "_seen", set())  # a fresh "once" for this test
     blocking = BlockingExporter()
@@ -497,7 +498,7 @@ def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_on
 def test_queue_full_warnings_fold_for_our_processors_only(monkeypatch, caplog):
     """Our batch processors' "Queue full" warning shows once per run, beyond the SDK's own 20 s
     window; an application's processor in the same process keeps the SDK's behaviour."""
-    from fsdp_patch.telemetry.isolation import OwnBatchSpanProcessor
+    from fsdp_patch.telemetry.export.isolation import OwnBatchSpanProcessor
 
     now = [1000.0]
     monkeypatch.setattr(time, "time", lambda: now[0])  # the SDK's own filter forgets after 20 s

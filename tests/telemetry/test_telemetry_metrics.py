@@ -9,15 +9,16 @@ from unittest import mock
 
 import pytest
 import torch
-from fsdp_patch.telemetry import instruments, semconv
+from fsdp_patch.telemetry import semconv
+from fsdp_patch.telemetry.instrumentation import instruments
 from telemetry_testing import Group, fake_optimizer, point_value, run_fake_step
 
 from fsdp_patch.adapter.events import Mismatch, MismatchAction, StepPlanned
 
-README = os.path.join(os.path.dirname(instruments.__file__), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(instruments.__file__)), "README.md")  # telemetry/README.md
 
 # docs/conventions.md's metric table: kinds, units and attribute sets written out independently of
-# telemetry/instruments.py (tests/test_conventions.py pins the table to the page itself).
+# telemetry/instrumentation/instruments.py (tests/test_conventions.py pins the table to the page itself).
 DESIGN_TABLE = {
     semconv.METRIC_CAST_SIZE: ("Counter", "By", {semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET}),
     semconv.METRIC_REFRESH_DURATION: ("Histogram", "s", set()),

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from fsdp_patch.telemetry import precision, semconv
+from fsdp_patch.telemetry import semconv
+from fsdp_patch.telemetry.diagnostics import precision
 from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
 
 NAN, INF = math.nan, math.inf

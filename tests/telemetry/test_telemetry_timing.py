@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from fsdp_patch.telemetry import semconv, timing
+from fsdp_patch.telemetry import semconv
+from fsdp_patch.telemetry.instrumentation import timing
 from telemetry_testing import fake_optimizer, run_fake_step
 
 

@@ -15,7 +15,9 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from fsdp_patch.telemetry import trace_files, trace_limits, trace_reading
+from fsdp_patch.telemetry import trace_limits
+from fsdp_patch.telemetry.export import trace_files
+from fsdp_patch.telemetry.offline import trace_reading
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 

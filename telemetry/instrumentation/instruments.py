@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import semconv
+from .. import semconv
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter

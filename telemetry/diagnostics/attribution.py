@@ -1,8 +1,8 @@
 """Where a precision problem is: findings per parameter from the reduced rows, across steps.
 
 No OpenTelemetry here: :class:`Attribution` reads each diagnosed step's rows (from
-:mod:`fsdp_patch.telemetry.param_stats`, already reduced over ranks) and returns plain findings,
-which :mod:`fsdp_patch.telemetry.observer` puts on the precision span as events; the dtype-contract
+:mod:`fsdp_patch.telemetry.diagnostics.param_stats`, already reduced over ranks) and returns plain findings,
+which :mod:`fsdp_patch.telemetry.instrumentation.observer` puts on the precision span as events; the dtype-contract
 audit (:func:`audit_dtypes`) reads the optimizer and its parameters without touching an element.
 
 What it keeps from step to step, per parameter: how many diagnosed steps in a row it was stuck
@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
+from .. import semconv
 from . import param_stats as ps
-from . import precision, semconv
+from . import precision
 from .param_stats import ParamSlot
 
 _NONFINITE_SLOTS = (ps.GRAD_NAN, ps.GRAD_INF, ps.MAIN_NAN, ps.MAIN_INF, ps.COMPUTE_NAN, ps.COMPUTE_INF)

@@ -18,9 +18,12 @@ from opentelemetry.util.types import AttributeValue
 
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 
-from . import attribution, env, instruments, param_stats, precision, providers, semconv
-from .isolation import WarnOnce
-from .ranks import distributed_rank
+from .. import env, semconv
+from ..diagnostics import attribution, param_stats, precision
+from ..export import providers
+from ..export.isolation import WarnOnce
+from ..export.ranks import distributed_rank
+from . import instruments
 from .timing import DurationRecorder, duration_recorder_for
 
 _logger = logging.getLogger(__name__)

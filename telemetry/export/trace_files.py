@@ -37,7 +37,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import StatusCode
 
-from . import env, trace_limits, trace_reading
+from .. import env, trace_limits
+from ..offline import trace_reading
 
 _logger = logging.getLogger(__name__)
 _encode = json.JSONEncoder(separators=(",", ":")).encode

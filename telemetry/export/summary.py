@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 
-from .instruments import RANK_ATTRIBUTE
+from ..semconv import ATTR_RANK as RANK_ATTRIBUTE
 
 
 def _number(value: float) -> str:
@@ -78,6 +78,33 @@ def render(metrics_data: MetricsData | None, header: str, footer: Iterable[str] 
             lines.append(f"      {_labels(point.attributes)}: {text}")
     lines.extend(footer)
     return "\n".join(lines) + "\n"
+
+
+class SummaryMetricReader(InMemoryMetricReader):
+    """The exit summary as the SDK's own metric reader: ``summary`` of ``opentelemetry_metrics_exporter``.
+
+    The SDK's configurator (``opentelemetry-instrument`` with ``OTEL_METRICS_EXPORTER=summary``)
+    constructs it without arguments; it collects in memory and prints the summary when the meter
+    provider shuts down, on the ranks ``FSDP_PATCH_SUMMARY`` names.
+    """
+
+    def __init__(self) -> None:
+        from .. import env
+        from .ranks import current_rank_info
+
+        super().__init__()
+        info = current_rank_info()
+        mode = env.summary_mode()
+        self.enabled = mode == "all" or (mode == "rank0" and info.rank == 0)
+        self.header = f"fsdp_patch telemetry summary: rank {info.rank} of {info.world_size}"
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        if self.enabled:
+            text = render(self.get_metrics_data(), self.header)
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            self.enabled = False
+        super().shutdown(timeout_millis=timeout_millis, **kwargs)
 
 
 class MetricSummary:

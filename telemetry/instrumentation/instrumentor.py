@@ -40,7 +40,7 @@ from fsdp_patch.adapter import NullObserver, adapt_optimizer, adaptation_of, ada
 from fsdp_patch.fsdp2 import fsdp2_groups
 from fsdp_patch.sharding import parameter_group_of
 
-from . import providers
+from ..export import providers
 
 __all__ = ["FSDPOptimizerInstrumentor"]
 

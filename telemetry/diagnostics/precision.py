@@ -1,6 +1,6 @@
 """Precision diagnostics of the weights and grads an optimizer step touches.
 
-No OpenTelemetry here: this module computes numbers, :mod:`fsdp_patch.telemetry.observer` records
+No OpenTelemetry here: this module computes numbers, :mod:`fsdp_patch.telemetry.instrumentation.observer` records
 them. Two kinds of groups are read:
 
 * ``fsdp_patch``'s parameter groups (:class:`PrecisionView`): flat shard buffers of main weights,
@@ -9,7 +9,7 @@ them. Two kinds of groups are read:
   weights are what FSDP2 will cast them to at its next all-gather (``compute_dtype``); that cast
   is done here, per tensor, exactly as FSDP2 does it (``Tensor.to``).
 
-The passes themselves run per parameter, in :mod:`fsdp_patch.telemetry.param_stats` (whole-tensor
+The passes themselves run per parameter, in :mod:`fsdp_patch.telemetry.diagnostics.param_stats` (whole-tensor
 operations on each parameter's segment, in chunks of at most :data:`CHUNK_ELEMENTS`; never a loop
 over elements; a first fused pass of norms tells, with one device-to-host copy, which segments
 hold a NaN or an Inf, and only those pay for counting them): the whole-model vector here is the
@@ -48,7 +48,7 @@ import torch
 
 from fsdp_patch.torch_compat import all_gather_flat, foreach_clone
 
-from . import semconv
+from .. import semconv
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -280,7 +280,7 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
 def local_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> torch.Tensor:
     """This rank's stats vector (float64, on the buffers' device); reads the buffers, writes none.
 
-    The sums of :func:`fsdp_patch.telemetry.param_stats.local_rows` over its slots (here one per
+    The sums of :func:`fsdp_patch.telemetry.diagnostics.param_stats.local_rows` over its slots (here one per
     flat buffer or tensor): the whole-model numbers are the per-parameter ones added up.
 
     Raises:

@@ -3,7 +3,7 @@
 ``OTEL_TRACES_EXPORTER`` and ``OTEL_METRICS_EXPORTER`` take comma-separated names. When a
 variable is unset or empty its signal gets this package's embedded default, which needs no
 server: trace files for spans (``trace_file``) and an exit summary for metrics
-(``summary``). Every exporter is wrapped by :mod:`fsdp_patch.telemetry.isolation`.
+(``summary``). Every exporter is wrapped by :mod:`fsdp_patch.telemetry.export.isolation`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
-from . import env, otel_env, trace_limits
+from .. import env, trace_limits
+from . import otel_env
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
-from .ranks import RankInfo
+from .ranks import RankInfo, current_rank_info
 from .summary import MetricSummary
 from .trace_files import TraceFileExporter
 
@@ -161,6 +162,23 @@ def _trace_file_exporter(rank_info: RankInfo, resource: Resource) -> TraceFileEx
             flush=True,
         )
     return TraceFileExporter(directory, rank_info.rank, dict(resource.attributes), max_bytes=max_bytes)
+
+
+class TraceFileSpanExporter(TraceFileExporter):
+    """The trace files as the SDK's own exporter: ``trace_file`` of ``opentelemetry_traces_exporter``.
+
+    The SDK's configurator (``opentelemetry-instrument`` with ``OTEL_TRACES_EXPORTER=trace_file``)
+    constructs it without arguments, before the script runs: the directory, the cap, the rank
+    (torchrun's ``RANK``) and the resource come from the environment, as the embedded default
+    reads them.
+    """
+
+    def __init__(self) -> None:
+        from .providers import build_resource  # providers builds on this module
+
+        info = current_rank_info()
+        resource = build_resource(info)
+        super().__init__(env.trace_dir(), info.rank, dict(resource.attributes), max_bytes=_trace_max_bytes())
 
 
 def build_span_exporters(rank_info: RankInfo, resource: Resource) -> tuple[list[SpanExporter], list[TraceFileExporter]]:

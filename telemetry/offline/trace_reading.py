@@ -3,7 +3,7 @@
 No OpenTelemetry and no torch here: the report and the command-line tools read files of any
 size in bounded memory, and a file of a crashed or rotated run reads like any other.
 
-File names (see :class:`~fsdp_patch.telemetry.trace_files.TraceFileExporter`):
+File names (see :class:`~fsdp_patch.telemetry.export.trace_files.TraceFileExporter`):
 ``rank{R}.trace.json`` is a rank's newest segment, ``rank{R}.{N}.trace.json`` its older
 ones (``N`` larger is older), ``rank{R}.jaeger.json`` the Jaeger conversion written at exit.
 """

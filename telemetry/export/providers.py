@@ -2,7 +2,7 @@
 
 On first use, per signal: if the application (or ``opentelemetry-instrument``) installed a
 global provider, it is used. Otherwise this module builds the package's own SDK provider from
-the ``OTEL_*`` variables (:mod:`fsdp_patch.telemetry.exporters`), with the rank identity as
+the ``OTEL_*`` variables (:mod:`fsdp_patch.telemetry.export.exporters`), with the rank identity as
 resource attributes: the embedded default. It is **not** installed as the global provider, so an
 application that sets its own providers later is not refused by the API; spans still nest under
 the caller's span, which comes from the context, not from the provider. With
@@ -32,7 +32,8 @@ from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
-from . import env, isolation, otel_env, semconv
+from .. import env, semconv
+from . import isolation, otel_env
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
 from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
 from .ranks import RankInfo, current_rank_info

@@ -1,10 +1,10 @@
 """Per-parameter precision diagnostics, computed from the flat buffers by segment.
 
-No OpenTelemetry here (as in :mod:`fsdp_patch.telemetry.precision`, whose views, snapshot and
+No OpenTelemetry here (as in :mod:`fsdp_patch.telemetry.diagnostics.precision`, whose views, snapshot and
 definitions this module shares): it turns one diagnosed step into a float64 matrix with one row
 per parameter, :data:`ROW` numbers each, which the observer reduces across ranks with one
-collective and :mod:`fsdp_patch.telemetry.attribution` reads. The whole-model vector of
-:mod:`~fsdp_patch.telemetry.precision` is the sum of the rows (:func:`totals`), so every number
+collective and :mod:`fsdp_patch.telemetry.diagnostics.attribution` reads. The whole-model vector of
+:mod:`~fsdp_patch.telemetry.diagnostics.precision` is the sum of the rows (:func:`totals`), so every number
 is computed once.
 
 Where a parameter is: a ``fully_shard`` group's flat buffers hold each parameter's local shard at
@@ -516,7 +516,7 @@ def split_status(reduced: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def totals(rows: torch.Tensor) -> torch.Tensor:
-    """The whole-model stats vector of :mod:`~fsdp_patch.telemetry.precision` from (local or
+    """The whole-model stats vector of :mod:`~fsdp_patch.telemetry.diagnostics.precision` from (local or
     reduced) rows: sums, and the largest ``GRAD_AMAX``."""
     if rows.shape[0] == 0:
         return torch.zeros(_TOTALS, dtype=torch.float64, device=rows.device)

@@ -17,8 +17,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from . import precision_thresholds as thresholds
-from . import semconv, trace_limits
+from .. import precision_thresholds as thresholds
+from .. import semconv, trace_limits
 from .attribution_report import AttributionTrace, details, details_json
 from .trace_reading import TraceFileError, iter_events, rank_segments
 

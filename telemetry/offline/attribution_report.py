@@ -1,6 +1,6 @@
 """The parameters behind the precision report's findings, from the attribution's span events.
 
-:mod:`fsdp_patch.telemetry.precision_report` judges step ranges from the precision spans'
+:mod:`fsdp_patch.telemetry.offline.precision_report` judges step ranges from the precision spans'
 attributes; this module reads the events the observer puts beside them (the first NaN/Inf,
 the top-K offenders of every diagnostic, dtype-contract violations; see ``semconv``) and says,
 per finding, which parameters it is about. Every traced rank writes the same (reduced) offenders,
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import semconv
+from .. import semconv
 
 # Trace-file keys (written by the trace-file exporter next to the span attributes).
 SPAN_ID = "span_id"

@@ -1,0 +1,83 @@
+"""telemetry/ is layers with one-way imports: no module imports a layer above its own.
+
+From the bottom up: the names and settings (``semconv``, ``env``, ``precision_thresholds``,
+``trace_limits``, at the package's top); ``offline/`` (trace files read back, reports: neither
+OpenTelemetry nor torch); ``diagnostics/`` (the precision statistics: torch, no OpenTelemetry);
+``export/`` (the embedded SDK defaults: providers, exporters, trace files written, summary);
+``instrumentation/`` (instrumentor, observer, instruments, timing, the adapter's observer source).
+The package's own ``__init__`` is its facade: it may name any layer, and only the top layer
+imports it (its instrumented state).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TELEMETRY = Path(__file__).resolve().parents[1] / "telemetry"
+LAYERS = ("", "offline", "diagnostics", "export", "instrumentation")  # "" is the bottom: the top-level modules
+# What a layer may not import besides layers above it.
+FORBIDDEN = {"": ("opentelemetry", "torch"), "offline": ("opentelemetry", "torch"), "diagnostics": ("opentelemetry",)}
+
+
+def _layer_of(path: Path) -> str:
+    parts = path.relative_to(TELEMETRY).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, relative ones resolved within telemetry/."""
+    package = ["fsdp_patch", "telemetry", *path.relative_to(TELEMETRY).parts[:-1]]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            if _layer_of_module(module) is not None and _is_package(module):
+                # "from <package> import x": x is a module of it, else a name of the package itself.
+                found += [(node.lineno, _name_in(module, a.name)) for a in node.names]
+            else:
+                found.append((node.lineno, module))
+    return found
+
+
+def _is_package(module: str) -> bool:
+    return (TELEMETRY.joinpath(*module.split(".")[2:]) / "__init__.py").is_file()
+
+
+def _name_in(package: str, name: str) -> str:
+    folder = TELEMETRY.joinpath(*package.split(".")[2:])
+    return f"{package}.{name}" if (folder / f"{name}.py").is_file() or (folder / name).is_dir() else package
+
+
+def _layer_of_module(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["fsdp_patch", "telemetry"]:
+        return None
+    if len(parts) == 2:
+        return "facade"
+    return parts[2] if parts[2] in LAYERS[1:] else ""
+
+
+def test_every_module_imports_only_its_layer_and_those_below() -> None:
+    modules = [p for p in sorted(TELEMETRY.rglob("*.py")) if p != TELEMETRY / "__init__.py"]
+    layers_found = {_layer_of(p) for p in modules}
+    assert layers_found == set(LAYERS), f"want the layers {sorted(LAYERS)}, got {sorted(layers_found)}"
+    violations = []
+    for path in modules:
+        own = LAYERS.index(_layer_of(path))
+        for line, module in _imports(path):
+            layer = _layer_of_module(module)
+            where = f"{path.relative_to(TELEMETRY)}:{line} imports {module}"
+            if layer == "facade":
+                # The facade keeps the instrumented state (so that deciding "off" imports nothing):
+                # only the top layer, which the facade exposes, reads it.
+                if LAYERS[own] != LAYERS[-1]:
+                    violations.append(f"{where} (the facade, above layer {LAYERS[own]!r})")
+            elif layer is not None and LAYERS.index(layer) > own:
+                violations.append(f"{where} (layer {layer!r} above {LAYERS[own]!r})")
+            elif layer is None and module.split(".")[0] in FORBIDDEN.get(LAYERS[own], ()):
+                violations.append(f"{where} (layer {LAYERS[own]!r} imports no {module.split('.')[0]})")
+    assert violations == [], "imports against the layers' direction:\n" + "\n".join(violations)
