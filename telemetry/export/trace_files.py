@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -542,25 +541,3 @@ def write_jaeger(inputs: Sequence[str], output: str, max_bytes: int | None = Non
         for event in _iter_inputs(inputs):
             stream.feed(event)
         return stream.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``merge|jaeger OUTPUT INPUT [INPUT ...]``; inputs are trace files or directories."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 3 or args[0] not in ("merge", "jaeger"):
-        print("usage: fsdp-patch trace {merge|jaeger} OUTPUT INPUT [INPUT ...]", file=sys.stderr)
-        return 2
-    command, output, inputs = args[0], args[1], args[2:]
-    try:
-        if command == "merge":
-            print(f"wrote {merge_chrome_traces(inputs, output)} events to {output}")
-        else:
-            print(f"wrote {write_jaeger(inputs, output).traces} traces to {output}")
-    except (trace_reading.TraceFileError, OSError) as exc:
-        print(f"fsdp-patch trace {command}: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

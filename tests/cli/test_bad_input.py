@@ -105,7 +105,12 @@ CASES = {
     "report-corrupt-trace": (["report", "{corrupt}"], "is not a Chrome trace-event JSON file"),
     "trace-missing-input": (
         ["trace", "merge", "{tmp}/out.json", "{tmp}/none.trace.json"],
-        "fsdp-patch trace: {tmp}/none.trace.json does not exist",
+        "fsdp-patch trace merge: {tmp}/none.trace.json does not exist",
+    ),
+    "trace-empty-dir": (["trace", "jaeger", "{tmp}/out.json", "{tmp}"], "fsdp-patch trace jaeger: {tmp} holds no"),
+    "trace-unwritable-output": (
+        ["trace", "merge", "{tmp}/file/out.json", "{corrupt}"],
+        "fsdp-patch trace merge: [Errno 20]",
     ),
     "trace-unknown-tool": (["trace", "zip", "a", "b"], "invalid choice: 'zip'"),
 }
