@@ -39,18 +39,18 @@ $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/fsdp-patch demo
 
-# Sets up (with promtool, which the dashboard tests run), checks lint and formatting, then runs the
-# whole test suite, then the torch-range tests on the oldest supported torch.
-test: setup lint
+# Sets up (with promtool, which the dashboard tests run), checks lint, formatting and types, then
+# runs the whole test suite, then the torch-range tests on the oldest supported torch.
+test: setup lint typecheck
 	bash dashboards/install_promtool.sh
 	$(VENV_PYTHON) -m pytest
 ifneq ($(OLDEST_TORCH),)
 	$(MAKE) --no-print-directory test-torch TORCH=$(OLDEST_TORCH)
 endif
 
-# ruff's rules and formatting (part of `make test`) and mypy (`make typecheck`, not yet part of it:
-# the product still carries type findings), configured in pyproject.toml; the tools come with the
-# dev extras.
+# ruff's rules and formatting (`make lint`) and mypy over fsdp_patch/ and telemetry/ (`make
+# typecheck`), both part of `make test`, configured in pyproject.toml; the tools come with the dev
+# extras.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

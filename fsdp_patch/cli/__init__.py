@@ -59,22 +59,27 @@ def _trace(args: argparse.Namespace) -> int:
 _HANDLERS = {"demo": _demo, "report": _report, "trace": _trace}
 
 
+def _prog(args: argparse.Namespace | None) -> str:
+    """The command as the user typed it, down to the trace tool (``fsdp-patch trace merge``)."""
+    words = ["fsdp-patch", getattr(args, "command", None), getattr(args, "trace_command", None)]
+    return " ".join(w for w in words if w)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (2 for bad input, with one line on stderr)."""
     from ..demo.options import DemoInputError
     from ..telemetry.offline.trace_reading import TraceFileError
 
     parser = build_parser()
+    args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(argv)
         return _HANDLERS[args.command](args)
-    except (UsageError, DemoInputError, TraceFileError) as exc:
-        prog = "fsdp-patch" if isinstance(exc, UsageError) else f"fsdp-patch {getattr(args, 'command', '')}".strip()
-        message = str(exc) if isinstance(exc, UsageError) else f"{prog}: {exc}"
-        print(message.replace("\n", " "), file=sys.stderr)
+    except UsageError as exc:
+        print(str(exc).replace("\n", " "), file=sys.stderr)
         return EXIT_USAGE
-    except OSError as exc:  # an unreadable input or unwritable output named by the user
-        print(f"fsdp-patch: {exc}", file=sys.stderr)
+    except (DemoInputError, TraceFileError, OSError) as exc:  # OSError: an input or output the user named
+        print(f"{_prog(args)}: {exc}".replace("\n", " "), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("fsdp-patch: interrupted", file=sys.stderr)

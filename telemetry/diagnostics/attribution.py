@@ -250,8 +250,8 @@ class Attribution:
             count = self._unstepped[slot.name] = self._unstepped.get(slot.name, 0) + 1 if unstepped else 0
             if count >= self.window:
                 findings.unstepped += 1
-                cause = semconv.UNSTEPPED_NO_UPDATE if context.in_optimizer else semconv.UNSTEPPED_NOT_IN_OPTIMIZER
-                ranked[semconv.DIAGNOSTIC_UNSTEPPED].append((count, index, None, cause))
+                why = semconv.UNSTEPPED_NO_UPDATE if context.in_optimizer else semconv.UNSTEPPED_NOT_IN_OPTIMIZER
+                ranked[semconv.DIAGNOSTIC_UNSTEPPED].append((count, index, None, why))
             if stepping:
                 stepped_any = True
                 stepped_changed += row[ps.CHANGED]
@@ -260,9 +260,9 @@ class Attribution:
         findings.skipped = stepped_any and stepped_changed == 0 and stepped_grad and not stepped_nonfinite
         for diagnostic in semconv.DIAGNOSTICS:
             entries = sorted(ranked[diagnostic], key=lambda e: (-e[0], e[1]))[: self.top_k]
-            for value, index, key, cause in entries:
+            for value, index, state_key, cause in entries:
                 shown = -value if diagnostic == semconv.DIAGNOSTIC_UPDATE_RESOLUTION else value
-                findings.offenders.append(Offender(diagnostic, index, float(shown), key, cause))
+                findings.offenders.append(Offender(diagnostic, index, float(shown), state_key, cause))
         if self.first_nonfinite is None:
             self.first_nonfinite = findings.first_nonfinite = _first_nonfinite(step, rows, contexts, ranks_of)
         return findings

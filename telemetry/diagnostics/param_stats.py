@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -122,10 +122,7 @@ def param_table(
     table: list[ParamSlot] = []
     for g, group in enumerate(groups):
         w = precision._weights_of(group, default_compute_dtype)
-        if w.computes is not None:
-            dtype = w.computes[0].dtype
-        else:
-            dtype = w.compute_dtype
+        dtype: torch.dtype | None = w.computes[0].dtype if w.computes is not None else w.compute_dtype
         if hasattr(group, "main_weights"):
             names = list(getattr(group, "names", None) or [f"group{g}.{i}" for i in range(len(w.mains))])
             unit = getattr(group, "unit_name", "")
@@ -248,24 +245,29 @@ def _weight_chunk(
     mask = _masks.get("mask", m, n)
     changed = _count_true(torch.ne(precision._bits(m), precision._bits(mb), out=mask))
     rows.add(row, CHANGED, changed)
-    if compute is None and compute_dtype is None:  # the compute weight is the main weight
+    scratch = precision._scratch
+    if compute is not None:
+        c = compute
+    elif compute_dtype is not None:
+        c = scratch.get("compute", m, compute_dtype, n).copy_(m)
+    else:  # the compute weight is the main weight
         if not healthy:
             _count_nonfinite(rows, row, m, MAIN_NAN, MAIN_INF)
             _count_nonfinite(rows, row, m, COMPUTE_NAN, COMPUTE_INF)
             rows.add(row, MAIN_SQ, _sq_norm(torch.where(torch.isfinite(m), m, 0.0)))
         return
-    scratch = precision._scratch
-    c = compute if compute is not None else scratch.get("compute", m, compute_dtype, n).copy_(m)
     wide_dtype = torch.promote_types(torch.promote_types(m.dtype, c.dtype), torch.float32)
     # The compute weight widened once: a subtraction and a count of one dtype each run faster than
     # their mixed-dtype forms, which widen element by element.
     wide = scratch.get("compute_wide", m, wide_dtype, n).copy_(c)
-    if compute is None:
-        cb = scratch.get("compute_before", m, compute_dtype, n).copy_(mb)
+    if compute is None:  # derived: c is the main weight cast to compute_dtype
+        cb = scratch.get("compute_before", m, c.dtype, n).copy_(mb)
         other = _masks.get("mask2", m, n)
         rows.add(row, LOST, changed - _count_true(torch.ne(precision._bits(c), precision._bits(cb), out=other)))
         rows.add(row, UNDERFLOW, _nonzero(mask, m) - _nonzero(other, c))
     else:
+        if compute_before is None:
+            raise ValueError("a materialized compute weight needs its copy from before the step: none was given")
         cb = compute_before
         kept = _masks.get("mask2", m, n)
         torch.eq(precision._bits(c), precision._bits(cb), out=kept)
@@ -326,6 +328,15 @@ class _Segment:
     states: Sequence[StateTensor] = field(default_factory=tuple)
 
 
+@overload
+def _narrow(t: torch.Tensor, start: int, length: int) -> torch.Tensor: ...
+@overload
+def _narrow(t: None, start: int, length: int) -> None: ...
+def _narrow(t: torch.Tensor | None, start: int, length: int) -> torch.Tensor | None:
+    """Elements ``start:start + length`` of a flat tensor (a view); ``None`` (no such tensor) passes through."""
+    return None if t is None else t.narrow(0, start, length)
+
+
 def _segments(snapshot: precision.PrecisionSnapshot, groups: Sequence[Any], table: Sequence[ParamSlot],
               states: Sequence[Sequence[StateTensor]] | None) -> list[_Segment]:  # fmt: skip
     if len(groups) != len(snapshot.main_weights):
@@ -340,18 +351,16 @@ def _segments(snapshot: precision.PrecisionSnapshot, groups: Sequence[Any], tabl
     for index, slot in enumerate(table):
         w = weights[slot.group]
 
-        def cut(t: torch.Tensor | None, slot: ParamSlot = slot) -> torch.Tensor | None:
-            return None if t is None else t.narrow(0, slot.start, slot.length)
-
+        start, length = slot.start, slot.length
         computes_before = snapshot.compute_weights[slot.group]
         out.append(_Segment(
             slot,
-            cut(w.mains[slot.tensor]),
-            cut(snapshot.main_weights[slot.group][slot.tensor]),
-            None if w.computes is None else cut(w.computes[slot.tensor]),
-            None if computes_before is None else cut(computes_before[slot.tensor]),
+            _narrow(w.mains[slot.tensor], start, length),
+            _narrow(snapshot.main_weights[slot.group][slot.tensor], start, length),
+            None if w.computes is None else _narrow(w.computes[slot.tensor], start, length),
+            None if computes_before is None else _narrow(computes_before[slot.tensor], start, length),
             w.compute_dtype,
-            cut(w.grads[slot.tensor]),
+            _narrow(w.grads[slot.tensor], start, length),
             () if states is None else states[index],
         ))  # fmt: skip
     return out
@@ -447,18 +456,15 @@ def local_rows(
             if healthy:  # else the chunks sum it over the elements finite in both
                 r[MAIN_SQ] = float(l2[i]) ** 2
             grad_max = found.get(("grad", i, 0))
-            if grad_max is not None:
+            if grad_max is not None and s.grad is not None:  # the plan reads a grad only where there is one
                 r[GRAD_AMAX] = grad_max if math.isfinite(grad_max) else precision.GRAD_AMAX_NONFINITE
                 if not math.isfinite(grad_max):
                     _count_nonfinite(rows, i, s.grad, GRAD_NAN, GRAD_INF)
             update = detail and s.slot.lossy and (update_slots is None or i in update_slots)
             for start in range(0, s.slot.length, chunk):
                 length = min(chunk, s.slot.length - start)
-
-                def part(t: torch.Tensor | None, start: int = start, length: int = length) -> torch.Tensor | None:
-                    return None if t is None else t.narrow(0, start, length)
-
-                _weight_chunk(rows, i, part(s.main), part(s.before), part(s.compute), part(s.compute_before),
+                _weight_chunk(rows, i, _narrow(s.main, start, length), _narrow(s.before, start, length),
+                              _narrow(s.compute, start, length), _narrow(s.compute_before, start, length),
                               s.derived_dtype, healthy, update)  # fmt: skip
             for state in s.states:
                 if state.shows_in_weight:

@@ -167,12 +167,14 @@ def _weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> _Weigh
     if getattr(group, "compute_per_gather", False):
         # No copy is kept: every all-gather casts exactly this.
         return _Weights((main,), None, group.compute_weight.dtype, grads)
-    shared = group.compute_weight is group.main_weight
-    computes = None if shared else (_flat(group.compute_weight),)
-    if not shared and computes[0].numel() != main.numel():
-        raise ValueError(
-            f"precision diagnostics need equal numel: main_weight {main.numel()}, compute_weight {computes[0].numel()}"
-        )
+    computes: tuple[torch.Tensor, ...] | None = None
+    if group.compute_weight is not group.main_weight:
+        compute = _flat(group.compute_weight)
+        if compute.numel() != main.numel():
+            raise ValueError(
+                f"precision diagnostics need equal numel: main_weight {main.numel()}, compute_weight {compute.numel()}"
+            )
+        computes = (compute,)
     if grads[0] is not None and grads[0].numel() != main.numel():
         raise ValueError(f"main_grad numel {grads[0].numel()} differs from main_weight numel {main.numel()}")
     return _Weights((main,), computes, None, grads)
@@ -228,8 +230,10 @@ def take_snapshot(
             return tuple(old)
         return tuple(foreach_clone(now))
 
-    old_mains = reuse.main_weights if reuse is not None and len(reuse.main_weights) == len(weights) else None
-    old_computes = reuse.compute_weights if old_mains is not None else None
+    old_mains: tuple[tuple[torch.Tensor, ...], ...] | None = None
+    old_computes: tuple[tuple[torch.Tensor, ...] | None, ...] | None = None
+    if reuse is not None and len(reuse.main_weights) == len(weights):
+        old_mains, old_computes = reuse.main_weights, reuse.compute_weights
     mains = tuple(copies(w.mains, old_mains[i] if old_mains else None) for i, w in enumerate(weights))
     computes = tuple(
         None if w.computes is None else copies(w.computes, old_computes[i] if old_computes else None)

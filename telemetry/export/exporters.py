@@ -181,14 +181,16 @@ class TraceFileSpanExporter(TraceFileExporter):
         super().__init__(env.trace_dir(), info.rank, dict(resource.attributes), max_bytes=_trace_max_bytes())
 
 
-def build_span_exporters(rank_info: RankInfo, resource: Resource) -> tuple[list[SpanExporter], list[TraceFileExporter]]:
+def build_span_exporters(
+    rank_info: RankInfo, resource: Resource
+) -> tuple[list[GuardedSpanExporter], list[TraceFileExporter]]:
     """Span exporters named by ``OTEL_TRACES_EXPORTER``, each guarded.
 
     Returns:
         The exporters, and the trace-file exporter among them (unguarded) if selected, to
         ask later which files it wrote.
     """
-    exporters: list[SpanExporter] = []
+    exporters: list[GuardedSpanExporter] = []
     files: list[TraceFileExporter] = []
     for name in exporter_names(TRACES_EXPORTER, TRACE_FILE):
         exporter: SpanExporter | None

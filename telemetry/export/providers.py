@@ -19,6 +19,7 @@ the wrapper and filters by :func:`shutdown`.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -129,6 +130,7 @@ def add_rank_identity(provider: Any, rank_info: RankInfo) -> None:
     Attributes already there are kept. Uses the SDK providers' own resource update (what
     they do after a fork); providers without one are left as they are.
     """
+    current: Resource | None
     if isinstance(provider, SdkTracerProvider):
         current = provider.resource
     elif isinstance(provider, SdkMeterProvider):
@@ -316,11 +318,11 @@ def flush(*, at_exit: bool = False) -> None:
     started = time.monotonic()
     millis = int(budget * 1000)
     calls = [
-        (BoundedCall(f"span flush ({p.label})", lambda p=p: p.processor.force_flush(millis)), p.local)
+        (BoundedCall(f"span flush ({p.label})", functools.partial(p.processor.force_flush, millis)), p.local)
         for p in state.span_processors
     ]
     if state.meter_provider is not None:
-        calls.append((BoundedCall("metric flush", lambda: state.meter_provider.force_flush(millis)), False))
+        calls.append((BoundedCall("metric flush", functools.partial(state.meter_provider.force_flush, millis)), False))
     _wait(calls, started, budget)
     if at_exit:
         _spend_exit_budget(time.monotonic() - started)
@@ -357,7 +359,7 @@ def shutdown() -> None:
     millis = int(budget * 1000)
     # Shutdown drains each batch queue; the trace files' also closes them and writes the Jaeger files.
     spans = [
-        (BoundedCall(f"span export at shutdown ({p.label})", lambda p=p: p.processor.shutdown()), p.local)
+        (BoundedCall(f"span export at shutdown ({p.label})", p.processor.shutdown), p.local)
         for p in state.span_processors
     ]
     for call, local in spans:
@@ -458,7 +460,7 @@ def _wrap_destroy_process_group() -> None:
     setattr(wrapper, _WRAPPED_MARK, True)
     for module in (c10d, dist):
         if getattr(module, "destroy_process_group", None) is original:
-            module.destroy_process_group = wrapper
+            setattr(module, "destroy_process_group", wrapper)  # noqa: B010 - a module's attribute, patched
 
 
 def _unwrap_destroy_process_group() -> None:
@@ -470,5 +472,5 @@ def _unwrap_destroy_process_group() -> None:
         return
     for module in (c10d, dist):
         current = getattr(module, "destroy_process_group", None)
-        if getattr(current, _WRAPPED_MARK, False):
-            module.destroy_process_group = current.__wrapped__
+        if current is not None and getattr(current, _WRAPPED_MARK, False):
+            setattr(module, "destroy_process_group", current.__wrapped__)  # noqa: B010 - a module's attribute, patched

@@ -22,12 +22,12 @@ Offline, for a crashed run or to combine ranks (inputs are files or trace direct
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import math
 import os
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -321,13 +321,10 @@ class TraceFileExporter(SpanExporter):
             _logger.info("%s is too large to convert at exit; run `fsdp-patch trace jaeger`.", self.directory)
             return
         budget = self.max_bytes - chrome_bytes if self.max_bytes else None
-        # Written aside and renamed, so an exit that cuts the conversion short leaves no torn file.
-        partial = f"{self.jaeger_path}.partial"
-        result = write_jaeger(chrome, partial, max_bytes=budget)
+        result = write_jaeger(chrome, self.jaeger_path, max_bytes=budget)
         if result.cut_short and len(chrome) > 1:
             # Over budget (an unusually high Jaeger/Chrome ratio): the newest segment alone.
-            result = write_jaeger(chrome[-1:], partial, max_bytes=budget)
-        os.replace(partial, self.jaeger_path)
+            result = write_jaeger(chrome[-1:], self.jaeger_path, max_bytes=budget)
         self._jaeger_written = True
         if result.cut_short:
             _logger.info(
@@ -341,6 +338,29 @@ class TraceFileExporter(SpanExporter):
 
 _CHROME_PREFIX = '{"displayTimeUnit":"ms","traceEvents":[\n'
 _CHROME_SUFFIX = "\n]}\n"
+
+
+@contextlib.contextmanager
+def _written_whole(output: str) -> Iterator[TextIO]:
+    """``output`` for writing, written aside (``OUTPUT.partial``) and renamed over it once complete.
+
+    A bad input met part way, a full disk or an exit that cuts the writing short leave no torn
+    output, and an earlier file at ``output`` as it was (a process killed part way leaves the
+    ``.partial`` file only).
+    """
+    partial = f"{output}.partial"
+    try:
+        file = open(partial, "w", encoding="utf-8")
+    except OSError as exc:  # named after the output the caller asked for, not the file aside
+        raise OSError(exc.errno, f"cannot write {output}: {exc.strerror}") from exc
+    try:
+        with file as out:
+            yield out
+        os.replace(partial, output)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
 
 
 def _iter_inputs(inputs: Sequence[str]) -> Iterator[dict[str, Any]]:
@@ -357,7 +377,7 @@ def merge_chrome_traces(inputs: Sequence[str], output: str) -> int:
         The number of events written.
     """
     count = 0
-    with open(output, "w", encoding="utf-8") as out:
+    with _written_whole(output) as out:
         out.write(_CHROME_PREFIX)
         for event in _iter_inputs(inputs):
             out.write((",\n" if count else "") + _encode(event))
@@ -537,30 +557,8 @@ def write_jaeger(inputs: Sequence[str], output: str, max_bytes: int | None = Non
     Returns:
         What was written.
     """
-    with open(output, "w", encoding="utf-8") as out:
+    with _written_whole(output) as out:
         stream = JaegerStream(out, max_bytes)
         for event in _iter_inputs(inputs):
             stream.feed(event)
         return stream.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``merge|jaeger OUTPUT INPUT [INPUT ...]``; inputs are trace files or directories."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 3 or args[0] not in ("merge", "jaeger"):
-        print("usage: fsdp-patch trace {merge|jaeger} OUTPUT INPUT [INPUT ...]", file=sys.stderr)
-        return 2
-    command, output, inputs = args[0], args[1], args[2:]
-    try:
-        if command == "merge":
-            print(f"wrote {merge_chrome_traces(inputs, output)} events to {output}")
-        else:
-            print(f"wrote {write_jaeger(inputs, output).traces} traces to {output}")
-    except (trace_reading.TraceFileError, OSError) as exc:
-        print(f"fsdp-patch trace {command}: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,7 +34,7 @@ from typing import Any
 import fsdp_patch.telemetry as telemetry
 import torch
 import wrapt
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # the module opts out of mypy (a file-level ignore)
 
 from fsdp_patch.adapter import NullObserver, adapt_optimizer, adaptation_of, adaptations
 from fsdp_patch.fsdp2 import fsdp2_groups
@@ -74,7 +74,7 @@ def _adapt_after_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
     return result
 
 
-class FSDPOptimizerInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+class FSDPOptimizerInstrumentor(BaseInstrumentor):
     """OpenTelemetry instrumentor of the optimizer boundary of fsdp_patch and torch FSDP2 (see the module)."""
 
     def instrumentation_dependencies(self) -> Collection[str]:

@@ -173,9 +173,9 @@ class OptimizerObserver:
             self._skipped_steps = created[semconv.METRIC_SKIPPED_STEPS]
             self._precision_steps = created[semconv.METRIC_PRECISION_STEPS]
             self._nonfinite_steps = created[semconv.METRIC_NONFINITE_STEPS]
-            self._rank_attrs = {semconv.ATTR_RANK: self.rank}
+            self._rank_attrs: dict[str, AttributeValue] = {semconv.ATTR_RANK: self.rank}
             self._attr_cache: dict[tuple[Any, ...], dict[str, AttributeValue]] = {}
-            self._nonfinite_attrs = {
+            self._nonfinite_attrs: dict[tuple[str, str], dict[str, AttributeValue]] = {
                 (t, k): {**self._rank_attrs, semconv.ATTR_TENSOR: t, semconv.ATTR_NONFINITE_KIND: k}
                 for t in semconv.TENSORS
                 for k in semconv.NONFINITE_KINDS
@@ -419,10 +419,10 @@ class OptimizerObserver:
             self._skipped_steps.add(1, self._rank_attrs)
         span = trace.get_current_span()
         if span.is_recording():
-            self._record_findings(span, step, table, findings)
+            self._record_findings(span, step, table, findings, self._attribution.top_k)
 
     def _record_findings(self, span: Span, step: int, table: Sequence[param_stats.ParamSlot],
-                         findings: attribution.StepFindings) -> None:  # fmt: skip
+                         findings: attribution.StepFindings, top_k: int) -> None:  # fmt: skip
         span.set_attributes({
             semconv.ATTR_STUCK_PARAMS: findings.stuck,
             semconv.ATTR_UNSTEPPED_PARAMS: findings.unstepped,
@@ -441,7 +441,7 @@ class OptimizerObserver:
                 semconv.ATTR_RANKS: list(first.ranks),
                 semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN if first.nan else semconv.NONFINITE_INF,
                 semconv.ATTR_PRECISION_ELEMENTS: first.nan + first.inf,
-                semconv.ATTR_PRECISION_PARAMS: [table[i].name for i in first.slots[: self._attribution.top_k]],
+                semconv.ATTR_PRECISION_PARAMS: [table[i].name for i in first.slots[:top_k]],
                 semconv.ATTR_PRECISION_PARAMS_COUNT: len(first.slots),
             }
             if first.state_key is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex, SupportsInt
 
 from .. import semconv
 
@@ -144,8 +144,10 @@ class AttributionTrace:
 
 
 def _int(value: object) -> int | None:
+    if not isinstance(value, str | bytes | bytearray | SupportsInt | SupportsIndex):
+        return None
     try:
-        return int(value)  # type: ignore[arg-type]
+        return int(value)
     except (TypeError, ValueError):
         return None
 

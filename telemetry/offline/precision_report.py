@@ -316,8 +316,8 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
         out.append(
             f"  - {threshold.finding} (first at step {finding.first_step + step_offset}){alert}: {threshold.advice}"
         )
-        for line in details(run.attribution, threshold.check, finding.first_step, NAMED_PER_FINDING, step_offset):
-            out.append(f"      {line}")
+        for detail in details(run.attribution, threshold.check, finding.first_step, NAMED_PER_FINDING, step_offset):
+            out.append(f"      {detail}")
     return "\n".join(out) + "\n"
 
 

@@ -105,7 +105,12 @@ CASES = {
     "report-corrupt-trace": (["report", "{corrupt}"], "is not a Chrome trace-event JSON file"),
     "trace-missing-input": (
         ["trace", "merge", "{tmp}/out.json", "{tmp}/none.trace.json"],
-        "fsdp-patch trace: {tmp}/none.trace.json does not exist",
+        "fsdp-patch trace merge: {tmp}/none.trace.json does not exist",
+    ),
+    "trace-empty-dir": (["trace", "jaeger", "{tmp}/out.json", "{tmp}"], "fsdp-patch trace jaeger: {tmp} holds no"),
+    "trace-unwritable-output": (
+        ["trace", "merge", "{tmp}/file/out.json", "{corrupt}"],
+        "fsdp-patch trace merge: [Errno 20]",
     ),
     "trace-unknown-tool": (["trace", "zip", "a", "b"], "invalid choice: 'zip'"),
 }
@@ -145,3 +150,24 @@ def test_the_real_command_exits_2_with_one_line(tmp_path: Path) -> None:
     want = "fsdp-patch demo: --world-size 0 is too small; expected an integer >= 1\n"
     assert result.stderr == want, f"stderr {result.stderr!r}, want {want!r}"
     assert not list(tmp_path.iterdir()), f"bad input left files: {list(tmp_path.iterdir())}"
+
+
+@pytest.mark.parametrize("tool", ["merge", "jaeger"])
+def test_bad_trace_input_leaves_no_output_and_the_old_one_as_it_was(
+    tool: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The input is a trace file that breaks part way through, so the tool has begun writing.
+    inputs = tmp_path / "corrupt"
+    inputs.mkdir()
+    (inputs / "rank0.trace.json").write_text('{"traceEvents": [{"ph": "X", "name": "a"}, {"ph": "X"} {"ph": "X"}]}')
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text("the output of an earlier run")
+    fresh = tmp_path / "fresh.json"
+    for output in (earlier, fresh):
+        code = main(["trace", tool, str(output), str(inputs)])
+        err = capsys.readouterr().err
+        assert code == 2, f"fsdp-patch trace {tool} into {output.name} exited {code}, want 2; stderr: {err!r}"
+    kept = earlier.read_text()
+    assert kept == "the output of an earlier run", f"the earlier output now reads {kept!r}"
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["corrupt", "earlier.json"], f"bad input left {left}, want only the input and the earlier output"

@@ -24,6 +24,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from telemetry_testing import Group, fake_optimizer, metric_points, run_fake_step
 
+from fsdp_patch import cli
+
 STEP_NAMES = {semconv.SPAN_STEP, *semconv.STEP_PHASE_SPANS} - {semconv.SPAN_PRECISION}
 
 
@@ -110,7 +112,7 @@ def test_summary_only_on_rank0_by_default(capsys, monkeypatch):
     assert "telemetry summary" not in capsys.readouterr().err
 
 
-def test_merge_and_jaeger_command_line(tmp_path):
+def test_merge_and_jaeger_command_line(tmp_path, capsys):
     for rank in (0, 1):
         exporter = trace_files.TraceFileExporter(str(tmp_path), rank, {"service.name": "svc", semconv.ATTR_RANK: rank})
         provider = TracerProvider()
@@ -120,15 +122,24 @@ def test_merge_and_jaeger_command_line(tmp_path):
                 inner.record_exception(ValueError("bad"))
         provider.shutdown()
     inputs = [str(tmp_path / f"rank{r}.trace.json") for r in (0, 1)]
-    assert trace_files.main(["merge", str(tmp_path / "all.json"), *inputs]) == 0
+    merged_path = str(tmp_path / "all.json")
+    code = cli.main(["trace", "merge", merged_path, *inputs])
+    out = capsys.readouterr().out
+    assert code == 0, f"fsdp-patch trace merge exited {code}"
     merged = load_trace(tmp_path / "all.json")
-    assert {e["pid"] for e in merged if e["ph"] == "X"} == {0, 1}
-    assert trace_files.main(["jaeger", str(tmp_path / "all.jaeger.json"), *inputs]) == 0
+    pids = {e["pid"] for e in merged if e["ph"] == "X"}
+    assert pids == {0, 1}, f"merged span rows {pids}, want one per rank {{0, 1}}"
+    assert out == f"wrote {len(merged)} events to {merged_path}\n", f"merge printed {out!r}"
+    jaeger_path = str(tmp_path / "all.jaeger.json")
+    code = cli.main(["trace", "jaeger", jaeger_path, str(tmp_path)])  # a trace directory as input
+    out = capsys.readouterr().out
+    assert code == 0, f"fsdp-patch trace jaeger exited {code}"
     data = json.loads((tmp_path / "all.jaeger.json").read_text())["data"]
-    assert len(data) == 2
+    assert len(data) == 2, f"{len(data)} Jaeger traces, want one per rank (2)"
+    assert out == f"wrote 2 traces to {jaeger_path}\n", f"jaeger printed {out!r}"
     inner = next(s for s in data[0]["spans"] if s["operationName"] == "inner")
-    assert inner["logs"][0]["fields"][0] == {"key": "event", "type": "string", "value": "exception"}
-    assert trace_files.main(["bogus"]) == 2
+    field = inner["logs"][0]["fields"][0]
+    assert field == {"key": "event", "type": "string", "value": "exception"}, f"first log field {field}"
 
 
 # -- providers ----------------------------------------------------------------------
