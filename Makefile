@@ -12,13 +12,16 @@ SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 # calls its collectives and foreach ops (fully_shard, the adapter, DCP, torch.compile, FSDP2 and
 # fully_shard telemetry with its precision diagnostics, the demo). Left out there, so that CI stays
 # within its time: what runs no torch code of its own (exporters, trace files, reports, settings,
-# dashboards, the set-up script, the conventions page), the installed-package test (it builds its
+# dashboards, the set-up script, the conventions page), the OpenTelemetry integration runs whose
+# torch side is the adapter's and fully_shard's (spans, exporters, trace caps, opentelemetry-instrument;
+# FSDP2's telemetry and the attribution stay in), the installed-package test (it builds its
 # own environment on the pinned torch), and the end-to-end runs of the benchmark suite and the GPU
 # check, whose torch code is the code tested above. `make test
 # OLDEST_TORCH=` leaves that out (a machine with no package registry to install it from); `make
 # test-torch TORCH=X.Y.Z` runs the same tests on any other torch release, in .venv-torchX.Y.Z.
 OLDEST_TORCH ?= 2.11.0
-TORCH_RANGE_TESTS := tests/fsdp tests/optimizer tests/integration tests/test_torch_compat.py \
+TORCH_RANGE_TESTS := tests/fsdp tests/optimizer tests/test_torch_compat.py \
+	tests/integration/test_fsdp2_telemetry.py tests/integration/test_attribution.py \
 	tests/cli/test_demo_parts.py tests/cli/test_without_opentelemetry.py \
 	tests/telemetry/test_telemetry_precision.py tests/telemetry/test_param_stats.py \
 	tests/telemetry/test_precision_across_ranks.py tests/telemetry/test_attribution_findings.py
