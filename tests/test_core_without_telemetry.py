@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.training_script import one_rank_training
+
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "fsdp_patch"
 APPLICATIONS = ("cli", "demo")
@@ -51,29 +53,12 @@ def test_core_names_telemetry_only_in_the_trigger() -> None:
     assert len(got[trigger]) == 1, f"want one reference in {trigger}, got {got[trigger]}"
 
 
-# One gloo rank: a model sharded by fully_shard, its AdamW adapted, two training steps.
-TRAIN_AND_LIST_MODULES = """
-import os, sys, tempfile
-import torch, torch.distributed as dist
-
-dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "init"), rank=0, world_size=1)
-from fsdp_patch import fully_shard
-from fsdp_patch.optimizer import fully_shard_optimizer
-
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).bfloat16()
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-fully_shard_optimizer(optimizer)
-x, y = torch.randn(32, 8).bfloat16(), torch.randn(32, 1).bfloat16()
-for _ in range(2):
-    torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-dist.destroy_process_group()
-print(sorted(m for m in sys.modules if m.startswith("fsdp_patch.telemetry")))
-print(type(optimizer.step).__name__)
-"""
+# Two adapted training steps; then which telemetry modules were loaded, and what the step is.
+TRAIN_AND_LIST_MODULES = one_rank_training(
+    2,
+    after='print(sorted(m for m in sys.modules if m.startswith("fsdp_patch.telemetry")))\n'
+    "print(type(optimizer.step).__name__)\n",
+)
 
 
 def test_training_with_telemetry_unset_imports_no_telemetry(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from opentelemetry.sdk._configuration import _import_exporters
 from opentelemetry.sdk.metrics import MeterProvider
 
 from tests.integration.test_opentelemetry_instrument import job_python_path  # noqa: F401 (a fixture)
+from tests.training_script import one_rank_training
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,25 +53,8 @@ def test_summary_reader_prints_at_shutdown(monkeypatch, capsys: pytest.CaptureFi
     assert "fsdp_patch telemetry summary: rank 0 of 1" in err and "fsdp.optimizer.cast.size [By]" in err, err
 
 
-# One gloo rank: a model sharded by fully_shard, its AdamW (adapted by the instrumentor), two steps.
-SCRIPT = """
-import os, sys, tempfile
-import torch, torch.distributed as dist
-
-dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "init"), rank=0, world_size=1)
-from fsdp_patch import fully_shard
-
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).bfloat16()
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-x, y = torch.randn(32, 8).bfloat16(), torch.randn(32, 1).bfloat16()
-for _ in range(2):
-    torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-dist.destroy_process_group()
-"""
+# Two training steps of an optimizer the instrumentor adapts.
+SCRIPT = one_rank_training(2, adapt=False)
 
 
 def test_opentelemetry_instrument_selects_them(job_python_path: str, tmp_path: Path) -> None:  # noqa: F811

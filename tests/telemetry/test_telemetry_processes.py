@@ -11,35 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.training_script import one_rank_training
+
 REPO = Path(__file__).resolve().parents[2]
 
-# One gloo rank, a model sharded by fully_shard, three adapted AdamW steps; prints the loss trend.
-TRAIN_SCRIPT = """
-import os, sys, tempfile
-import torch, torch.distributed as dist
-
-dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "init"), rank=0, world_size=1)
-from fsdp_patch import fully_shard
-from fsdp_patch.optimizer import fully_shard_optimizer
-
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).bfloat16()
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-fully_shard_optimizer(optimizer)
-x, y = torch.randn(32, 8).bfloat16(), torch.randn(32, 1).bfloat16()
-losses = []
-for _ in range(3):
-    loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    losses.append(loss.item())
-import telemetry  # the script's own module, untouched by fsdp_patch
-print("own telemetry:", telemetry.WHO)
-print("trained", losses[-1] < losses[0])
-dist.destroy_process_group()
-"""
+# Three adapted training steps beside a module of the script's own named telemetry; prints the loss trend.
+TRAIN_SCRIPT = one_rank_training(
+    3,
+    after="import telemetry  # the script's own module, untouched by fsdp_patch\n"
+    'print("own telemetry:", telemetry.WHO)\n'
+    'print("trained", losses[-1] < losses[0])\n',
+)
 
 
 # An SGD optimizer over one plain parameter, adapted through the public API, and one step.
