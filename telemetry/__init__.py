@@ -35,8 +35,8 @@ from .instrumentation.source import TelemetrySource
 if TYPE_CHECKING:
     import torch
 
-    from .diagnostics.precision import PrecisionSnapshot as PrecisionSnapshot
-    from .diagnostics.precision import PrecisionView
+    from .diagnostics.groups import PrecisionSnapshot as PrecisionSnapshot
+    from .diagnostics.groups import PrecisionView
     from .instrumentation.instrumentor import FSDPOptimizerInstrumentor
     from .instrumentation.observer import OptimizerObserver
     from .instrumentation.observer import StepScope as StepScope
@@ -56,8 +56,8 @@ _LAZY = {
     "FSDPOptimizerInstrumentor": f"{__name__}.instrumentation.instrumentor",
     "OptimizerObserver": f"{__name__}.instrumentation.observer",
     "StepScope": f"{__name__}.instrumentation.observer",
-    "PrecisionView": f"{__name__}.diagnostics.precision",
-    "PrecisionSnapshot": f"{__name__}.diagnostics.precision",
+    "PrecisionView": f"{__name__}.diagnostics.groups",
+    "PrecisionSnapshot": f"{__name__}.diagnostics.groups",
 }
 
 # Set by FSDPOptimizerInstrumentor while instrumented: the providers it was given (either may be

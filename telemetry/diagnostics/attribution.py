@@ -2,20 +2,18 @@
 
 No OpenTelemetry here: :class:`Attribution` reads each diagnosed step's rows (from
 :mod:`fsdp_patch.telemetry.diagnostics.param_stats`, already reduced over ranks) and returns plain findings,
-which :mod:`fsdp_patch.telemetry.instrumentation.observer` puts on the precision span as events; the dtype-contract
-audit (:func:`audit_dtypes`) reads the optimizer and its parameters without touching an element.
+which :mod:`fsdp_patch.telemetry.instrumentation.observer` puts on the precision span as events.
 
 What it keeps from step to step, per parameter: how many diagnosed steps in a row it was stuck
 (the main weight moved, not one element of the compute weight did) and unstepped (a non-zero
-grad, a main weight that did not change at all); whether the first NaN/Inf was recorded; which
-dtype violations were named. A parameter is named stuck or unstepped once that count reaches the
+grad, a main weight that did not change at all); whether the first NaN/Inf was recorded. A parameter is named stuck or unstepped once that count reaches the
 window (``FSDP_PATCH_PRECISION_WINDOW``), and in every diagnosed step it stays so.
 
 Alternatives considered:
     - Comparing each compute weight with a copy kept from N diagnosed steps ago: it sees slow
       drift that crosses a rounding step only over many steps, but keeps 2 bytes per element
       between steps; the run of steps without a single changed element costs nothing and names
-      what the issue is about (weights that cannot move).
+      the weights that cannot move.
     - Ranking the first NaN/Inf by element count: a NaN loss makes every grad NaN at once; the
       kind comes first (grad, then state, then main, then compute weight: the order it spreads
       within a step), then the parameters in model order, all of them counted and the first K named.
@@ -26,25 +24,32 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from .. import semconv
-from . import param_stats as ps
 from . import precision
-from .param_stats import ParamSlot
+from . import rows as row_spec
+from .optimizer_state import ParamContext
+from .rows import ParamSlot
 
-_NONFINITE_SLOTS = (ps.GRAD_NAN, ps.GRAD_INF, ps.MAIN_NAN, ps.MAIN_INF, ps.COMPUTE_NAN, ps.COMPUTE_INF)
-STATE_SLOTS = tuple(range(ps.STATE_NAN, ps.ROW))
+_NONFINITE_SLOTS = (
+    row_spec.GRAD_NAN,
+    row_spec.GRAD_INF,
+    row_spec.MAIN_NAN,
+    row_spec.MAIN_INF,
+    row_spec.COMPUTE_NAN,
+    row_spec.COMPUTE_INF,
+)
+STATE_SLOTS = tuple(range(row_spec.STATE_NAN, row_spec.ROW))
 """Row slots of the state tensors' NaN/Inf counts (pairs per state index)."""
 PER_RANK_SLOTS = (*_NONFINITE_SLOTS, *STATE_SLOTS)
 """Slots read per rank when something is non-finite (to name the ranks)."""
 
 _KIND_SLOTS = {
-    semconv.TENSOR_MAIN_GRAD: (ps.GRAD_NAN, ps.GRAD_INF),
-    semconv.TENSOR_MAIN_WEIGHT: (ps.MAIN_NAN, ps.MAIN_INF),
-    semconv.TENSOR_COMPUTE_WEIGHT: (ps.COMPUTE_NAN, ps.COMPUTE_INF),
+    semconv.TENSOR_MAIN_GRAD: (row_spec.GRAD_NAN, row_spec.GRAD_INF),
+    semconv.TENSOR_MAIN_WEIGHT: (row_spec.MAIN_NAN, row_spec.MAIN_INF),
+    semconv.TENSOR_COMPUTE_WEIGHT: (row_spec.COMPUTE_NAN, row_spec.COMPUTE_INF),
 }
 
 
@@ -57,21 +62,6 @@ step: a parameter that keeps most of its updates has them above the rounding ste
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Half the distance from 1 to the next number of ``dtype``: 2^-8 for bfloat16, 2^-11 for float16."""
     return torch.finfo(dtype).eps / 2
-
-
-@dataclass(frozen=True)
-class ParamContext:
-    """What the optimizer says about one slot's parameter this step.
-
-    Attributes:
-        in_optimizer: The parameter is in one of the optimizer's param groups.
-        lr: Its param group's learning rate (``None``: not in the optimizer, or none set).
-        state_keys: Keys of its state tensors, by state index (:class:`param_stats.StateTensor`).
-    """
-
-    in_optimizer: bool = True
-    lr: float | None = None
-    state_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,8 +129,8 @@ def _nonfinite(row: Sequence[float], slots: Iterable[int]) -> int:
 def _state_counts(row: Sequence[float]) -> list[tuple[int, int, int]]:
     """``(state index, nan, inf)`` of the state tensors with a NaN or Inf."""
     out = []
-    for index in range(ps.MAX_STATES):
-        nan, inf = int(row[ps.STATE_NAN + 2 * index]), int(row[ps.STATE_INF + 2 * index])
+    for index in range(row_spec.MAX_STATES):
+        nan, inf = int(row[row_spec.STATE_NAN + 2 * index]), int(row[row_spec.STATE_INF + 2 * index])
         if nan or inf:
             out.append((index, nan, inf))
     return out
@@ -148,26 +138,31 @@ def _state_counts(row: Sequence[float]) -> list[tuple[int, int, int]]:
 
 def refresh_error(row: Sequence[float]) -> float:
     """``||compute - main|| / ||main||`` of one row (0 when ``||main||`` is 0)."""
-    return math.sqrt(row[ps.DIFF_SQ] / row[ps.MAIN_SQ]) if row[ps.MAIN_SQ] > 0 else 0.0
+    return math.sqrt(row[row_spec.DIFF_SQ] / row[row_spec.MAIN_SQ]) if row[row_spec.MAIN_SQ] > 0 else 0.0
 
 
 def lost_ratio(row: Sequence[float]) -> float:
     """Lost among changed elements of one row (0 when none changed)."""
-    return row[ps.LOST] / row[ps.CHANGED] if row[ps.CHANGED] else 0.0
+    return row[row_spec.LOST] / row[row_spec.CHANGED] if row[row_spec.CHANGED] else 0.0
 
 
 def update_resolution(slot: ParamSlot, row: Sequence[float]) -> float | None:
     """``||Δ|| / (u ||w||)`` (see ``semconv.DIAGNOSTIC_UPDATE_RESOLUTION``); ``None`` where it is
     not defined: compute dtype as wide as the main dtype, no update, or zero weights."""
-    if not slot.lossy or row[ps.UPDATE_SQ] <= 0 or row[ps.MAIN_SQ] <= 0 or not math.isfinite(row[ps.UPDATE_SQ]):
+    if (
+        not slot.lossy
+        or row[row_spec.UPDATE_SQ] <= 0
+        or row[row_spec.MAIN_SQ] <= 0
+        or not math.isfinite(row[row_spec.UPDATE_SQ])
+    ):
         return None
     assert slot.compute_dtype is not None
-    return math.sqrt(row[ps.UPDATE_SQ] / row[ps.MAIN_SQ]) / unit_roundoff(slot.compute_dtype)
+    return math.sqrt(row[row_spec.UPDATE_SQ] / row[row_spec.MAIN_SQ]) / unit_roundoff(slot.compute_dtype)
 
 
 def _grad_moves(row: Sequence[float]) -> bool:
-    amax = row[ps.GRAD_AMAX]
-    return 0 < amax < precision.GRAD_AMAX_NONFINITE
+    amax = row[row_spec.GRAD_AMAX]
+    return 0 < amax < row_spec.GRAD_AMAX_NONFINITE
 
 
 class Attribution:
@@ -219,15 +214,17 @@ class Attribution:
             total_nonfinite = _nonfinite(row, _NONFINITE_SLOTS)
             for diagnostic, value in (
                 (semconv.METRIC_NONFINITE, total_nonfinite),
-                (semconv.METRIC_REFRESH_OVERFLOW, row[ps.OVERFLOW]),
-                (semconv.METRIC_REFRESH_UNDERFLOW, row[ps.UNDERFLOW]),
+                (semconv.METRIC_REFRESH_OVERFLOW, row[row_spec.OVERFLOW]),
+                (semconv.METRIC_REFRESH_UNDERFLOW, row[row_spec.UNDERFLOW]),
                 (semconv.METRIC_REFRESH_ERROR, refresh_error(row)),
                 (semconv.METRIC_LOST_RATIO, lost_ratio(row)),
-                (semconv.METRIC_GRAD_AMAX, row[ps.GRAD_AMAX]),
+                (semconv.METRIC_GRAD_AMAX, row[row_spec.GRAD_AMAX]),
             ):
                 if value > 0 and math.isfinite(value):
                     ranked[diagnostic].append((value, index, None, None))
-            self._last_lost[slot.name] = lost_ratio(row) if row[ps.CHANGED] else self._last_lost.get(slot.name, 1.0)
+            self._last_lost[slot.name] = (
+                lost_ratio(row) if row[row_spec.CHANGED] else self._last_lost.get(slot.name, 1.0)
+            )
             resolution = update_resolution(slot, row)
             if resolution is not None and resolution < 1:
                 ranked[semconv.DIAGNOSTIC_UPDATE_RESOLUTION].append((-resolution, index, None, None))
@@ -235,18 +232,18 @@ class Attribution:
                 findings.state_nonfinite += nan + inf
                 key = context.state_keys[state_index] if state_index < len(context.state_keys) else str(state_index)
                 ranked[semconv.DIAGNOSTIC_STATE_NONFINITE].append((nan + inf, index, key, None))
-            if row[ps.STATE_FLUSHED] > 0 and row[ps.NUMEL] > 0:
-                fraction = row[ps.STATE_FLUSHED] / row[ps.NUMEL]
+            if row[row_spec.STATE_FLUSHED] > 0 and row[row_spec.NUMEL] > 0:
+                fraction = row[row_spec.STATE_FLUSHED] / row[row_spec.NUMEL]
                 findings.state_flushed = max(findings.state_flushed, fraction)
-                ranked[semconv.DIAGNOSTIC_STATE_FLUSHED].append((fraction, index, ps.SECOND_MOMENT_KEY, None))
+                ranked[semconv.DIAGNOSTIC_STATE_FLUSHED].append((fraction, index, row_spec.SECOND_MOMENT_KEY, None))
 
-            stuck = slot.lossy and row[ps.CHANGED] > 0 and row[ps.LOST] == row[ps.CHANGED]
+            stuck = slot.lossy and row[row_spec.CHANGED] > 0 and row[row_spec.LOST] == row[row_spec.CHANGED]
             count = self._stuck[slot.name] = self._stuck.get(slot.name, 0) + 1 if stuck else 0
             if count >= self.window:
                 findings.stuck += 1
                 ranked[semconv.DIAGNOSTIC_STUCK].append((count, index, None, None))
             stepping = context.in_optimizer and (context.lr is None or context.lr > 0)
-            unstepped = _grad_moves(row) and row[ps.CHANGED] == 0 and (stepping or not context.in_optimizer)
+            unstepped = _grad_moves(row) and row[row_spec.CHANGED] == 0 and (stepping or not context.in_optimizer)
             count = self._unstepped[slot.name] = self._unstepped.get(slot.name, 0) + 1 if unstepped else 0
             if count >= self.window:
                 findings.unstepped += 1
@@ -254,9 +251,9 @@ class Attribution:
                 ranked[semconv.DIAGNOSTIC_UNSTEPPED].append((count, index, None, why))
             if stepping:
                 stepped_any = True
-                stepped_changed += row[ps.CHANGED]
+                stepped_changed += row[row_spec.CHANGED]
                 stepped_grad = stepped_grad or _grad_moves(row)
-                stepped_nonfinite = stepped_nonfinite or row[ps.GRAD_AMAX] >= precision.GRAD_AMAX_NONFINITE
+                stepped_nonfinite = stepped_nonfinite or row[row_spec.GRAD_AMAX] >= row_spec.GRAD_AMAX_NONFINITE
         findings.skipped = stepped_any and stepped_changed == 0 and stepped_grad and not stepped_nonfinite
         for diagnostic in semconv.DIAGNOSTICS:
             entries = sorted(ranked[diagnostic], key=lambda e: (-e[0], e[1]))[: self.top_k]
@@ -284,7 +281,7 @@ def _first_nonfinite(
             state_index, nan, inf = counts[0]
             keys = contexts[first].state_keys
             key = keys[state_index] if state_index < len(keys) else str(state_index)
-            slots = (ps.STATE_NAN + 2 * state_index, ps.STATE_INF + 2 * state_index)
+            slots = (row_spec.STATE_NAN + 2 * state_index, row_spec.STATE_INF + 2 * state_index)
             return FirstNonfinite(step, tensor, key, tuple(i for i, _ in hits), ranks_of(first, slots), nan, inf)
         nan_slot, inf_slot = _KIND_SLOTS[tensor]
         hits_plain = [i for i, row in enumerate(rows) if row[nan_slot] or row[inf_slot]]
@@ -313,159 +310,10 @@ def unit_rows(table: Sequence[ParamSlot], rows: Sequence[Sequence[float]]) -> di
             units[slot.unit] = list(row)
             continue
         for i, value in enumerate(row):
-            total[i] = max(total[i], value) if i == ps.GRAD_AMAX else total[i] + value
+            total[i] = max(total[i], value) if i == row_spec.GRAD_AMAX else total[i] + value
     return units
 
 
 def stats_of_row(row: Sequence[float]) -> precision.PrecisionStats:
     """The whole-model statistics type for one (unit's) row."""
-    return precision.stats_from_vector(torch.tensor(list(row[: precision._STATS_LEN]), dtype=torch.float64))
-
-
-# -- dtype contract ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ContractViolation:
-    """A tensor whose dtype the contract does not expect.
-
-    Attributes:
-        param: The parameter's fully qualified name (or its place in the param groups).
-        unit: Its unit (``""``: root, or not sharded).
-        tensor: ``main_weight``, ``main_grad`` or ``optimizer_state``.
-        state_key: The state key for optimizer state.
-        expected: The dtype the contract expects.
-        actual: The tensor's dtype.
-    """
-
-    param: str
-    unit: str
-    tensor: str
-    state_key: str | None
-    expected: torch.dtype
-    actual: torch.dtype
-
-    @property
-    def key(self) -> tuple[str, str, str | None, torch.dtype]:
-        return (self.param, self.tensor, self.state_key, self.actual)
-
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, str]]:
-    """``id(param) -> (name, unit)`` of every parameter of ``optimizer``: fully qualified names of
-    ``fully_shard``'s and FSDP2's parameters, ``param_groups[g]['params'][i]`` for the others."""
-    from fsdp_patch.fsdp2 import fsdp2_groups
-    from fsdp_patch.module import unit_name_of
-    from fsdp_patch.sharding import parameter_group_of
-
-    names: dict[int, tuple[str, str]] = {}
-    plain = []
-    for g, group in enumerate(optimizer.param_groups):
-        for i, param in enumerate(group["params"]):
-            owner = parameter_group_of(param)
-            if owner is not None:
-                names[id(param)] = (owner.names[owner.index_of(param)], unit_name_of(owner))
-            else:
-                names[id(param)] = (f"param_groups[{g}]['params'][{i}]", "")
-                plain.append(param)
-    for fsdp2 in fsdp2_groups(plain):
-        for param, name in zip(fsdp2.members, fsdp2.names, strict=True):
-            if id(param) in names:
-                names[id(param)] = (name, fsdp2.unit_name)
-    return names
-
-
-def audit_dtypes(optimizer: torch.optim.Optimizer) -> list[ContractViolation]:
-    """Every dtype the contract does not expect, without reading an element.
-
-    The contract: a ``fully_shard`` parameter's main weight in its group's main dtype and its
-    grad in the advertised main-grad dtype (``grad_dtype``); an FSDP2 parameter's main weight in
-    float32 when FSDP2 casts it for compute (mixed precision keeps the main weights wide) or
-    whenever it is bfloat16/float16 (the optimizer would update low-precision weights), its grad
-    in its own dtype; every optimizer state tensor (not ``step``) in its parameter's dtype.
-    """
-    from fsdp_patch.fsdp2 import fsdp2_groups
-    from fsdp_patch.sharding import parameter_group_of
-
-    found: list[tuple[torch.Tensor, str, str | None, torch.dtype, torch.dtype]] = []
-    plain = []
-
-    def add(param: torch.Tensor, tensor: str, key: str | None, expected: torch.dtype, actual: torch.dtype) -> None:
-        if expected != actual:
-            found.append((param, tensor, key, expected, actual))
-
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            owner = parameter_group_of(param)
-            if owner is not None:
-                add(param, semconv.TENSOR_MAIN_WEIGHT, None, owner.main_dtype, param.dtype)
-                if param.grad is not None:
-                    add(param, semconv.TENSOR_MAIN_GRAD, None, owner.grads_dtype, param.grad.dtype)
-            else:
-                plain.append(param)
-            for key, value in optimizer.state.get(param, {}).items():
-                if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
-                    add(param, semconv.TENSOR_OPTIMIZER_STATE, key, param.dtype, value.dtype)
-    for fsdp2 in fsdp2_groups(plain) if plain else ():
-        for param in fsdp2.params:
-            if param.dtype in _LOW_PRECISION:
-                add(param, semconv.TENSOR_MAIN_WEIGHT, None, torch.float32, param.dtype)
-            if param.grad is not None:
-                add(param, semconv.TENSOR_MAIN_GRAD, None, param.dtype, param.grad.dtype)
-    if not found:
-        return []
-    names = parameter_names(optimizer)  # only now: it walks FSDP2's module states
-    return [ContractViolation(*names.get(id(param), ("?", "")), tensor, key, expected, actual)
-            for param, tensor, key, expected, actual in found]  # fmt: skip
-
-
-# State whose NaN/Inf reaches the main weight within the step that wrote it, whatever the learning
-# rate (the update adds a multiple of it: Adam's param.addcdiv_(exp_avg, denom), SGD's
-# param.add_(momentum_buffer); 0 * Inf is NaN too), for these classes exactly (a subclass may step
-# otherwise). A second moment is not among them: an Inf there makes the update 0, not NaN.
-SHOWS_IN_WEIGHT: dict[type, frozenset[str]] = {
-    torch.optim.Adam: frozenset({"exp_avg"}),
-    torch.optim.AdamW: frozenset({"exp_avg"}),
-    torch.optim.SGD: frozenset({"momentum_buffer"}),
-}
-
-
-def state_tensors(
-    optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]
-) -> tuple[list[list[ps.StateTensor]], list[tuple[str, ...]]]:
-    """Per slot, its optimizer state tensors (local shards, flattened; the first
-    ``param_stats.MAX_STATES`` floating tensors that are not 0-d, in the state's order) and their keys."""
-    shows = SHOWS_IN_WEIGHT.get(type(optimizer), frozenset())
-    tensors: list[list[ps.StateTensor]] = []
-    keys: list[tuple[str, ...]] = []
-    for slot in table:
-        state = optimizer.state.get(slot.param, None) if slot.param is not None else None
-        found: list[ps.StateTensor] = []
-        for key, value in (state or {}).items():
-            if len(found) == ps.MAX_STATES:
-                break
-            if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
-                local = getattr(value, "_local_tensor", value)
-                found.append(ps.StateTensor(key, len(found), local.detach().reshape(-1), key in shows))
-        tensors.append(found)
-        keys.append(tuple(s.key for s in found))
-    return tensors, keys
-
-
-def contexts_for(
-    optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot], keys: Sequence[tuple[str, ...]]
-) -> list[ParamContext]:
-    """Per slot, whether the optimizer holds its parameter, and at which learning rate."""
-    lr_of: dict[int, Any] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            lr_of.setdefault(id(param), group.get("lr"))
-    out = []
-    for slot, state_keys in zip(table, keys, strict=True):
-        held = slot.param is not None and id(slot.param) in lr_of
-        lr = lr_of.get(id(slot.param)) if held else None
-        value = float(lr) if isinstance(lr, (int, float)) or torch.is_tensor(lr) else None
-        out.append(ParamContext(held or slot.param is None, value, state_keys))
-    return out
+    return precision.stats_from_values(row[: row_spec.WHOLE_MODEL_SLOTS])

@@ -19,7 +19,9 @@ from opentelemetry.util.types import AttributeValue
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 
 from .. import env, semconv
-from ..diagnostics import attribution, param_stats, precision
+from ..diagnostics import attribution, dtype_contract, optimizer_state, param_stats, precision
+from ..diagnostics import rows as row_spec
+from ..diagnostics.groups import PrecisionSnapshot, first_process_group, take_snapshot
 from ..export import providers
 from ..export.isolation import WarnOnce
 from ..export.ranks import distributed_rank
@@ -129,7 +131,7 @@ class OptimizerObserver:
         self._warn = WarnOnce(_logger)
         self._lock = threading.Lock()
         self._ready = False
-        self._kept_snapshot: precision.PrecisionSnapshot | None = None
+        self._kept_snapshot: PrecisionSnapshot | None = None
         top_k = env.precision_top_k()
         self._attribution = attribution.Attribution(top_k, env.precision_window()) if top_k else None
         self._unit_detail = env.precision_detail() == semconv.DETAIL_UNIT
@@ -356,18 +358,18 @@ class OptimizerObserver:
         every = self._precision_every
         return every > 0 and (step_number == 1 or step_number % every == 0)
 
-    def precision_begin(self, groups: Sequence[Any]) -> precision.PrecisionSnapshot:
+    def precision_begin(self, groups: Sequence[Any]) -> PrecisionSnapshot:
         """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``.
 
         With diagnostics on every step the copy's buffers are kept and reused from step to step
         (memory the diagnostics need on each step anyway); with a longer interval they are
         released after each diagnostic step.
         """
-        snapshot = precision.take_snapshot(groups, self._default_compute_dtype, reuse=self._kept_snapshot)
+        snapshot = take_snapshot(groups, self._default_compute_dtype, reuse=self._kept_snapshot)
         self._kept_snapshot = snapshot if self._precision_every == 1 else None
         return snapshot
 
-    def precision_end(self, snapshot: precision.PrecisionSnapshot, groups: Sequence[Any]) -> None:
+    def precision_end(self, snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> None:
         """Compute, reduce across ranks and record the diagnostics; call after the refresh.
 
         One row of numbers per parameter (:mod:`param_stats`), every rank's rows combined by one
@@ -379,26 +381,26 @@ class OptimizerObserver:
         self._ensure_ready()
         detail = self._attribution is not None
         optimizer = self._optimizer_ref()
-        table: list[param_stats.ParamSlot] | None = None
+        table: list[row_spec.ParamSlot] | None = None
         keys: list[tuple[str, ...]] = []
         try:
-            table = param_stats.param_table(groups, self._default_compute_dtype, per_parameter=detail)
+            table = row_spec.param_table(groups, self._default_compute_dtype, per_parameter=detail)
             states, update_slots = None, None
             if self._attribution is not None:
                 update_slots = self._attribution.update_slots(table)
                 if optimizer is not None:
-                    states, keys = attribution.state_tensors(optimizer, table)
-            local = param_stats.payload(
+                    states, keys = optimizer_state.state_tensors(optimizer, table)
+            local = row_spec.payload(
                 param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots)
             )
         except Exception as exc:
             self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
-            count = len(table) if table is not None else param_stats.slot_count(groups, per_parameter=detail)
-            local = param_stats.failed_payload(count, self._parameter_device())
-        gathered = param_stats.gather_rows(local, precision.first_process_group(groups))
-        reduced, complete = param_stats.split_status(param_stats.reduce_gathered(gathered))
-        stats = precision.stats_from_vector(param_stats.totals(reduced))
+            count = len(table) if table is not None else row_spec.slot_count(groups, per_parameter=detail)
+            local = row_spec.failed_payload(count, self._parameter_device())
+        gathered = row_spec.gather_rows(local, first_process_group(groups))
+        reduced, complete = row_spec.split_status(row_spec.reduce_gathered(gathered))
+        stats = precision.stats_from_vector(row_spec.totals(reduced))
         if not (complete and stats.complete) or table is None:
             return
         rows = reduced.tolist()
@@ -407,7 +409,7 @@ class OptimizerObserver:
             return
         if not keys:
             keys = [()] * len(table)
-        contexts = attribution.contexts_for(optimizer, table, keys)
+        contexts = optimizer_state.contexts_for(optimizer, table, keys)
 
         def ranks_of(slot: int, slots: Sequence[int]) -> tuple[int, ...]:
             counts = gathered[:, slot, list(slots)].sum(dim=1).tolist()
@@ -421,7 +423,7 @@ class OptimizerObserver:
         if span.is_recording():
             self._record_findings(span, step, table, findings, self._attribution.top_k)
 
-    def _record_findings(self, span: Span, step: int, table: Sequence[param_stats.ParamSlot],
+    def _record_findings(self, span: Span, step: int, table: Sequence[row_spec.ParamSlot],
                          findings: attribution.StepFindings, top_k: int) -> None:  # fmt: skip
         span.set_attributes({
             semconv.ATTR_STUCK_PARAMS: findings.stuck,
@@ -461,7 +463,7 @@ class OptimizerObserver:
                 attrs[semconv.ATTR_CAUSE] = offender.cause
             span.add_event(semconv.EVENT_OFFENDER, attrs)
 
-    def _record_precision(self, stats: precision.PrecisionStats, table: Sequence[param_stats.ParamSlot],
+    def _record_precision(self, stats: precision.PrecisionStats, table: Sequence[row_spec.ParamSlot],
                           rows: Sequence[Sequence[float]]) -> None:  # fmt: skip
         # Every diagnosed step adds to both (0 for a clean step), so the series exist from step 1.
         self._precision_steps.add(1, self._rank_attrs)
@@ -518,7 +520,7 @@ class OptimizerObserver:
             return
         self._audited_state = optimizer.state
         try:
-            violations = attribution.audit_dtypes(optimizer)
+            violations = dtype_contract.audit_dtypes(optimizer)
         except Exception as exc:
             self._warn("audit", "fsdp_patch telemetry: the dtype-contract audit failed on rank %d (%s: %s).",
                        self.rank, type(exc).__name__, exc)  # fmt: skip

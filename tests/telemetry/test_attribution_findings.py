@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from fsdp_patch.telemetry import env, semconv
-from fsdp_patch.telemetry.diagnostics import attribution, precision
-from fsdp_patch.telemetry.diagnostics import param_stats as ps
-from fsdp_patch.telemetry.diagnostics.param_stats import ParamSlot
+from fsdp_patch.telemetry.diagnostics import attribution, dtype_contract
+from fsdp_patch.telemetry.diagnostics import rows as ps
+from fsdp_patch.telemetry.diagnostics.optimizer_state import ParamContext
+from fsdp_patch.telemetry.diagnostics.rows import ParamSlot
 from telemetry_testing import Group, run_fake_step
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -41,7 +42,7 @@ def offenders(findings: attribution.StepFindings, diagnostic: str) -> list[tuple
 def test_first_nonfinite_is_the_grad_before_the_state_and_weights_and_recorded_once() -> None:
     table = [slot("a"), slot("b", "blocks.0"), slot("c")]
     rows = [row(main_nan=1, compute_nan=1, state_nan=1), row(grad_inf=2, main_nan=2), healthy()]
-    contexts = [attribution.ParamContext(state_keys=("exp_avg",))] * 3
+    contexts = [ParamContext(state_keys=("exp_avg",))] * 3
     asked = []
 
     def ranks_of(i: int, slots) -> tuple[int, ...]:
@@ -61,7 +62,7 @@ def test_state_comes_before_the_weight_it_makes_nan() -> None:
     table = [slot("a"), slot("b")]
     rows = [row(main_nan=1), row()]
     rows[1][ps.STATE_INF + 2] = 4  # b's second state tensor
-    contexts = [attribution.ParamContext(), attribution.ParamContext(state_keys=("exp_avg", "exp_avg_sq"))]
+    contexts = [ParamContext(), ParamContext(state_keys=("exp_avg", "exp_avg_sq"))]
     first = attribution.Attribution(3, 3).analyze(2, table, rows, contexts, lambda i, s: (0, 1)).first_nonfinite
     assert (first.tensor, first.state_key, first.slots, first.ranks, first.inf) == (
         semconv.TENSOR_OPTIMIZER_STATE,
@@ -81,9 +82,7 @@ def test_offenders_are_the_top_k_worst_first_and_only_what_has_a_value() -> None
         healthy(),
     ]
     rows[3][ps.LOST] = 9
-    findings = attribution.Attribution(top_k=2, window=3).analyze(
-        1, table, rows, [attribution.ParamContext()] * 4, no_ranks
-    )
+    findings = attribution.Attribution(top_k=2, window=3).analyze(1, table, rows, [ParamContext()] * 4, no_ranks)
     assert offenders(findings, semconv.METRIC_LOST_RATIO) == [(1, 1.0), (3, 0.9)]
     assert offenders(findings, semconv.METRIC_GRAD_AMAX) == [(2, 2.0), (0, 0.5)]
     resolution = offenders(findings, semconv.DIAGNOSTIC_UPDATE_RESOLUTION)
@@ -102,7 +101,7 @@ def test_stuck_needs_the_window_and_resets() -> None:
     stuck = [row(changed=10, lost=10, grad_amax=1.0, main_sq=1.0), row(changed=10, lost=0, grad_amax=1.0, main_sq=1.0)]
     moving = [row(changed=10, lost=9, grad_amax=1.0, main_sq=1.0), stuck[1]]
     tracker = attribution.Attribution(top_k=3, window=3)
-    contexts = [attribution.ParamContext()] * 2
+    contexts = [ParamContext()] * 2
     counts = [
         tracker.analyze(s, table, r, contexts, no_ranks)
         for s, r in enumerate([stuck, stuck, stuck, stuck, moving, stuck], 1)
@@ -115,8 +114,8 @@ def test_stuck_needs_the_window_and_resets() -> None:
 def test_unstepped_names_the_cause_and_spares_an_lr_of_zero() -> None:
     table = [slot("left.out"), slot("frozen.lr"), slot("copy")]
     rows = [row(grad_amax=1.0), row(grad_amax=1.0), row(grad_amax=1.0)]
-    contexts = [attribution.ParamContext(in_optimizer=False), attribution.ParamContext(lr=0.0),
-                attribution.ParamContext(lr=1e-3)]  # fmt: skip
+    contexts = [ParamContext(in_optimizer=False), ParamContext(lr=0.0),
+                ParamContext(lr=1e-3)]  # fmt: skip
     tracker = attribution.Attribution(top_k=5, window=2)
     tracker.analyze(1, table, rows, contexts, no_ranks)
     findings = tracker.analyze(2, table, rows, contexts, no_ranks)
@@ -128,12 +127,10 @@ def test_unstepped_names_the_cause_and_spares_an_lr_of_zero() -> None:
 
 def test_a_skipped_step_needs_finite_grads() -> None:
     table = [slot("a")]
-    nan_grads = [row(grad_amax=precision.GRAD_AMAX_NONFINITE, grad_nan=3)]
-    findings = attribution.Attribution(3, 3).analyze(
-        1, table, nan_grads, [attribution.ParamContext()], lambda i, s: (0,)
-    )
+    nan_grads = [row(grad_amax=ps.GRAD_AMAX_NONFINITE, grad_nan=3)]
+    findings = attribution.Attribution(3, 3).analyze(1, table, nan_grads, [ParamContext()], lambda i, s: (0,))
     assert not findings.skipped, "a step skipped for NaN grads (a loss scaler) is the NaN finding, not a silent skip"
-    moving = attribution.Attribution(3, 3).analyze(1, table, [healthy()], [attribution.ParamContext()], no_ranks)
+    moving = attribution.Attribution(3, 3).analyze(1, table, [healthy()], [ParamContext()], no_ranks)
     assert not moving.skipped
 
 
@@ -152,11 +149,11 @@ def test_units_sum_their_parameters() -> None:
 def test_audit_names_optimizer_state_in_another_dtype() -> None:
     p = torch.nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    assert attribution.audit_dtypes(optimizer) == []
+    assert dtype_contract.audit_dtypes(optimizer) == []
     optimizer.state[p]["momentum_buffer"] = torch.zeros(4, dtype=BF16)
     optimizer.state[p]["step"] = torch.tensor(3.0)  # 0-d: not a per-element state tensor
-    (violation,) = attribution.audit_dtypes(optimizer)
-    want = attribution.ContractViolation("param_groups[0]['params'][0]", "", semconv.TENSOR_OPTIMIZER_STATE,
+    (violation,) = dtype_contract.audit_dtypes(optimizer)
+    want = dtype_contract.ContractViolation("param_groups[0]['params'][0]", "", semconv.TENSOR_OPTIMIZER_STATE,
                                          "momentum_buffer", FP32, BF16)  # fmt: skip
     assert violation == want, f"want {want}, got {violation}"
 

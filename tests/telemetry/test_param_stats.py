@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 from fsdp_patch.telemetry import semconv
-from fsdp_patch.telemetry.diagnostics import param_stats as ps
-from fsdp_patch.telemetry.diagnostics import precision
+from fsdp_patch.telemetry.diagnostics import kernels, param_stats, precision
+from fsdp_patch.telemetry.diagnostics import rows as ps
+from fsdp_patch.telemetry.diagnostics.groups import take_snapshot
 from telemetry_testing import reference_stats, to_numpy
 
 from fsdp_patch.sharding.layout import GroupLayout
@@ -67,7 +68,7 @@ def flat_group(
 
 
 def step(groups: list, news: list[torch.Tensor], states=None, detail: bool = True):
-    snapshot = precision.take_snapshot(groups)
+    snapshot = take_snapshot(groups)
     befores = [
         (g.main_weight.clone(), None if g.compute_weight is g.main_weight else g.compute_weight.clone()) for g in groups
     ]
@@ -76,7 +77,7 @@ def step(groups: list, news: list[torch.Tensor], states=None, detail: bool = Tru
         if group.compute_weight is not group.main_weight:
             group.compute_weight.copy_(group.main_weight)
     table = ps.param_table(groups)
-    rows = ps.local_rows(snapshot, groups, table, states, detail=detail)
+    rows = param_stats.local_rows(snapshot, groups, table, states, detail=detail)
     return table, rows.tolist(), befores
 
 
@@ -95,10 +96,10 @@ def reference_row(main_before, compute_before, main_after, compute_after, grad) 
 
 
 @pytest.mark.parametrize("rank", [1, 2])
-@pytest.mark.parametrize("chunk", [precision.CHUNK_ELEMENTS, 9000, 13])
+@pytest.mark.parametrize("chunk", [kernels.CHUNK_ELEMENTS, 9000, 13])
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float16, None])
 def test_rows_equal_a_per_tensor_reference(monkeypatch, chunk: int, compute_dtype, rank: int) -> None:
-    monkeypatch.setattr(precision, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", chunk)
     group, new = flat_group(seed=1, compute_dtype=compute_dtype, rank=rank)
     table, rows, ((main_before, compute_before),) = step([group], [new])
     assert [s.name for s in table] == NAMES
@@ -137,7 +138,7 @@ def test_rows_add_up_to_the_whole_model_vector() -> None:
     group, new = flat_group(seed=2)
     table, rows, _ = step([group], [new])
     group2, new2 = flat_group(seed=2)
-    snapshot = precision.take_snapshot([group2])
+    snapshot = take_snapshot([group2])
     group2.main_weight.copy_(new2)
     group2.compute_weight.copy_(group2.main_weight)
     whole = precision.local_stats(snapshot, [group2]).tolist()  # one slot for the whole buffer
@@ -150,13 +151,13 @@ def test_rows_add_up_to_the_whole_model_vector() -> None:
 
 
 def test_word_count_ignores_what_earlier_masks_left() -> None:
-    long = ps._masks.get("mask", torch.zeros(1), 40_000)
+    long = kernels.masks.get("mask", torch.zeros(1), 40_000)
     long.fill_(True)
     for n in (16_384, 17_000, 20_001, 39_999):
-        mask = ps._masks.get("mask", torch.zeros(1), n)
+        mask = kernels.masks.get("mask", torch.zeros(1), n)
         mask.fill_(False)
         mask[::3] = True
-        got, want = int(ps._count_true(mask)), int(torch.count_nonzero(mask))
+        got, want = int(kernels.count_true(mask)), int(torch.count_nonzero(mask))
         assert got == want, f"n={n}: word count {got}, count_nonzero {want}"
 
 
@@ -201,11 +202,11 @@ def test_table_of_tensor_list_groups_names_and_aligns_grads() -> None:
     group = ListGroup(
         [m.clone() for m in mains], [torch.ones(5), torch.full((4,), 2.0)], torch.bfloat16, ["x", "y", "z"]
     )
-    snapshot = precision.take_snapshot([group])
+    snapshot = take_snapshot([group])
     for weight in group.main_weights:
         weight.add_(1.0)
     table = ps.param_table([group])
-    rows = ps.local_rows(snapshot, [group], table).tolist()
+    rows = param_stats.local_rows(snapshot, [group], table).tolist()
     assert [(s.name, s.unit, s.length) for s in table] == [
         ("x", "blocks.3", 5),
         ("y", "blocks.3", 0),
@@ -217,11 +218,11 @@ def test_table_of_tensor_list_groups_names_and_aligns_grads() -> None:
 
 def test_snapshot_mismatch_is_a_clear_error() -> None:
     group, _ = flat_group(seed=4)
-    snapshot = precision.take_snapshot([group])
+    snapshot = take_snapshot([group])
     with pytest.raises(ValueError, match="snapshot holds 1 groups, got 2"):
-        ps.local_rows(snapshot, [group, group], ps.param_table([group, group]))
+        param_stats.local_rows(snapshot, [group, group], ps.param_table([group, group]))
     with pytest.raises(ValueError, match="optimizer state given for 1 parameters, the table has 5"):
-        ps.local_rows(snapshot, [group], ps.param_table([group]), [[]])
+        param_stats.local_rows(snapshot, [group], ps.param_table([group]), [[]])
 
 
 def test_failed_payload_marks_the_step_incomplete() -> None:

@@ -96,12 +96,13 @@ def test_a_diagnosed_step_reports_global_values_under_the_right_names(dist_pool)
 def planted_stats() -> dict[str, float]:
     """The diagnostics' own result for the planted groups: snapshot before the step, stats after it."""
     from fsdp_patch.telemetry.diagnostics import precision
+    from fsdp_patch.telemetry.diagnostics.groups import take_snapshot
 
     from fsdp_patch import parameter_groups
 
     model, optimizer, _ = _planted_model()
     groups = parameter_groups(model)
-    snapshot = precision.take_snapshot(groups)
+    snapshot = take_snapshot(groups)
     optimizer.step()  # telemetry is off here: the adapter refreshes the compute weights
     stats = precision.compute_stats(snapshot, groups)
     return {"grad_amax": stats.grad_amax, "overflow": stats.overflow, "underflow": stats.underflow}

@@ -14,7 +14,7 @@ import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
 from fsdp_patch.telemetry import OptimizerObserver, env, precision_thresholds
-from fsdp_patch.telemetry.diagnostics import precision
+from fsdp_patch.telemetry.diagnostics import rows
 from fsdp_patch.telemetry.export import providers
 from fsdp_patch.telemetry.offline import precision_report
 from telemetry_testing import Group, fake_optimizer, run_fake_step
@@ -91,7 +91,7 @@ def test_lost_updates_are_not_reported_on_steps_whose_weights_hold_nan(tmp_path:
 
 
 def test_the_reports_marker_is_the_value_the_diagnostics_record() -> None:
-    got, want = precision_thresholds.GRAD_AMAX_NONFINITE_MARK, precision.GRAD_AMAX_NONFINITE
+    got, want = precision_thresholds.GRAD_AMAX_NONFINITE_MARK, rows.GRAD_AMAX_NONFINITE
     assert got == want, f"the report reads {got!r} as 'no finite grad amax', the diagnostics record {want!r}"
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from fsdp_patch.telemetry import semconv
-from fsdp_patch.telemetry.diagnostics import precision
+from fsdp_patch.telemetry.diagnostics import kernels, precision, rows
+from fsdp_patch.telemetry.diagnostics.groups import PrecisionView, take_snapshot
 from telemetry_testing import Group, point_value, reference_stats, run_fake_step, to_numpy
 
 NAN, INF = math.nan, math.inf
@@ -26,7 +27,7 @@ def messy_fp16_group() -> tuple[Group, torch.Tensor]:
 
 def step_and_measure(groups, new_mains):
     """Snapshot, write the new main weights, refresh, and compute the diagnostics."""
-    snapshot = precision.take_snapshot(groups)
+    snapshot = take_snapshot(groups)
     before = [(to_numpy(g.main_weight), None if g.compute_weight is g.main_weight else to_numpy(g.compute_weight))
               for g in groups]  # fmt: skip
     for group, new in zip(groups, new_mains, strict=True):
@@ -60,7 +61,7 @@ def test_hand_counted_diagnostics_fp32_main_fp16_compute():
     assert stats.lost == 4  # 1+1e-5, 2e-8 (0 -> 0), 7.1e4 (inf -> inf), 1-1e-6
     assert stats.lost_ratio == pytest.approx(4 / 7)
     # a NaN/Inf grad has no finite largest |grad|: off the scale, never 0 (vanishing)
-    assert stats.grad_amax == precision.GRAD_AMAX_NONFINITE
+    assert stats.grad_amax == rows.GRAD_AMAX_NONFINITE
     assert stats.complete
 
     # ... and the independent numpy reference agrees on every count.
@@ -109,7 +110,7 @@ def test_chunking_does_not_change_results(monkeypatch):
     groups, new_mains = clean_groups(seed=3, n=257)
     whole, _ = step_and_measure(groups, new_mains)
     groups, new_mains = clean_groups(seed=3, n=257)
-    monkeypatch.setattr(precision, "CHUNK_ELEMENTS", 10)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 10)
     chunked, _ = step_and_measure(groups, new_mains)
     assert chunked.nonfinite == whole.nonfinite
     assert (chunked.changed, chunked.lost, chunked.grad_amax) == (whole.changed, whole.lost, whole.grad_amax)
@@ -184,7 +185,7 @@ def test_observer_records_the_diagnostics(otel, make_observer, monkeypatch):
     assert point_value(points, semconv.METRIC_REFRESH_OVERFLOW) == 1
     assert point_value(points, semconv.METRIC_REFRESH_UNDERFLOW) == 1
     assert point_value(points, semconv.METRIC_LOST_RATIO) == pytest.approx(4 / 7)
-    assert point_value(points, semconv.METRIC_GRAD_AMAX) == precision.GRAD_AMAX_NONFINITE
+    assert point_value(points, semconv.METRIC_GRAD_AMAX) == rows.GRAD_AMAX_NONFINITE
     assert all(p.attributes[semconv.ATTR_RANK] == 0 for name in points for p in points[name])
 
     # A second, clean diagnostic step: counters accumulate, gauges show the latest value.
@@ -237,7 +238,7 @@ def test_local_failure_is_reported_once_and_records_nothing(otel, make_observer,
 
 def test_protocol_is_satisfied_by_the_test_group():
     group, _ = messy_fp16_group()
-    assert isinstance(group, precision.PrecisionView)
+    assert isinstance(group, PrecisionView)
     assert np.isnan(to_numpy(group.main_grad)).sum() == 1
 
 
@@ -254,14 +255,14 @@ class ListGroup:
 
 @pytest.mark.parametrize("compute_dtype", [torch.float16, torch.bfloat16])
 def test_tensor_list_groups_against_numpy_reference(compute_dtype, monkeypatch):
-    monkeypatch.setattr(precision, "CHUNK_ELEMENTS", 7)  # several chunks per tensor
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 7)  # several chunks per tensor
     messy, after = messy_fp16_group()
     g = torch.Generator().manual_seed(5)
     mains = [messy.main_weight.clone(), torch.randn(33, generator=g), torch.zeros(0)]
     new = [after, mains[1] + torch.where(torch.rand(33, generator=g) < 0.5, 1e-6, 1e-1), torch.zeros(0)]
     grads = [messy.main_grad.float(), torch.randn(33, generator=g)]  # the empty shard has no grad
     group = ListGroup([m.clone() for m in mains], grads, compute_dtype)
-    snapshot = precision.take_snapshot([group])
+    snapshot = take_snapshot([group])
     for weight, value in zip(group.main_weights, new, strict=True):
         weight.copy_(value)
     stats = precision.compute_stats(snapshot, [group])
@@ -278,7 +279,7 @@ def test_tensor_list_groups_against_numpy_reference(compute_dtype, monkeypatch):
         assert getattr(stats, key) == reference[key], f"{key}: want {reference[key]}, got {getattr(stats, key)}"
     assert stats.lost_ratio == pytest.approx(reference["lost_ratio"], rel=1e-12)
     assert stats.refresh_error == pytest.approx(reference["refresh_error"], rel=1e-5)
-    assert stats.grad_amax == reference["grad_amax"] == precision.GRAD_AMAX_NONFINITE
+    assert stats.grad_amax == reference["grad_amax"] == rows.GRAD_AMAX_NONFINITE
     if compute_dtype == torch.float16:  # 7.1e4 overflows fp16, 2e-8 underflows it
         assert (stats.overflow, stats.underflow) == (1, 1)
 
@@ -291,7 +292,7 @@ def test_user_given_compute_dtype_applies_where_the_policy_names_none():
     results = {}
     for default in (None, torch.bfloat16):
         group = ListGroup([main.clone()], [torch.ones(64)], compute_dtype=None)
-        snapshot = precision.take_snapshot([group], default_compute_dtype=default)
+        snapshot = take_snapshot([group], default_compute_dtype=default)
         group.main_weights[0].copy_(new)
         results[default] = precision.compute_stats(snapshot, [group])
     assert (results[None].changed, results[None].lost) == (64, 0), results[None]
