@@ -43,26 +43,55 @@ SHOWS_IN_WEIGHT: dict[type, frozenset[str]] = {
 }
 
 
-def state_tensors(
-    optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]
-) -> tuple[list[list[rows.StateTensor]], list[tuple[str, ...]]]:
+class StateTensors:
     """Per slot, its optimizer state tensors (local shards, flattened; the first
-    ``rows.MAX_STATES`` floating tensors that are not 0-d, in the state's order) and their keys."""
-    shows = SHOWS_IN_WEIGHT.get(type(optimizer), frozenset())
-    tensors: list[list[rows.StateTensor]] = []
-    keys: list[tuple[str, ...]] = []
-    for slot in table:
-        state = optimizer.state.get(slot.param, None) if slot.param is not None else None
-        found: list[rows.StateTensor] = []
-        for key, value in (state or {}).items():
-            if len(found) == rows.MAX_STATES:
-                break
-            if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
-                local = getattr(value, "_local_tensor", value)
-                found.append(rows.StateTensor(key, len(found), local.detach().reshape(-1), key in shows))
-        tensors.append(found)
-        keys.append(tuple(s.key for s in found))
-    return tensors, keys
+    ``rows.MAX_STATES`` floating tensors that are not 0-d, in the state's order) and their keys.
+
+    A slot's entry is reused from the previous diagnosed step while its state dict holds the very
+    same tensor objects: optimizers update their state in place, and the views and records of a
+    slot cost more host time (a few torch calls each) than the identity checks.
+    """
+
+    def __init__(self) -> None:
+        # slot index -> (the state dict, its values, the records made of them)
+        self._last: dict[int, tuple[dict[str, Any], tuple[Any, ...], list[rows.StateTensor]]] = {}
+
+    def read(
+        self, optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot]
+    ) -> tuple[list[list[rows.StateTensor]], list[tuple[str, ...]]]:
+        shows = SHOWS_IN_WEIGHT.get(type(optimizer), frozenset())
+        tensors: list[list[rows.StateTensor]] = []
+        keys: list[tuple[str, ...]] = []
+        for index, slot in enumerate(table):
+            state = optimizer.state.get(slot.param, None) if slot.param is not None else None
+            found: list[rows.StateTensor] = []
+            if state:
+                values = tuple(state.values())
+                last = self._last.get(index)
+                if (
+                    last is not None
+                    and last[0] is state
+                    and len(last[1]) == len(values)
+                    and all(a is b for a, b in zip(last[1], values, strict=True))
+                ):
+                    found = last[2]
+                else:
+                    found = _records(state, shows)
+                    self._last[index] = (state, values, found)
+            tensors.append(found)
+            keys.append(tuple(s.key for s in found))
+        return tensors, keys
+
+
+def _records(state: dict[str, Any], shows: frozenset[str]) -> list[rows.StateTensor]:
+    found: list[rows.StateTensor] = []
+    for key, value in state.items():
+        if len(found) == rows.MAX_STATES:
+            break
+        if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0:
+            local = getattr(value, "_local_tensor", value)
+            found.append(rows.StateTensor(key, len(found), local.detach().reshape(-1), key in shows))
+    return found
 
 
 def contexts_for(

@@ -134,6 +134,7 @@ class OptimizerObserver:
         self._kept_snapshot: PrecisionSnapshot | None = None
         top_k = env.precision_top_k()
         self._attribution = attribution.Attribution(top_k, env.precision_window()) if top_k else None
+        self._state_tensors = optimizer_state.StateTensors()
         self._unit_detail = env.precision_detail() == semconv.DETAIL_UNIT
         # The optimizer.state object the last dtype audit read (a load replaces it), and what it named.
         self._audited_state: Any = None
@@ -389,7 +390,7 @@ class OptimizerObserver:
             if self._attribution is not None:
                 update_slots = self._attribution.update_slots(table)
                 if optimizer is not None:
-                    states, keys = optimizer_state.state_tensors(optimizer, table)
+                    states, keys = self._state_tensors.read(optimizer, table)
             local = row_spec.payload(
                 param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots)
             )
