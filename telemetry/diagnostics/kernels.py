@@ -13,7 +13,8 @@ chunk's later passes reading it from cache.
 Measured on a CPU core (ns per element, one thread), which decided the forms used here:
 ``bitwise_xor`` of the bit patterns and ``count_nonzero`` of the result 0.71 against ``ne`` and
 ``count_nonzero`` 1.00; a bool mask counted by :func:`count_true` 0.09 against ``count_nonzero``
-0.26; ``dot`` 0.36 against ``vector_norm``'s single-threaded 0.26 plus a separate read of memory.
+0.26; a squared norm by ``dot`` per chunk 0.34, with a relative error of 1e-6 on 4M normal
+values where ``_foreach_norm``'s was 1.6e-4.
 """
 
 from __future__ import annotations
@@ -114,11 +115,12 @@ def changed_mask(mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.
 
 
 def sq_norm(t: torch.Tensor) -> torch.Tensor:
-    """``sum(t**2)`` as float64: a dot product (BLAS, vectorized partial sums, on the chunk the
-    previous pass left in cache) for float32/float64 chunks."""
+    """``sum(t**2)``: a dot product (BLAS, vectorized partial sums, on the chunk the previous pass
+    left in cache) for float32/float64 chunks; narrower ones (bfloat16 main weights) accumulate
+    in float32 and square in float64. The caller converts every sum to float64 at once."""
     if t.dtype in (torch.float32, torch.float64):
-        return torch.dot(t, t).double()
-    return torch.linalg.vector_norm(t).double().square()
+        return torch.dot(t, t)
+    return torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
 
 
 def count_nonfinite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
