@@ -134,6 +134,33 @@ def test_rows_equal_a_per_tensor_reference(monkeypatch, chunk: int, compute_dtyp
         assert rows[4][ps.LOST] == rows[4][ps.CHANGED] > 0, "c.bias: every update lost"
 
 
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, None])
+def test_a_nan_the_step_removes_is_left_out_of_the_update_norm_alone(compute_dtype) -> None:
+    """Only the weights before the step hold the NaN: the update's norm is over its finite
+    elements, every other slot of that parameter as for a clean one, the other parameters untouched."""
+    group, new = flat_group(seed=5, compute_dtype=compute_dtype)
+    a = group.layout.params[0]
+    group.main_weight[a.offset + 3] = NAN  # the step writes a finite value over it
+    if compute_dtype is not None:
+        group.compute_weight.copy_(group.main_weight)
+    table, rows, ((main_before, compute_before),) = step([group], [new])
+    cut = slice(a.offset, a.offset + a.local_numel)
+    ref = reference_row(main_before[cut], None if compute_before is None else compute_before[cut],
+                        group.main_weight[cut], None if compute_dtype is None else group.compute_weight[cut],
+                        group.main_grad[cut])  # fmt: skip
+    row = rows[0]
+    got = {"changed": row[ps.CHANGED], "lost": row[ps.LOST], "main nan": row[ps.MAIN_NAN]}
+    want = {"changed": ref["changed"], "lost": ref["lost"], "main nan": 0}
+    assert got == want, f"a.weight: want {want}, got {got}"
+    want_update = ref["update_sq"] if compute_dtype is not None else 0.0
+    assert math.isfinite(row[ps.UPDATE_SQ]), f"a.weight's update norm is {row[ps.UPDATE_SQ]}, want a finite sum"
+    assert row[ps.UPDATE_SQ] == pytest.approx(want_update, rel=1e-5), "over the finite elements of the update"
+    assert row[ps.MAIN_SQ] == pytest.approx(ref["main_sq"], rel=1e-6)
+    clean, clean_new = flat_group(seed=5, compute_dtype=compute_dtype)
+    _, clean_rows, _ = step([clean], [clean_new])
+    assert rows[1:] == clean_rows[1:], "the other parameters' rows are those of the same step without the NaN"
+
+
 def test_rows_add_up_to_the_whole_model_vector() -> None:
     group, new = flat_group(seed=2)
     table, rows, _ = step([group], [new])
