@@ -29,6 +29,7 @@ from .. import env, trace_limits
 from . import otel_env
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
 from .ranks import RankInfo, current_rank_info
+from .resource import build_resource
 from .summary import MetricSummary
 from .trace_files import TraceFileExporter
 
@@ -174,8 +175,6 @@ class TraceFileSpanExporter(TraceFileExporter):
     """
 
     def __init__(self) -> None:
-        from .providers import build_resource  # providers builds on this module
-
         info = current_rank_info()
         resource = build_resource(info)
         super().__init__(env.trace_dir(), info.rank, dict(resource.attributes), max_bytes=_trace_max_bytes())

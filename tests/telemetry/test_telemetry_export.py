@@ -16,6 +16,7 @@ from fsdp_patch.telemetry import OptimizerObserver, semconv
 from fsdp_patch.telemetry.export import exporters, providers, trace_files
 from fsdp_patch.telemetry.export.isolation import GuardedSpanExporter, WarnOnce, run_bounded
 from fsdp_patch.telemetry.export.ranks import RankInfo
+from fsdp_patch.telemetry.export.resource import build_resource
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -212,7 +213,7 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
     from fsdp_patch.telemetry.export.ranks import current_rank_info
 
-    resource = providers.build_resource(current_rank_info())
+    resource = build_resource(current_rank_info())
     attributes = dict(resource.attributes)
     assert attributes["service.name"] == "llm-pretrain"
     assert attributes["deployment.environment"] == "lab" and attributes["team"] == "numerics"
@@ -223,7 +224,7 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     )
     assert attributes["fsdp.run_id"] == "job-42"
     monkeypatch.delenv("OTEL_SERVICE_NAME")
-    assert providers.build_resource(current_rank_info()).attributes["service.name"] == "fsdp_patch"
+    assert build_resource(current_rank_info()).attributes["service.name"] == "fsdp_patch"
 
 
 def test_destroy_process_group_is_wrapped_once():
@@ -247,7 +248,7 @@ def inner_types(exps) -> list[str]:
 
 
 def test_span_exporter_selection(monkeypatch, caplog):
-    resource = providers.build_resource(RANK0)
+    resource = build_resource(RANK0)
     assert inner_types(exporters.build_span_exporters(RANK0, resource)[0]) == ["TraceFileExporter"]
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console, none")
     assert inner_types(exporters.build_span_exporters(RANK0, resource)[0]) == ["ConsoleSpanExporter"]
