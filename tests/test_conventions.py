@@ -69,8 +69,8 @@ def test_every_instrument_has_its_prometheus_name_on_the_page():
 
 
 def test_resource_attributes_are_the_pages():
-    from fsdp_patch.telemetry.export.providers import rank_attributes
     from fsdp_patch.telemetry.export.ranks import RankInfo
+    from fsdp_patch.telemetry.export.resource import rank_attributes
 
     listed = {code_spans(r[0])[0] for r in table_rows(section("Resource attributes"), "attribute")}
     emitted = set(rank_attributes(RankInfo(rank=1, world_size=2, local_rank=1, run_id="job-7")))

@@ -81,3 +81,28 @@ def test_every_module_imports_only_its_layer_and_those_below() -> None:
             elif layer is None and module.split(".")[0] in FORBIDDEN.get(LAYERS[own], ()):
                 violations.append(f"{where} (layer {LAYERS[own]!r} imports no {module.split('.')[0]})")
     assert violations == [], "imports against the layers' direction:\n" + "\n".join(violations)
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(TELEMETRY).with_suffix("").parts
+    return ".".join(["fsdp_patch", "telemetry", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def test_the_export_layer_imports_in_one_direction() -> None:
+    """No module of export/ imports, through any chain within the layer, one that imports it back."""
+    export = sorted((TELEMETRY / "export").glob("*.py"))
+    graph = {_module_of(p): {m for _, m in _imports(p)} for p in export}
+    for module in graph:
+        graph[module] &= set(graph) - {module}
+    cycles = []
+    for start in sorted(graph):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module == start:
+                cycles.append(start)
+                break
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])
+    assert cycles == [], f"export/ modules that import themselves back through the layer: {cycles}"

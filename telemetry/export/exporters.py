@@ -1,9 +1,61 @@
-"""Exporters and metric readers chosen by the standard ``OTEL_*`` variables.
+"""The exporters and metric readers named by ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``.
 
-``OTEL_TRACES_EXPORTER`` and ``OTEL_METRICS_EXPORTER`` take comma-separated names. When a
-variable is unset or empty its signal gets this package's embedded default, which needs no
-server: trace files for spans (``trace_file``) and an exit summary for metrics
-(``summary``). Every exporter is wrapped by :mod:`fsdp_patch.telemetry.export.isolation`.
+A name means here what it means under ``opentelemetry-instrument``: every listed name goes through
+the SDK configurator's own resolution in ``opentelemetry.sdk._configuration``, name by name:
+``_get_exporter_entry_point`` (``otlp`` becomes ``otlp_proto_grpc`` or ``otlp_proto_http`` by the
+``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]PROTOCOL`` variables) and ``_import_exporters`` (the entry
+point of that name in ``opentelemetry_traces_exporter`` / ``opentelemetry_metrics_exporter``,
+loaded and type-checked). So ``console``, ``otlp``, ``prometheus``, this package's ``trace_file``
+and ``summary`` (registered in ``pyproject.toml``) and any installed third-party exporter resolve
+to the same classes under both.
+
+What the embedded default adds on top of that resolution:
+
+- An unset or empty variable selects this package's default for the signal, which needs no
+  server: ``trace_file`` for traces, ``summary`` for metrics (the SDK's configurator selects
+  nothing). ``none`` anywhere in the list selects nothing for that entry; empty and repeated
+  entries are skipped (the SDK's configurator stops at a ``none`` or an empty entry in a list).
+- ``otlp`` with no protocol variable set for its signal is handed to the SDK as
+  ``otlp_proto_http``: ``http/protobuf``, the OpenTelemetry specification's default (port 4318),
+  where the SDK's configurator picks grpc. That is the one step before the SDK's resolution; once
+  a protocol variable is set, the SDK resolves it, and a value it refuses is a warning naming the
+  variable, the value and the accepted values.
+- Each name is resolved, loaded and constructed on its own, and one that fails is a warning naming
+  it and what to install or set, while the others are kept: the SDK raises for the whole list.
+  Every exporter is wrapped by :mod:`fsdp_patch.telemetry.export.isolation`.
+- Construction: the trace-file exporter gets the rank and resource of the providers, rank 0 says
+  where the traces go, and it is remembered (for :func:`trace_files_off_reason` and the summary's
+  footer); ``summary`` becomes a :class:`~fsdp_patch.telemetry.export.summary.MetricSummary`,
+  printed on the ranks ``FSDP_PATCH_SUMMARY`` names within the exit budget, with the trace files
+  and metric endpoints as its footer; push metric exporters get a periodic reader whose
+  ``OTEL_METRIC_EXPORT_*`` values are read leniently (:mod:`~fsdp_patch.telemetry.export.otel_env`).
+- ``prometheus`` is resolved through its entry point (so a missing package is reported like any
+  other), but the server is started here. The entry point's reader
+  (``opentelemetry-exporter-prometheus``) starts its HTTP server in its constructor on
+  ``OTEL_EXPORTER_PROMETHEUS_PORT`` as given and keeps no handle to it: every rank of a host would
+  bind the same port (all but one failing with ``OSError``), a malformed port raises
+  ``ValueError``, and the server outlives the providers. Here local rank r serves on the port
+  plus r, a busy or malformed port is a warning, each rank names its endpoint in one write, and
+  the server stops with the providers.
+
+Alternatives considered:
+
+- Our own parser of the variables with a class per name: a second meaning of each name, apart
+  from the SDK's wherever the two are not kept in step by hand (a protocol table of its own,
+  third-party exporters a special case, a new SDK exporter unknown until added here).
+- The SDK's ``_initialize_components`` wholesale: it installs the global tracer, meter and logger
+  providers, which the embedded default must not do (an application may install its own at any
+  time, and the API accepts only the first); it also raises for the whole list on one bad name.
+- The SDK's ``_get_exporter_names``: it reads the whole variable and raises for all names on a
+  bad protocol, mapping ``otlp`` to grpc before the http/protobuf default could apply; so the
+  variable is split here as it splits it (at commas, each name stripped) and each name handed to
+  ``_get_exporter_entry_point``.
+
+``_get_exporter_entry_point(name, signal)`` and ``_import_exporters(traces, metrics, logs)`` are
+private to the SDK. They have these signatures, and ``_import_exporters`` accepts pull readers
+(``summary``, ``prometheus``), from opentelemetry-sdk 1.21.0 on; the package requires
+``opentelemetry-sdk>=1.30``. A release without them is one warning naming what is missing, and
+no exporter.
 """
 
 from __future__ import annotations
@@ -13,54 +65,198 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Literal
 
-from opentelemetry.sdk.metrics.export import (
-    ConsoleMetricExporter,
-    MetricExporter,
-    MetricReader,
-    PeriodicExportingMetricReader,
-)
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
 from .. import env, trace_limits
 from . import otel_env
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
 from .ranks import RankInfo, current_rank_info
-from .summary import MetricSummary
+from .resource import build_resource
+from .summary import MetricSummary, SummaryMetricReader
 from .trace_files import TraceFileExporter
 
 _logger = logging.getLogger(__name__)
 
+Signal = Literal["traces", "metrics"]
 TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
 METRICS_EXPORTER = "OTEL_METRICS_EXPORTER"
 TRACE_FILE = "trace_file"
 SUMMARY = "summary"
-SPAN_EXPORTERS = (TRACE_FILE, "console", "otlp", "none")
-METRIC_EXPORTERS = (SUMMARY, "console", "otlp", "prometheus", "none")
-OTLP_PROTOCOLS = ("http/protobuf", "grpc")
-DEFAULT_OTLP_PROTOCOL = "http/protobuf"  # the specification's default; opentelemetry-python's is grpc
+VARIABLES: dict[Signal, str] = {"traces": TRACES_EXPORTER, "metrics": METRICS_EXPORTER}
+DEFAULTS: dict[Signal, str] = {"traces": TRACE_FILE, "metrics": SUMMARY}
+GROUPS: dict[Signal, str] = {"traces": "opentelemetry_traces_exporter", "metrics": "opentelemetry_metrics_exporter"}
+DEFAULT_OTLP_PROTOCOL = "http/protobuf"  # the specification's default; the SDK's configurator picks grpc
+# The http/protobuf exporters' entry point name, as opentelemetry-exporter-otlp-proto-http registers it.
+_OTLP_HTTP_ENTRY_POINT = "otlp_proto_http"
+_PROTOCOL_VARIABLES: dict[Signal, str] = {
+    "traces": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "metrics": "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+}
+# What to install for an entry point that is not there: the extras of this package that bring it.
+_EXTRAS = {"otlp_proto_http": "otlp", "otlp_proto_grpc": "otlp", "prometheus": "prometheus"}
+# What the resolution calls in opentelemetry.sdk._configuration (entry_points: the installed ones as it sees them).
+SDK_FUNCTIONS = ("_get_exporter_entry_point", "_import_exporters", "entry_points")
 DEFAULT_PROMETHEUS_HOST = "localhost"
 DEFAULT_PROMETHEUS_PORT = 9464
 
-_OTLP_CLASSES = {
-    ("traces", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
-    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
-    ("metrics", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
-    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
-}
+
+@dataclass(frozen=True)
+class Resolved:
+    """One listed exporter name and what the SDK's configurator resolves it to.
+
+    Attributes:
+        name: The name as listed (``otlp``).
+        entry_point: The entry point it resolved to (``otlp_proto_http``).
+        exporter_class: The class that entry point loads.
+    """
+
+    name: str
+    entry_point: str
+    exporter_class: type
 
 
-def exporter_names(variable: str, default: str) -> list[str]:
-    """The de-duplicated, lower-cased names listed in ``variable``; ``[default]`` when it is unset or empty."""
+def listed_names(signal: Signal) -> list[str]:
+    """The names ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER`` selects, before resolution.
+
+    The signal's default (``trace_file``, ``summary``) when the variable is unset or empty; split at
+    commas and stripped as the SDK's configurator splits it (names are case-sensitive, as entry
+    points are); ``none`` (in any case), empty and repeated entries left out.
+    """
+    raw = os.environ.get(VARIABLES[signal], "")
+    if not raw.strip():
+        return [DEFAULTS[signal]]
     names: list[str] = []
-    for name in os.environ.get(variable, "").split(","):
-        name = name.strip().lower()
-        if name and name not in names:
+    for name in raw.split(","):
+        name = name.strip()
+        if name and name.lower() != "none" and name not in names:
             names.append(name)
-    return names or [default]
+    return names
+
+
+def _sdk_configuration() -> Any:
+    """The SDK configurator's module, with the functions the resolution calls; a clear error without them."""
+    try:
+        from opentelemetry.sdk import _configuration
+    except ImportError as exc:
+        raise RuntimeError(
+            f"this OpenTelemetry SDK has no opentelemetry.sdk._configuration ({exc}), whose exporter resolution "
+            "fsdp_patch telemetry uses; install opentelemetry-sdk>=1.30"
+        ) from exc
+    missing = [name for name in SDK_FUNCTIONS if not callable(getattr(_configuration, name, None))]
+    if missing:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            release = f"opentelemetry-sdk {version('opentelemetry-sdk')}"
+        except PackageNotFoundError:
+            release = "this opentelemetry-sdk"
+        raise RuntimeError(
+            f"{release} has no "
+            f"{', '.join('opentelemetry.sdk._configuration.' + name for name in missing)}, which fsdp_patch "
+            "telemetry resolves exporter names with (opentelemetry-sdk 1.30 to 1.45 have them); install a release "
+            "that has them"
+        )
+    return _configuration
+
+
+def _protocol_setting(signal: Signal) -> tuple[str, str] | None:
+    """(variable, value) of the OTLP protocol the SDK reads for ``signal``, or ``None`` where none is set."""
+    # The SDK's own precedence and test: the per-signal variable unless empty, then the general one.
+    for variable in (_PROTOCOL_VARIABLES[signal], "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = os.environ.get(variable)
+        if value:
+            return variable, value
+    return None
+
+
+def _accepted(sdk: Any, group: str) -> list[str]:
+    """The names that select something: the installed entry points, ``otlp`` where one serves it, ``none``."""
+    installed = {entry_point.name for entry_point in sdk.entry_points(group=group)}
+    if installed & {_OTLP_HTTP_ENTRY_POINT, "otlp_proto_grpc"}:
+        installed.add("otlp")
+    return [*sorted(installed), "none"]
+
+
+def _not_installed(signal: Signal, name: str, entry_point: str, sdk: Any) -> None:
+    group = GROUPS[signal]
+    what = repr(name) if entry_point == name else f"{name!r} (the entry point {entry_point!r})"
+    extra = _EXTRAS.get(entry_point)
+    if extra is not None:
+        hint = f"install it with `pip install 'fsdp-patch[{extra}]'`"
+    else:
+        hint = f"accepted values: {', '.join(_accepted(sdk, group))}"
+    _logger.warning(
+        "%s lists %s, which is not an installed %s entry point; %s. fsdp_patch telemetry continues without it.",
+        VARIABLES[signal], what, group, hint,
+    )  # fmt: skip
+
+
+def _resolve_one(signal: Signal, name: str, sdk: Any) -> Resolved | None:
+    handed = name
+    if name == "otlp" and _protocol_setting(signal) is None:
+        handed = _OTLP_HTTP_ENTRY_POINT
+    try:
+        entry_point = sdk._get_exporter_entry_point(handed, signal)
+    except RuntimeError:  # the SDK refuses the protocol variable's value
+        variable, value = _protocol_setting(signal) or ("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+        accepted = sorted(getattr(sdk, "_EXPORTER_BY_OTLP_PROTOCOL", ("grpc", DEFAULT_OTLP_PROTOCOL)))
+        _logger.warning(
+            "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry continues without the OTLP %s exporter "
+            "(%s lists %r).",
+            variable, value, ", ".join(accepted), signal, VARIABLES[signal], name,
+        )  # fmt: skip
+        return None
+    if not any(True for _ in sdk.entry_points(group=GROUPS[signal], name=entry_point)):
+        _not_installed(signal, name, entry_point, sdk)
+        return None
+    try:
+        traces, metrics, _logs = sdk._import_exporters(
+            [entry_point] if signal == "traces" else [], [entry_point] if signal == "metrics" else [], []
+        )
+    except Exception as exc:  # its module does not import, or it is not an exporter of this signal
+        extra = _EXTRAS.get(entry_point)
+        hint = f"; `pip install 'fsdp-patch[{extra}]'` installs what it needs" if extra else ""
+        _logger.warning(
+            "fsdp_patch telemetry: %s lists %r, whose %s entry point %r could not be loaded (%s: %s)%s; continuing "
+            "without it.",
+            VARIABLES[signal], name, GROUPS[signal], entry_point, type(exc).__name__, exc, hint,
+        )  # fmt: skip
+        return None
+    (exporter_class,) = (traces if signal == "traces" else metrics).values()
+    return Resolved(name, entry_point, exporter_class)
+
+
+def resolve(signal: Signal) -> list[Resolved]:
+    """The exporters the variable of ``signal`` selects, resolved by the SDK's configurator name by name.
+
+    A name that does not resolve or load is a warning, and left out; the others are kept.
+    """
+    names = listed_names(signal)
+    if not names:
+        return []
+    try:
+        sdk = _sdk_configuration()
+    except RuntimeError as exc:
+        _logger.warning("fsdp_patch telemetry: %s. Continuing without %s exporters.", exc, signal)
+        return []
+    found: list[Resolved] = []
+    for name in names:
+        try:
+            resolved = _resolve_one(signal, name, sdk)
+        except Exception as exc:  # a configurator whose private functions changed: no exporter of this name
+            _logger.warning(
+                "fsdp_patch telemetry: resolving %s %r with this OpenTelemetry SDK's configurator failed (%s: %s); "
+                "continuing without it.",
+                VARIABLES[signal], name, type(exc).__name__, exc,
+            )  # fmt: skip
+            continue
+        # Two names of one entry point (otlp, otlp_proto_http) are one exporter, as for the SDK's configurator.
+        if resolved is not None and all(r.entry_point != resolved.entry_point for r in found):
+            found.append(resolved)
+    return found
 
 
 def trace_files_off_reason(world_size: int = 1) -> str | None:
@@ -71,10 +267,10 @@ def trace_files_off_reason(world_size: int = 1) -> str | None:
     """
     if env.sdk_disabled():
         return "OTEL_SDK_DISABLED=true turns telemetry off, so no trace files were written"
-    names = exporter_names(TRACES_EXPORTER, TRACE_FILE)
+    names = listed_names("traces")
     if TRACE_FILE not in names:
         listed = os.environ.get(TRACES_EXPORTER, "").strip()
-        keep = ",".join([name for name in names if name != "none"] + [TRACE_FILE])
+        keep = ",".join([*names, TRACE_FILE])
         return (
             f"{TRACES_EXPORTER}={listed} does not list {TRACE_FILE}, so no trace files were written; to keep them "
             f"(and this report) beside any other exporter, set {TRACES_EXPORTER}={keep}"
@@ -87,47 +283,6 @@ def trace_files_off_reason(world_size: int = 1) -> str | None:
         return (
             f"{env.TRACE_RANKS}={os.environ.get(env.TRACE_RANKS, '').strip()} traces none of ranks 0-{world_size - 1}"
         )
-    return None
-
-
-def otlp_protocol(signal: str) -> str:
-    """OTLP protocol for ``signal`` (``traces``/``metrics``): the per-signal variable, else the general one."""
-    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
-    if not os.environ.get(variable, "").strip():
-        variable = "OTEL_EXPORTER_OTLP_PROTOCOL"
-    value = os.environ.get(variable, "").strip().lower() or DEFAULT_OTLP_PROTOCOL
-    if value not in OTLP_PROTOCOLS:
-        _logger.warning(
-            "%s=%r is not supported by fsdp_patch telemetry; accepted values: %s. Using %s.",
-            variable, value, ", ".join(OTLP_PROTOCOLS), DEFAULT_OTLP_PROTOCOL,
-        )  # fmt: skip
-        value = DEFAULT_OTLP_PROTOCOL
-    return value
-
-
-def _otlp_exporter(signal: str) -> Any | None:
-    protocol = otlp_protocol(signal)
-    module_name, class_name = _OTLP_CLASSES[(signal, protocol)]
-    try:
-        module = __import__(module_name, fromlist=[class_name])
-    except ImportError as exc:
-        _logger.warning(
-            "OTLP %s export over %s needs %s, which is not installed (%s); install it with "
-            "`pip install 'fsdp-patch[otlp]'`. Continuing without OTLP %s.",
-            signal, protocol, module_name.rsplit(".", 2)[0], exc, signal,
-        )  # fmt: skip
-        return None
-    return getattr(module, class_name)()
-
-
-def _from_entry_point(group: str, name: str, variable: str, accepted: tuple[str, ...]) -> Any | None:
-    # Names we do not know may still be installed exporters (zipkin, ...), as with opentelemetry-instrument.
-    for entry_point in entry_points(group=group, name=name):
-        return entry_point.load()()
-    _logger.warning(
-        "%s lists %r, which is neither built in (%s) nor an installed %s entry point; ignoring it.",
-        variable, name, ", ".join(accepted), group,
-    )  # fmt: skip
     return None
 
 
@@ -149,36 +304,36 @@ def _trace_max_bytes() -> int:
         return trace_limits.DEFAULT_TRACE_MAX_BYTES
 
 
-def _trace_file_exporter(rank_info: RankInfo, resource: Resource) -> TraceFileExporter:
-    directory, max_bytes = env.trace_dir(), _trace_max_bytes()
-    if rank_info.rank == 0:
-        # One line at start, so nobody is surprised by the files or left wondering how to use a collector.
-        cap = f"newest steps kept, at most {trace_limits.size_text(max_bytes)} per rank" if max_bytes else "no size cap"
-        print(
-            f"fsdp_patch telemetry: traces go to {os.path.join(directory, 'rank*.trace.json')} "
-            f"({cap}: {trace_limits.TRACE_MAX_BYTES}); to send them to a collector instead, set "
-            f"{TRACES_EXPORTER}=otlp and OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4318",
-            file=sys.stderr,
-            flush=True,
-        )
-    return TraceFileExporter(directory, rank_info.rank, dict(resource.attributes), max_bytes=max_bytes)
-
-
 class TraceFileSpanExporter(TraceFileExporter):
     """The trace files as the SDK's own exporter: ``trace_file`` of ``opentelemetry_traces_exporter``.
 
     The SDK's configurator (``opentelemetry-instrument`` with ``OTEL_TRACES_EXPORTER=trace_file``)
     constructs it without arguments, before the script runs: the directory, the cap, the rank
     (torchrun's ``RANK``) and the resource come from the environment, as the embedded default
-    reads them.
+    reads them. The embedded default passes the rank and the resource its providers have.
+
+    Args:
+        rank_info: This process; read from the environment when not given.
+        resource: Resource named in the files; built from the environment when not given.
     """
 
-    def __init__(self) -> None:
-        from .providers import build_resource  # providers builds on this module
-
-        info = current_rank_info()
-        resource = build_resource(info)
+    def __init__(self, rank_info: RankInfo | None = None, resource: Resource | None = None) -> None:
+        info = rank_info or current_rank_info()
+        resource = resource or build_resource(info)
         super().__init__(env.trace_dir(), info.rank, dict(resource.attributes), max_bytes=_trace_max_bytes())
+
+
+def _announce_trace_files(exporter: TraceFileExporter) -> None:
+    # One line at start, so nobody is surprised by the files or left wondering how to use a collector.
+    max_bytes = exporter.max_bytes
+    cap = f"newest steps kept, at most {trace_limits.size_text(max_bytes)} per rank" if max_bytes else "no size cap"
+    print(
+        f"fsdp_patch telemetry: traces go to {os.path.join(exporter.directory, 'rank*.trace.json')} "
+        f"({cap}: {trace_limits.TRACE_MAX_BYTES}); to send them to a collector instead, set "
+        f"{TRACES_EXPORTER}=otlp and OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4318",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def build_span_exporters(
@@ -192,23 +347,19 @@ def build_span_exporters(
     """
     exporters: list[GuardedSpanExporter] = []
     files: list[TraceFileExporter] = []
-    for name in exporter_names(TRACES_EXPORTER, TRACE_FILE):
-        exporter: SpanExporter | None
-        if name == "none":
-            continue
-        if name == TRACE_FILE:
-            trace_file = _trace_file_exporter(rank_info, resource)
+    for resolved in resolve("traces"):
+        cls = resolved.exporter_class
+        what = f"span exporter {resolved.name!r} ({cls.__name__})"
+        if issubclass(cls, TraceFileSpanExporter):
+            trace_file = _guarded_call(what, lambda: cls(rank_info, resource))
+            if trace_file is None:
+                continue
+            if rank_info.rank == 0:
+                _announce_trace_files(trace_file)
             files.append(trace_file)
-            exporter = trace_file
-        elif name == "console":
-            exporter = ConsoleSpanExporter()
-        elif name == "otlp":
-            exporter = _guarded_call("the OTLP span exporter", lambda: _otlp_exporter("traces"))
-        else:
-            exporter = _guarded_call(
-                f"span exporter {name!r}",
-                lambda: _from_entry_point("opentelemetry_traces_exporter", name, TRACES_EXPORTER, SPAN_EXPORTERS),
-            )
+            exporters.append(GuardedSpanExporter(trace_file))
+            continue
+        exporter = _guarded_call(what, cls)
         if exporter is not None:
             exporters.append(GuardedSpanExporter(exporter))
     return exporters, files
@@ -279,6 +430,15 @@ def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | N
     sys.stderr.flush()
 
 
+def _is_prometheus(resolved: Resolved) -> bool:
+    if resolved.entry_point != "prometheus":
+        return False
+    # Loaded by the resolution, so the package is there.
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+    return issubclass(resolved.exporter_class, PrometheusMetricReader)
+
+
 def build_metric_readers(
     rank_info: RankInfo, summary_header: str, prometheus_registry: Any | None = None
 ) -> MetricSetup:
@@ -293,32 +453,24 @@ def build_metric_readers(
     # Read (and a malformed value named) whichever readers are chosen: a bad interval is the
     # user's mistake even where the summary alone, which has no interval, makes it moot.
     reader_arguments = otel_env.metric_reader_arguments()
-    for name in exporter_names(METRICS_EXPORTER, SUMMARY):
-        exporter: MetricExporter | None = None
-        if name == "none":
-            continue
-        if name == SUMMARY:
+    for resolved in resolve("metrics"):
+        cls = resolved.exporter_class
+        what = f"metric exporter {resolved.name!r} ({cls.__name__})"
+        if issubclass(cls, SummaryMetricReader):
             mode = env.summary_mode()
             prints = mode == "all" or (mode == "rank0" and rank_info.rank == 0)
             setup.summary = MetricSummary(summary_header, enabled=prints)
             setup.readers.append(setup.summary.reader)
-            continue
-        if name == "prometheus":
+        elif _is_prometheus(resolved):
             _start_prometheus(rank_info, setup, prometheus_registry)
-            continue
-        if name == "console":
-            exporter = ConsoleMetricExporter()
-        elif name == "otlp":
-            exporter = _guarded_call("the OTLP metric exporter", lambda: _otlp_exporter("metrics"))
+        elif issubclass(cls, MetricReader):  # a pull reader, constructed as the SDK's configurator does
+            reader = _guarded_call(what, cls)
+            if reader is not None:
+                setup.readers.append(reader)
+                setup.endpoints.append(f"{resolved.name} ({cls.__name__})")
         else:
-            exporter = _guarded_call(
-                f"metric exporter {name!r}",
-                lambda: _from_entry_point("opentelemetry_metrics_exporter", name, METRICS_EXPORTER, METRIC_EXPORTERS),
-            )
-            if isinstance(exporter, MetricReader):  # some entry points hand out pull readers
-                setup.readers.append(exporter)
-                continue
-        if exporter is not None:
-            setup.readers.append(PeriodicExportingMetricReader(GuardedMetricExporter(exporter), **reader_arguments))
-            setup.endpoints.append(f"{name} ({type(exporter).__name__})")
+            exporter: MetricExporter | None = _guarded_call(what, cls)
+            if exporter is not None:
+                setup.readers.append(PeriodicExportingMetricReader(GuardedMetricExporter(exporter), **reader_arguments))
+                setup.endpoints.append(f"{resolved.name} ({cls.__name__})")
     return setup

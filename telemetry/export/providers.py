@@ -38,13 +38,13 @@ from . import isolation, otel_env
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
 from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
 from .ranks import RankInfo, current_rank_info
+from .resource import build_resource, rank_attributes
 from .trace_files import TraceFileExporter
 
 _logger = logging.getLogger(__name__)
 _warn = WarnOnce(_logger)
 
 SCOPE_NAME = semconv.SCOPE_NAME
-DEFAULT_SERVICE_NAME = "fsdp_patch"
 
 try:
     from opentelemetry.metrics._internal import _ProxyMeterProvider
@@ -109,18 +109,6 @@ def _meter_provider_unset(provider: metrics.MeterProvider) -> bool:
     return not isinstance(provider, SdkMeterProvider)  # pragma: no cover
 
 
-def rank_attributes(rank_info: RankInfo) -> dict[str, Any]:
-    """The resource attributes of the rank identity (docs/conventions.md): rank, world size, local rank, run id."""
-    ours: dict[str, Any] = {
-        semconv.RESOURCE_RANK: rank_info.rank,
-        semconv.RESOURCE_WORLD_SIZE: rank_info.world_size,
-        semconv.RESOURCE_LOCAL_RANK: rank_info.local_rank,
-    }
-    if rank_info.run_id:
-        ours[semconv.RESOURCE_RUN_ID] = rank_info.run_id
-    return ours
-
-
 def add_rank_identity(provider: Any, rank_info: RankInfo) -> None:
     """Add the rank identity to an SDK provider's resource, for the attributes it lacks.
 
@@ -146,22 +134,6 @@ def add_rank_identity(provider: Any, rank_info: RankInfo) -> None:
     missing = {k: v for k, v in rank_attributes(rank_info).items() if k not in current.attributes}
     if missing:
         update(Resource(missing))
-
-
-def build_resource(rank_info: RankInfo) -> Resource:
-    """Resource of our providers: the ``OTEL_*`` resource plus the rank identity.
-
-    ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` are honoured; without a service
-    name the service is ``fsdp_patch`` instead of the SDK's ``unknown_service``.
-    """
-    detected = Resource.create()
-    ours = rank_attributes(rank_info)
-    detected_name = str(detected.attributes.get(SERVICE_NAME, ""))
-    if detected_name.startswith("unknown_service") or not detected_name.strip():  # unset, or set blank
-        ours[SERVICE_NAME] = DEFAULT_SERVICE_NAME
-    resource = detected.merge(Resource(ours))
-    otel_env.check_service_name(resource.attributes.get(SERVICE_NAME))
-    return resource
 
 
 def _build() -> _Embedded:

@@ -91,8 +91,8 @@ BAD_SETTINGS = [
     ("OTEL_BSP_SCHEDULE_DELAY", "-1", {}, "a positive number"),
     ("OTEL_BSP_MAX_QUEUE_SIZE", "x", {}, "a positive integer"),
     ("OTEL_ATTRIBUTE_COUNT_LIMIT", "-3", {}, "a non-negative integer"),
-    ("OTEL_TRACES_EXPORTER", "otlpp", {}, "trace_file, console, otlp, none"),
-    ("OTEL_METRICS_EXPORTER", "promethus", {}, "summary, console, otlp, prometheus, none"),
+    ("OTEL_TRACES_EXPORTER", "otlpp", {}, "accepted values: console, otlp, otlp_proto_grpc"),
+    ("OTEL_METRICS_EXPORTER", "promethus", {}, "prometheus, summary, none"),
     ("FSDP_PATCH_TRACE_MAX_BYTES", "12", {}, "64K"),
 ]
 

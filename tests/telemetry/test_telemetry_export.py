@@ -16,6 +16,7 @@ from fsdp_patch.telemetry import OptimizerObserver, semconv
 from fsdp_patch.telemetry.export import exporters, providers, trace_files
 from fsdp_patch.telemetry.export.isolation import GuardedSpanExporter, WarnOnce, run_bounded
 from fsdp_patch.telemetry.export.ranks import RankInfo
+from fsdp_patch.telemetry.export.resource import build_resource
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -212,7 +213,7 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")
     from fsdp_patch.telemetry.export.ranks import current_rank_info
 
-    resource = providers.build_resource(current_rank_info())
+    resource = build_resource(current_rank_info())
     attributes = dict(resource.attributes)
     assert attributes["service.name"] == "llm-pretrain"
     assert attributes["deployment.environment"] == "lab" and attributes["team"] == "numerics"
@@ -223,7 +224,7 @@ def test_resource_honours_otel_variables_and_torchrun(monkeypatch):
     )
     assert attributes["fsdp.run_id"] == "job-42"
     monkeypatch.delenv("OTEL_SERVICE_NAME")
-    assert providers.build_resource(current_rank_info()).attributes["service.name"] == "fsdp_patch"
+    assert build_resource(current_rank_info()).attributes["service.name"] == "fsdp_patch"
 
 
 def test_destroy_process_group_is_wrapped_once():
@@ -247,13 +248,16 @@ def inner_types(exps) -> list[str]:
 
 
 def test_span_exporter_selection(monkeypatch, caplog):
-    resource = providers.build_resource(RANK0)
-    assert inner_types(exporters.build_span_exporters(RANK0, resource)[0]) == ["TraceFileExporter"]
+    resource = build_resource(RANK0)
+    got = inner_types(exporters.build_span_exporters(RANK0, resource)[0])
+    assert got == ["TraceFileSpanExporter"], f"unset: want the trace files, got {got}"
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console, none")
-    assert inner_types(exporters.build_span_exporters(RANK0, resource)[0]) == ["ConsoleSpanExporter"]
+    got = inner_types(exporters.build_span_exporters(RANK0, resource)[0])
+    assert got == ["ConsoleSpanExporter"], f"console, none: got {got}"
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp,trace_file")
     built = exporters.build_span_exporters(RANK0, resource)[0]
-    assert inner_types(built) == ["OTLPSpanExporter", "TraceFileExporter"]
+    got = inner_types(built)
+    assert got == ["OTLPSpanExporter", "TraceFileSpanExporter"], f"otlp,trace_file: got {got}"
     assert "proto.http" in type(built[0].inner).__module__  # the specification's default protocol
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
     assert "proto.grpc" in type(exporters.build_span_exporters(RANK0, resource)[0][0].inner).__module__
@@ -266,21 +270,28 @@ def test_span_exporter_selection(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         assert exporters.build_span_exporters(RANK0, resource)[0] == []
     (message,) = telemetry_warnings(caplog)
-    assert "OTEL_TRACES_EXPORTER" in message and "'zipkinn'" in message and "trace_file, console, otlp, none" in message
+    assert "OTEL_TRACES_EXPORTER lists 'zipkinn'" in message, message
+    assert "accepted values: " in message and "console" in message and "trace_file" in message, message
 
 
 def test_unsupported_protocol_and_missing_package_are_explained(monkeypatch, caplog):
+    from opentelemetry.sdk import _configuration
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with caplog.at_level(logging.WARNING):
-        assert exporters.otlp_protocol("traces") == "http/protobuf"
-    assert "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in telemetry_warnings(caplog)[0]
-    assert "grpc" in telemetry_warnings(caplog)[0]
+        assert exporters.build_span_exporters(RANK0, build_resource(RANK0))[0] == []
+    (message,) = telemetry_warnings(caplog)
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in message and "grpc, http/protobuf" in message, message
 
     caplog.clear()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    monkeypatch.setitem(exporters._OTLP_CLASSES, ("traces", "grpc"), ("no_such_module.trace_exporter", "X"))
+    installed = _configuration.entry_points
+    monkeypatch.setattr(
+        _configuration, "entry_points", lambda **kw: [ep for ep in installed(**kw) if ep.name != "otlp_proto_grpc"]
+    )
     with caplog.at_level(logging.WARNING):
-        assert exporters._otlp_exporter("traces") is None
+        assert exporters.build_span_exporters(RANK0, build_resource(RANK0))[0] == []
     assert "pip install 'fsdp-patch[otlp]'" in telemetry_warnings(caplog)[0]
 
 
@@ -428,7 +439,7 @@ def test_unwritable_trace_dir_warns_once(tmp_path, monkeypatch, caplog):
         telemetry.shutdown()
     messages = telemetry_warnings(caplog)
     assert len(messages) == 1, messages
-    assert "TraceFileExporter failed to export spans" in messages[0] and "a_file" in messages[0]
+    assert "TraceFileSpanExporter failed to export spans" in messages[0] and "a_file" in messages[0]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to simulate a full disk")
