@@ -31,7 +31,6 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
-import fsdp_patch.telemetry as telemetry
 import torch
 import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # the module opts out of mypy (a file-level ignore)
@@ -41,6 +40,7 @@ from fsdp_patch.fsdp2 import fsdp2_groups
 from fsdp_patch.sharding import parameter_group_of
 
 from ..export import providers
+from . import activation
 
 __all__ = ["FSDPOptimizerInstrumentor"]
 
@@ -61,14 +61,14 @@ def fsdp_managed(optimizer: torch.optim.Optimizer) -> bool:
 
 def _adapt_after_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
-    if telemetry._instrumented is None:  # uninstrumented while another wrapper kept ours in place
+    if activation.instrumented is None:  # uninstrumented while another wrapper kept ours in place
         return result
     if isinstance(instance, torch.optim.Optimizer) and adaptation_of(instance) is None and fsdp_managed(instance):
         adapt_optimizer(
             instance,
             precision_aware=False,
             attachment="wrapt",
-            observer_factory=lambda: telemetry.observer_for(instance, precision_aware=False),
+            observer_factory=lambda: activation.observer_for(instance, precision_aware=False),
             implicit=True,
         )
     return result
@@ -82,7 +82,7 @@ class FSDPOptimizerInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         """Turn telemetry on; ``tracer_provider``/``meter_provider`` replace the global ones."""
-        telemetry._instrumented = {
+        activation.instrumented = {
             "tracer_provider": kwargs.get("tracer_provider"),
             "meter_provider": kwargs.get("meter_provider"),
         }
@@ -94,7 +94,9 @@ class FSDPOptimizerInstrumentor(BaseInstrumentor):
         for optimizer, adaptation in adaptations():
             observer = adaptation.observer
             if isinstance(observer, NullObserver):
-                adaptation.observer = telemetry.observer_for(optimizer, adaptation.precision_aware, observer.step_count)
+                adaptation.observer = activation.observer_for(
+                    optimizer, adaptation.precision_aware, observer.step_count
+                )
 
     def _uninstrument(self, **kwargs: Any) -> None:
         """Turn telemetry off on every adapted optimizer and remove everything installed."""
@@ -106,7 +108,7 @@ class FSDPOptimizerInstrumentor(BaseInstrumentor):
                 "fsdp_patch telemetry: torch.optim.Optimizer.__init__ was wrapped again after instrumenting; "
                 "leaving that wrapper (ours inside it no longer adapts optimizers)."
             )
-        telemetry._instrumented = None
+        activation.instrumented = None
         for _, adaptation in adaptations():
             observer = adaptation.observer
             if observer is not None and not isinstance(observer, NullObserver):

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .. import env, semconv
+from .activation import observer_for, telemetry_active
 
 if TYPE_CHECKING:
     import torch
@@ -42,8 +43,6 @@ class TelemetrySource:
     def observer_factory(
         self, optimizer: torch.optim.Optimizer, precision_aware: bool
     ) -> Callable[[], StepObserver] | None:
-        from .. import observer_for, telemetry_active
-
         if not telemetry_active():
             return None
 
