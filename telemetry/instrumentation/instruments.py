@@ -9,13 +9,16 @@ precision diagnostics' points also carry ``fsdp.unit``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import semconv
 
 if TYPE_CHECKING:
+    import torch
     from opentelemetry.metrics import Meter
+    from opentelemetry.util.types import AttributeValue
 
 COUNTER = "Counter"
 HISTOGRAM = "Histogram"
@@ -169,3 +172,24 @@ def markdown_table() -> str:
         attributes = ", ".join(f"`{a}`" for a in spec.attributes) or "—"
         rows.append(f"| `{spec.name}` | {spec.kind} | `{spec.unit}` | {attributes} | {spec.description} |")
     return "\n".join(rows)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the form used in metric attributes."""
+    return str(dtype).removeprefix("torch.")
+
+
+class AttributeCache:
+    """Attribute sets of data points, built once per key on top of ``base`` (the rank): an
+    instrument call with a dict it saw before is cheaper than with a new one, and building the
+    dict each step costs more than the lookup."""
+
+    def __init__(self, base: dict[str, AttributeValue]) -> None:
+        self._base = base
+        self._sets: dict[tuple[Any, ...], dict[str, AttributeValue]] = {}
+
+    def get(self, key: tuple[Any, ...], build: Callable[..., dict[str, AttributeValue]]) -> dict[str, AttributeValue]:
+        attrs = self._sets.get(key)
+        if attrs is None:
+            attrs = self._sets[key] = {**self._base, **build()}
+        return attrs

@@ -1,0 +1,289 @@
+"""The precision diagnostics of one adapted optimizer, and what they record.
+
+:class:`~.observer.OptimizerObserver` owns one :class:`PrecisionRecorder` and hands it the steps
+the adapter diagnoses: when they run (:meth:`PrecisionRecorder.due`), the copy of the weights
+before the step, the rows computed after the refresh and combined over the ranks with one
+all-gather, and what comes of them: the whole-model metrics, their values on the
+``fsdp.optimizer.precision`` span, the attribution's findings as span events, and the
+dtype-contract audit's violations (each named once).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Span
+from opentelemetry.util.types import AttributeValue
+
+from .. import env, semconv
+from ..diagnostics import attribution, dtype_contract, optimizer_state, param_stats, precision
+from ..diagnostics import rows as row_spec
+from ..diagnostics.groups import PrecisionSnapshot, first_process_group, take_snapshot
+from ..export.isolation import WarnOnce
+from .instruments import AttributeCache, dtype_name
+
+_logger = logging.getLogger(__name__)
+
+
+class PrecisionRecorder:
+    """When the diagnostics run for one optimizer, their computation and their record.
+
+    Construction parses the diagnostics' ``FSDP_PATCH_*`` variables (a malformed one fails when
+    the optimizer is adapted); :meth:`bind` hands over the instruments and the rank once the
+    observer's providers are resolved.
+
+    Args:
+        optimizer: The adapted optimizer, held weakly.
+        sdk_disabled: ``OTEL_SDK_DISABLED``: no diagnostics at all.
+        warn: The observer's once-per-kind warning.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, sdk_disabled: bool, warn: WarnOnce) -> None:
+        self._optimizer_ref = weakref.ref(optimizer)
+        # Diagnostics run a collective: every rank must agree, so decide from the environment only.
+        self.every = 0 if sdk_disabled else env.precision_every()
+        compute_dtype = env.compute_dtype()
+        self._default_compute_dtype = getattr(torch, compute_dtype) if compute_dtype else None
+        top_k = env.precision_top_k()
+        self._attribution = attribution.Attribution(top_k, env.precision_window()) if top_k else None
+        self._state_tensors = optimizer_state.StateTensors()
+        self._unit_detail = env.precision_detail() == semconv.DETAIL_UNIT
+        self._warn = warn
+        self._kept_snapshot: PrecisionSnapshot | None = None
+        # The optimizer.state object the last dtype audit read (a load replaces it), and what it named.
+        self._audited_state: Any = None
+        self._named_violations: set[tuple[Any, ...]] = set()
+        self.rank = 0
+
+    @property
+    def per_parameter(self) -> bool:
+        """Whether the diagnosed steps compute a row per parameter (the attribution is on)."""
+        return self._attribution is not None and self.every > 0
+
+    def bind(self, created: dict[str, Any], rank: int, device: Callable[[], torch.device]) -> None:
+        """The instruments (``instruments.create_instruments``), this rank, and where a failed
+        rank's placeholder rows go."""
+        self.rank = rank
+        self._device = device
+        self._nonfinite = created[semconv.METRIC_NONFINITE]
+        self._overflow = created[semconv.METRIC_REFRESH_OVERFLOW]
+        self._underflow = created[semconv.METRIC_REFRESH_UNDERFLOW]
+        self._refresh_error = created[semconv.METRIC_REFRESH_ERROR]
+        self._lost_ratio = created[semconv.METRIC_LOST_RATIO]
+        self._grad_amax = created[semconv.METRIC_GRAD_AMAX]
+        self._dtype_contract = created[semconv.METRIC_DTYPE_CONTRACT]
+        self._skipped_steps = created[semconv.METRIC_SKIPPED_STEPS]
+        self._precision_steps = created[semconv.METRIC_PRECISION_STEPS]
+        self._nonfinite_steps = created[semconv.METRIC_NONFINITE_STEPS]
+        self._rank_attrs: dict[str, AttributeValue] = {semconv.ATTR_RANK: rank}
+        self._attrs = AttributeCache(self._rank_attrs)
+        self._nonfinite_attrs: dict[tuple[str, str], dict[str, AttributeValue]] = {
+            (t, k): {**self._rank_attrs, semconv.ATTR_TENSOR: t, semconv.ATTR_NONFINITE_KIND: k}
+            for t in semconv.TENSORS
+            for k in semconv.NONFINITE_KINDS
+        }
+
+    def due(self, step_number: int) -> bool:
+        """Whether step ``step_number`` runs the diagnostics: step 1, then every N-th step.
+
+        Step 1 is included so that short runs report once and the snapshot's memory peak shows
+        at the start of a run rather than hours in. Depends only on the environment and the
+        step number, so every rank agrees (the diagnostics run a collective).
+        """
+        return self.every > 0 and (step_number == 1 or step_number % self.every == 0)
+
+    def begin(self, groups: Sequence[Any]) -> PrecisionSnapshot:
+        """Copy the weights before the inner step.
+
+        With diagnostics on every step the copy's buffers are kept and reused from step to step
+        (memory the diagnostics need on each step anyway); with a longer interval they are
+        released after each diagnostic step.
+        """
+        snapshot = take_snapshot(groups, self._default_compute_dtype, reuse=self._kept_snapshot)
+        self._kept_snapshot = snapshot if self.every == 1 else None
+        return snapshot
+
+    def end(self, snapshot: PrecisionSnapshot, groups: Sequence[Any], step: int) -> None:
+        """Compute, reduce across ranks and record the diagnostics of step ``step``.
+
+        One row of numbers per parameter (:mod:`~..diagnostics.param_stats`), every rank's rows
+        combined by one all-gather; the whole-model metrics are their sums, the per-parameter
+        findings (:mod:`~..diagnostics.attribution`) go on the precision span. Reads the buffers
+        and writes none. A local failure is logged once and this rank's contribution becomes
+        unknown (NaN), but the rank still joins the collective so the others do not hang; nothing
+        is recorded for that step.
+        """
+        detail = self._attribution is not None
+        optimizer = self._optimizer_ref()
+        table: list[row_spec.ParamSlot] | None = None
+        keys: list[tuple[str, ...]] = []
+        try:
+            table = row_spec.param_table(groups, self._default_compute_dtype, per_parameter=detail)
+            states, update_slots = None, None
+            if self._attribution is not None:
+                update_slots = self._attribution.update_slots(table)
+                if optimizer is not None:
+                    states, keys = self._state_tensors.read(optimizer, table)
+            local = row_spec.payload(
+                param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots)
+            )
+        except Exception as exc:
+            self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
+                       "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
+            count = len(table) if table is not None else row_spec.slot_count(groups, per_parameter=detail)
+            local = row_spec.failed_payload(count, self._device())
+        gathered = row_spec.gather_rows(local, first_process_group(groups))
+        reduced, complete = row_spec.split_status(row_spec.reduce_gathered(gathered))
+        stats = precision.stats_from_vector(row_spec.totals(reduced))
+        if not (complete and stats.complete) or table is None:
+            return
+        rows = reduced.tolist()
+        self._record_stats(stats, table, rows)
+        if self._attribution is None or optimizer is None:
+            return
+        if not keys:
+            keys = [()] * len(table)
+        contexts = optimizer_state.contexts_for(optimizer, table, keys)
+
+        def ranks_of(slot: int, slots: Sequence[int]) -> tuple[int, ...]:
+            counts = gathered[:, slot, list(slots)].sum(dim=1).tolist()
+            return tuple(rank for rank, count in enumerate(counts) if count)
+
+        findings = self._attribution.analyze(step, table, rows, contexts, ranks_of)
+        if findings.skipped:
+            self._skipped_steps.add(1, self._rank_attrs)
+        span = trace.get_current_span()
+        if span.is_recording():
+            self._record_findings(span, step, table, findings, self._attribution.top_k)
+
+    def _record_findings(self, span: Span, step: int, table: Sequence[row_spec.ParamSlot],
+                         findings: attribution.StepFindings, top_k: int) -> None:  # fmt: skip
+        span.set_attributes({
+            semconv.ATTR_STUCK_PARAMS: findings.stuck,
+            semconv.ATTR_UNSTEPPED_PARAMS: findings.unstepped,
+            semconv.ATTR_STATE_NONFINITE: findings.state_nonfinite,
+            semconv.ATTR_STATE_FLUSHED: findings.state_flushed,
+            semconv.ATTR_STEP_SKIPPED: int(findings.skipped),
+        })  # fmt: skip
+        first = findings.first_nonfinite
+        if first is not None:
+            slot = table[first.slots[0]]
+            attrs: dict[str, AttributeValue] = {
+                semconv.ATTR_STEP: step,
+                semconv.ATTR_PARAM: slot.name,
+                semconv.ATTR_UNIT: slot.unit,
+                semconv.ATTR_TENSOR: first.tensor,
+                semconv.ATTR_RANKS: list(first.ranks),
+                semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN if first.nan else semconv.NONFINITE_INF,
+                semconv.ATTR_PRECISION_ELEMENTS: first.nan + first.inf,
+                semconv.ATTR_PRECISION_PARAMS: [table[i].name for i in first.slots[:top_k]],
+                semconv.ATTR_PRECISION_PARAMS_COUNT: len(first.slots),
+            }
+            if first.state_key is not None:
+                attrs[semconv.ATTR_OPTIMIZER_STATE] = first.state_key
+            span.add_event(semconv.EVENT_FIRST_NONFINITE, attrs)
+        for offender in findings.offenders:
+            slot = table[offender.slot]
+            attrs = {
+                semconv.ATTR_DIAGNOSTIC: offender.diagnostic,
+                semconv.ATTR_PARAM: slot.name,
+                semconv.ATTR_UNIT: slot.unit,
+                semconv.ATTR_VALUE: offender.value,
+            }
+            if offender.state_key is not None:
+                attrs[semconv.ATTR_OPTIMIZER_STATE] = offender.state_key
+            if offender.cause is not None:
+                attrs[semconv.ATTR_CAUSE] = offender.cause
+            span.add_event(semconv.EVENT_OFFENDER, attrs)
+
+    def _record_stats(self, stats: precision.PrecisionStats, table: Sequence[row_spec.ParamSlot],
+                      rows: Sequence[Sequence[float]]) -> None:  # fmt: skip
+        # Every diagnosed step adds to both (0 for a clean step), so the series exist from step 1.
+        self._precision_steps.add(1, self._rank_attrs)
+        self._nonfinite_steps.add(1 if any(stats.nonfinite.values()) else 0, self._rank_attrs)
+        if self._unit_detail:
+            for unit, row in attribution.unit_rows(table, rows).items():
+                self._record_metrics(attribution.stats_of_row(row), {**self._rank_attrs, semconv.ATTR_UNIT: unit})
+        else:
+            self._record_metrics(stats, self._rank_attrs)
+        span = trace.get_current_span()
+        if span.is_recording():
+            # On the precision span, so a trace shows the numbers of the step it belongs to.
+            span.set_attributes(
+                {
+                    semconv.METRIC_REFRESH_OVERFLOW: stats.overflow,
+                    semconv.METRIC_REFRESH_UNDERFLOW: stats.underflow,
+                    semconv.METRIC_REFRESH_ERROR: stats.refresh_error,
+                    semconv.METRIC_LOST_RATIO: stats.lost_ratio,
+                    semconv.METRIC_GRAD_AMAX: stats.grad_amax,
+                    semconv.METRIC_NONFINITE: sum(stats.nonfinite.values()),
+                }
+            )
+
+    def _record_metrics(self, stats: precision.PrecisionStats, attrs: dict[str, AttributeValue]) -> None:
+        nonfinite_attrs = self._nonfinite_attrs if attrs is self._rank_attrs else None
+        for key, count in stats.nonfinite.items():
+            if nonfinite_attrs is not None:
+                point = nonfinite_attrs[key]
+            else:
+                point = self._attrs.get(("nonfinite", attrs.get(semconv.ATTR_UNIT), *key),
+                                        lambda key=key: {**attrs, semconv.ATTR_TENSOR: key[0], semconv.ATTR_NONFINITE_KIND: key[1]})  # fmt: skip
+            self._nonfinite.add(count, point)
+        self._overflow.add(stats.overflow, attrs)
+        self._underflow.add(stats.underflow, attrs)
+        for gauge, value in (
+            (self._refresh_error, stats.refresh_error),
+            (self._lost_ratio, stats.lost_ratio),
+            (self._grad_amax, stats.grad_amax),
+        ):
+            # Gauges reject NaN/Inf with a warning per call; only fp32 overflow of the norms gets here.
+            if math.isfinite(value):
+                gauge.set(value, attrs)
+
+    # -- dtype contract ----------------------------------------------------------------
+
+    def audit_if_due(self, step_number: int, span: Span | None) -> None:
+        """The dtype-contract audit: at the first step, after the optimizer's state was loaded
+        (``load_state_dict`` replaces ``optimizer.state``) and on every diagnosed step; each
+        violation is named once (span event on the step, counter)."""
+        optimizer = self._optimizer_ref()
+        if optimizer is None:
+            return
+        if optimizer.state is self._audited_state and not self.due(step_number):
+            return
+        self._audited_state = optimizer.state
+        try:
+            violations = dtype_contract.audit_dtypes(optimizer)
+        except Exception as exc:
+            self._warn("audit", "fsdp_patch telemetry: the dtype-contract audit failed on rank %d (%s: %s).",
+                       self.rank, type(exc).__name__, exc)  # fmt: skip
+            return
+        for violation in violations:
+            if violation.key in self._named_violations:
+                continue
+            self._named_violations.add(violation.key)
+            expected, actual = dtype_name(violation.expected), dtype_name(violation.actual)
+            self._dtype_contract.add(1, self._attrs.get(
+                ("contract", violation.tensor, expected, actual),
+                lambda v=violation, e=expected, a=actual: {semconv.ATTR_TENSOR: v.tensor, semconv.ATTR_DTYPE_EXPECTED: e,
+                                                           semconv.ATTR_DTYPE_ACTUAL: a},
+            ))  # fmt: skip
+            if span is not None:
+                attrs: dict[str, AttributeValue] = {
+                    semconv.ATTR_STEP: step_number,
+                    semconv.ATTR_RANK: self.rank,
+                    semconv.ATTR_PARAM: violation.param,
+                    semconv.ATTR_UNIT: violation.unit,
+                    semconv.ATTR_TENSOR: violation.tensor,
+                    semconv.ATTR_DTYPE_EXPECTED: expected,
+                    semconv.ATTR_DTYPE_ACTUAL: actual,
+                }
+                if violation.state_key is not None:
+                    attrs[semconv.ATTR_OPTIMIZER_STATE] = violation.state_key
+                span.add_event(semconv.EVENT_DTYPE_CONTRACT, attrs)
