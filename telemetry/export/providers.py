@@ -2,7 +2,8 @@
 
 On first use, per signal: if the application (or ``opentelemetry-instrument``) installed a
 global provider, it is used. Otherwise this module builds the package's own SDK provider from
-the ``OTEL_*`` variables (:mod:`fsdp_patch.telemetry.export.exporters`), with the rank identity as
+the ``OTEL_*`` variables (:mod:`~fsdp_patch.telemetry.export.selection` names the exporters,
+:mod:`~fsdp_patch.telemetry.export.exporters` builds them), with the rank identity as
 resource attributes: the embedded default. It is **not** installed as the global provider, so an
 application that sets its own providers later is not refused by the API; spans still nest under
 the caller's span, which comes from the context, not from the provider. With
