@@ -182,7 +182,7 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
     if not telemetry.telemetry_active():
         print("no precision report: telemetry is off", flush=True)
         return
-    from fsdp_patch.telemetry.export.exporters import trace_files_off_reason
+    from fsdp_patch.telemetry.export.selection import trace_files_off_reason
     from fsdp_patch.telemetry.offline.precision_report import report
     from fsdp_patch.telemetry.offline.trace_reading import TraceFileError
 

@@ -1,34 +1,19 @@
-"""The exporters and metric readers named by ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``.
+"""The exporters and metric readers built from what :mod:`~fsdp_patch.telemetry.export.selection` resolves.
 
-A name means here what it means under ``opentelemetry-instrument``: every listed name goes through
-the SDK configurator's own resolution in ``opentelemetry.sdk._configuration``, name by name:
-``_get_exporter_entry_point`` (``otlp`` becomes ``otlp_proto_grpc`` or ``otlp_proto_http`` by the
-``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]PROTOCOL`` variables) and ``_import_exporters`` (the entry
-point of that name in ``opentelemetry_traces_exporter`` / ``opentelemetry_metrics_exporter``,
-loaded and type-checked). So ``console``, ``otlp``, ``prometheus``, this package's ``trace_file``
-and ``summary`` (registered in ``pyproject.toml``) and any installed third-party exporter resolve
-to the same classes under both.
+Each resolved class is constructed on its own, and one whose construction fails (a bad endpoint
+URL, a missing certificate) is a warning naming it, while the others are kept. Every exporter is
+wrapped by :mod:`fsdp_patch.telemetry.export.isolation`. What construction adds per class:
 
-What the embedded default adds on top of that resolution:
-
-- An unset or empty variable selects this package's default for the signal, which needs no
-  server: ``trace_file`` for traces, ``summary`` for metrics (the SDK's configurator selects
-  nothing). ``none`` anywhere in the list selects nothing for that entry; empty and repeated
-  entries are skipped (the SDK's configurator stops at a ``none`` or an empty entry in a list).
-- ``otlp`` with no protocol variable set for its signal is handed to the SDK as
-  ``otlp_proto_http``: ``http/protobuf``, the OpenTelemetry specification's default (port 4318),
-  where the SDK's configurator picks grpc. That is the one step before the SDK's resolution; once
-  a protocol variable is set, the SDK resolves it, and a value it refuses is a warning naming the
-  variable, the value and the accepted values.
-- Each name is resolved, loaded and constructed on its own, and one that fails is a warning naming
-  it and what to install or set, while the others are kept: the SDK raises for the whole list.
-  Every exporter is wrapped by :mod:`fsdp_patch.telemetry.export.isolation`.
-- Construction: the trace-file exporter gets the rank and resource of the providers, rank 0 says
-  where the traces go, and it is remembered (for :func:`trace_files_off_reason` and the summary's
-  footer); ``summary`` becomes a :class:`~fsdp_patch.telemetry.export.summary.MetricSummary`,
-  printed on the ranks ``FSDP_PATCH_SUMMARY`` names within the exit budget, with the trace files
-  and metric endpoints as its footer; push metric exporters get a periodic reader whose
-  ``OTEL_METRIC_EXPORT_*`` values are read leniently (:mod:`~fsdp_patch.telemetry.export.otel_env`).
+- The trace-file exporter gets the rank and resource of the providers, rank 0 says where the
+  traces go, and it is remembered (for the summary's footer and the files written); it is also the
+  SDK's own ``trace_file`` entry point (:class:`TraceFileSpanExporter`, registered in
+  ``pyproject.toml``), constructed there without arguments.
+- ``summary`` becomes a :class:`~fsdp_patch.telemetry.export.summary.MetricSummary`, printed on
+  the ranks ``FSDP_PATCH_SUMMARY`` names within the exit budget, with the trace files and metric
+  endpoints as its footer.
+- Push metric exporters get a periodic reader whose ``OTEL_METRIC_EXPORT_*`` values are read
+  leniently (:mod:`~fsdp_patch.telemetry.export.otel_env`); pull readers are constructed as the
+  SDK's configurator constructs them.
 - ``prometheus`` is resolved through its entry point (so a missing package is reported like any
   other), but the server is started here. The entry point's reader
   (``opentelemetry-exporter-prometheus``) starts its HTTP server in its constructor on
@@ -37,25 +22,6 @@ What the embedded default adds on top of that resolution:
   ``ValueError``, and the server outlives the providers. Here local rank r serves on the port
   plus r, a busy or malformed port is a warning, each rank names its endpoint in one write, and
   the server stops with the providers.
-
-Alternatives considered:
-
-- Our own parser of the variables with a class per name: a second meaning of each name, apart
-  from the SDK's wherever the two are not kept in step by hand (a protocol table of its own,
-  third-party exporters a special case, a new SDK exporter unknown until added here).
-- The SDK's ``_initialize_components`` wholesale: it installs the global tracer, meter and logger
-  providers, which the embedded default must not do (an application may install its own at any
-  time, and the API accepts only the first); it also raises for the whole list on one bad name.
-- The SDK's ``_get_exporter_names``: it reads the whole variable and raises for all names on a
-  bad protocol, mapping ``otlp`` to grpc before the http/protobuf default could apply; so the
-  variable is split here as it splits it (at commas, each name stripped) and each name handed to
-  ``_get_exporter_entry_point``.
-
-``_get_exporter_entry_point(name, signal)`` and ``_import_exporters(traces, metrics, logs)`` are
-private to the SDK. They have these signatures, and ``_import_exporters`` accepts pull readers
-(``summary``, ``prometheus``), from opentelemetry-sdk 1.21.0 on; the package requires
-``opentelemetry-sdk>=1.30``. A release without them is one warning naming what is missing, and
-no exporter.
 """
 
 from __future__ import annotations
@@ -65,7 +31,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -75,215 +41,14 @@ from . import otel_env
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
 from .ranks import RankInfo, current_rank_info
 from .resource import build_resource
+from .selection import TRACES_EXPORTER, Resolved, resolve
 from .summary import MetricSummary, SummaryMetricReader
 from .trace_files import TraceFileExporter
 
 _logger = logging.getLogger(__name__)
 
-Signal = Literal["traces", "metrics"]
-TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
-METRICS_EXPORTER = "OTEL_METRICS_EXPORTER"
-TRACE_FILE = "trace_file"
-SUMMARY = "summary"
-VARIABLES: dict[Signal, str] = {"traces": TRACES_EXPORTER, "metrics": METRICS_EXPORTER}
-DEFAULTS: dict[Signal, str] = {"traces": TRACE_FILE, "metrics": SUMMARY}
-GROUPS: dict[Signal, str] = {"traces": "opentelemetry_traces_exporter", "metrics": "opentelemetry_metrics_exporter"}
-DEFAULT_OTLP_PROTOCOL = "http/protobuf"  # the specification's default; the SDK's configurator picks grpc
-# The http/protobuf exporters' entry point name, as opentelemetry-exporter-otlp-proto-http registers it.
-_OTLP_HTTP_ENTRY_POINT = "otlp_proto_http"
-_PROTOCOL_VARIABLES: dict[Signal, str] = {
-    "traces": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-    "metrics": "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
-}
-# What to install for an entry point that is not there: the extras of this package that bring it.
-_EXTRAS = {"otlp_proto_http": "otlp", "otlp_proto_grpc": "otlp", "prometheus": "prometheus"}
-# What the resolution calls in opentelemetry.sdk._configuration (entry_points: the installed ones as it sees them).
-SDK_FUNCTIONS = ("_get_exporter_entry_point", "_import_exporters", "entry_points")
 DEFAULT_PROMETHEUS_HOST = "localhost"
 DEFAULT_PROMETHEUS_PORT = 9464
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """One listed exporter name and what the SDK's configurator resolves it to.
-
-    Attributes:
-        name: The name as listed (``otlp``).
-        entry_point: The entry point it resolved to (``otlp_proto_http``).
-        exporter_class: The class that entry point loads.
-    """
-
-    name: str
-    entry_point: str
-    exporter_class: type
-
-
-def listed_names(signal: Signal) -> list[str]:
-    """The names ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER`` selects, before resolution.
-
-    The signal's default (``trace_file``, ``summary``) when the variable is unset or empty; split at
-    commas and stripped as the SDK's configurator splits it (names are case-sensitive, as entry
-    points are); ``none`` (in any case), empty and repeated entries left out.
-    """
-    raw = os.environ.get(VARIABLES[signal], "")
-    if not raw.strip():
-        return [DEFAULTS[signal]]
-    names: list[str] = []
-    for name in raw.split(","):
-        name = name.strip()
-        if name and name.lower() != "none" and name not in names:
-            names.append(name)
-    return names
-
-
-def _sdk_configuration() -> Any:
-    """The SDK configurator's module, with the functions the resolution calls; a clear error without them."""
-    try:
-        from opentelemetry.sdk import _configuration
-    except ImportError as exc:
-        raise RuntimeError(
-            f"this OpenTelemetry SDK has no opentelemetry.sdk._configuration ({exc}), whose exporter resolution "
-            "fsdp_patch telemetry uses; install opentelemetry-sdk>=1.30"
-        ) from exc
-    missing = [name for name in SDK_FUNCTIONS if not callable(getattr(_configuration, name, None))]
-    if missing:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            release = f"opentelemetry-sdk {version('opentelemetry-sdk')}"
-        except PackageNotFoundError:
-            release = "this opentelemetry-sdk"
-        raise RuntimeError(
-            f"{release} has no "
-            f"{', '.join('opentelemetry.sdk._configuration.' + name for name in missing)}, which fsdp_patch "
-            "telemetry resolves exporter names with (opentelemetry-sdk 1.30 to 1.45 have them); install a release "
-            "that has them"
-        )
-    return _configuration
-
-
-def _protocol_setting(signal: Signal) -> tuple[str, str] | None:
-    """(variable, value) of the OTLP protocol the SDK reads for ``signal``, or ``None`` where none is set."""
-    # The SDK's own precedence and test: the per-signal variable unless empty, then the general one.
-    for variable in (_PROTOCOL_VARIABLES[signal], "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        value = os.environ.get(variable)
-        if value:
-            return variable, value
-    return None
-
-
-def _accepted(sdk: Any, group: str) -> list[str]:
-    """The names that select something: the installed entry points, ``otlp`` where one serves it, ``none``."""
-    installed = {entry_point.name for entry_point in sdk.entry_points(group=group)}
-    if installed & {_OTLP_HTTP_ENTRY_POINT, "otlp_proto_grpc"}:
-        installed.add("otlp")
-    return [*sorted(installed), "none"]
-
-
-def _not_installed(signal: Signal, name: str, entry_point: str, sdk: Any) -> None:
-    group = GROUPS[signal]
-    what = repr(name) if entry_point == name else f"{name!r} (the entry point {entry_point!r})"
-    extra = _EXTRAS.get(entry_point)
-    if extra is not None:
-        hint = f"install it with `pip install 'fsdp-patch[{extra}]'`"
-    else:
-        hint = f"accepted values: {', '.join(_accepted(sdk, group))}"
-    _logger.warning(
-        "%s lists %s, which is not an installed %s entry point; %s. fsdp_patch telemetry continues without it.",
-        VARIABLES[signal], what, group, hint,
-    )  # fmt: skip
-
-
-def _resolve_one(signal: Signal, name: str, sdk: Any) -> Resolved | None:
-    handed = name
-    if name == "otlp" and _protocol_setting(signal) is None:
-        handed = _OTLP_HTTP_ENTRY_POINT
-    try:
-        entry_point = sdk._get_exporter_entry_point(handed, signal)
-    except RuntimeError:  # the SDK refuses the protocol variable's value
-        variable, value = _protocol_setting(signal) or ("OTEL_EXPORTER_OTLP_PROTOCOL", "")
-        accepted = sorted(getattr(sdk, "_EXPORTER_BY_OTLP_PROTOCOL", ("grpc", DEFAULT_OTLP_PROTOCOL)))
-        _logger.warning(
-            "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry continues without the OTLP %s exporter "
-            "(%s lists %r).",
-            variable, value, ", ".join(accepted), signal, VARIABLES[signal], name,
-        )  # fmt: skip
-        return None
-    if not any(True for _ in sdk.entry_points(group=GROUPS[signal], name=entry_point)):
-        _not_installed(signal, name, entry_point, sdk)
-        return None
-    try:
-        traces, metrics, _logs = sdk._import_exporters(
-            [entry_point] if signal == "traces" else [], [entry_point] if signal == "metrics" else [], []
-        )
-    except Exception as exc:  # its module does not import, or it is not an exporter of this signal
-        extra = _EXTRAS.get(entry_point)
-        hint = f"; `pip install 'fsdp-patch[{extra}]'` installs what it needs" if extra else ""
-        _logger.warning(
-            "fsdp_patch telemetry: %s lists %r, whose %s entry point %r could not be loaded (%s: %s)%s; continuing "
-            "without it.",
-            VARIABLES[signal], name, GROUPS[signal], entry_point, type(exc).__name__, exc, hint,
-        )  # fmt: skip
-        return None
-    (exporter_class,) = (traces if signal == "traces" else metrics).values()
-    return Resolved(name, entry_point, exporter_class)
-
-
-def resolve(signal: Signal) -> list[Resolved]:
-    """The exporters the variable of ``signal`` selects, resolved by the SDK's configurator name by name.
-
-    A name that does not resolve or load is a warning, and left out; the others are kept.
-    """
-    names = listed_names(signal)
-    if not names:
-        return []
-    try:
-        sdk = _sdk_configuration()
-    except RuntimeError as exc:
-        _logger.warning("fsdp_patch telemetry: %s. Continuing without %s exporters.", exc, signal)
-        return []
-    found: list[Resolved] = []
-    for name in names:
-        try:
-            resolved = _resolve_one(signal, name, sdk)
-        except Exception as exc:  # a configurator whose private functions changed: no exporter of this name
-            _logger.warning(
-                "fsdp_patch telemetry: resolving %s %r with this OpenTelemetry SDK's configurator failed (%s: %s); "
-                "continuing without it.",
-                VARIABLES[signal], name, type(exc).__name__, exc,
-            )  # fmt: skip
-            continue
-        # Two names of one entry point (otlp, otlp_proto_http) are one exporter, as for the SDK's configurator.
-        if resolved is not None and all(r.entry_point != resolved.entry_point for r in found):
-            found.append(resolved)
-    return found
-
-
-def trace_files_off_reason(world_size: int = 1) -> str | None:
-    """Why this job's ranks write no trace files, or ``None`` when they do (the precision report reads them).
-
-    Args:
-        world_size: Ranks of the job, to tell whether ``FSDP_PATCH_TRACE_RANKS`` leaves any traced.
-    """
-    if env.sdk_disabled():
-        return "OTEL_SDK_DISABLED=true turns telemetry off, so no trace files were written"
-    names = listed_names("traces")
-    if TRACE_FILE not in names:
-        listed = os.environ.get(TRACES_EXPORTER, "").strip()
-        keep = ",".join([*names, TRACE_FILE])
-        return (
-            f"{TRACES_EXPORTER}={listed} does not list {TRACE_FILE}, so no trace files were written; to keep them "
-            f"(and this report) beside any other exporter, set {TRACES_EXPORTER}={keep}"
-        )
-    try:
-        ranks = env.trace_ranks()
-    except ValueError:
-        return None  # reported when the optimizer was adapted
-    if ranks is not None and not ranks & set(range(world_size)):
-        return (
-            f"{env.TRACE_RANKS}={os.environ.get(env.TRACE_RANKS, '').strip()} traces none of ranks 0-{world_size - 1}"
-        )
-    return None
 
 
 def _guarded_call(what: str, factory: Callable[[], Any]) -> Any | None:

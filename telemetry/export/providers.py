@@ -2,7 +2,8 @@
 
 On first use, per signal: if the application (or ``opentelemetry-instrument``) installed a
 global provider, it is used. Otherwise this module builds the package's own SDK provider from
-the ``OTEL_*`` variables (:mod:`fsdp_patch.telemetry.export.exporters`), with the rank identity as
+the ``OTEL_*`` variables (:mod:`~fsdp_patch.telemetry.export.selection` names the exporters,
+:mod:`~fsdp_patch.telemetry.export.exporters` builds them), with the rank identity as
 resource attributes: the embedded default. It is **not** installed as the global provider, so an
 application that sets its own providers later is not refused by the API; spans still nest under
 the caller's span, which comes from the context, not from the provider. With
@@ -11,14 +12,14 @@ the caller's span, which comes from the context, not from the provider. With
 Providers built here are flushed before ``torch.distributed.destroy_process_group`` tears the
 default group down, and flushed, summarised and shut down at interpreter exit. Every exporter
 flushes on its own helper thread, side by side, and the two waits together are bounded by
-``FSDP_PATCH_FLUSH_TIMEOUT``: one budget for the end of a run, however many exporters are stuck. Everything installed for that (the ``atexit`` hook, the
-``destroy_process_group`` wrapper, logging filters) is removed again by :func:`uninstall`, and
-the wrapper and filters by :func:`shutdown`.
+``FSDP_PATCH_FLUSH_TIMEOUT``: one budget for the end of a run, however many exporters are stuck.
+Everything installed for that (the ``atexit`` hook and the ``destroy_process_group`` wrapper of
+:mod:`~fsdp_patch.telemetry.export.exit_hooks`, logging filters) is removed again by
+:func:`uninstall`, and the wrapper and filters by :func:`shutdown`.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -34,7 +35,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
 from .. import env, semconv
-from . import isolation, otel_env
+from . import exit_hooks, isolation, otel_env
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
 from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
 from .ranks import RankInfo, current_rank_info
@@ -88,7 +89,6 @@ class _SpanProcessor:
 _lock = threading.RLock()
 _embedded: _Embedded | None = None
 _shut_down = False
-_exit_hook_registered = False
 _observers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -171,7 +171,7 @@ def _ensure_built() -> _Embedded | None:
         if _embedded is None and not _shut_down:
             _embedded = _build()
             if _embedded.tracer_provider or _embedded.meter_provider:
-                _install_exit_hooks()
+                exit_hooks.install(shutdown, functools.partial(flush, at_exit=True))
         return _embedded
 
 
@@ -363,7 +363,7 @@ def shutdown() -> None:
         state.tracer_provider.shutdown()
     _spend_exit_budget(time.monotonic() - started)
     _stop_servers(state.metric_setup)
-    _unwrap_destroy_process_group()
+    exit_hooks.unwrap_destroy_process_group()
     isolation.remove_log_filters()
 
 
@@ -380,12 +380,10 @@ def uninstall() -> None:
     The telemetry instrumentor's ``uninstrument()`` calls it; tests call it (as :func:`reset`)
     together with resetting OpenTelemetry's global providers.
     """
-    global _embedded, _shut_down, _exit_hook_registered, _exit_waited
+    global _embedded, _shut_down, _exit_waited
     shutdown()
     with _lock:
-        if _exit_hook_registered:
-            atexit.unregister(shutdown)
-            _exit_hook_registered = False
+        exit_hooks.remove()
         _embedded = None
         _shut_down = False
         _exit_waited = None
@@ -393,56 +391,3 @@ def uninstall() -> None:
 
 
 reset = uninstall
-
-
-def _install_exit_hooks() -> None:
-    global _exit_hook_registered
-    if not _exit_hook_registered:
-        _exit_hook_registered = True
-        atexit.register(shutdown)
-    _wrap_destroy_process_group()
-
-
-_WRAPPED_MARK = "_self_fsdp_telemetry_flush"
-
-
-def _wrap_destroy_process_group() -> None:
-    """Flush before ``destroy_process_group()`` tears down the default group.
-
-    Only the module attributes are patched, so code that imported the function by name
-    before telemetry started calls the original; the atexit flush still covers it.
-    """
-    try:
-        import torch.distributed as dist
-        import wrapt
-        from torch.distributed import distributed_c10d as c10d
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return
-    original = c10d.destroy_process_group
-    if getattr(original, _WRAPPED_MARK, False):
-        return
-
-    def flush_first(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        group = args[0] if args else kwargs.get("group")
-        if group is None or group is c10d.GroupMember.WORLD:
-            flush(at_exit=True)
-        return wrapped(*args, **kwargs)
-
-    wrapper = wrapt.FunctionWrapper(original, flush_first)
-    setattr(wrapper, _WRAPPED_MARK, True)
-    for module in (c10d, dist):
-        if getattr(module, "destroy_process_group", None) is original:
-            setattr(module, "destroy_process_group", wrapper)  # noqa: B010 - a module's attribute, patched
-
-
-def _unwrap_destroy_process_group() -> None:
-    """Put the original ``destroy_process_group`` back where our wrapper still is."""
-    try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-    except ImportError:  # pragma: no cover
-        return
-    for module in (c10d, dist):
-        current = getattr(module, "destroy_process_group", None)
-        if current is not None and getattr(current, _WRAPPED_MARK, False):
-            setattr(module, "destroy_process_group", current.__wrapped__)  # noqa: B010 - a module's attribute, patched

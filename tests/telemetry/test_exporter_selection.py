@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fsdp_patch.telemetry.export import exporters
+from fsdp_patch.telemetry.export import exporters, selection
 from fsdp_patch.telemetry.export.ranks import RankInfo
 from fsdp_patch.telemetry.export.resource import build_resource
 from opentelemetry.sdk import _configuration
@@ -148,7 +148,7 @@ def test_a_name_means_the_same_exporter_as_under_the_sdks_configurator(
 ):
     for variable, value in variables.items():
         monkeypatch.setenv(variable, value)
-    resolved = exporters.resolve(signal)
+    resolved = selection.resolve(signal)
     got = [r.entry_point for r in resolved]
     assert got == entry_points, f"{variables}: want the entry points {entry_points}, got {got}"
     ours, sdks = [r.exporter_class for r in resolved], the_sdks(signal)
@@ -159,7 +159,7 @@ def test_otlp_is_http_protobuf_where_no_protocol_variable_is_set(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # traces only: metrics have none set
-    got = {signal: [r.entry_point for r in exporters.resolve(signal)] for signal in ("traces", "metrics")}
+    got = {signal: [r.entry_point for r in selection.resolve(signal)] for signal in ("traces", "metrics")}
     want = {"traces": ["otlp_proto_grpc"], "metrics": ["otlp_proto_http"]}
     assert got == want, f"want the SDK's choice where a protocol is set, else http/protobuf: {want}, got {got}"
     sdks = _configuration._get_exporter_names("metrics")
@@ -171,7 +171,7 @@ def test_unset_or_empty_selects_the_trace_files_and_the_summary(monkeypatch, val
     if value:
         monkeypatch.setenv("OTEL_TRACES_EXPORTER", value)
         monkeypatch.setenv("OTEL_METRICS_EXPORTER", value)
-    got = {signal: [r.name for r in exporters.resolve(signal)] for signal in ("traces", "metrics")}
+    got = {signal: [r.name for r in selection.resolve(signal)] for signal in ("traces", "metrics")}
     assert got == {"traces": ["trace_file"], "metrics": ["summary"]}, f"want the embedded defaults, got {got}"
 
     spans, files = exporters.build_span_exporters(RANK0, build_resource(RANK0))
@@ -179,15 +179,15 @@ def test_unset_or_empty_selects_the_trace_files_and_the_summary(monkeypatch, val
     assert files == [spans[0].inner], f"want the trace-file exporter remembered, got {files}"
     setup = exporters.build_metric_readers(RANK0, "header")
     assert setup.summary is not None and setup.readers == [setup.summary.reader], f"got {setup}"
-    assert exporters.trace_files_off_reason() is None
+    assert selection.trace_files_off_reason() is None
 
 
 def test_none_selects_nothing(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "None")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
-    got = {signal: exporters.resolve(signal) for signal in ("traces", "metrics")}
+    got = {signal: selection.resolve(signal) for signal in ("traces", "metrics")}
     assert got == {"traces": [], "metrics": []}, f"want nothing, got {got}"
-    reason = exporters.trace_files_off_reason()
+    reason = selection.trace_files_off_reason()
     want = "OTEL_TRACES_EXPORTER=None does not list trace_file"
     assert reason is not None and reason.startswith(want), f"want {want!r}..., got {reason!r}"
     assert reason.endswith("set OTEL_TRACES_EXPORTER=trace_file"), reason
@@ -246,7 +246,7 @@ def test_a_missing_otlp_package_names_the_extra(monkeypatch, caplog):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp,trace_file")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
     with caplog.at_level(logging.WARNING):
-        got = [r.name for r in exporters.resolve("traces")]
+        got = [r.name for r in selection.resolve("traces")]
     assert got == ["trace_file"], f"want the trace files kept, got {got}"
     (message,) = warnings_of(caplog)
     assert "'otlp' (the entry point 'otlp_proto_grpc')" in message, message
@@ -257,7 +257,7 @@ def test_an_sdk_without_the_configurators_functions_is_one_clear_warning(monkeyp
     monkeypatch.delattr(_configuration, "_import_exporters")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console,trace_file")
     with caplog.at_level(logging.WARNING):
-        got = exporters.resolve("traces")
+        got = selection.resolve("traces")
     assert got == [], f"want no exporter, got {got}"
     (message,) = warnings_of(caplog)
     assert "has no opentelemetry.sdk._configuration._import_exporters" in message, message

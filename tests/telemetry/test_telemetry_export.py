@@ -13,7 +13,7 @@ import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
 from fsdp_patch.telemetry import OptimizerObserver, semconv
-from fsdp_patch.telemetry.export import exporters, providers, trace_files
+from fsdp_patch.telemetry.export import exit_hooks, exporters, providers, trace_files
 from fsdp_patch.telemetry.export.isolation import GuardedSpanExporter, WarnOnce, run_bounded
 from fsdp_patch.telemetry.export.ranks import RankInfo
 from fsdp_patch.telemetry.export.resource import build_resource
@@ -234,7 +234,7 @@ def test_destroy_process_group_is_wrapped_once():
     wrapper = dist.destroy_process_group
     assert getattr(wrapper, "_self_fsdp_telemetry_flush", False)
     assert dist.distributed_c10d.destroy_process_group is wrapper
-    providers._wrap_destroy_process_group()
+    exit_hooks.wrap_destroy_process_group(providers.flush)
     assert dist.destroy_process_group is wrapper
 
 
