@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from .module import FSDPModule
+from .fsdp_module import FSDPModule
 from .unit import TrainingState
 
 __all__ = ["register_fsdp_forward_method"]

@@ -22,6 +22,11 @@ them, so the forward hooks leave everything as it is (FSDP2 does the same).
 
 Every backward pass (``backward`` any number of times per iteration, ``retain_graph`` or not)
 reduces what it produced; ``torch.autograd.grad``, which fills no ``.grad``, reduces nothing.
+
+Alternatives considered:
+    - Counting ``post_accumulate_grad`` hooks to detect the end of a unit's backward: breaks
+      when a weight is used more than once; the input-side autograd function
+      (:class:`_RegisterPostBackward`) does not.
 """
 
 from __future__ import annotations
@@ -266,9 +271,9 @@ class UnitState:
 
     # ------------------------------------------------------------------ gather / free
     def lazy_init_as_root(self) -> None:
-        from .module import FSDPModule
-
-        states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        # The units under this root: the modules fully_shard gave a state.
+        found = (getattr(m, "_fsdp_state", None) for m in self.module.modules())
+        states = [state for state in found if isinstance(state, UnitState)]
         context = RootContext(self, states)
         for state in states:
             state.context = context
