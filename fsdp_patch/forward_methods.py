@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from .fsdp_module import FSDPModule
-from .unit import TrainingState
+from .training_state import TrainingState
 
 __all__ = ["register_fsdp_forward_method"]
 
