@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from .module import FSDPModule
-from .unit import TrainingState
+from .fsdp_module import FSDPModule
+from .training_state import TrainingState
 
 __all__ = ["register_fsdp_forward_method"]
 

@@ -1,4 +1,4 @@
-"""One FSDP unit's parameters through an iteration, and the state a root shares with its units.
+"""One FSDP unit's parameters through an iteration: the states it moves through and the hooks that move it.
 
 A unit moves through the states of FSDP2's ``TrainingState``:
 
@@ -22,11 +22,17 @@ them, so the forward hooks leave everything as it is (FSDP2 does the same).
 
 Every backward pass (``backward`` any number of times per iteration, ``retain_graph`` or not)
 reduces what it produced; ``torch.autograd.grad``, which fills no ``.grad``, reduces nothing.
+What a root shares with its units over an iteration (the order units are entered in, the final
+callback, the reduce-scatters in flight) is :class:`~.root_context.RootContext`.
+
+Alternatives considered:
+    - Counting ``post_accumulate_grad`` hooks to detect the end of a unit's backward: breaks
+      when a weight is used more than once; the input-side autograd function
+      (:class:`_RegisterPostBackward`) does not.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
@@ -39,118 +45,18 @@ from torch.utils.hooks import RemovableHandle
 from .compile_boundary import outside_dynamo
 from .mixed_precision import MixedPrecisionPolicy
 from .output_tensors import grad_tensors
+from .root_context import RootContext
 from .sharding import ParameterGroup
+from .training_state import TrainingState
 
-__all__ = ["RootContext", "TrainingState", "UnitState"]
+__all__ = ["Location", "UnitState"]
 
 Location = tuple[nn.Module, str]
 Replacement = tuple[ParameterGroup, int, Any]  # (group, index in the group, what stood there)
 
 
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class RootContext:
-    """State shared by all units under one root for the current iteration."""
-
-    def __init__(self, root: UnitState, states: list[UnitState]) -> None:
-        self.root = root
-        self.states = states
-        # Units in the order the last complete forward first entered them (prefetch follows
-        # it: forward in this order, backward in reverse), and the forward being recorded.
-        self.order: list[UnitState] = []
-        self._position: dict[int, int] = {}  # id(state) -> index in order
-        self._recording: dict[int, UnitState] | None = None  # insertion-ordered
-        # Groups with reduce-scatters in flight, oldest first (bounded: each holds its packed
-        # grads until it completes).
-        self._reducing: list[ParameterGroup] = []
-        # The autograd graph task the final callback is queued for. A backward nested in it
-        # (a reentrant checkpoint's) queues none of its own: the outer backward's callback
-        # finishes what the nested one started. Autograd drops queued callbacks when a backward
-        # raises; the next forward finds the task still set and resets the iteration.
-        self.callback_task: int | None = None
-
-    def queue_final_callback(self) -> None:
-        if self.callback_task is not None:
-            return
-        self.callback_task = torch._C._current_graph_task_id()
-        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
-
-    @outside_dynamo
-    def _final_callback(self) -> None:
-        try:
-            for state in reversed(self.states):
-                state.finish_backward()
-            self._reducing.clear()
-            for state in self.states:
-                for group in state.groups:
-                    group.finalize_grads()  # waits for its reduce-scatters first
-        finally:
-            self.callback_task = None
-
-    # ------------------------------------------------------------------ overlap
-    @property
-    def in_forward(self) -> bool:
-        """Whether the root's forward is running (its units' order being recorded)."""
-        return self._recording is not None
-
-    def begin_forward(self) -> None:
-        self._recording = {}
-
-    def entered_forward(self, state: UnitState) -> None:
-        if self._recording is not None:
-            self._recording.setdefault(id(state), state)
-
-    def end_forward(self) -> None:
-        if self._recording is not None:
-            self.order, self._recording = list(self._recording.values()), None
-            self._position = {id(state): index for index, state in enumerate(self.order)}
-        self.cancel_prefetches()
-
-    def cancel_prefetches(self) -> None:
-        """Frees units gathered ahead that the forward did not reach (the order changed, or an
-        exception ended it), after their all-gathers complete."""
-        for state in self.states:
-            if state.prefetched:
-                state.prefetched = False
-                if state.training_state is TrainingState.IDLE:
-                    state.reshard()
-
-    def neighbours(self, state: UnitState, direction: int, count: int) -> list[UnitState]:
-        """Up to ``count`` units after (``direction`` 1) or before (-1) ``state`` in the order."""
-        index = self._position.get(id(state))
-        if count <= 0 or index is None:
-            return []
-        if direction > 0:
-            return self.order[index + 1 : index + 1 + count]
-        return self.order[max(0, index - count) : index][::-1]
-
-    def reducing(self, groups: list[ParameterGroup], limit: int) -> None:
-        """Notes groups that issued reduce-scatters; completes the oldest beyond ``limit``."""
-        self._reducing.extend(g for g in groups if g.reduce_in_flight)
-        while len(self._reducing) > limit:
-            self._reducing.pop(0).wait_reduce()
-
-    def interrupted(self) -> bool:
-        """Whether an exception aborted a forward or backward of this root's units.
-
-        Only meaningful outside a backward pass.
-        """
-        return self.callback_task is not None or any(s.training_state is not TrainingState.IDLE for s in self.states)
-
-    def reset(self) -> None:
-        self.callback_task = None
-        self._recording = None
-        self._reducing.clear()
-        for state in self.states:
-            state.reset()
 
 
 class UnitState:
@@ -266,9 +172,9 @@ class UnitState:
 
     # ------------------------------------------------------------------ gather / free
     def lazy_init_as_root(self) -> None:
-        from .module import FSDPModule
-
-        states = [m._fsdp_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        # The units under this root: the modules fully_shard gave a state.
+        found = (getattr(m, "_fsdp_state", None) for m in self.module.modules())
+        states = [state for state in found if isinstance(state, UnitState)]
         context = RootContext(self, states)
         for state in states:
             state.context = context

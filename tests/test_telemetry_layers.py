@@ -1,8 +1,8 @@
 """telemetry/ is layers with one-way imports: no module imports a layer above its own.
 
 From the bottom up: the names and settings (``semconv``, ``env``, ``precision_thresholds``,
-``trace_limits``, at the package's top); ``offline/`` (trace files read back, reports: neither
-OpenTelemetry nor torch); ``diagnostics/`` (the precision statistics: torch, no OpenTelemetry);
+``trace_limits``, at the package's top); ``offline/`` (trace files read back and converted, reports:
+neither OpenTelemetry nor torch); ``diagnostics/`` (the precision statistics: torch, no OpenTelemetry);
 ``export/`` (the embedded SDK defaults: providers, exporters, trace files written, summary);
 ``instrumentation/`` (instrumentor, observer, instruments, timing, the adapter's observer source).
 The package's own ``__init__`` is its facade: it may name any layer, and no module imports it.

@@ -46,7 +46,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from ..telemetry.export.trace_files import merge_chrome_traces, write_jaeger
+    from ..telemetry.offline.trace_conversion import merge_chrome_traces, write_jaeger
 
     if args.trace_command == "merge":
         print(f"wrote {merge_chrome_traces(args.inputs, args.output)} events to {args.output}")

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..optimizer import init_optimizer_state
-from .options import DemoInputError, TrainingConfig
+from .config import TrainingConfig
+from .options import DemoInputError
 
 LATEST = "latest"
 STATE_FILE = "demo.json"

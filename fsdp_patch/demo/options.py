@@ -1,48 +1,29 @@
-"""The demo's command-line options, their validation, and the planted-bug scenarios.
+"""The demo's command line: its options, and the checks that turn them into a :class:`~.config.RunOptions`.
 
 Every check of user input happens here, in the launching process, before any rank starts:
 bad input is one :class:`DemoInputError` naming what was wrong and what is accepted, which
 the command line prints as one line with exit code 2.
 
-Options that decide the training (:class:`TrainingConfig`) are stored in every checkpoint.
-On ``--resume`` the ones not given on the command line come from the checkpoint, and one
-given with another value than the checkpoint's makes the checkpoint incompatible.
+Options that decide the training (:class:`~.config.TrainingConfig`) are stored in every
+checkpoint. On ``--resume`` the ones not given on the command line come from the checkpoint, and
+one given with another value than the checkpoint's makes the checkpoint incompatible.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..mixed_precision import COMPUTE_COPY_LIFETIMES
-from .model import GPTConfig
+from .config import DTYPES, RunOptions, TrainingConfig, dtype_name
+from .scenarios import SCENARIOS
 
 
 class DemoInputError(ValueError):
     """Bad input to the demo: a one-line message naming the value and what is expected."""
-
-
-# Accepted spellings of each dtype; the checkpoint stores the canonical (torch) name.
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(option: str, value: str) -> torch.dtype:
@@ -57,170 +38,8 @@ def parse_dtype(option: str, value: str) -> torch.dtype:
     return dtype
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """A planted numeric bug (or none) and the settings it needs.
-
-    Attributes:
-        compute_dtype: Default compute dtype of the scenario.
-        lr: Default peak learning rate.
-        plant: ``None``; ``"nan"`` (a NaN in the layer's grad on rank 0 at the plant step);
-            ``"overflow"`` (the layer's main weight set past fp16's range at the plant step);
-            ``"layer_lr"`` (the layer in a param group of its own, at :data:`LAYER_LR_FACTOR`
-            times the learning rate); ``"left_out"`` (the layer in no param group);
-            ``"bf16_state"`` (the layer's ``exp_avg_sq`` turned bf16 at the plant step);
-            ``"underflow"`` (the layer's grads scaled by :data:`UNDERFLOW_SCALE` from the plant
-            step on, so that their squares underflow).
-        description: What the precision report should find.
-        layer: The parameter the bug is planted in (``None``: the whole model).
-        plant_from_start: The default plant step is 1 (the bug is there from the start), not
-            half of the run.
-    """
-
-    compute_dtype: torch.dtype
-    lr: float
-    plant: str | None
-    description: str
-    layer: str | None = None
-    plant_from_start: bool = False
-
-
-LAYER_LR_FACTOR = 1e-3
-UNDERFLOW_SCALE = 1e-30
-
-SCENARIOS: dict[str, Scenario] = {
-    "healthy": Scenario(torch.bfloat16, 3e-3, None, "nothing planted: every verdict healthy"),
-    "tiny-lr": Scenario(torch.bfloat16, 1e-7, None, "a learning rate too small for bf16 weights: lost updates"),
-    "nan": Scenario(
-        torch.bfloat16,
-        3e-3,
-        "nan",
-        "one NaN in a gradient halfway: NaN/Inf in grads, then weights",
-        "blocks.1.fc1.weight",
-    ),
-    "fp16-overflow": Scenario(
-        torch.float16, 3e-3, "overflow", "fp16 compute weights, a main weight past 65504: refresh overflow", "pos"
-    ),
-    "layer-lr": Scenario(
-        torch.bfloat16,
-        3e-3,
-        "layer_lr",
-        "one layer's param group at 1/1000 of the lr: stuck weights",
-        "blocks.1.norm2.weight",
-        plant_from_start=True,
-    ),
-    "left-out": Scenario(
-        torch.bfloat16,
-        3e-3,
-        "left_out",
-        "one parameter in no param group: unstepped weights",
-        "blocks.1.proj.weight",
-        plant_from_start=True,
-    ),
-    "bf16-state": Scenario(
-        torch.bfloat16,
-        3e-3,
-        "bf16_state",
-        "one layer's exp_avg_sq made bf16 halfway: dtype contract",
-        "blocks.0.fc2.weight",
-    ),
-    "state-underflow": Scenario(
-        torch.bfloat16,
-        3e-3,
-        "underflow",
-        "one layer's grads near 1e-33: exp_avg_sq flushed to zero",
-        "blocks.0.fc1.weight",
-        plant_from_start=True,
-    ),
-}
 EXPORTERS = ("file", "otlp", "console", "none", "prometheus")
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    """What decides the loss curve; saved with every checkpoint and compared on resume.
-
-    Attributes:
-        scenario: Key of :data:`SCENARIOS`.
-        compute_dtype: Dtype of the compute weights (the module's parameters).
-        main_dtype: Dtype of the sharded main weights the optimizer updates.
-        grad_dtype: Dtype of the sharded main grads.
-        lr: Peak learning rate, reached after the warm-up.
-        min_lr: Learning rate at the end of the cosine decay.
-        warmup_steps: Linear warm-up length.
-        decay_steps: Step at which the cosine decay reaches ``min_lr``. Independent of the
-            number of steps run, so that a run stopped and resumed follows one curve.
-        weight_decay: AdamW's decoupled weight decay.
-        batch: Sequences per optimizer step, over all ranks and microbatches.
-        microbatches: Gradient-accumulation microbatches per step.
-        seed: Seed of the weights and the data stream.
-        plant_step: Step at which the scenario plants its bug (0: none).
-        model: :class:`GPTConfig` fields.
-    """
-
-    scenario: str
-    compute_dtype: str
-    main_dtype: str
-    grad_dtype: str
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    decay_steps: int
-    weight_decay: float
-    batch: int
-    microbatches: int
-    seed: int
-    plant_step: int
-    model: dict[str, int] = field(default_factory=lambda: dataclasses.asdict(GPTConfig()))
-
-    def gpt_config(self) -> GPTConfig:
-        return GPTConfig(**self.model)
-
-    def dtype(self, name: str) -> torch.dtype:
-        """The torch dtype of field ``name`` (``compute_dtype``, ``main_dtype`` or ``grad_dtype``)."""
-        return DTYPES[getattr(self, name)]
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Everything one invocation of ``fsdp-patch demo`` was asked to do.
-
-    Attributes:
-        training: The training configuration (from the command line, or the checkpoint's).
-        explicit: Names of training options given on the command line (checked on resume).
-        steps: Train until this global step.
-        world_size: Local ranks to spawn when not under torchrun.
-        checkpoint_dir: Where checkpoints go (none when ``None``).
-        checkpoint_every: Save every this many steps (0: only at the end).
-        keep_checkpoints: Checkpoints kept in ``checkpoint_dir``, newest first.
-        resume: Continue from the newest checkpoint in ``checkpoint_dir``.
-        trace_dir: Directory of the trace files.
-        exporter: One of :data:`EXPORTERS`, or ``None`` to leave ``OTEL_*`` as they are.
-        precision_every: Diagnostics interval (``FSDP_PATCH_PRECISION_EVERY``), or ``None`` to keep the environment's.
-        loss_log: JSON-lines file of per-step loss and learning rate, written by rank 0.
-        progress: One of :data:`PROGRESS_MODES`.
-        report_lines: Most lines of the precision report.
-        compute_copy: ``MixedPrecisionPolicy.compute_copy``; not a training option (both
-            lifetimes train bit for bit alike), so a checkpoint does not record it.
-    """
-
-    training: TrainingConfig
-    explicit: frozenset[str]
-    steps: int
-    world_size: int
-    checkpoint_dir: str | None
-    checkpoint_every: int
-    keep_checkpoints: int
-    resume: bool
-    trace_dir: str
-    exporter: str | None
-    precision_every: int | None
-    loss_log: str | None
-    progress: str
-    report_lines: int
-    compute_copy: str = "persistent"
-
 
 # Training options: (flag, dest, type, help). Their default is None so that "given" is known.
 _TRAINING_FLAGS: tuple[tuple[str, str, type, str], ...] = (

@@ -6,8 +6,9 @@ import argparse
 import os
 
 from . import checkpoint
+from .config import RunOptions
 from .launch import run_ranks, under_torchrun
-from .options import DEFAULT_PRECISION_EVERY, DemoInputError, RunOptions, run_options, training_from_args
+from .options import DEFAULT_PRECISION_EVERY, DemoInputError, run_options, training_from_args
 from .train import train_rank
 
 # Exporter choice -> OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER. The trace files stay on with a

@@ -14,10 +14,11 @@ from torch.distributed.tensor import DTensor
 from .. import FSDPModule, MixedPrecisionPolicy
 from ..optimizer import fully_shard_optimizer
 from . import checkpoint
+from .config import RunOptions, TrainingConfig
 from .data import tokens_at
 from .model import GPT, lm_loss, shard
-from .options import LAYER_LR_FACTOR, SCENARIOS, UNDERFLOW_SCALE, RunOptions, TrainingConfig
 from .progress import Progress
+from .scenarios import LAYER_LR_FACTOR, SCENARIOS, UNDERFLOW_SCALE
 from .schedule import WarmupCosine
 
 

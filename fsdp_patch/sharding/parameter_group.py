@@ -1,5 +1,9 @@
 """Parameter groups: the policy composing the sharding layers for a set of same-dtype parameters.
 
+One class, kept whole though over 400 lines: it is only the policy (each method decides when,
+and hands the work to a layer below, the modules beside this one), and its gathers and refreshes
+share the refresh count the freshness note below rests on, which a split would separate.
+
 A group owns, for this rank, three sharded flat buffers in one layout and decides when each is
 written: ``main_weight`` (``main_params_dtype``), which the optimizer updates through the
 group's DTensor ``Shard(0)`` parameters (views into it); ``compute_weight``, the compute-dtype

@@ -17,7 +17,7 @@ import pytest
 
 from fsdp_patch.cli import main
 from fsdp_patch.demo import checkpoint
-from fsdp_patch.demo.options import TrainingConfig
+from fsdp_patch.demo.config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,6 @@
 """Without OpenTelemetry installed: the demo trains with telemetry off and says why in one line;
-``fully_shard_optimizer`` with telemetry asked for refuses clearly and changes nothing.
+``fully_shard_optimizer`` with telemetry asked for refuses clearly and changes nothing; ``fsdp-patch
+trace`` converts trace files as it does with it.
 
 The interpreter of these runs has OpenTelemetry hidden the way a machine without it would have:
 a folder first on ``PYTHONPATH`` whose ``opentelemetry`` package cannot be imported.
@@ -7,6 +8,7 @@ a folder first on ``PYTHONPATH`` whose ``opentelemetry`` package cannot be impor
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -91,3 +93,28 @@ def test_fully_shard_optimizer_with_telemetry_on_refuses_and_changes_nothing(
         "adapted: False stepped: [0.5, 0.5, 0.5, 0.5]",
     ]
     assert run.stdout.splitlines() == want, f"want {want}, got {run.stdout.splitlines()}\n{run.stderr[-2000:]}"
+
+
+# One span of one rank, as the trace-file exporter writes it.
+ONE_SPAN = {
+    "traceEvents": [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0", "otel.resource": {}}},
+        {"name": "fsdp.optimizer.step", "ph": "X", "ts": 1.0, "dur": 2.0, "pid": 0, "tid": 1,
+         "args": {"trace_id": "0" * 31 + "1", "span_id": "0" * 15 + "2"}},
+    ]
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("tool", "want"), [("merge", "wrote 2 events"), ("jaeger", "wrote 1 traces")])
+def test_trace_tools_run_without_opentelemetry(
+    env_without_opentelemetry: dict[str, str], tmp_path: Path, tool: str, want: str
+) -> None:
+    (tmp_path / "rank0.trace.json").write_text(json.dumps(ONE_SPAN))
+    output = tmp_path / f"out.{tool}.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "fsdp_patch", "trace", tool, str(output), str(tmp_path)],
+        env=env_without_opentelemetry, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    got = (run.returncode, run.stdout)
+    assert got == (0, f"{want} to {output}\n"), f"fsdp-patch trace {tool}: got {got}:\n{run.stderr[-3000:]}"
+    assert json.loads(output.read_text()), f"fsdp-patch trace {tool} wrote an empty document"

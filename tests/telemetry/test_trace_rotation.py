@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from fsdp_patch.telemetry import trace_limits
 from fsdp_patch.telemetry.export import trace_files
-from fsdp_patch.telemetry.offline import trace_reading
+from fsdp_patch.telemetry.offline import trace_conversion, trace_reading
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
@@ -126,7 +126,7 @@ def _peak_bytes(fn, *args) -> int:
 
 
 @pytest.mark.parametrize(
-    "convert", [trace_files.write_jaeger, trace_files.merge_chrome_traces], ids=["jaeger", "merge"]
+    "convert", [trace_conversion.write_jaeger, trace_conversion.merge_chrome_traces], ids=["jaeger", "merge"]
 )
 def test_conversion_memory_does_not_grow_with_the_file(traces: dict[str, Path], tmp_path: Path, convert) -> None:
     small, large = traces["small"].stat().st_size, traces["large"].stat().st_size
@@ -143,7 +143,7 @@ def test_conversion_memory_does_not_grow_with_the_file(traces: dict[str, Path], 
 
 def test_streamed_jaeger_holds_every_trace(traces: dict[str, Path], tmp_path: Path) -> None:
     output = tmp_path / "out.jaeger.json"
-    result = trace_files.write_jaeger([str(traces["small"])], str(output))
+    result = trace_conversion.write_jaeger([str(traces["small"])], str(output))
     data = json.loads(output.read_text())["data"]
     assert (len(data), result.traces, result.cut_short) == (1000, 1000, False)
     assert all(len(trace["spans"]) == 1 + len(PHASES) for trace in data)
@@ -153,7 +153,7 @@ def test_streamed_jaeger_holds_every_trace(traces: dict[str, Path], tmp_path: Pa
 
 def test_merge_keeps_every_event(traces: dict[str, Path], tmp_path: Path) -> None:
     output = tmp_path / "all.trace.json"
-    count = trace_files.merge_chrome_traces([str(traces["small"])], str(output))
+    count = trace_conversion.merge_chrome_traces([str(traces["small"])], str(output))
     merged = json.loads(output.read_text())["traceEvents"]
     original = json.loads(traces["small"].read_text())["traceEvents"]
     assert merged == original and count == len(original), "the merge changed the events"
@@ -161,7 +161,7 @@ def test_merge_keeps_every_event(traces: dict[str, Path], tmp_path: Path) -> Non
 
 def test_jaeger_output_cut_short_at_max_bytes_stays_valid(traces: dict[str, Path], tmp_path: Path) -> None:
     output = tmp_path / "cut.jaeger.json"
-    result = trace_files.write_jaeger([str(traces["small"])], str(output), max_bytes=50_000)
+    result = trace_conversion.write_jaeger([str(traces["small"])], str(output), max_bytes=50_000)
     size = output.stat().st_size
     assert result.cut_short and size <= 50_000, f"cut_short={result.cut_short}, {size} bytes, want <= 50000"
     data = json.loads(output.read_text())["data"]
@@ -174,7 +174,7 @@ def test_directory_inputs_read_rotated_segments_oldest_first(tmp_path: Path) -> 
     got = [(s.rank, s.age) for s in trace_reading.rank_segments(str(tmp_path))]
     assert got == [(0, 1), (0, 0), (1, 1), (1, 0)], got
     output = tmp_path / "merged.json"
-    count = trace_files.merge_chrome_traces([str(tmp_path)], str(output))
+    count = trace_conversion.merge_chrome_traces([str(tmp_path)], str(output))
     steps = [
         e["args"]["fsdp.step"]
         for e in json.loads(output.read_text())["traceEvents"]

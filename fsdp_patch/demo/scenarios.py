@@ -1,0 +1,91 @@
+"""The demo's planted-bug scenarios: what each plants, where, and what the precision report should find.
+
+``--scenario`` picks one; the training loop (:mod:`.train`) plants it, and the dashboards' alert
+check (``dashboards/demo_alerts.py``) runs each and expects its alerts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LAYER_LR_FACTOR", "SCENARIOS", "UNDERFLOW_SCALE", "Scenario"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A planted numeric bug (or none) and the settings it needs.
+
+    Attributes:
+        compute_dtype: Default compute dtype of the scenario.
+        lr: Default peak learning rate.
+        plant: ``None``; ``"nan"`` (a NaN in the layer's grad on rank 0 at the plant step);
+            ``"overflow"`` (the layer's main weight set past fp16's range at the plant step);
+            ``"layer_lr"`` (the layer in a param group of its own, at :data:`LAYER_LR_FACTOR`
+            times the learning rate); ``"left_out"`` (the layer in no param group);
+            ``"bf16_state"`` (the layer's ``exp_avg_sq`` turned bf16 at the plant step);
+            ``"underflow"`` (the layer's grads scaled by :data:`UNDERFLOW_SCALE` from the plant
+            step on, so that their squares underflow).
+        description: What the precision report should find.
+        layer: The parameter the bug is planted in (``None``: the whole model).
+        plant_from_start: The default plant step is 1 (the bug is there from the start), not
+            half of the run.
+    """
+
+    compute_dtype: torch.dtype
+    lr: float
+    plant: str | None
+    description: str
+    layer: str | None = None
+    plant_from_start: bool = False
+
+
+LAYER_LR_FACTOR = 1e-3
+UNDERFLOW_SCALE = 1e-30
+
+SCENARIOS: dict[str, Scenario] = {
+    "healthy": Scenario(torch.bfloat16, 3e-3, None, "nothing planted: every verdict healthy"),
+    "tiny-lr": Scenario(torch.bfloat16, 1e-7, None, "a learning rate too small for bf16 weights: lost updates"),
+    "nan": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "nan",
+        "one NaN in a gradient halfway: NaN/Inf in grads, then weights",
+        "blocks.1.fc1.weight",
+    ),
+    "fp16-overflow": Scenario(
+        torch.float16, 3e-3, "overflow", "fp16 compute weights, a main weight past 65504: refresh overflow", "pos"
+    ),
+    "layer-lr": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "layer_lr",
+        "one layer's param group at 1/1000 of the lr: stuck weights",
+        "blocks.1.norm2.weight",
+        plant_from_start=True,
+    ),
+    "left-out": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "left_out",
+        "one parameter in no param group: unstepped weights",
+        "blocks.1.proj.weight",
+        plant_from_start=True,
+    ),
+    "bf16-state": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "bf16_state",
+        "one layer's exp_avg_sq made bf16 halfway: dtype contract",
+        "blocks.0.fc2.weight",
+    ),
+    "state-underflow": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "underflow",
+        "one layer's grads near 1e-33: exp_avg_sq flushed to zero",
+        "blocks.0.fc1.weight",
+        plant_from_start=True,
+    ),
+}
