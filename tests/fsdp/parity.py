@@ -198,12 +198,14 @@ def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
     assert diff == 0.0, f"{what}: differs by {diff:.3g} (worst at {where}); expected bitwise equal"
 
 
-def assert_parity(results: dict[str, Any], precision: str, what: str, key: str = "params") -> None:
-    """fp32: FSDP2 (the control, first: if it fails the test is wrong) and ours within ``TOL``
+def assert_parity(results: dict[str, Any], precision: str, what: str, key: str = "params", tol: float = TOL) -> None:
+    """fp32: FSDP2 (the control, first: if it fails the test is wrong) and ours within ``tol``
     of the reference; bf16: each ours bitwise equal to FSDP2."""
     if precision == "fp32":
         for impl in ("fsdp2", "ours"):
-            assert_close(results[impl][key], results["reference"][key], f"{what}, {impl} against the unsharded model")
+            assert_close(
+                results[impl][key], results["reference"][key], f"{what}, {impl} against the unsharded model", tol
+            )
     else:
         for impl in ("ours", "ours_per_gather"):
             assert_equal(results[impl][key], results["fsdp2"][key], f"{what}, {impl} (bf16) against FSDP2 (bf16)")

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.fsdp.parity import (
+    TOL,
     Net,
     adapt,
     assert_equal,
@@ -100,7 +101,12 @@ def meta_run(how: str, precision: str) -> None:
             assert_equal(
                 result["initial"], results[control]["initial"], f"{how}/{impl}: initial weights against {control}'s"
             )
-    assert_parity(results, precision, f"{how}, trained")
+    # Constant weights make every hidden unit compute the same values, so each grad element is a
+    # sum of equal terms whose float32 rounding depends on the reduction order (4 ranks' partial
+    # sums against one): FSDP2, the control, lands 1.5e-5 from the unsharded model at 0.38
+    # (4e-5 relative) after 3 steps; the other initializations stay within TOL.
+    tol = 1e-4 if how == "init_constant" else TOL
+    assert_parity(results, precision, f"{how}, trained", tol=tol)
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
