@@ -9,13 +9,12 @@ OpenTelemetry and no torch here.
 
 from __future__ import annotations
 
-import io
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-__all__ = ["MAX_PENDING_SPANS", "JaegerResult", "JaegerStream", "chrome_to_jaeger"]
+__all__ = ["MAX_PENDING_SPANS", "JaegerResult", "JaegerStream"]
 
 
 def _jaeger_tag(key: str, value: Any) -> dict[str, Any]:
@@ -165,13 +164,3 @@ class JaegerStream:
             self._write_trace(next(iter(self._pending)))
         self._out.write(self._closing)
         return self.result
-
-
-def chrome_to_jaeger(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Rebuild Jaeger query-API JSON (``{"data": [trace, ...]}``) from our Chrome trace events, in memory."""
-    buffer = io.StringIO()
-    stream = JaegerStream(buffer)
-    for event in events:
-        stream.feed(event)
-    stream.close()
-    return json.loads(buffer.getvalue())
