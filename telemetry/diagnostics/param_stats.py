@@ -125,8 +125,11 @@ def _narrow(t: torch.Tensor, start: int, length: int) -> torch.Tensor: ...
 @overload
 def _narrow(t: None, start: int, length: int) -> None: ...
 def _narrow(t: torch.Tensor | None, start: int, length: int) -> torch.Tensor | None:
-    """Elements ``start:start + length`` of a flat tensor (a view); ``None`` (no such tensor) passes through."""
-    return None if t is None else t.narrow(0, start, length)
+    """Elements ``start:start + length`` of a flat tensor (a view, or the tensor itself when that is
+    all of it: most parameters are one chunk); ``None`` (no such tensor) passes through."""
+    if t is None or (start == 0 and length == t.numel()):
+        return t
+    return t.narrow(0, start, length)
 
 
 def _segments(snapshot: PrecisionSnapshot, groups: Sequence[Any], table: Sequence[ParamSlot],
