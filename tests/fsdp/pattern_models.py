@@ -10,6 +10,7 @@ rows, so with equal slices its mean loss and grads are what the ranks' averaged 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any
 
 import torch
@@ -174,10 +175,12 @@ def mse(output: Any, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(logits_of(output).float(), y)
 
 
-# ---------------------------------------------------------------------------- one training run
+def reset_compiler() -> None:
+    """Before a run that compiles: each model compiles afresh, not against guards of the last one.
 
-
-# ---------------------------------------------------------------------------- mixed precision
-
-
-# ---------------------------------------------------------------------------- refusals
+    Models of earlier runs are freed by the cyclic collector; when it runs while dynamo traces
+    FSDP2's ``module in _module_state_mapping`` (a WeakKeyDictionary), the dictionary shrinks
+    under the trace and dynamo raises "dictionary changed size during iteration". They are
+    collected first."""
+    gc.collect()
+    torch._dynamo.reset()

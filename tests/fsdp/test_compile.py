@@ -62,7 +62,7 @@ def train(
     """``pattern_models.STEPS`` SGD steps; ``backend=None`` is the uncompiled run. With
     ``eval_between``, an eval forward under ``no_grad`` follows each step."""
     rank, world_size = (0, 1) if impl == "reference" else world()
-    torch._dynamo.reset()  # each model compiles afresh, not against guards of the last one
+    pattern_models.reset_compiler()
     model, call = _compiled(impl, scope, backend, net or {}, dtype, compute_copy)
     optimizer = pattern_models.sgd(model.parameters())
     if impl == "ours" and dtype is not None:

@@ -110,7 +110,7 @@ def train(
         from fsdp_patch.optimizer import fully_shard_optimizer
 
         fully_shard_optimizer(optimizer)
-    torch._dynamo.reset()
+    pattern_models.reset_compiler()
     call = {"encode": model.encode, "forward": model}.get(entry) or torch.compile(model.encode, backend="aot_eager")
     scalars: list[float] = []
     for x, y in pattern_models.data():

@@ -206,19 +206,26 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy().copy()
 
 
+def _from_opentelemetry(log_filter: Any) -> bool:
+    return type(log_filter).__module__.split(".", 1)[0] == "opentelemetry"
+
+
 def global_state() -> dict[str, Any]:
     """Everything the package may install process-wide, by identity (``id``: a wrapt wrapper
     compares equal to what it wraps)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    loggers = {n: list(logging.getLogger(n).filters) for n in list(logging.root.manager.loggerDict)
-               if n.split(".", 1)[0] == "opentelemetry"}  # fmt: skip
+    # OpenTelemetry's own modules add filters to their loggers when first imported (the SDK's
+    # DuplicateFilter), and which of them a process has imported depends on what ran in it
+    # before: those are left out, every other filter on an OpenTelemetry logger is counted.
+    loggers = {n: [f for f in logging.getLogger(n).filters if not _from_opentelemetry(f)]
+               for n in list(logging.root.manager.loggerDict) if n.split(".", 1)[0] == "opentelemetry"}  # fmt: skip
     return {
         "Optimizer.__init__": id(torch.optim.Optimizer.__dict__["__init__"]),
         "dist.destroy_process_group": id(dist.destroy_process_group),
         "c10d.destroy_process_group": id(c10d.destroy_process_group),
-        "opentelemetry logger filters": {n: [id(f) for f in fs] for n, fs in loggers.items()},
+        "opentelemetry logger filters": {n: [id(f) for f in fs] for n, fs in loggers.items() if fs},
         "global tracer provider": id(trace.get_tracer_provider()),
         "global meter provider": id(metrics.get_meter_provider()),
     }

@@ -147,8 +147,9 @@ def test_uninstrument_removes_every_global_and_turns_telemetry_off(instrumentor,
     fully_shard_optimizer(optimizer)
     optimizer.step()  # builds the embedded default: atexit hook, destroy_process_group wrapper, filters
     during = global_state()
-    installed = [k for k in ("Optimizer.__init__", "dist.destroy_process_group") if during[k] != before[k]]
-    assert installed == ["Optimizer.__init__", "dist.destroy_process_group"], installed
+    watched = ("Optimizer.__init__", "dist.destroy_process_group", "opentelemetry logger filters")
+    installed = [k for k in watched if during[k] != before[k]]
+    assert installed == list(watched), f"want {watched} installed while instrumented, got {installed}"
     assert len(exit_hooks) == 1, exit_hooks
 
     instrumentor.uninstrument()
