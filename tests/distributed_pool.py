@@ -4,26 +4,33 @@ Gloo on the CPU by default; ``backend="nccl"`` gives each rank the GPU of its in
 
 ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank (``fn`` must be importable at module
 level) and returns the per-rank results. An exception on any rank is re-raised here with the
-rank's traceback; a rank that hangs makes the pool restart and the call fail.
+rank's traceback; a rank that hangs makes the pool restart and the call fail, and so does a
+rank whose process dies (a crash in native code), as soon as it is gone, with its exit status;
+its Python traceback at a fatal signal is on its stderr (``faulthandler``).
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 _TIMEOUT_S = float(os.environ.get("FSDP_PATCH_TEST_TIMEOUT", "240"))
+_POLL_S = 1.0  # how often a wait for results checks that every rank is still alive
 
 
 def _worker(rank: int, world_size: int, backend: str, init_file: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    faulthandler.enable()  # a crash in native code prints where Python was, on every thread
     import torch
     import torch.distributed as dist
 
@@ -53,6 +60,12 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, inbox: mp.
         except BaseException as exc:
             outbox.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 class RankError(AssertionError):
@@ -87,14 +100,23 @@ class DistributedPool:
     def _collect(self, expect: str | None = None) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + _TIMEOUT_S
         while len(results) + len(errors) < self.world_size:
             try:
-                rank, status, payload = self._outbox.get(timeout=_TIMEOUT_S)
+                rank, status, payload = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
-                self.restart()
-                raise RankError(
-                    f"ranks {sorted(set(range(self.world_size)) - set(results) - set(errors))} timed out"
-                ) from None
+                waiting = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                dead = {r: self._procs[r].exitcode for r in waiting if self._procs[r].exitcode is not None}
+                if dead:
+                    self.restart()
+                    raise RankError(
+                        "; ".join(f"rank {r} died ({_exit_status(code)})" for r, code in dead.items())
+                        + ", see its stderr"
+                    ) from None
+                if time.monotonic() > deadline:
+                    self.restart()
+                    raise RankError(f"ranks {waiting} timed out") from None
+                continue
             if status == "error":
                 errors[rank] = payload
                 # A rank that failed inside a collective leaves its peers waiting for the gloo

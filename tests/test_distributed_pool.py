@@ -1,7 +1,9 @@
-"""The distributed test harness reports a rank's failure to load a test body instead of hanging."""
+"""The distributed test harness reports a rank's failure to load a test body, and a rank whose
+process dies, instead of hanging; the pool goes on after either."""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -24,3 +26,20 @@ def test_body_the_ranks_cannot_import_is_reported_and_the_pool_goes_on() -> None
     finally:
         pool.close()
         del sys.modules[module.__name__]
+
+
+def abort_on_rank_1() -> int:
+    if int(os.environ["RANK"]) == 1:
+        os.abort()  # as glibc does when it finds the heap corrupted
+    return 0
+
+
+def test_rank_that_dies_is_reported_with_its_signal_and_the_pool_goes_on() -> None:
+    pool = DistributedPool(2)
+    try:
+        with pytest.raises(RankError, match=r"^rank 1 died \(killed by SIGABRT\), see its stderr$"):
+            pool.run(abort_on_rank_1)
+        got = pool.run(len, [1, 2])
+        assert got == [2, 2], f"the pool after a rank died: got {got}, want [2, 2]"
+    finally:
+        pool.close()
