@@ -1,12 +1,12 @@
 """Recovery from an exception that aborts a forward or a backward.
 
-Autograd drops queued callbacks when a backward raises; before this was handled, a failed
-backward left every later backward without its final callback (no grads installed, the root
-left unsharded) and partly reduced grads could leak into the next iteration; a failed forward
-left the unsharded parameters registered in the modules (so ``zero_grad`` and ``state_dict``
-saw the wrong tensors). Now a failed forward is undone as the exception passes each unit, the
-root's next forward resets an aborted backward, and ``reset_iter_state()`` resets explicitly (as
-FSDP2's method of that name). The next iteration then gives the grads of a clean one.
+Autograd drops queued callbacks when a backward raises, so a failed backward would leave every
+later backward without its final callback (no grads installed, the root left unsharded) and
+partly reduced grads could leak into the next iteration; a failed forward would leave the
+unsharded parameters registered in the modules (so ``zero_grad`` and ``state_dict`` would see the
+wrong tensors). A failed forward is undone as the exception passes each unit, the root's next
+forward resets an aborted backward, and ``reset_iter_state()`` resets explicitly (as FSDP2's
+method of that name). The next iteration then gives the grads of a clean one.
 """
 
 from __future__ import annotations
