@@ -95,9 +95,11 @@ class DistributedPool:
         ]
         for proc in self._procs:
             proc.start()
-        self._collect(expect="ready")
+        self._collect(starting=True)
 
-    def _collect(self, expect: str | None = None) -> list[Any]:
+    def _collect(self, starting: bool = False) -> list[Any]:
+        """Every rank's answer. On a failure the pool is rebuilt for the next call; while
+        ``starting``, it is only closed (rebuilding a pool whose ranks cannot start would recurse)."""
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + _TIMEOUT_S
@@ -108,13 +110,13 @@ class DistributedPool:
                 waiting = sorted(set(range(self.world_size)) - set(results) - set(errors))
                 dead = {r: self._procs[r].exitcode for r in waiting if self._procs[r].exitcode is not None}
                 if dead:
-                    self.restart()
+                    self._after_failure(starting)
                     raise RankError(
                         "; ".join(f"rank {r} died ({_exit_status(code)})" for r, code in dead.items())
                         + ", see its stderr"
                     ) from None
                 if time.monotonic() > deadline:
-                    self.restart()
+                    self._after_failure(starting)
                     raise RankError(f"ranks {waiting} timed out") from None
                 continue
             if status == "error":
@@ -126,10 +128,16 @@ class DistributedPool:
             else:
                 results[rank] = payload
         if errors:
-            self.restart()
+            self._after_failure(starting)
             first = min(errors)
             raise RankError(f"rank {first} raised:\n{errors[first]}")
         return [results[r] for r in range(self.world_size)]
+
+    def _after_failure(self, starting: bool) -> None:
+        if starting:
+            self.close()
+        else:
+            self.restart()
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         for inbox in self._inboxes:

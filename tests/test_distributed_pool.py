@@ -43,3 +43,12 @@ def test_rank_that_dies_is_reported_with_its_signal_and_the_pool_goes_on() -> No
         assert got == [2, 2], f"the pool after a rank died: got {got}, want [2, 2]"
     finally:
         pool.close()
+
+
+def test_ranks_that_cannot_start_fail_the_pool_once() -> None:
+    # An unknown backend: init_process_group raises on every rank, whose process then exits (the
+    # error names the ranks found dead by then: one or both).
+    with pytest.raises(
+        RankError, match=r"^rank [01] died \(exit code 1\)(; rank 1 died \(exit code 1\))?, see its stderr$"
+    ):
+        DistributedPool(2, backend="no-such-backend")
