@@ -29,12 +29,14 @@ import time
 import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 _ENDPOINT = re.compile(r"serves Prometheus metrics at (http://[^\s/]+/metrics)")
 
 RULES = Path(__file__).resolve().parent / "prometheus" / "rules.yml"
+ALERT_GROUP = "fsdp_optimizer.alerts"
 # The alert each scenario plants its bug for (healthy: none may fire).
 EXPECTED = {
     "nan": "FsdpNonFiniteValues",
@@ -45,6 +47,13 @@ EXPECTED = {
 SCRAPE_INTERVAL = "1s"
 WORLD_SIZE = 2
 POLL_S = 0.25
+# Each rank serves its final values for this many scrapes before it exits: alert rules see them
+# on the evaluations between the first of those scrapes and the failed scrape after the exit,
+# which marks the series stale. A few scrapes leave room for an evaluation that load delays.
+FINAL_SCRAPES = 3
+# Bounds for conditions that are met within seconds on an idle machine; only a stuck run reaches one.
+FINAL_SCRAPE_TIMEOUT_S = 300
+SETTLE_TIMEOUT_S = 300
 
 
 @dataclass
@@ -141,6 +150,37 @@ class Prometheus:
     def firing(self) -> list[dict[str, Any]]:
         return [a for a in _get(f"{self.url}/api/v1/alerts")["data"]["alerts"] if a["state"] == "firing"]
 
+    def targets(self, job: str) -> list[dict[str, Any]]:
+        return [t for t in _get(f"{self.url}/api/v1/targets")["data"]["activeTargets"] if t["labels"]["job"] == job]
+
+    def last_evaluation(self, group: str) -> float | None:
+        """When the rule group's latest evaluation ran (epoch seconds), ``None`` before its first."""
+        for entry in _get(f"{self.url}/api/v1/rules")["data"]["groups"]:
+            if entry["name"] == group:
+                return _epoch(entry.get("lastEvaluation", ""))
+        raise RuntimeError(f"prometheus has no rule group {group!r}; rules {RULES}")
+
+    def settle(self, job: str) -> None:
+        """Wait until the alert rules have evaluated everything ``job``'s ranks served.
+
+        Once a job has exited, the next scrape of each target fails and marks its series stale:
+        an evaluation after that sees none of them. So the rules are done with the job once
+        every target is down and the alert group has been evaluated since.
+        """
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            targets = self.targets(job)
+            scraped = [_epoch(t.get("lastScrape", "")) for t in targets]
+            if targets and all(t["health"] == "down" for t in targets) and None not in scraped:
+                evaluated = self.last_evaluation(ALERT_GROUP)
+                if evaluated is not None and evaluated > max(s for s in scraped if s is not None):
+                    return
+            time.sleep(POLL_S)
+        raise RuntimeError(
+            f"job {job}: within {SETTLE_TIMEOUT_S} s, prometheus did not see every target down and evaluate "
+            f"{ALERT_GROUP} after that; targets {self.targets(job)}"
+        )
+
     def query(self, expr: str) -> list[dict[str, Any]]:
         return _get(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")["data"]["result"]
 
@@ -151,6 +191,19 @@ class Prometheus:
         except subprocess.TimeoutExpired:
             self._process.kill()
         self._log.close()
+
+
+_RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)")
+
+
+def _epoch(rfc3339: str) -> float | None:
+    """Epoch seconds of Prometheus's RFC 3339 times (up to nanoseconds); ``None`` for its zero time."""
+    match = _RFC3339.fullmatch(rfc3339 or "")
+    if match is None or rfc3339.startswith("0001-"):
+        return None
+    whole, fraction, offset = match.groups()
+    moment = datetime.fromisoformat(whole + ("+00:00" if offset == "Z" else offset))
+    return moment.timestamp() + (float(fraction) if fraction else 0.0)
 
 
 def _last_step(loss_log: Path) -> int | None:
@@ -170,7 +223,12 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
     """Run the demo for ``scenario`` and watch Prometheus's alerts while it trains."""
     loss_log = workdir / f"{scenario}.loss.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_"))}
-    env.update(OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1", OTEL_EXPORTER_PROMETHEUS_PORT=str(ports[0]))
+    env.update(
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(ports[0]),
+        FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES=str(FINAL_SCRAPES),
+        FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT=str(FINAL_SCRAPE_TIMEOUT_S),
+    )
     command = [sys.executable, "-m", "fsdp_patch", "demo", "--scenario", scenario, "--steps", str(steps),
                "--world-size", str(WORLD_SIZE), "--exporter", "prometheus", "--progress", "none",
                "--trace-dir", str(workdir / f"{scenario}.traces"), "--loss-log", str(loss_log)]  # fmt: skip
@@ -207,24 +265,29 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
                 fired.seconds_after_first_step = round(time.monotonic() - first_step_at, 1)
             if labels.get("fsdp_rank") and labels["fsdp_rank"] not in fired.ranks:
                 fired.ranks.append(labels["fsdp_rank"])
-        if not done and not result.service_names:
-            result.service_names = sorted(
-                {s["metric"].get("service_name", "") for s in prometheus.query(f'target_info{{job="{scenario}"}}')}
-            )
         if done:
             break
         time.sleep(POLL_S)
     stdout = process.stdout.read() if process.stdout else ""
     reader.join(timeout=10)
-    result.seconds = round(time.monotonic() - started, 1)
     if process.returncode != 0:
         raise RuntimeError(
             f"demo --scenario {scenario} exited {process.returncode}:\n{stdout[-2000:]}\n{''.join(stderr)[-3000:]}"
         )
-    # Alerts that fired between two polls still left their ALERTS series behind.
+    prometheus.settle(scenario)
+    result.seconds = round(time.monotonic() - started, 1)
+    result.service_names = sorted(
+        {
+            s["metric"].get("service_name", "")
+            for s in prometheus.query(f'last_over_time(target_info{{job="{scenario}"}}[30m])')
+        }
+    )
+    # Every evaluation left its ALERTS series behind, also those after the last poll.
     for sample in prometheus.query(f'max_over_time(ALERTS{{job="{scenario}",alertstate="firing"}}[30m])'):
-        name = sample["metric"]["alertname"]
-        seen.setdefault(name, Fired(name, [sample["metric"].get("fsdp_rank", "")], None, None))
+        name, rank = sample["metric"]["alertname"], sample["metric"].get("fsdp_rank", "")
+        fired = seen.setdefault(name, Fired(name, [], None, None))
+        if rank and rank not in fired.ranks:
+            fired.ranks.append(rank)
     result.fired = sorted(seen.values(), key=lambda f: f.alert)
     for fired in result.fired:
         fired.ranks.sort()

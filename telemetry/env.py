@@ -21,6 +21,8 @@ TRACE_DIR = "FSDP_PATCH_TRACE_DIR"
 SUMMARY = "FSDP_PATCH_SUMMARY"
 FLUSH_TIMEOUT = "FSDP_PATCH_FLUSH_TIMEOUT"
 COMPUTE_DTYPE = "FSDP_PATCH_COMPUTE_DTYPE"
+PROMETHEUS_FINAL_SCRAPES = "FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES"
+PROMETHEUS_FINAL_SCRAPE_TIMEOUT = "FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT"
 
 # Diagnostics clone the local weight shards (6 bytes per element for fp32 main and bf16
 # compute weights) and add a few reading passes plus one tiny collective. Every 100 steps
@@ -28,6 +30,9 @@ COMPUTE_DTYPE = "FSDP_PATCH_COMPUTE_DTYPE"
 DEFAULT_PRECISION_EVERY = 100
 DEFAULT_TRACE_DIR = "fsdp_patch_traces"
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
+# Twice Prometheus's default scrape interval (15 s): one scrape of the final values at the
+# default, while a job whose endpoint nobody scrapes does not wait at all.
+DEFAULT_PROMETHEUS_FINAL_SCRAPE_TIMEOUT_S = 30.0
 
 SUMMARY_MODES = ("rank0", "all", "none")
 
@@ -141,22 +146,53 @@ def summary_mode(environ: Mapping[str, str] | None = None) -> str:
     return value
 
 
+def _seconds(name: str, environ: Mapping[str, str] | None, default: float) -> float:
+    value = _raw(name, environ)
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise _invalid(name, value, "a positive, finite number of seconds")
+    return seconds
+
+
 def flush_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     """Upper bound in seconds for one flush or shutdown of the exporters (``FSDP_PATCH_FLUSH_TIMEOUT``).
 
     Raises:
         ValueError: Not a positive number.
     """
-    value = _raw(FLUSH_TIMEOUT, environ)
-    if not value:
-        return DEFAULT_FLUSH_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
-        raise _invalid(FLUSH_TIMEOUT, value, "a positive, finite number of seconds")
-    return seconds
+    return _seconds(FLUSH_TIMEOUT, environ, DEFAULT_FLUSH_TIMEOUT_S)
+
+
+def prometheus_final_scrapes(environ: Mapping[str, str] | None = None) -> int | None:
+    """Scrapes of its final values a rank's Prometheus endpoint waits for at exit
+    (``FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES``).
+
+    Returns:
+        ``None`` when unset: one scrape where the endpoint was scraped during the run, none
+        where nobody scrapes it. Else the number, waited for whether or not a scrape was seen;
+        ``0`` never waits.
+
+    Raises:
+        ValueError: Not a non-negative integer.
+    """
+    if not _raw(PROMETHEUS_FINAL_SCRAPES, environ):
+        return None
+    return _int_at_least(PROMETHEUS_FINAL_SCRAPES, environ, 0, 0, "a non-negative integer (0: do not wait)")
+
+
+def prometheus_final_scrape_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """Most seconds a rank waits at exit for Prometheus to scrape its final values
+    (``FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT``).
+
+    Raises:
+        ValueError: Not a positive number.
+    """
+    return _seconds(PROMETHEUS_FINAL_SCRAPE_TIMEOUT, environ, DEFAULT_PROMETHEUS_FINAL_SCRAPE_TIMEOUT_S)
 
 
 def compute_dtype(environ: Mapping[str, str] | None = None) -> str | None:
@@ -253,6 +289,8 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     trace_ranks(environ)
     summary_mode(environ)
     flush_timeout_s(environ)
+    prometheus_final_scrapes(environ)
+    prometheus_final_scrape_timeout_s(environ)
     compute_dtype(environ)
     precision_top_k(environ)
     precision_window(environ)

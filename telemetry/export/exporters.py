@@ -21,7 +21,8 @@ wrapped by :mod:`fsdp_patch.telemetry.export.isolation`. What construction adds 
   bind the same port (all but one failing with ``OSError``), a malformed port raises
   ``ValueError``, and the server outlives the providers. Here local rank r serves on the port
   plus r, a busy or malformed port is a warning, each rank names its endpoint in one write, and
-  the server stops with the providers.
+  the endpoint (:mod:`~fsdp_patch.telemetry.export.prometheus_endpoint`) serves the final values
+  until they are scraped, then stops with the providers.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from opentelemetry.sdk.resources import Resource
 from .. import env, trace_limits
 from . import otel_env
 from .isolation import GuardedMetricExporter, GuardedSpanExporter
+from .prometheus_endpoint import PrometheusEndpoint
 from .ranks import RankInfo, current_rank_info
 from .resource import build_resource
 from .selection import TRACES_EXPORTER, Resolved, resolve
@@ -153,20 +155,20 @@ class MetricSetup:
     Attributes:
         readers: Readers to register on the meter provider.
         summary: The exit summary when ``summary`` is selected.
-        prometheus_servers: HTTP servers serving ``/metrics``, shut down with the providers.
+        prometheus_endpoints: HTTP endpoints serving ``/metrics``, stopped with the providers.
         endpoints: Human-readable descriptions of where metrics go.
     """
 
     readers: list[MetricReader] = field(default_factory=list)
     summary: MetricSummary | None = None
-    prometheus_servers: list[Any] = field(default_factory=list)
+    prometheus_endpoints: list[PrometheusEndpoint] = field(default_factory=list)
     endpoints: list[str] = field(default_factory=list)
 
 
 def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | None) -> None:
     try:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
-        from prometheus_client import REGISTRY, start_http_server
+        from prometheus_client import REGISTRY
     except ImportError as exc:
         _logger.warning(
             "OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus (%s); install it with "
@@ -177,7 +179,7 @@ def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | N
     port = _prometheus_port(rank_info.local_rank)
     registry = registry if registry is not None else REGISTRY
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        endpoint = PrometheusEndpoint(host, port, registry)
     except OSError as exc:
         _logger.warning(
             "fsdp_patch telemetry: cannot serve Prometheus metrics on %s:%d (%s); continuing without them. "
@@ -185,8 +187,8 @@ def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | N
         )  # fmt: skip
         return
     setup.readers.append(PrometheusMetricReader(registry=registry))
-    setup.prometheus_servers.append(server)
-    url = f"http://{host}:{server.server_address[1]}/metrics"
+    setup.prometheus_endpoints.append(endpoint)
+    url = f"http://{host}:{endpoint.port}/metrics"
     setup.endpoints.append(f"Prometheus: {url}")
     # Every rank serves its own endpoint: each names it when it starts, where the job's output is read.
     # One write per line: ranks share the job's stderr, and print() writes the text and its newline

@@ -38,6 +38,7 @@ from .. import env, semconv
 from . import exit_hooks, isolation, otel_env
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
 from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
+from .prometheus_endpoint import wait_for_final_scrapes
 from .ranks import RankInfo, current_rank_info
 from .resource import build_resource, rank_attributes
 from .trace_files import TraceFileExporter
@@ -301,12 +302,24 @@ def flush(*, at_exit: bool = False) -> None:
 
 
 def _stop_servers(setup: MetricSetup) -> None:
-    for server in setup.prometheus_servers:
+    for endpoint in setup.prometheus_endpoints:
         try:
-            server.shutdown()
-            server.server_close()
+            endpoint.stop()
         except Exception:  # pragma: no cover - best effort at exit
             pass
+
+
+def _serve_final_metrics(state: _Embedded) -> None:
+    # Before the meter provider shuts down: its Prometheus reader collects nothing after that.
+    endpoints = state.metric_setup.prometheus_endpoints
+    if not endpoints:
+        return
+    try:
+        wanted, timeout_s = env.prometheus_final_scrapes(), env.prometheus_final_scrape_timeout_s()
+    except ValueError as exc:  # already reported when the observer was created; do not fail at exit
+        _warn("final-scrapes", "%s; not waiting for Prometheus.", exc)
+        return
+    wait_for_final_scrapes(endpoints, wanted, timeout_s, state.rank_info.rank, _logger.warning)
 
 
 def shutdown() -> None:
@@ -326,6 +339,7 @@ def shutdown() -> None:
     if state is None:
         return
     _flush_observers()
+    _serve_final_metrics(state)
     budget = _exit_budget_s()
     started = time.monotonic()
     millis = int(budget * 1000)

@@ -39,12 +39,12 @@ def test_the_endpoint_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None
     try:
         lines = [call for call in writes.calls if "serves Prometheus metrics at" in call]
         assert len(lines) == 1 and lines[0].endswith("\n"), f"want one write ending in a newline, got {writes.calls}"
-        port = setup.prometheus_servers[0].server_address[1]
+        port = setup.prometheus_endpoints[0].port
         want = f"fsdp_patch telemetry: rank 3 serves Prometheus metrics at http://127.0.0.1:{port}/metrics\n"
         assert lines[0] == want, f"want {want!r}, got {lines[0]!r}"
     finally:
-        for server in setup.prometheus_servers:
-            server.shutdown()
+        for endpoint in setup.prometheus_endpoints:
+            endpoint.stop()
 
 
 def test_the_demo_reads_every_endpoint_of_interleaved_lines() -> None:

@@ -127,3 +127,23 @@ def test_compute_dtype_rejects_other_values(monkeypatch):
     monkeypatch.setenv("FSDP_PATCH_COMPUTE_DTYPE", "int8")
     with pytest.raises(ValueError, match="FSDP_PATCH_COMPUTE_DTYPE='int8'.*'bfloat16'"):
         env.compute_dtype()
+
+
+def test_prometheus_final_scrape_settings(monkeypatch):
+    assert env.prometheus_final_scrapes() is None, "unset: decided by whether the endpoint was scraped"
+    assert env.prometheus_final_scrape_timeout_s() == env.DEFAULT_PROMETHEUS_FINAL_SCRAPE_TIMEOUT_S
+    monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES", "3")
+    monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "90")
+    got = (env.prometheus_final_scrapes(), env.prometheus_final_scrape_timeout_s())
+    assert got == (3, 90.0), f"want (3, 90.0), got {got}"
+    monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES", "0")
+    assert env.prometheus_final_scrapes() == 0
+    for bad in ("-1", "one", "1.5"):
+        monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES", bad)
+        with pytest.raises(ValueError, match="FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES='.*'.*non-negative integer"):
+            env.validate_all()
+    monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES", "1")
+    for bad in ("0", "inf", "soon"):
+        monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT='.*'.*positive, finite"):
+            env.validate_all()

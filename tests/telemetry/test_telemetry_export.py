@@ -327,8 +327,8 @@ def test_prometheus_endpoint_serves_rank_labelled_metrics(monkeypatch, otel):
             fake_optimizer(), precision_aware=False, tracer_provider=otel.tracer_provider, meter_provider=provider
         )
         run_steps(observer, 2)
-        (server,) = setup.prometheus_servers
-        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        (endpoint,) = setup.prometheus_endpoints
+        url = f"http://127.0.0.1:{endpoint.port}/metrics"
         body = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
         provider.shutdown()
@@ -357,7 +357,7 @@ def test_prometheus_port_offsets_by_local_rank_and_survives_a_busy_port(monkeypa
 
         with caplog.at_level(logging.WARNING):
             setup = exporters.build_metric_readers(RANK0, "h", prometheus_registry=CollectorRegistry())
-    assert setup.readers == [] and setup.prometheus_servers == []
+    assert setup.readers == [] and setup.prometheus_endpoints == []
     assert "cannot serve Prometheus metrics" in telemetry_warnings(caplog)[0]
 
 
