@@ -147,14 +147,20 @@ def _best_family(host: str, port: int) -> tuple[socket.AddressFamily, str]:
 
 
 def wait_for_final_scrapes(
-    endpoints: list[PrometheusEndpoint], wanted: int | None, timeout_s: float, rank: int, warn: Callable[[str], None]
+    endpoints: list[PrometheusEndpoint],
+    wanted: int | None,
+    timeout_s: float,
+    rank: int,
+    warn: Callable[[str], None],
+    say: Callable[[str], None] | None = None,
 ) -> None:
     """Serve the final values until each endpoint has answered ``wanted`` scrapes of them.
 
     Called once nothing more is recorded. ``wanted`` ``None`` (the default setting) waits for
     one scrape on an endpoint that was scraped during the run, and not at all on one nobody
     scrapes; an explicit number waits regardless. The endpoints are waited for side by side,
-    at most ``timeout_s`` in all.
+    at most ``timeout_s`` in all. ``say`` hears that a wait begins (a job that pauses at its end
+    says why); ``warn`` that the time ran out.
     """
     for endpoint in endpoints:
         endpoint.mark()
@@ -163,6 +169,11 @@ def wait_for_final_scrapes(
         count = (1 if endpoint.answered else 0) if wanted is None else wanted
         if count == 0:
             continue
+        if say is not None:
+            say(
+                f"fsdp_patch telemetry: rank {rank} serves its final metrics on port {endpoint.port} until Prometheus "
+                f"has scraped them {count} time(s), at most {timeout_s:g} s (FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES=0: no wait)"
+            )
         got = endpoint.wait_for_scrapes(count, max(0.0, deadline - time.monotonic()))
         if got < count:
             warn(

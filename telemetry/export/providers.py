@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -319,7 +320,13 @@ def _serve_final_metrics(state: _Embedded) -> None:
     except ValueError as exc:  # already reported when the observer was created; do not fail at exit
         _warn("final-scrapes", "%s; not waiting for Prometheus.", exc)
         return
-    wait_for_final_scrapes(endpoints, wanted, timeout_s, state.rank_info.rank, _logger.warning)
+    wait_for_final_scrapes(endpoints, wanted, timeout_s, state.rank_info.rank, _logger.warning, _say)
+
+
+def _say(line: str) -> None:
+    # One write per line: ranks share the job's stderr.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def shutdown() -> None:

@@ -42,6 +42,7 @@ class Waiter(threading.Thread):
         super().__init__(daemon=True)
         self.endpoint, self.wanted, self.timeout_s = endpoint, wanted, timeout_s
         self.warnings: list[str] = []
+        self.said: list[str] = []
         self.marked = threading.Event()
         self.result: int | None = None
 
@@ -53,7 +54,7 @@ class Waiter(threading.Thread):
             self.marked.set()
 
         self.endpoint.mark = mark  # type: ignore[method-assign]
-        wait_for_final_scrapes([self.endpoint], self.wanted, self.timeout_s, 0, self.warnings.append)
+        wait_for_final_scrapes([self.endpoint], self.wanted, self.timeout_s, 0, self.warnings.append, self.said.append)
         self.marked.set()  # also when nothing was marked
 
     def finished(self) -> bool:
@@ -75,6 +76,8 @@ def test_the_endpoint_waits_for_the_scrapes_asked_for_and_they_carry_the_final_v
     for body in bodies:
         assert "steps_total 20.0" in body, f"a final scrape did not carry the final value:\n{body}"
     assert endpoint.answered == 2, f"want 2 scrapes answered, got {endpoint.answered}"
+    want = f"rank 0 serves its final metrics on port {endpoint.port} until Prometheus has scraped them 2 time(s)"
+    assert len(waiter.said) == 1 and want in waiter.said[0], f"want one line saying {want!r}, got {waiter.said}"
 
 
 class Blocking(Collector):
@@ -113,7 +116,7 @@ def test_by_default_an_endpoint_nobody_scraped_does_not_wait(endpoint: Prometheu
     waiter = Waiter(endpoint, wanted=None)
     waiter.start()
     assert waiter.finished(), "an endpoint nobody scraped waited at exit"
-    assert waiter.warnings == [], f"want no warning, got {waiter.warnings}"
+    assert waiter.warnings == [] and waiter.said == [], f"want nothing said, got {waiter.said + waiter.warnings}"
 
 
 def test_by_default_a_scraped_endpoint_waits_for_one_scrape_of_its_final_values(endpoint: PrometheusEndpoint) -> None:

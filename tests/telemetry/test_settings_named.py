@@ -59,6 +59,7 @@ def test_each_rank_prints_its_prometheus_endpoint_when_it_starts(monkeypatch: py
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
     monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "0")  # any free port: the line must name the real one
     monkeypatch.setenv("FSDP_PATCH_SUMMARY", "none")
+    monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES", "0")  # scraped by hand here; no Prometheus comes back
     from prometheus_client import REGISTRY
 
     before = set(REGISTRY._collector_to_names)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import urllib.request
 
@@ -26,6 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from telemetry_testing import Group, fake_optimizer, metric_points, run_fake_step
 
 from fsdp_patch import cli
+from tests.silent_collector import BOUND_S, SilentCollector
 
 STEP_NAMES = {semconv.SPAN_STEP, *semconv.STEP_PHASE_SPANS} - {semconv.SPAN_PRECISION}
 
@@ -395,35 +397,41 @@ def test_raising_exporter_never_reaches_training_and_warns_once(otel, caplog, tm
     assert otel.points()[semconv.METRIC_STEP_DURATION][0].count == 6  # metrics unaffected
 
 
-def closed_port() -> int:
-    port = free_port()  # bound and released: nothing listens there
-    return port
-
-
-def test_unreachable_collector_is_bounded_and_reported_once(monkeypatch, caplog):
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
-    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
-    monkeypatch.setenv("FSDP_PATCH_FLUSH_TIMEOUT", "3")
-    observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
-    with caplog.at_level(logging.WARNING):
-        started = time.perf_counter()
-        run_steps(observer, 3)
-        steps_took = time.perf_counter() - started
-        providers.flush()
-        run_steps(observer, 3)
-        telemetry.shutdown()
-        total = time.perf_counter() - started
-    assert steps_took < 2.0  # export runs off the training thread
-    assert total < 15.0  # flush and shutdown waits are bounded
+def test_a_silent_collector_holds_neither_the_steps_nor_the_end_and_is_reported_once(monkeypatch, caplog):
+    with SilentCollector() as collector:
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
+        # Ten times the flush budget: an exporter waiting for the collector is still waiting when
+        # flush and shutdown return, and gives up before the test ends.
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "5")
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+        monkeypatch.setenv("FSDP_PATCH_FLUSH_TIMEOUT", "0.5")
+        observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
+        with caplog.at_level(logging.WARNING):
+            run_steps(observer, 3)
+            assert collector.wait_for_request(), "the exporters never reached the collector"
+            run_steps(observer, 3)  # they return while an export is waiting: it runs off the training thread
+            providers.flush()
+            run_steps(observer, 3)
+            telemetry.shutdown()
+            waiting = collector.open_connections()
+            until_shutdown = list(caplog.records)
+        assert waiting > 0, "flush and shutdown returned only once the exporters had given up on the collector"
+        # The exporters' threads end on their own timeout, not on a connection the test cuts (whose
+        # retries would log into later tests).
+        assert collector.wait_until_idle(), "the exporters never gave up on the silent collector"
     messages = telemetry_warnings(caplog)
     span_reports = [m for m in messages if "OTLPSpanExporter failed to export spans" in m]
     metric_reports = [m for m in messages if "OTLPMetricExporter failed to export metrics" in m]
-    assert len(span_reports) == 1 and len(metric_reports) == 1, messages
-    # OpenTelemetry's own retry warnings were folded into those single reports
-    assert not [r for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.WARNING]
+    timeouts = [m for m in messages if "did not finish within 0.5s" in m]
+    assert len(span_reports) <= 1 and len(metric_reports) <= 1, f"want each exporter reported once at most: {messages}"
+    assert timeouts, f"want the budget named where the collector held the flush: {messages}"
+    # OpenTelemetry's own retry warnings were folded into those reports while telemetry ran.
+    theirs = [
+        r.getMessage() for r in until_shutdown if r.name.startswith("opentelemetry") and r.levelno >= logging.WARNING
+    ]
+    assert theirs == [], f"want OpenTelemetry's own warnings folded into ours, got {theirs}"
 
 
 def test_unwritable_trace_dir_warns_once(tmp_path, monkeypatch, caplog):
@@ -464,10 +472,17 @@ def test_full_disk_warns_once_and_training_continues(tmp_path, caplog, otel):
 def test_run_bounded_gives_up_waiting_and_warns_once(caplog):
     warn = WarnOnce(logging.getLogger("telemetry.test"))
     with caplog.at_level(logging.WARNING):
-        started = time.perf_counter()
-        assert run_bounded(lambda: time.sleep(2), 0.2, "slow flush", warn) is False
-        assert run_bounded(lambda: time.sleep(2), 0.2, "slow flush", warn) is False
-        assert time.perf_counter() - started < 1.5
+        release = threading.Event()
+        finished: list[bool] = []
+
+        def slow() -> None:
+            release.wait(BOUND_S)
+            finished.append(True)
+
+        assert run_bounded(slow, 0.2, "slow flush", warn) is False
+        assert run_bounded(slow, 0.2, "slow flush", warn) is False
+        assert finished == [], "run_bounded waited for the call it bounds"
+        release.set()
         assert run_bounded(lambda: 1 / 0, 1.0, "bad flush", warn) is False
         assert run_bounded(lambda: None, 1.0, "good flush", warn) is True
     messages = telemetry_warnings(caplog)
@@ -484,12 +499,15 @@ class BlockingExporter(SpanExporter):
 
         self.release = threading.Event()
         self.entered = threading.Event()
+        self.exporting = False
         self.exported_batches = 0
 
     def export(self, spans):
         self.entered.set()
+        self.exporting = True
         self.exported_batches += 1
-        self.release.wait(10)
+        self.release.wait(BOUND_S)
+        self.exporting = False
         return SpanExportResult.SUCCESS
 
     def shutdown(self):
@@ -507,9 +525,9 @@ def test_hanging_exporter_does_not_block_steps_and_queue_overflow_is_reported_on
     monkeypatch.setenv("FSDP_PATCH_FLUSH_TIMEOUT", "1")
     observer = OptimizerObserver(fake_optimizer(), precision_aware=False)
     with caplog.at_level(logging.WARNING):
-        started = time.perf_counter()
         run_steps(observer, 20)  # 100+ spans into a queue of 8 behind a hung export
-        assert time.perf_counter() - started < 5.0
+        assert blocking.entered.wait(BOUND_S), "nothing was exported"
+        assert blocking.exporting, "the steps returned only once the hung export had returned"
         blocking.release.set()
         telemetry.shutdown()
     queue_full = [m for m in telemetry_warnings(caplog) if "Queue full" in m]

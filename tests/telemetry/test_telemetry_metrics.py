@@ -119,16 +119,21 @@ def test_failed_step_still_records_one_duration(otel, make_observer):
     assert hist.count == 2
 
 
-def test_step_durations_measure_the_step(otel, make_observer):
+def test_step_durations_measure_the_step(otel, make_observer, monkeypatch):
+    from types import SimpleNamespace
+
+    from fsdp_patch.telemetry.instrumentation import timing
+
+    now = [100.0]  # the host clock the durations are read from, moved by the "work" of each step
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     observer = make_observer()
     with observer.step():
-        time.sleep(0.05)
+        now[0] += 0.25
     with observer.step():
-        pass
+        now[0] += 0.5
     (hist,) = otel.points()[semconv.METRIC_STEP_DURATION]
-    assert hist.count == 2
-    assert 0.05 <= hist.max < 1.0
-    assert hist.min < 0.05
+    got = (hist.count, hist.min, hist.max, hist.sum)
+    assert got == (2, 0.25, 0.5, 0.75), f"want 2 steps of 0.25 s and 0.5 s, got (count, min, max, sum) {got}"
 
 
 def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
