@@ -14,6 +14,7 @@ Alternatives considered:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -87,6 +88,22 @@ def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str
 # Group -> the fully qualified name of the unit (the fully_shard-ed module) holding it, from the
 # outermost unit as the group's parameter names are; "" for that unit. Weak: the unit owns its groups.
 _UNIT_NAME: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+_UNIT_MODULE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Every module fully_shard made a unit, for finding the root above a unit that owns parameters.
+_UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def all_units() -> list[nn.Module]:
+    """Every live module that ``fully_shard`` made a unit."""
+    return list(_UNITS)
+
+
+def unit_module_of(group: ParameterGroup) -> nn.Module | None:
+    """The module ``fully_shard`` made the unit holding ``group``."""
+    ref = _UNIT_MODULE.get(group)
+    return None if ref is None else ref()
 
 
 def unit_name_of(group: ParameterGroup) -> str:
@@ -179,6 +196,7 @@ def fully_shard(
     state.swap(unsharded=False)
     for group in groups:
         register_group(group)
+        _UNIT_MODULE[group] = weakref.ref(module)
         if group.grads_dtype == torch.float16:
             track_fp16_main_grads(group)
         if group.grads_dtype != group.main_dtype:
@@ -194,6 +212,7 @@ def fully_shard(
             _UNIT_NAME[group] = prefix + inner if inner else prefix[:-1]
     _move_buffers(module, device)
     module._fsdp_state = state  # type: ignore[assignment]
+    _UNITS.add(module)
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward)
     register_state_dict_hooks(module, state)

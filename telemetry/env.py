@@ -259,6 +259,25 @@ def precision_window(environ: Mapping[str, str] | None = None) -> int:
     return _int_at_least(semconv.SETTING_PRECISION_WINDOW, environ, DEFAULT_PRECISION_WINDOW, 1, "a positive integer")
 
 
+DEFAULT_PRECISION_ESCALATION = 3
+
+
+def precision_escalation(environ: Mapping[str, str] | None = None) -> int:
+    """Iterations of module-level checks and diagnostics every step after a NaN/Inf is seen
+    (``FSDP_PATCH_PRECISION_ESCALATION``).
+
+    Returns:
+        :data:`DEFAULT_PRECISION_ESCALATION` when unset; ``0`` turns escalation off.
+
+    Raises:
+        ValueError: Not a non-negative integer.
+    """
+    from . import semconv
+
+    return _int_at_least(semconv.SETTING_PRECISION_ESCALATION, environ, DEFAULT_PRECISION_ESCALATION, 0,
+                         "a non-negative integer (0 turns escalation off)")  # fmt: skip
+
+
 def precision_detail(environ: Mapping[str, str] | None = None) -> str:
     """``FSDP_PATCH_PRECISION_DETAIL``: ``off`` (default) or ``unit`` (precision metrics labelled by unit).
 
@@ -294,4 +313,5 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     compute_dtype(environ)
     precision_top_k(environ)
     precision_window(environ)
+    precision_escalation(environ)
     precision_detail(environ)

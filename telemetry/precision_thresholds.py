@@ -253,7 +253,49 @@ DTYPE_CONTRACT = Threshold(
     ),
 )
 
-BY_CHECK = {threshold.check: threshold for threshold in (*THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT)}
+# The per-iteration checks' findings (offline/origin_report.py): where a NaN/Inf began, and
+# iterations that ran no optimizer step. Their advice is the origin's own (per stage).
+NAN_ORIGIN = Threshold(
+    check="origin",
+    metric=semconv.EVENT_ORIGIN,
+    above=0,
+    severity=PROBLEM,
+    finding="NaN/Inf began",
+    advice="see the origin: the stage of the iteration it began in says what to change.",
+)
+SCALER_SKIPPED = Threshold(
+    check="scaler_skipped",
+    metric=semconv.SPAN_SKIPPED_STEP,
+    above=0,
+    severity=WARNING,
+    finding="a GradScaler skipped many iterations",
+    advice=(
+        "each skipped iteration held NaN/Inf grads, and lowering the scale did not stop it: the overflow is not "
+        "the loss scale's but begins where the origin says. A few skips while the scale settles are normal."
+    ),
+)
+NO_OPTIMIZER_STEPS = Threshold(
+    check="no_optimizer_steps",
+    metric=semconv.ATTR_BACKWARD_COUNT,
+    above=0,
+    severity=PROBLEM,
+    finding="backward passes and no optimizer step",
+    advice=(
+        "the model ran backward and its adapted optimizer never stepped and was never skipped: optimizer.step() is "
+        "not called, or is called on another optimizer than the one over this model's parameters."
+    ),
+)
+# Above this share of skipped iterations (and at least SCALER_SKIPS_AT_LEAST of them) a GradScaler's
+# skips are a warning, and once every iteration (or most) is skipped a problem: a healthy fp16 run
+# skips a handful while the scale settles from its initial 2**16, and one per growth interval.
+SCALER_SKIPS_WARN_SHARE = 0.25
+SCALER_SKIPS_PROBLEM_SHARE = 0.5
+SCALER_SKIPS_AT_LEAST = 3
+
+BY_CHECK = {
+    threshold.check: threshold
+    for threshold in (NAN_ORIGIN, *THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT, SCALER_SKIPPED, NO_OPTIMIZER_STEPS)
+}
 _PRECEDENCE = {check: index for index, check in enumerate(BY_CHECK)}
 
 

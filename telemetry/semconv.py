@@ -220,3 +220,59 @@ SETTING_PRECISION_WINDOW = "FSDP_PATCH_PRECISION_WINDOW"
 DETAIL_OFF = "off"
 DETAIL_UNIT = "unit"
 DETAILS = (DETAIL_OFF, DETAIL_UNIT)
+
+# -- the origin of an iteration's first NaN/Inf (docs/conventions.md, "Origin") ----------------------
+
+EVENT_ORIGIN = "fsdp.precision.origin"
+"""On SPAN_STEP (or SPAN_SKIPPED_STEP) of the step after it: where the first NaN/Inf of an
+iteration began, once per run of iterations that hold one (and again when escalation refines it)."""
+ATTR_ORIGIN_STAGE = "fsdp.origin.stage"
+"""One of ORIGIN_STAGES: the part of the iteration where it began."""
+ATTR_ORIGIN_WHERE = "fsdp.origin.where"
+"""The module (forward, backward), parameter (weight_write, optimizer) or unit (reduce,
+grad_write) named, as ``model.named_modules()`` / ``named_parameters()`` name it; ``""`` is the root."""
+ATTR_ORIGIN_DTYPE = "fsdp.origin.dtype"
+"""The dtype of the tensor where it was seen (``float16``)."""
+ATTR_ORIGIN_DETAIL = "fsdp.origin.detail"
+"""What else the checks know: the value that overflowed, the reduce dtype, the clip norm."""
+ATTR_ORIGIN_REFINED = "fsdp.origin.refined"
+"""True when module-level checks of an escalated iteration found it (else a unit-level check did)."""
+ATTR_MICROBATCH = "fsdp.microbatch"
+"""Which backward pass of the iteration (0 before the first; gradient accumulation counts up)."""
+
+ORIGIN_WEIGHT_WRITE = "weight_write"
+ORIGIN_FORWARD = "forward"
+ORIGIN_LOSS = "loss"
+ORIGIN_BACKWARD = "backward"
+ORIGIN_REDUCE = "reduce"
+ORIGIN_GRAD_WRITE = "grad_write"
+ORIGIN_OPTIMIZER = "optimizer"
+ORIGIN_STAGES = (
+    ORIGIN_WEIGHT_WRITE, ORIGIN_FORWARD, ORIGIN_LOSS, ORIGIN_BACKWARD, ORIGIN_REDUCE, ORIGIN_GRAD_WRITE, ORIGIN_OPTIMIZER,
+)  # fmt: skip
+"""In the order an iteration runs them: a write between steps, then forward, loss, backward, the
+reduce-scatter, what changed the grads between backward and step, and the optimizer's update."""
+
+# -- step accounting -----------------------------------------------------------------------------------
+
+SPAN_CHECKS = "fsdp.optimizer.checks"
+"""The last iteration's checks, read at a flush or at exit when no later step read them (its
+origin event, if any)."""
+SPAN_SKIPPED_STEP = "fsdp.optimizer.skipped_step"
+"""An iteration whose ``torch.amp.GradScaler.step(optimizer)`` did not step the optimizer (its
+grads held NaN/Inf); parent: the caller's span."""
+ATTR_BACKWARD_COUNT = "fsdp.backward.count"
+"""On SPAN_STEP and SPAN_SKIPPED_STEP: backward passes since the previous step or skipped step."""
+ATTR_GRAD_SCALER_SCALE = "fsdp.grad_scaler.scale"
+"""On SPAN_SKIPPED_STEP: the GradScaler's scale in that iteration (before its update halves it)."""
+METRIC_OPTIMIZER_SKIPPED_STEPS = "fsdp.optimizer.skipped_steps"
+"""Counter, ``{step}``: iterations a GradScaler skipped (no optimizer step ran)."""
+
+# -- escalation -----------------------------------------------------------------------------------------
+
+EVENT_ESCALATION = "fsdp.precision.escalation"
+"""On SPAN_STEP: a NaN/Inf was seen at ``fsdp.step``; the next ``fsdp.precision.escalation.steps``
+iterations run module-level checks and diagnostics every step."""
+ATTR_ESCALATION_STEPS = "fsdp.precision.escalation.steps"
+SETTING_PRECISION_ESCALATION = "FSDP_PATCH_PRECISION_ESCALATION"
+"""Iterations of full detail after a NaN/Inf is seen (default 3; 0 turns escalation off)."""

@@ -4,11 +4,11 @@ With telemetry on, the precision diagnostics add an ``all_gather`` on their step
 telemetry off (or another diagnostics schedule, or the per-parameter detail on where its peers
 have it off: a payload of another size) would skip it or send other rows while its peers wait: a
 collective mismatch on gloo, a hang on NCCL. So at its first step every adapted optimizer,
-whichever its attachment, gathers ``(telemetry on, diagnostics interval, per-parameter detail on)``
-from every rank of its process group in one small ``all_gather``, and a difference raises the
+whichever its attachment, gathers ``(telemetry on, diagnostics interval, per-parameter detail on,
+escalation)`` from every rank of its process group in one small ``all_gather``, and a difference raises the
 same error on every rank, naming each rank's values and, in the registered observer source's
 words (telemetry's), the variables they come from. A rank with telemetry off
-takes part through the same call in the hook attachment: one collective of three integers per
+takes part through the same call in the hook attachment: one collective of four integers per
 optimizer, at its first step only.
 """
 
@@ -50,13 +50,13 @@ def _describe(values: list[list[int]]) -> str:
     rows = ", ".join(f"rank {r} {tuple(v)}" for r, v in enumerate(values))
     return (
         "fsdp_patch: ranks of this optimizer's process group disagree on settings that change "
-        f"collectives (observer on, diagnostics interval, per-parameter detail): {rows}. Expected the "
+        f"collectives (observer on, diagnostics interval, per-parameter detail, escalation): {rows}. Expected the "
         "same values on every rank."
     )
 
 
 def check_collective_settings(
-    groups: Sequence[Any], telemetry_on: bool, precision_every: int, per_parameter: bool = False
+    groups: Sequence[Any], telemetry_on: bool, precision_every: int, per_parameter: bool = False, escalation: int = 0
 ) -> None:
     """Raise on every rank if the ranks' settings differ; a no-op without a process group.
 
@@ -65,6 +65,7 @@ def check_collective_settings(
         telemetry_on: Whether this rank's adapted optimizer emits telemetry.
         precision_every: This rank's diagnostics interval (0: none).
         per_parameter: Whether this rank's diagnostics send a row per parameter.
+        escalation: Iterations this rank diagnoses every step after a NaN/Inf (0: none).
 
     Raises:
         CollectiveSettingsError: The settings differ on some rank; every rank raises it, with
@@ -79,9 +80,10 @@ def check_collective_settings(
     world = dist.get_world_size(pg)
     if world == 1:
         return
-    mine = torch.tensor([int(telemetry_on), int(precision_every), int(per_parameter)], dtype=torch.int64, device=device)
-    gathered = torch.empty(world * 3, dtype=torch.int64, device=device)
+    settings = [int(telemetry_on), int(precision_every), int(per_parameter), int(escalation)]
+    mine = torch.tensor(settings, dtype=torch.int64, device=device)
+    gathered = torch.empty(world * len(settings), dtype=torch.int64, device=device)
     all_gather_flat(gathered, mine, group=pg)
-    values = gathered.view(world, 3).tolist()
+    values = gathered.view(world, len(settings)).tolist()
     if any(v != values[0] for v in values):
         raise CollectiveSettingsError(_describe(values))

@@ -38,6 +38,7 @@ Alternatives considered:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +56,10 @@ from .flat_buffer import ShardedBuffer, UnshardedBuffer
 from .layout import GroupLayout
 from .main_grads import MainGrads
 from .replacement import adopted_shard, check_replacement
+
+# The stages of a reduce-scatter a reduce hook sees (ParameterGroup.register_reduce_hook).
+REDUCE_INPUT = "input"
+REDUCE_OUTPUT = "output"
 
 __all__ = ["ParameterGroup"]
 
@@ -123,6 +128,8 @@ class ParameterGroup:
         # reduce-scatter reads them, in the main-grad dtype; only when that is wider.
         self._accumulated: torch.Tensor | None = None
         self._reduces: list[ReduceScatter] = []  # issued, not yet applied, in issue order
+        # An OrderedDict: RemovableHandle refers to it weakly, which a plain dict does not allow.
+        self._reduce_hooks: OrderedDict[int, Callable[[ParameterGroup, str, torch.Tensor], None]] = OrderedDict()
 
     # ------------------------------------------------------------------ identity and buffers
     @property
@@ -319,6 +326,7 @@ class ParameterGroup:
             if self._accumulated is not None:
                 packed.add_(self._accumulated)
                 self._accumulated = None
+            self._run_reduce_hooks(REDUCE_INPUT, packed)
             self._reduces.append(ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite))
             if self.world_size == 1:
                 self.wait_reduce()
@@ -332,7 +340,26 @@ class ParameterGroup:
     def wait_reduce(self) -> None:
         """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
         while self._reduces:
-            self._grads.apply(self._reduces.pop(0))
+            reduce = self._reduces.pop(0)
+            if self._reduce_hooks:
+                self._run_reduce_hooks(REDUCE_OUTPUT, reduce.wait()[: self.layout.shard_numel])
+            self._grads.apply(reduce)
+
+    def register_reduce_hook(self, hook: Callable[[ParameterGroup, str, torch.Tensor], None]) -> RemovableHandle:
+        """Runs ``hook(group, stage, grads)`` around each reduce-scatter of the group's grads.
+
+        ``stage`` is :data:`REDUCE_INPUT` with the packed unsharded grads about to be reduced
+        (``(world_size, shard_numel + len(params))`` rows in the main-grad dtype, presence flags
+        last) and :data:`REDUCE_OUTPUT` with this rank's reduced shard before it is added into
+        ``main_grad``. A hook reads; it must not write either tensor.
+        """
+        handle = RemovableHandle(self._reduce_hooks)
+        self._reduce_hooks[handle.id] = hook
+        return handle
+
+    def _run_reduce_hooks(self, stage: str, grads: torch.Tensor) -> None:
+        for hook in tuple(self._reduce_hooks.values()):
+            hook(self, stage, grads)
 
     def _drop_unsharded_grads(self) -> None:
         for param in self.unsharded_params:

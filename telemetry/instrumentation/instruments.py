@@ -68,6 +68,7 @@ PRECISION_STEPS = semconv.METRIC_PRECISION_STEPS
 NONFINITE_STEPS = semconv.METRIC_NONFINITE_STEPS
 DTYPE_CONTRACT = semconv.METRIC_DTYPE_CONTRACT
 SKIPPED_STEPS = semconv.METRIC_SKIPPED_STEPS
+OPTIMIZER_SKIPPED_STEPS = semconv.METRIC_OPTIMIZER_SKIPPED_STEPS
 
 RANK_ATTRIBUTE = semconv.ATTR_RANK
 
@@ -134,6 +135,11 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     InstrumentSpec(
         SKIPPED_STEPS, COUNTER, "{step}",
         "Diagnosed steps in which no main weight the optimizer steps changed although grads were non-zero and finite.",
+    ),
+    # Step accounting.
+    InstrumentSpec(
+        OPTIMIZER_SKIPPED_STEPS, COUNTER, "{step}",
+        "Iterations a GradScaler ended without stepping the optimizer (their grads held NaN or Inf).",
     ),
 )  # fmt: skip
 

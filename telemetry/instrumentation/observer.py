@@ -29,6 +29,7 @@ from ..export.isolation import WarnOnce
 from ..export.ranks import distributed_rank
 from . import instruments
 from .instruments import AttributeCache, dtype_name
+from .iterations import IterationWatch
 from .precision_recorder import PrecisionRecorder
 from .timing import DurationRecorder, duration_recorder_for
 
@@ -130,6 +131,7 @@ class OptimizerObserver:
         self._step_count = step_count
         self.rank = 0
         self.world_size = 1
+        self._iterations = IterationWatch(optimizer, self, sdk_disabled=env.sdk_disabled())
 
     # -- lazy set-up -------------------------------------------------------------------
 
@@ -153,6 +155,7 @@ class OptimizerObserver:
             meter = meter_provider.get_meter(semconv.SCOPE_NAME, version, schema_url=semconv.SCHEMA_URL)
             created = instruments.create_instruments(meter)
             self._cast_size = created[semconv.METRIC_CAST_SIZE]
+            self._skipped_steps = created[semconv.METRIC_OPTIMIZER_SKIPPED_STEPS]
             self._mismatches = created[semconv.METRIC_DTYPE_MISMATCHES]
             self._rank_attrs: dict[str, AttributeValue] = {semconv.ATTR_RANK: self.rank}
             self._attrs = AttributeCache(self._rank_attrs)
@@ -224,12 +227,31 @@ class OptimizerObserver:
         try:
             with self._span(semconv.SPAN_STEP, span_attrs) as span:
                 self._scope = scope = StepScope(step_number, span)
-                yield scope
+                self._iterations.begin_step(step_number, span, self.rank)
+                completed = False
+                try:
+                    yield scope
+                    completed = True
+                finally:
+                    self._iterations.end_step(span, completed)
                 self._precision.audit_if_due(step_number, span)
         finally:
             self._scope = None
             # Recorded for failed steps too: one duration per optimizer.step() call.
             self._step_timer.stop(token)
+
+    def step_skipped(self, scale: float) -> None:
+        """A ``torch.amp.GradScaler`` ended an iteration without stepping the optimizer: span
+        ``fsdp.optimizer.skipped_step``, counted, with the iteration's checks."""
+        self._ensure_ready()
+        attrs: dict[str, AttributeValue] = {
+            semconv.ATTR_STEP: self._step_count + 1,
+            semconv.ATTR_RANK: self.rank,
+            semconv.ATTR_GRAD_SCALER_SCALE: scale,
+        }
+        self._skipped_steps.add(1, self._rank_attrs)
+        with self._span(semconv.SPAN_SKIPPED_STEP, attrs) as span:
+            self._iterations.skipped(self._step_count + 1, span, self.rank)
 
     def step_planned(self, event: StepPlanned) -> None:
         """The step's plan: parameter and FSDP-group counts on the span, its dtype mismatches counted."""
@@ -312,14 +334,16 @@ class OptimizerObserver:
         return self._precision.every
 
     @property
-    def collective_settings(self) -> tuple[bool, int, bool]:
-        """``(True, diagnostics interval, per-parameter detail)``: what every rank's adapted
-        optimizer must agree on (the detail changes the size of the diagnostics' collective)."""
-        return (True, self._precision.every, self._precision.per_parameter)
+    def collective_settings(self) -> tuple[bool, int, bool, int]:
+        """``(True, diagnostics interval, per-parameter detail, escalation)``: what every rank's
+        adapted optimizer must agree on (the detail changes the size of the diagnostics'
+        collective, escalation the steps that run it)."""
+        return (True, self._precision.every, self._precision.per_parameter, self._iterations.escalation)
 
     def precision_due(self, step_number: int) -> bool:
-        """Whether step ``step_number`` runs the diagnostics (:meth:`PrecisionRecorder.due`)."""
-        return self._precision.due(step_number)
+        """Whether step ``step_number`` runs the diagnostics (:meth:`PrecisionRecorder.due`), or
+        escalation asks for them."""
+        return self._precision.due(step_number) or self._iterations.escalated
 
     def precision_begin(self, groups: Sequence[Any]) -> PrecisionSnapshot:
         """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``."""
@@ -335,10 +359,19 @@ class OptimizerObserver:
     # -- life cycle --------------------------------------------------------------------
 
     def flush_timers(self) -> None:
-        """Record every pending device timing; may wait for the device, so only at flush or exit."""
+        """Record every pending device timing and the last iteration's checks; may wait for the
+        device, so only at flush or exit."""
         if self._ready:
             self._step_timer.flush()
             self._refresh_timer.flush()
+            if self._iterations.pending():
+                attrs: dict[str, AttributeValue] = {semconv.ATTR_STEP: self._step_count, semconv.ATTR_RANK: self.rank}
+                with self._span(semconv.SPAN_CHECKS, attrs) as span:
+                    self._iterations.flush(self.rank, span)
+
+    def close(self) -> None:
+        """Remove the model checks and the process-wide wrappers this observer registered."""
+        self._iterations.close()
 
     @property
     def step_count(self) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import precision_thresholds as thresholds
 from .. import semconv, trace_limits
 from .attribution_report import AttributionTrace, details, details_json
+from .origin_report import OriginSeen, OriginTrace, advice, origin_json, origin_text
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
@@ -65,6 +66,7 @@ class RunTrace:
         service: Service name from the files' resource, when present.
         files: Files read.
         attribution: The parameters the attribution's events name.
+        iterations: What the per-iteration checks recorded: origins, skipped iterations, backward passes.
     """
 
     samples: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -77,6 +79,7 @@ class RunTrace:
     service: str | None = None
     files: list[str] = field(default_factory=list)
     attribution: AttributionTrace = field(default_factory=AttributionTrace)
+    iterations: OriginTrace = field(default_factory=OriginTrace)
 
 
 def _number(value: object) -> float | None:
@@ -120,11 +123,14 @@ def read_run(directory: str) -> RunTrace:
                 resource = args.get(RESOURCE) or {}
                 run.world_size = resource.get(semconv.RESOURCE_WORLD_SIZE, run.world_size)
                 run.service = resource.get(RESOURCE_SERVICE, run.service)
+            elif event.get("ph") == "X" and event.get("name") == semconv.SPAN_SKIPPED_STEP:
+                run.iterations.feed_span(semconv.SPAN_SKIPPED_STEP, args, segment.rank, float(event.get("ts") or 0))
             elif (
                 event.get("ph") == "X"
                 and event.get("name") == semconv.SPAN_STEP
                 and isinstance(args.get(semconv.ATTR_STEP), int)
             ):
+                run.iterations.feed_span(semconv.SPAN_STEP, args, segment.rank, float(event.get("ts") or 0))
                 step = args[semconv.ATTR_STEP]
                 step_of_span[args.get(SPAN_ID, "")] = step
                 run.first_step = min(run.first_step, step) if run.first_step else step
@@ -138,6 +144,7 @@ def read_run(directory: str) -> RunTrace:
                     precision.append((args.get(PARENT_SPAN_ID), values))
             elif event.get("ph") == "i":
                 run.attribution.feed(event)
+                run.iterations.feed_instant(args, str(event.get("name", "")))
     for parent, values in precision:
         # The step span ends after its precision child, possibly in the next (still kept) segment;
         # a parent rotated away belongs to the oldest, dropped steps.
@@ -254,6 +261,68 @@ def _missing_steps(run: RunTrace, step_offset: int) -> str | None:
     return f"  note: {missing} are not in these files (they begin at step {run.first_step + step_offset})."
 
 
+def iteration_findings(run: RunTrace) -> list[Finding]:
+    """What the per-iteration checks found: where the first NaN/Inf began, a GradScaler skipping
+    many iterations, backward passes with no optimizer step."""
+    found: list[Finding] = []
+    first = run.iterations.first()
+    if first is not None:
+        found.append(Finding(thresholds.NAN_ORIGIN, first.step))
+    skipped, iterations, _, _ = run.iterations.skipped()
+    if skipped >= thresholds.SCALER_SKIPS_AT_LEAST and skipped > thresholds.SCALER_SKIPS_WARN_SHARE * iterations:
+        threshold = thresholds.SCALER_SKIPPED
+        if skipped > thresholds.SCALER_SKIPS_PROBLEM_SHARE * iterations:
+            threshold = replace(threshold, severity=thresholds.PROBLEM)
+        found.append(Finding(threshold, run.first_step or 1))
+    if run.iterations.backward_without_steps():
+        found.append(Finding(thresholds.NO_OPTIMIZER_STEPS, 1))
+    return found
+
+
+def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
+    first = run.iterations.first()
+    lines: list[str] = []
+    if check == thresholds.NAN_ORIGIN.check and first is not None:
+        lines.append(origin_text(first, step_offset))
+        lines.extend(f"refined: {origin_text(o, step_offset)}" for o in run.iterations.refinements(first)[:3])
+    elif check == thresholds.SCALER_SKIPPED.check:
+        skipped, iterations, scale_first, scale_last = run.iterations.skipped()
+        where = f"; the first overflow: {origin_text(first, step_offset)}" if first is not None else ""
+        lines.append(f"skipped {skipped} of {iterations} iterations; scale {scale_first:g} at the first skip, "
+                     f"{scale_last:g} at the last{where}")  # fmt: skip
+    elif check == thresholds.NO_OPTIMIZER_STEPS.check:
+        lines.append(f"{run.iterations.backward_without_steps()} backward passes, 0 optimizer steps, 0 skipped")
+    return lines
+
+
+def _advice(run: RunTrace, finding: Finding) -> str:
+    first = run.iterations.first()
+    if finding.threshold.check == thresholds.NAN_ORIGIN.check and first is not None:
+        return advice(first)
+    return finding.threshold.advice
+
+
+def _finding_text(run: RunTrace, finding: Finding) -> str:
+    first = run.iterations.first()
+    if finding.threshold.check == thresholds.NAN_ORIGIN.check and first is not None:
+        return f"NaN/Inf began in {_stage_phrase(first)}"
+    return finding.threshold.finding
+
+
+def _stage_phrase(origin: OriginSeen) -> str:
+    return origin_text(origin).split(" began in ", 1)[1].split(" at step ", 1)[0]
+
+
+def _all_findings(run: RunTrace, lines: list[RangeLine]) -> list[Finding]:
+    findings: dict[str, Finding] = {}
+    for finding in iteration_findings(run):
+        findings.setdefault(finding.threshold.check, finding)
+    for line in lines:
+        for finding in line.findings:
+            findings.setdefault(finding.threshold.check, finding)
+    return _ordered(findings.values())
+
+
 def _ordered(findings: Iterable[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: thresholds.precedence(f.threshold, f.first_step))
 
@@ -286,39 +355,58 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
     missing = _missing_steps(run, step_offset)
     if missing:
         out.append(missing)
+    accounting = _accounting(run)
+    if accounting:
+        out.append(accounting)
+    ordered = _all_findings(run, lines)
     if not lines:
-        out.append(
-            "  no precision diagnostics in these traces: they run on step 1 and every FSDP_PATCH_PRECISION_EVERY "
-            "steps (0 turns them off), and need telemetry on (FSDP_PATCH_TELEMETRY=1) with a traced rank."
-        )
-        return "\n".join(out) + "\n"
-    header = "  {:<13}".format("steps") + " ".join(h.rjust(len(fmt.format(0))) for _, h, fmt in COLUMNS)
-    out.append(header + "  failed  verdict")
-    for line in lines:
-        steps = f"{line.first + step_offset}-{line.last + step_offset}"
-        cells = " ".join(_format(key, line.values.get(key), fmt) for key, _, fmt in COLUMNS)
-        out.append(f"  {steps:<13}{cells}  {line.failed:>6}  {_verdict_text(line)}")
-    out.append("  (each line: the largest value over the range's diagnosed steps; values are over all ranks)")
-    findings: dict[str, Finding] = {}
-    for line in lines:
-        for finding in line.findings:
-            findings.setdefault(finding.threshold.check, finding)
-    overall = thresholds.worst([f.threshold.severity for f in findings.values()])
-    if not findings:
+        if run.last_step == 0 and run.iterations.skipped()[0]:
+            out.append("  no precision diagnostics: they run at optimizer steps, and no step ran")
+        else:
+            out.append(
+                "  no precision diagnostics in these traces: they run on step 1 and every FSDP_PATCH_PRECISION_EVERY "
+                "steps (0 turns them off), and need telemetry on (FSDP_PATCH_TELEMETRY=1) with a traced rank."
+            )
+        if not ordered:
+            return "\n".join(out) + "\n"
+    else:
+        header = "  {:<13}".format("steps") + " ".join(h.rjust(len(fmt.format(0))) for _, h, fmt in COLUMNS)
+        out.append(header + "  failed  verdict")
+        for line in lines:
+            steps = f"{line.first + step_offset}-{line.last + step_offset}"
+            cells = " ".join(_format(key, line.values.get(key), fmt) for key, _, fmt in COLUMNS)
+            out.append(f"  {steps:<13}{cells}  {line.failed:>6}  {_verdict_text(line)}")
+        out.append("  (each line: the largest value over the range's diagnosed steps; values are over all ranks)")
+    overall = thresholds.worst([f.threshold.severity for f in ordered])
+    if not ordered:
         out.append("overall: healthy (no threshold of telemetry/README.md's precision report crossed)")
         return "\n".join(out) + "\n"
-    ordered = _ordered(findings.values())
-    out.append(f"overall: {overall}: {ordered[0].threshold.finding}, from step {ordered[0].first_step + step_offset}")
+    lead = ordered[0]
+    out.append(f"overall: {overall}: {_finding_text(run, lead)}, from step {lead.first_step + step_offset}")
     out.append("where to look next:")
     for finding in ordered:
         threshold = finding.threshold
         alert = f" [alert {threshold.alert}]" if threshold.alert else ""
         out.append(
-            f"  - {threshold.finding} (first at step {finding.first_step + step_offset}){alert}: {threshold.advice}"
+            f"  - {_finding_text(run, finding)} (first at step {finding.first_step + step_offset}){alert}: "
+            f"{_advice(run, finding)}"
         )
+        for detail in _origin_lines(run, threshold.check, step_offset):
+            out.append(f"      {detail}")
         for detail in details(run.attribution, threshold.check, finding.first_step, NAMED_PER_FINDING, step_offset):
             out.append(f"      {detail}")
     return "\n".join(out) + "\n"
+
+
+def _accounting(run: RunTrace) -> str | None:
+    """A line on iterations when some ran no optimizer step: steps, skips, backward passes."""
+    skipped, iterations, scale_first, scale_last = run.iterations.skipped()
+    if not skipped and not run.iterations.backward_without_steps():
+        return None
+    backward = max((r.backward for r in run.iterations.ranks.values()), default=0)
+    scale = f" (GradScaler scale {scale_first:g} at the first skip, {scale_last:g} at the last)" if skipped else ""
+    return (f"  iterations: {iterations - skipped} optimizer steps, {skipped} skipped{scale}, "
+            f"{backward} backward passes")  # fmt: skip
 
 
 def report(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset: int = 0) -> str:
@@ -340,11 +428,9 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
     """
     run = read_run(directory)
     lines = range_lines(run, max_lines)
-    findings: dict[str, Finding] = {}
-    for line in lines:
-        for finding in line.findings:
-            findings.setdefault(finding.threshold.check, finding)
-    ordered = _ordered(findings.values())
+    ordered = _all_findings(run, lines)
+    first = run.iterations.first()
+    skipped, iterations, scale_first, scale_last = run.iterations.skipped()
 
     def clean(value: float) -> float | str:
         return value if math.isfinite(value) else str(value)  # JSON has no NaN/Inf
@@ -362,9 +448,16 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
              "findings": [f.threshold.check for f in _ordered(line.findings)]}
             for line in lines
         ],
+        "origin": None if first is None else {
+            **origin_json(first, step_offset),
+            "refined": [origin_json(o, step_offset) for o in run.iterations.refinements(first)],
+        },
+        "iterations": {"optimizer_steps": iterations - skipped, "skipped": skipped,
+                       "scale_first": clean(scale_first), "scale_last": clean(scale_last),
+                       "backward_without_steps": run.iterations.backward_without_steps()},
         "findings": [
-            {"check": f.threshold.check, "severity": f.threshold.severity, "finding": f.threshold.finding,
-             "first_step": f.first_step + step_offset, "alert": f.threshold.alert, "advice": f.threshold.advice,
+            {"check": f.threshold.check, "severity": f.threshold.severity, "finding": _finding_text(run, f),
+             "first_step": f.first_step + step_offset, "alert": f.threshold.alert, "advice": _advice(run, f),
              **details_json(run.attribution, f.threshold.check, f.first_step, NAMED_PER_FINDING, step_offset)}
             for f in ordered
         ],
@@ -374,4 +467,4 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
 def overall_findings(directory: str) -> list[str]:
     """Names of the checks that fired anywhere in ``directory``'s traces (for scripts and tests)."""
     run = read_run(directory)
-    return sorted({f.threshold.check for line in range_lines(run) for f in line.findings})
+    return sorted({f.threshold.check for f in _all_findings(run, range_lines(run))})

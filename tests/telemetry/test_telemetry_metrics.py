@@ -43,11 +43,15 @@ ATTRIBUTION_TABLE = {
     semconv.METRIC_DTYPE_CONTRACT: ("Counter", "{tensor}", {semconv.ATTR_TENSOR, semconv.ATTR_DTYPE_EXPECTED, semconv.ATTR_DTYPE_ACTUAL}),
     semconv.METRIC_SKIPPED_STEPS: ("Counter", "{step}", set()),
 }  # fmt: skip
+# Step accounting (docs/conventions.md, "Origin ... and step accounting").
+STEP_ACCOUNTING_TABLE = {
+    semconv.METRIC_OPTIMIZER_SKIPPED_STEPS: ("Counter", "{step}", set()),
+}
 
 
 def test_instrument_table_matches_the_design_page():
     table = {s.name: (s.kind, s.unit, set(s.attributes)) for s in instruments.INSTRUMENTS}
-    want = {**DESIGN_TABLE, **DIAGNOSED_STEP_COUNTS, **ATTRIBUTION_TABLE}
+    want = {**DESIGN_TABLE, **DIAGNOSED_STEP_COUNTS, **ATTRIBUTION_TABLE, **STEP_ACCOUNTING_TABLE}
     assert table == want, f"want {want}, got {table}"
     assert all(s.description for s in instruments.INSTRUMENTS)
 
@@ -158,6 +162,7 @@ def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
                 optimizer, precision_aware=False, tracer_provider=otel.tracer_provider, meter_provider=provider
             )
         run_fake_step(observer, [group], [torch.full((4,), 2.0)])  # grads, and no weight moves: a skipped step
+        observer.step_skipped(1024.0)  # a GradScaler ran no step at all
         text = generate_latest(registry).decode()
     finally:
         provider.shutdown()
@@ -175,6 +180,7 @@ def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
         "fsdp_precision_grad_amax": "gauge",
         "fsdp_precision_dtype_contract_violations_total": "counter",
         "fsdp_precision_update_skipped_steps_total": "counter",
+        "fsdp_optimizer_skipped_steps_total": "counter",
     }
     ours = {f for f in families if f.startswith("fsdp_")}
     # one family per instrument: nothing collided in translation

@@ -1,0 +1,245 @@
+"""Where the first NaN/Inf of an iteration began: cheap checks in the order an iteration runs them.
+
+The optimizer boundary sees every parameter's tensors, but only once a NaN has spread: a NaN
+loss makes every grad NaN at once, and the first parameter in model order is not where it began.
+So an iteration is checked as it runs, one reduction per checked tensor kept on the device
+(:class:`ProbeLog`, ``torch.aminmax``: NaN propagates through it, an Inf is its min or max), and
+read once, after the optimizer step:
+
+- ``weight_write``: a main weight non-finite before the step's update that was finite after the
+  previous update (or that no update has touched yet): written outside the optimizer;
+- ``forward``: a unit's (or, escalated, any module's) output;
+- ``loss``: the tensor ``backward`` was called on;
+- ``backward``: the grad of a unit's output (or, escalated, of any module's input and output);
+- ``reduce``: a group's grads before the reduce-scatter, and its reduced shard after it;
+- ``grad_write``: main grads at the step, after every backward and reduce was finite: changed in
+  between (a clip whose norm was not finite, a hook);
+- ``optimizer``: the main weights after the update, grads and weights before it finite.
+
+:func:`find_origin` applies that order to what a log read. No OpenTelemetry here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import semconv
+
+# Which side of a step or a reduce a check was made on (Probe.when), and the model's own input.
+BEFORE = "before"
+AFTER = "after"
+INPUT = "input"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One checked tensor.
+
+    Attributes:
+        stage: One of :data:`semconv.ORIGIN_STAGES`; within ``weight``, :attr:`when` tells the
+            weights before the update (``before``) from those after it (``after``).
+        where: The module, parameter or group it belongs to (a fully qualified name).
+        dtype: The checked tensor's dtype (``bfloat16``).
+        when: ``before``/``after`` (weights, reduce), ``input``/``output`` (escalated module
+            probes), else ``""``.
+        microbatch: The backward pass of the iteration it came from (0 before the first one).
+        group: For a parameter's check, the group it belongs to (named as group checks are).
+    """
+
+    stage: str
+    where: str
+    dtype: str
+    when: str = ""
+    microbatch: int = 0
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A probe and what its tensor held: its least and greatest element (NaN if any was NaN)."""
+
+    probe: Probe
+    low: float
+    high: float
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.low) and math.isfinite(self.high)
+
+    @property
+    def nan(self) -> bool:
+        return math.isnan(self.low) or math.isnan(self.high)
+
+    @property
+    def magnitude(self) -> float:
+        """The largest absolute value (meaningful when :attr:`finite`)."""
+        return max(abs(self.low), abs(self.high))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def floating_tensors(value: Any, limit: int = 64) -> Iterator[torch.Tensor]:
+    """The floating-point tensors in a module's output (tensors, tuples, lists, dicts, dataclasses
+    such as Hugging Face's ``ModelOutput``), depth first, at most ``limit``."""
+    stack = [value]
+    seen = 0
+    while stack and seen < limit:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.is_floating_point() and item.numel() > 0:
+                seen += 1
+                yield item
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list | tuple):
+            stack.extend(reversed(item))
+        elif hasattr(item, "__dataclass_fields__"):
+            stack.extend(reversed([getattr(item, name, None) for name in item.__dataclass_fields__]))
+
+
+class ProbeLog:
+    """The probes of one iteration, in the order they ran; their values stay on the device until read.
+
+    Each :meth:`check` launches one reduction (``torch.aminmax``) and keeps its two 0-d results;
+    :meth:`read` stacks them per device and copies them to the host once.
+    """
+
+    def __init__(self) -> None:
+        self._probes: list[Probe] = []
+        self._values: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.microbatch = 0
+
+    def __len__(self) -> int:
+        return len(self._probes)
+
+    def check(self, stage: str, where: str, tensor: torch.Tensor, when: str = "", group: str = "") -> None:
+        """Add ``tensor``'s check; tensors that are empty or not floating point are skipped."""
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            return
+        data = tensor.detach()
+        local = getattr(data, "_local_tensor", None)  # a DTensor: this rank's shard
+        if local is not None:
+            data = local
+            if data.numel() == 0:
+                return
+        with torch.no_grad():
+            self._values.append(torch.aminmax(data))
+        self._probes.append(Probe(stage, where, dtype_name(tensor.dtype), when, self.microbatch, group))
+
+    def stacked(self) -> torch.Tensor | None:
+        """Every check's ``(min, max)`` as one ``(n, 2)`` float64 tensor on the first check's device
+        (``None`` when nothing was checked); launches the stacking only, copies nothing to the host
+        unless checks ran on several devices."""
+        if not self._values:
+            return None
+        device = self._values[0][0].device
+        pairs = [torch.stack(pair).to(device=device, dtype=torch.float64) for pair in self._values]
+        return torch.stack(pairs)
+
+    def read(self, stacked: torch.Tensor | None) -> list[Checked]:
+        """Every probe with its values from :meth:`stacked` (on the host by now), in order."""
+        if stacked is None:
+            return []
+        host = stacked.tolist()
+        return [Checked(p, low, high) for p, (low, high) in zip(self._probes, host, strict=True)]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an iteration's first NaN/Inf began.
+
+    Attributes:
+        stage: One of :data:`semconv.ORIGIN_STAGES`.
+        where: The module, parameter or group named.
+        dtype: The dtype of the tensor where it was seen.
+        nan: Whether it was a NaN (else an Inf).
+        microbatch: The backward pass it came from.
+        detail: What else the checks know (the last finite value before it, the reduce dtype).
+    """
+
+    stage: str
+    where: str
+    dtype: str
+    nan: bool
+    microbatch: int
+    detail: str = ""
+
+
+def _origin(checked: Checked, detail: str = "", stage: str | None = None) -> Origin:
+    p = checked.probe
+    return Origin(stage or p.stage, p.where, p.dtype, checked.nan, p.microbatch, detail)
+
+
+def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool] | None = None) -> Origin | None:
+    """The origin of the first NaN/Inf among ``checks`` (one iteration's, in the order they ran).
+
+    Args:
+        checks: What :meth:`ProbeLog.read` returned.
+        previous_after_finite: Per weight ``where``, whether it was finite after the previous
+            update (absent: no update checked it yet).
+
+    Returns:
+        ``None`` when every check was finite.
+    """
+    if all(c.finite for c in checks):
+        return None
+    previous_after_finite = previous_after_finite or {}
+    # Weights non-finite before the update came from outside the optimizer, unless the previous
+    # update left them so: then that update was the origin, reported at its own step.
+    for c in checks:
+        p = c.probe
+        if p.stage == semconv.ORIGIN_WEIGHT_WRITE and p.when == BEFORE and not c.finite:
+            if previous_after_finite.get(p.group or p.where, True):
+                return _origin(c, "non-finite before the update; finite after the previous one")
+            return None  # the NaN is the previous step's, already reported there
+    before_step = [c for c in checks if c.probe.stage != semconv.ORIGIN_WEIGHT_WRITE]
+    for index, c in enumerate(before_step):
+        if c.finite:
+            continue
+        p = c.probe
+        if p.stage == semconv.ORIGIN_REDUCE and p.when == AFTER:
+            return _origin(c, f"finite before the reduce-scatter in {p.dtype}, non-finite after it")
+        if p.stage == semconv.ORIGIN_REDUCE:  # grads the backward left, about to be reduced
+            return _origin(c, "its parameters' grads, before the reduce-scatter", semconv.ORIGIN_BACKWARD)
+        if p.stage == semconv.ORIGIN_GRAD_WRITE and _reduced_without_output_check(before_step, p.where):
+            return _origin(
+                c,
+                f"finite before the reduce-scatter in {_reduce_dtype(before_step, p.where)}, non-finite at the step",
+                semconv.ORIGIN_REDUCE,
+            )
+        if p.stage == semconv.ORIGIN_FORWARD and p.when == INPUT:
+            return _origin(c, "the model's input (the batch) already held it")
+        if p.stage == semconv.ORIGIN_FORWARD:
+            earlier = [e for e in before_step[:index] if e.probe.stage == semconv.ORIGIN_FORWARD]
+            if earlier:
+                last = earlier[-1]
+                return _origin(c, f"the output before it ({last.probe.where}) peaked at |x| = {last.magnitude:.4g}")
+        return _origin(c)
+    for c in checks:
+        p = c.probe
+        if p.stage == semconv.ORIGIN_WEIGHT_WRITE and p.when == AFTER and not c.finite:
+            return _origin(
+                c, "finite grads and weights before the update, non-finite after it", semconv.ORIGIN_OPTIMIZER
+            )
+    return None
+
+
+def _reduced_without_output_check(checks: Sequence[Checked], where: str) -> bool:
+    """Whether ``where``'s grads were checked before a reduce-scatter whose output no check saw
+    (torch FSDP2 reduces out of sight): the grads at the step are then that output."""
+    stages = {c.probe.when for c in checks if c.probe.stage == semconv.ORIGIN_REDUCE and c.probe.where == where}
+    return BEFORE in stages and AFTER not in stages
+
+
+def _reduce_dtype(checks: Sequence[Checked], where: str) -> str:
+    for c in checks:
+        if c.probe.stage == semconv.ORIGIN_REDUCE and c.probe.where == where:
+            return c.probe.dtype
+    return "?"

@@ -1,0 +1,242 @@
+"""The iterations of one adapted optimizer: their checks read, where a NaN/Inf began reported,
+escalation decided, and backward passes counted against steps.
+
+:class:`~.observer.OptimizerObserver` owns one :class:`IterationWatch`. An iteration ends at the
+optimizer's step (or where a GradScaler skipped it); its checks (:mod:`.model_watch`) are read at
+the next one, and what they say goes on that step's span:
+
+- event ``fsdp.precision.origin`` for the first iteration of a run of iterations holding a NaN/Inf
+  (on the ranks that saw one), and again for what an escalated iteration's module-level checks
+  refine;
+- event ``fsdp.precision.escalation`` when any rank saw one: the next
+  ``FSDP_PATCH_PRECISION_ESCALATION`` iterations check every module and run the precision
+  diagnostics every step, the same on every rank (the flag was all-reduced).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from opentelemetry.trace import Span
+from opentelemetry.util.types import AttributeValue
+
+from fsdp_patch.fsdp2 import fsdp2_groups
+from fsdp_patch.model_units import sharded_models
+from fsdp_patch.sharding import parameter_group_of
+
+from .. import env, semconv
+from ..diagnostics.groups import first_process_group, weights_of
+from ..diagnostics.origin import Origin
+from ..diagnostics.rows import param_table
+from .model_watch import CheckedGroup, IterationCheck, ModelWatch, watch_optimizer_steps
+
+
+def _group_name(group: Any) -> str:
+    if hasattr(group, "main_weights"):
+        return str(getattr(group, "unit_name", ""))
+    from fsdp_patch.module import unit_name_of
+
+    return unit_name_of(group)
+
+
+class IterationWatch:
+    """The checks of one optimizer's iterations (see the module).
+
+    Args:
+        optimizer: The adapted optimizer (held weakly).
+        observer: Its observer: opens the spans, counts the steps, is told of skipped steps.
+        sdk_disabled: ``OTEL_SDK_DISABLED``: no checks at all.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, observer: Any, *, sdk_disabled: bool) -> None:
+        self._optimizer_ref = weakref.ref(optimizer)
+        # Escalation diagnoses steps outside the schedule: a collective, so with diagnostics off, none.
+        every = 0 if sdk_disabled else env.precision_every()
+        self.escalation = env.precision_escalation() if every else 0
+        self._groups_key: tuple[int, ...] | None = None
+        self._groups: list[Any] = []
+        self._checked: list[CheckedGroup] = []
+        self.escalated_until = 0
+        self._step = 0
+        self._closed_step = 0
+        self._in_episode = False
+        self._refined_named: set[tuple[str, str]] = set()
+        self.watches: list[ModelWatch] = []
+        if sdk_disabled:
+            self._unregister = None
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        groups = self._optimizer_groups()
+        process_group = first_process_group(groups)
+        self.watches = [ModelWatch(model, process_group) for model in sharded_models(params)]
+        self._unregister = watch_optimizer_steps(self.watches, optimizer, observer)
+        watches = list(self.watches)
+        unregister = self._unregister
+        weakref.finalize(optimizer, _release, watches, unregister)
+
+    @property
+    def escalated(self) -> bool:
+        """Whether the running step is one of an escalation's (diagnostics run every step)."""
+        return 0 < self._step <= self.escalated_until
+
+    # -- the groups the optimizer steps -----------------------------------------------------
+
+    def _optimizer_groups(self) -> list[Any]:
+        optimizer = self._optimizer_ref()
+        if optimizer is None:
+            return []
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        key = tuple(id(p) for p in params)
+        if key != self._groups_key:
+            flat: dict[int, Any] = {}
+            for p in params:
+                group = parameter_group_of(p)
+                if group is not None:
+                    flat.setdefault(id(group), group)
+            self._groups = [*flat.values(), *fsdp2_groups(params)]
+            self._groups_key = key
+            self._checked = []
+            table = param_table(self._groups)
+            for index, group in enumerate(self._groups):
+                w = weights_of(group, None)
+                params = [(slot.name, w.mains[slot.tensor][slot.start : slot.start + slot.length])
+                          for slot in table if slot.group == index and slot.length]  # fmt: skip
+                self._checked.append((_group_name(group), [g for g in w.grads if g is not None], list(w.mains), params))
+        return self._groups
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def begin_step(self, step: int, span: Span | None, rank: int) -> None:
+        """At the start of step ``step``: the previous iteration read and reported on ``span``; then
+        this step's main grads and main weights checked before the update."""
+        self._step = step
+        self._report([w.resolve() for w in self.watches], span, rank)
+        if not self.watches:
+            return
+        self._optimizer_groups()
+        for watch in self.watches:
+            watch.check_step_begin(self._checked)
+
+    def end_step(self, span: Span | None, completed: bool) -> None:
+        """At the end of the step: the main weights after the update; the iteration closed."""
+        if not self.watches:
+            return
+        if completed:
+            for watch in self.watches:
+                watch.check_step_end(self._checked)
+        # A step that raised (a settings error on every rank, a rejected dtype) closes the
+        # iteration on this rank alone: its peers may not have reached this point.
+        self._close(span, self._step, agree=completed)
+
+    def skipped(self, step: int, span: Span | None, rank: int) -> None:
+        """A GradScaler skipped the iteration that step ``step`` would have ended."""
+        self._step = step
+        self._report([w.resolve() for w in self.watches], span, rank)
+        self._close(span, step)
+
+    def _close(self, span: Span | None, step: int, agree: bool = True) -> None:
+        if span is not None:
+            span.set_attribute(semconv.ATTR_BACKWARD_COUNT, sum(w.backward_count for w in self.watches))
+        for watch in self.watches:
+            watch.close_iteration(agree)
+        self._closed_step = step
+
+    def pending(self) -> bool:
+        """Whether an iteration's checks wait to be read."""
+        return any(w.pending for w in self.watches)
+
+    def flush(self, rank: int, span: Span | None = None) -> None:
+        """Read the last iteration's checks (at a flush or exit) and report them on ``span``."""
+        self._report([w.resolve() for w in self.watches], span, rank)
+
+    def close(self) -> None:
+        """Remove every model check and registration (telemetry turned off for the optimizer)."""
+        _release(self.watches, self._unregister)
+        self.watches = []
+
+    # -- what an iteration found ----------------------------------------------------------------
+
+    def _report(self, results: Sequence[IterationCheck | None], span: Span | None, rank: int) -> None:
+        found = [r for r in results if r is not None]
+        if not found:
+            return
+        step = self._closed_step
+        anywhere = any(r.anywhere for r in found)
+        if anywhere and not self._in_episode:
+            for r in found:
+                if r.origin is not None and span is not None:
+                    span.add_event(semconv.EVENT_ORIGIN, self._origin_attributes(r.origin, step, rank, False))
+            if self.escalation and self._step > self.escalated_until:
+                self.escalated_until = self._step + self.escalation - 1
+                self._refined_named.clear()
+                for watch in self.watches:
+                    watch.escalate()
+                if span is not None:
+                    span.add_event(semconv.EVENT_ESCALATION, {
+                        semconv.ATTR_STEP: step, semconv.ATTR_RANK: rank,
+                        semconv.ATTR_ESCALATION_STEPS: self.escalation,
+                    })  # fmt: skip
+        self._in_episode = anywhere
+        for r in found:
+            # Module-level checks of an iteration whose NaN/Inf began in it (a GradScaler skipping
+            # overflows anew); once the weights hold NaN every module's output follows from them.
+            if r.origin is None:
+                continue
+            for origin in r.refined:
+                key = (origin.stage, origin.where)
+                if key in self._refined_named or span is None:
+                    continue
+                self._refined_named.add(key)
+                span.add_event(semconv.EVENT_ORIGIN, self._origin_attributes(origin, step, rank, True))
+        if self._step > self.escalated_until:
+            for watch in self.watches:
+                watch.de_escalate()
+
+    def _origin_attributes(self, origin: Origin, step: int, rank: int, refined: bool) -> dict[str, AttributeValue]:
+        where, detail = origin.where, origin.detail
+        if origin.stage == semconv.ORIGIN_OPTIMIZER:
+            # Read before this step's update: the weights as the update that made them non-finite left them.
+            where, detail = self._locate(origin, detail)
+        attrs: dict[str, AttributeValue] = {
+            semconv.ATTR_STEP: step,
+            semconv.ATTR_RANK: rank,
+            semconv.ATTR_ORIGIN_STAGE: origin.stage,
+            semconv.ATTR_ORIGIN_WHERE: where,
+            semconv.ATTR_ORIGIN_DTYPE: origin.dtype,
+            semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN if origin.nan else semconv.NONFINITE_INF,
+            semconv.ATTR_MICROBATCH: origin.microbatch,
+            semconv.ATTR_ORIGIN_REFINED: refined,
+        }
+        if detail:
+            attrs[semconv.ATTR_ORIGIN_DETAIL] = detail
+        return attrs
+
+    def _locate(self, origin: Origin, detail: str) -> tuple[str, str]:
+        """The first parameter of the named unit whose main weight holds NaN/Inf now, and how many
+        elements (a sync on each parameter: only once, for an origin)."""
+        groups = self._optimizer_groups()
+        names = [_group_name(g) for g in groups]
+        wanted = [i for i, name in enumerate(names) if name == origin.where]
+        table = [slot for slot in param_table(groups) if slot.group in wanted]
+        bad: list[tuple[str, int]] = []
+        for slot in table:
+            main = weights_of(groups[slot.group], None).mains[slot.tensor]
+            segment = main[slot.start : slot.start + slot.length]
+            count = int((~torch.isfinite(segment)).sum())
+            if count:
+                bad.append((slot.name, count))
+        if not bad:
+            return origin.where, detail
+        name, count = bad[0]
+        others = f"; {len(bad) - 1} other parameter(s) of the unit too" if len(bad) > 1 else ""
+        return name, f"{detail}; {count} element(s) on this rank{others}".lstrip("; ")
+
+
+def _release(watches: Sequence[ModelWatch], unregister: Any) -> None:
+    for watch in watches:
+        watch.remove()
+    if unregister is not None:
+        unregister()

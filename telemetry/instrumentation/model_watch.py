@@ -1,0 +1,524 @@
+"""The model side of an adapted optimizer's telemetry: each iteration's forward, loss, backward and
+reduce checked as they run, and the iterations counted (backward passes, steps a GradScaler skipped).
+
+An optimizer observer sees the optimizer boundary only. To say where a NaN/Inf began, a
+:class:`ModelWatch` checks the sharded model it steps (:mod:`fsdp_patch.model_units`): each
+unit's output and its grad, the loss (the tensors ``torch.autograd.backward`` is called on), each
+group's grads before and after its reduce-scatter, and, from the observer, the main grads at the
+step and the main weights before and after the update (:mod:`..diagnostics.origin`). One
+``aminmax`` per checked tensor, kept on the device; the iteration's log is read after the next
+step begins (a CUDA event, no stall), and the ranks agree on whether any of them saw a NaN/Inf
+through one small all-reduce issued with it, so that they escalate together.
+
+Escalated (after a NaN/Inf, for ``FSDP_PATCH_PRECISION_ESCALATION`` iterations), every module of
+the model is checked too (:class:`ModuleChecks`): the first module whose output is not finite, with
+its dtype and largest finite value, and the first module whose backward turned a finite output
+grad into a non-finite input grad.
+
+Process-wide, while any watch lives: a wrapper on ``torch.autograd.backward`` (``Tensor.backward``
+calls it) and on ``torch.amp.GradScaler.step``; both are removed, exactly, with the last watch.
+
+Alternatives considered:
+    - Full backward hooks (``register_full_backward_hook``) for the module-level backward checks:
+      they rewrap a module's inputs and outputs, and an in-place operation on an output then
+      raises inside the user's forward; tensor hooks only read.
+    - Reading the checks at the step that ran them: one device sync per step; a step later the
+      copy has long finished.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import wrapt
+from torch import nn
+
+from fsdp_patch.model_units import ShardedModel
+from fsdp_patch.sharding.parameter_group import REDUCE_INPUT
+
+from .. import semconv
+from ..diagnostics.origin import (
+    AFTER,
+    BEFORE,
+    INPUT,
+    Checked,
+    Origin,
+    ProbeLog,
+    dtype_name,
+    find_origin,
+    floating_tensors,
+)
+
+__all__ = ["CheckedGroup", "IterationCheck", "ModelWatch", "ModuleChecks", "watch_optimizer_steps"]
+
+CheckedGroup = tuple[str, Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
+"""``(name, main grads, main weights, (parameter name, its main weight) each)`` of one group the
+optimizer steps."""
+
+
+# -- module-level checks while escalated ---------------------------------------------------------
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def _finite_magnitude(t: torch.Tensor) -> float:
+    finite = torch.isfinite(t)
+    if not bool(finite.any()):
+        return 0.0
+    return float(t.detach()[finite].abs().max().double())
+
+
+class ModuleChecks:
+    """Every module of one model checked as it runs (one iteration of escalation at a time).
+
+    Forward: the first module (children finish before their parent) whose output is not finite.
+    Backward: the first module whose input grad is not finite while its output grad was.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.forward: Origin | None = None
+        self.backward: Origin | None = None
+        self._output_grad_finite: dict[str, bool] = {}
+        self._handles = []
+        for name, module in root.named_modules():
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._inputs, name)))
+            self._handles.append(module.register_forward_hook(functools.partial(self._outputs, name)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def reset(self) -> tuple[Origin | None, Origin | None]:
+        """What the iteration found (forward, backward); starts the next iteration."""
+        found = (self.forward, self.backward)
+        self.forward, self.backward = None, None
+        self._output_grad_finite.clear()
+        return found
+
+    def _inputs(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for t in floating_tensors(args):
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._input_grad, name))
+
+    def _outputs(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.forward is None:
+            for t in floating_tensors(output):
+                if not _finite(t):
+                    inputs = list(floating_tensors(args))
+                    nan = bool(torch.isnan(t).any())
+                    if not all(_finite(x) for x in inputs):
+                        detail = "its input already held NaN/Inf, made by no module of the model (the batch, or code between modules in a parent's forward)"
+                    else:
+                        peak = max((_finite_magnitude(x) for x in inputs), default=0.0)
+                        detail = (
+                            f"largest finite |x| {_finite_magnitude(t):.6g} in the output, {peak:.6g} in its inputs; "
+                            f"{dtype_name(t.dtype)} reaches {torch.finfo(t.dtype).max:.6g}"
+                        )
+                    self.forward = Origin(semconv.ORIGIN_FORWARD, name, dtype_name(t.dtype), nan, 0, detail)
+                    break
+        if torch.is_grad_enabled():
+            for t in floating_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._output_grad, name))
+
+    def _output_grad(self, name: str, grad: torch.Tensor) -> None:
+        finite = _finite(grad)
+        self._output_grad_finite[name] = self._output_grad_finite.get(name, True) and finite
+
+    def _input_grad(self, name: str, grad: torch.Tensor) -> None:
+        if _finite(grad) or not self._output_grad_finite.get(name, False):
+            return
+        found = self.backward
+        # A parent shares its first child's input: the hooks on that tensor run parent first, so
+        # a module inside the one already named is the more precise answer.
+        if found is None or name.startswith(found.where + ".") or found.where == "":
+            nan = bool(torch.isnan(grad).any())
+            self.backward = Origin(semconv.ORIGIN_BACKWARD, name, dtype_name(grad.dtype), nan, 0,
+                                   "finite grad of its output, non-finite grad of its input")  # fmt: skip
+
+
+# -- the watch of one model ----------------------------------------------------------------------
+
+
+@dataclass
+class IterationCheck:
+    """What one iteration's checks found, read a step later.
+
+    Attributes:
+        origin: This rank's origin of the iteration's first NaN/Inf (``None``: all finite here).
+        refined: Module-level origins of an escalated iteration (forward, backward), where found.
+        anywhere: Whether any rank saw a NaN/Inf in the iteration (agreed by all ranks).
+        backward_count: Backward passes the iteration ran.
+        checks: Everything checked, in order (for tests and the findings that read values).
+    """
+
+    origin: Origin | None
+    refined: list[Origin]
+    anywhere: bool
+    backward_count: int
+    checks: list[Checked]
+
+
+class _Pending:
+    """An iteration's log on its way to the host, and the ranks' flag on its way back."""
+
+    def __init__(self, checks: Callable[[], list[Checked]], flag: torch.Tensor | None, work: Any,
+                 event: Any, refined: list[Origin], backward_count: int) -> None:  # fmt: skip
+        self._checks = checks
+        self._flag = flag
+        self._work = work
+        self._event = event
+        self.refined = refined
+        self.backward_count = backward_count
+
+    def result(self) -> tuple[list[Checked], bool | None]:
+        if self._work is not None:
+            self._work.wait()
+        if self._event is not None:
+            self._event.synchronize()
+        checks = self._checks()
+        agreed = None if self._flag is None else bool(self._flag.item())
+        return checks, agreed
+
+
+class ModelWatch:
+    """The checks of one sharded model, and its count of backward passes.
+
+    Args:
+        model: The sharded model (its root held weakly).
+        process_group: Where the ranks agree on each iteration's flag (``None``: this process only).
+    """
+
+    def __init__(self, model: ShardedModel, process_group: Any) -> None:
+        self._root_ref = weakref.ref(model.root)
+        self._process_group = process_group
+        self.log = ProbeLog()
+        self.backward_count = 0
+        self.modules: ModuleChecks | None = None
+        self._pending: _Pending | None = None
+        # Per checked group: whether its main weights were finite after the last update checked.
+        self._after_finite: dict[str, bool] = {}
+        self._lock = threading.Lock()
+        self._handles: list[Any] = []
+        self._patched_groups: list[Any] = []
+        self._handles.append(model.root.register_forward_pre_hook(self._model_input))
+        for name, unit in model.units:
+            self._handles.append(unit.register_forward_hook(functools.partial(self._unit_output, name)))
+            state = getattr(unit, "_fsdp_state", None)
+            for group in getattr(state, "groups", ()) or ():
+                self._handles.append(group.register_reduce_hook(functools.partial(self._reduced, name)))
+            for group in _fsdp2_param_groups(unit):
+                self._patch_fsdp2_post_backward(group, name)
+
+    @property
+    def root(self) -> nn.Module | None:
+        return self._root_ref()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a closed iteration's checks wait to be read."""
+        return self._pending is not None
+
+    # -- what the model runs ----------------------------------------------------------------
+
+    def _model_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled():
+            for t in floating_tensors(args):
+                self.log.check(semconv.ORIGIN_FORWARD, "", t, INPUT)
+
+    def _unit_output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation between steps is no part of the iteration the step ends
+        for t in floating_tensors(output):
+            self.log.check(semconv.ORIGIN_FORWARD, name, t)
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._unit_output_grad, name))
+
+    def _unit_output_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.log.check(semconv.ORIGIN_BACKWARD, name, grad)
+
+    def _reduced(self, name: str, group: Any, stage: str, grads: torch.Tensor) -> None:
+        when = BEFORE if stage == REDUCE_INPUT else AFTER
+        self.log.check(semconv.ORIGIN_REDUCE, name, grads, when)
+
+    def _patch_fsdp2_post_backward(self, group: Any, name: str) -> None:
+        """FSDP2 reduces inside its group's ``post_backward``: check the unsharded grads it is about
+        to reduce, in the dtype it reduces them in (an instance attribute over the class's method;
+        removed by :meth:`remove`)."""
+        original = type(group).post_backward
+        watch_ref = weakref.ref(self)
+
+        def post_backward(*args: Any, **kwargs: Any) -> Any:
+            watch = watch_ref()
+            if watch is not None:
+                dtype = getattr(group, "_reduce_dtype", None)
+                for fsdp_param in group.fsdp_params:
+                    grad = _fsdp2_unsharded_grad(fsdp_param)
+                    if grad is not None:
+                        checked = grad if dtype is None else grad.to(dtype)
+                        watch.log.check(semconv.ORIGIN_REDUCE, name, checked, BEFORE)
+            return original(group, *args, **kwargs)
+
+        group.post_backward = post_backward
+        self._patched_groups.append(group)
+
+    def before_backward(self, tensors: Any) -> None:
+        """``torch.autograd.backward(tensors)`` is about to run: the loss, checked."""
+        for t in floating_tensors(tensors):
+            self.log.check(semconv.ORIGIN_LOSS, "loss", t)
+
+    def after_backward(self) -> None:
+        """A backward pass ended (also by an exception): what follows belongs to the next microbatch."""
+        self.backward_count += 1
+        self.log.microbatch += 1
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def check_step_begin(self, groups: Sequence[CheckedGroup]) -> None:
+        """At the step, before the update: each group's main grads and main weights.
+
+        Args:
+            groups: ``(name, main grads, main weights)`` per group the optimizer steps.
+        """
+        for name, grads, _, _ in groups:
+            for grad in grads:
+                self.log.check(semconv.ORIGIN_GRAD_WRITE, name, grad)
+        # Per parameter: a write between steps spreads through this step's update, so the
+        # parameter written is known only now.
+        for name, _, _, params in groups:
+            for param_name, weight in params:
+                self.log.check(semconv.ORIGIN_WEIGHT_WRITE, param_name, weight, BEFORE, group=name)
+
+    def check_step_end(self, groups: Sequence[CheckedGroup]) -> None:
+        """After the update: each group's main weights."""
+        for name, _, weights, _ in groups:
+            for weight in weights:
+                self.log.check(semconv.ORIGIN_WEIGHT_WRITE, name, weight, AFTER)
+
+    def close_iteration(self, agree: bool = True) -> IterationCheck | None:
+        """End the iteration: its log goes on its way (with the ranks' flag when ``agree``, a
+        collective); returns the previous iteration's result."""
+        with self._lock:
+            previous = self._resolve()
+            self._pending = self._close(agree)
+        return previous
+
+    def resolve(self) -> IterationCheck | None:
+        """The result of the iteration closed last, if not yet taken (at a flush or exit)."""
+        with self._lock:
+            return self._resolve()
+
+    def _close(self, agree: bool) -> _Pending:
+        refined: list[Origin] = []
+        if self.modules is not None:
+            refined = [o for o in self.modules.reset() if o is not None]
+        count, self.backward_count = self.backward_count, 0
+        log, self.log = self.log, ProbeLog()
+        values = log.stacked()
+        flag: torch.Tensor | None = None
+        work = event = None
+        distributed = agree and self._process_group is not None and dist.is_available() and dist.is_initialized()
+        device = values.device if values is not None else torch.device("cpu")
+        if values is not None:
+            bad = (~torch.isfinite(values)).any().to(torch.int32).reshape(1)
+        else:
+            bad = torch.zeros(1, dtype=torch.int32, device=device)
+        if distributed:
+            if device.type == "cpu" and _backend(self._process_group) == "nccl":
+                bad = bad.cuda()
+            work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._process_group, async_op=True)
+        if bad.device.type == "cuda" or (values is not None and values.device.type == "cuda"):
+            if work is not None:
+                work.wait()  # on the stream: the copy below is ordered after the collective
+                work = None
+            host_values = None if values is None else values.to("cpu", non_blocking=True)
+            flag = bad.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host_values, flag = values, bad
+
+        def checks() -> list[Checked]:
+            return log.read(host_values)
+
+        return _Pending(checks, flag, work, event, refined, count)
+
+    def _resolve(self) -> IterationCheck | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        checks, agreed = pending.result()
+        origin = find_origin(checks, self._after_finite)
+        after: dict[str, bool] = {}
+        for c in checks:
+            if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE and c.probe.when == AFTER:
+                after[c.probe.where] = after.get(c.probe.where, True) and c.finite
+        self._after_finite.update(after)
+        return IterationCheck(
+            origin=origin,
+            refined=pending.refined,
+            anywhere=any(not c.finite for c in checks) if agreed is None else agreed,
+            backward_count=pending.backward_count,
+            checks=checks,
+        )
+
+    # -- escalation ---------------------------------------------------------------------------
+
+    def escalate(self) -> None:
+        """Module-level checks from the next forward on."""
+        root = self.root
+        if self.modules is None and root is not None:
+            self.modules = ModuleChecks(root)
+
+    def de_escalate(self) -> None:
+        if self.modules is not None:
+            self.modules.remove()
+            self.modules = None
+
+    def remove(self) -> None:
+        """Remove every hook and patch this watch installed."""
+        self.de_escalate()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for group in self._patched_groups:
+            group.__dict__.pop("post_backward", None)
+        self._patched_groups.clear()
+
+
+def _backend(group: Any) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # pragma: no cover - a group torch no longer knows
+        return ""
+
+
+def _fsdp2_param_groups(unit: nn.Module) -> list[Any]:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return []
+    from fsdp_patch.torch_compat import fsdp2_state_param_groups
+
+    state = _get_module_fsdp_state(unit)
+    return [] if state is None else fsdp2_state_param_groups(state)
+
+
+def _fsdp2_unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
+    if not hasattr(fsdp_param, "_unsharded_param"):
+        return None
+    accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+    if accumulated is not None:
+        return accumulated
+    return fsdp_param._unsharded_param.grad
+
+
+# -- process-wide wrappers -------------------------------------------------------------------------
+
+_watches: weakref.WeakSet[ModelWatch] = weakref.WeakSet()
+_observers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+_installed: dict[str, tuple[Any, str, Any]] = {}
+_install_lock = threading.Lock()
+
+
+def _on_backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensors = args[0] if args else kwargs.get("tensors")
+    watches = list(_watches)
+    for watch in watches:
+        watch.before_backward(tensors)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        for watch in watches:
+            watch.after_backward()
+
+
+def _on_scaler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    observer = _observers.get(optimizer) if optimizer is not None else None
+    if observer is None:
+        return wrapped(*args, **kwargs)
+    steps = observer.step_count
+    result = wrapped(*args, **kwargs)
+    if observer.step_count == steps:
+        observer.step_skipped(_scale(instance))
+    return result
+
+
+def _scale(scaler: Any) -> float:
+    try:
+        scale = float(scaler.get_scale())
+    except Exception:  # pragma: no cover - a scaler of another shape
+        return math.nan
+    return scale
+
+
+def _install(key: str, owner: Any, attribute: str, wrapper: Callable[..., Any]) -> None:
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, wrapt.FunctionWrapper(original, wrapper))
+    _installed[key] = (owner, attribute, original)
+
+
+def _uninstall(key: str) -> None:
+    owner, attribute, original = _installed.pop(key)
+    current = getattr(owner, attribute)
+    if getattr(current, "__wrapped__", None) is original:
+        setattr(owner, attribute, original)
+
+
+_registrations = 0
+
+
+def watch_optimizer_steps(
+    watches: Sequence[ModelWatch], optimizer: torch.optim.Optimizer, observer: Any
+) -> Callable[[], None]:
+    """Register ``watches`` (their backward passes) and ``observer`` (its optimizer's skipped
+    steps) with the process-wide wrappers, installing them for the first registration.
+
+    Returns:
+        A function that unregisters both (once) and removes the wrappers after the last
+        registration.
+    """
+    global _registrations
+    with _install_lock:
+        if _registrations == 0:
+            _install("backward", torch.autograd, "backward", _on_backward)
+            _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
+        _registrations += 1
+        for watch in watches:
+            _watches.add(watch)
+        _observers[optimizer] = observer
+    optimizer_ref = weakref.ref(optimizer)
+    done = False
+
+    def unregister() -> None:
+        global _registrations
+        nonlocal done
+        with _install_lock:
+            if done:
+                return
+            done = True
+            for watch in watches:
+                _watches.discard(watch)
+            held = optimizer_ref()
+            if held is not None and _observers.get(held) is observer:
+                del _observers[held]
+            _registrations -= 1
+            if _registrations == 0:
+                for key in list(_installed):
+                    _uninstall(key)
+
+    return unregister
