@@ -70,10 +70,10 @@ def audit_dtypes(optimizer: torch.optim.Optimizer) -> list[ContractViolation]:
     """Every dtype the contract does not expect, without reading an element.
 
     The contract: a ``fully_shard`` parameter's main weight in its group's main dtype and its
-    grad in the advertised main-grad dtype (``grad_dtype``); an FSDP2 parameter's main weight in
-    float32 when FSDP2 casts it for compute (mixed precision keeps the main weights wide) or
-    whenever it is bfloat16/float16 (the optimizer would update low-precision weights), its grad
-    in its own dtype; every optimizer state tensor (not ``step``) in its parameter's dtype.
+    grad in the advertised main-grad dtype (``grad_dtype``); an FSDP2 parameter's main weight
+    never bfloat16/float16 (the optimizer would update low-precision weights; float32 is named
+    as expected), its grad in its own dtype; every optimizer state tensor (not ``step``) in its
+    parameter's dtype.
     """
     from fsdp_patch.fsdp2 import fsdp2_groups
     from fsdp_patch.sharding import parameter_group_of

@@ -212,6 +212,21 @@ def gather_rows(local: torch.Tensor, process_group: Any) -> torch.Tensor:
     return flat.view(world, *local.shape)
 
 
+def gathered_ranks(process_group: Any) -> list[int]:
+    """The global rank whose rows each block of :func:`gather_rows`' output holds, in order.
+
+    A process group of some ranks only (a 1-D mesh cut from a larger one) orders its blocks by
+    rank within the group, which is not the global rank the spans and metrics name.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    if process_group is None or dist.get_world_size(process_group) == 1:
+        return [dist.get_rank()]
+    return list(dist.get_process_group_ranks(process_group))
+
+
 def reduce_gathered(gathered: torch.Tensor) -> torch.Tensor:
     """The global rows from :func:`gather_rows`: sums over ranks, the largest ``GRAD_AMAX``."""
     reduced = gathered.sum(dim=0)

@@ -138,7 +138,8 @@ class PrecisionRecorder:
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
             count = len(table) if table is not None else row_spec.slot_count(groups, per_parameter=detail)
             local = row_spec.failed_payload(count, self._device())
-        gathered = row_spec.gather_rows(local, first_process_group(groups))
+        process_group = first_process_group(groups)
+        gathered = row_spec.gather_rows(local, process_group)
         reduced, complete = row_spec.split_status(row_spec.reduce_gathered(gathered))
         stats = precision.stats_from_vector(row_spec.totals(reduced))
         if not (complete and stats.complete) or table is None:
@@ -153,7 +154,8 @@ class PrecisionRecorder:
 
         def ranks_of(slot: int, slots: Sequence[int]) -> tuple[int, ...]:
             counts = gathered[:, slot, list(slots)].sum(dim=1).tolist()
-            return tuple(rank for rank, count in enumerate(counts) if count)
+            ranks = row_spec.gathered_ranks(process_group)
+            return tuple(rank for rank, count in zip(ranks, counts, strict=True) if count)
 
         findings = self._attribution.analyze(step, table, rows, contexts, ranks_of)
         if findings.skipped:

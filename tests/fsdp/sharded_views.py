@@ -75,6 +75,34 @@ def count_collectives() -> Iterator[dict[str, int]]:
             setattr(dist, name, original)
 
 
+@contextmanager
+def record_all_gathers() -> Iterator[list[dict[str, Any]]]:
+    """Records each flat all-gather ``fsdp_patch`` issues, as it is issued: the output's and the
+    input's element counts, the input's element offset in the output (``None`` when the input
+    is not in the output's storage: not gathered in place), and a copy of the input."""
+    gathers: list[dict[str, Any]] = []
+    names = [name for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def recording(name: str) -> Any:
+        def collective(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            same = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+            offset = (input.data_ptr() - output.data_ptr()) // input.element_size() if same else None
+            gathers.append({"output_numel": output.numel(), "input_numel": input.numel(), "offset": offset,
+                            "input": input.detach().clone()})  # fmt: skip
+            return originals[name](output, input, *args, **kwargs)
+
+        return collective
+
+    for name in names:
+        setattr(dist, name, recording(name))
+    try:
+        yield gathers
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def unsharded_bytes(model: nn.Module) -> dict[str, int]:
     from fsdp_patch import FSDPModule
 

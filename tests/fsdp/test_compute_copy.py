@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.fsdp.sharded_views import full_params, rank0, world
+from tests.fsdp.sharded_views import full_params, rank0, record_all_gathers, world
 from tests.fsdp.test_overlap import CheckpointedTransformer
-from tests.models import TinyTransformer, lm_loss, make_batches, rank_slice
+from tests.models import TinyTransformer, lm_loss, make_batches, make_model, rank_slice, shard_model
 
 CASES = [(False, 1), (True, 4)]  # (checkpointed, microbatches)
 
@@ -353,3 +353,53 @@ def test_exception_mid_forward_leaves_nothing_behind_and_training_goes_on(run_on
     assert per_gather["losses"] == persistent["losses"], (
         f"losses {per_gather['losses']} vs persistent {persistent['losses']}"
     )
+
+
+def gather_layout_run() -> dict[str, Any]:
+    """``per_gather`` over uneven shards (width 25: every flat buffer ends in a shorter last
+    shard): the all-gathers of one forward and backward as they are issued, and this rank's
+    parameter shard sizes.
+
+    Each all-gather is in place, as NCCL requires of an input inside the output: the input must
+    be this rank's slot of the output (rank ``r``'s at ``r`` times its size), holding this rank's
+    main weights cast to the compute dtype. A cast into another slot gathers the same weights on
+    gloo, which copies in turn, but has every rank read and write one slot at once under NCCL.
+    """
+    from fsdp_patch import MixedPrecisionPolicy, parameter_groups
+
+    rank, world_size = world()
+    model = shard_model(
+        make_model(0, dim=25, heads=1).to(BF16), mp_policy=MixedPrecisionPolicy(compute_copy="per_gather")
+    )
+    shards = [group.main_weight.to(BF16) for group in parameter_groups(model)]
+    tokens = rank_slice(make_batches(1)[0], rank, world_size)
+    with record_all_gathers() as gathers:
+        lm_loss(model, tokens).backward()
+    wrong = []
+    for index, gather in enumerate(gathers):
+        size = gather["input_numel"]
+        got = (gather["output_numel"], gather["offset"])
+        want = (world_size * size, rank * size)
+        if got != want:
+            wrong.append(f"all-gather {index}: (output elements, input offset in it) {got}, want {want}")
+        if not any(s.shape == gather["input"].shape and torch.equal(s, gather["input"]) for s in shards):
+            wrong.append(f"all-gather {index}: its input of {size} elements is no group's main weights cast to bf16")
+    return {
+        "gathers": len(gathers),
+        "wrong": wrong,
+        "shard_sizes": [p.to_local().numel() for p in model.parameters()],
+    }
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_per_gather_casts_into_its_own_slot_of_the_gather(dist_pool: Any, world_size: int) -> None:
+    """Every all-gather of a ``per_gather`` group reads this rank's slot of its own output, which
+    holds this rank's cast main weights, on every rank, over uneven shards."""
+    results = dist_pool(world_size).run(gather_layout_run)
+    sizes = [r["shard_sizes"] for r in results]
+    assert any(len(set(per_param)) > 1 for per_param in zip(*sizes, strict=True)), (
+        f"shard sizes per rank {sizes}: want some parameter split unevenly"
+    )
+    for rank, result in enumerate(results):
+        assert result["gathers"] > 0, f"{world_size} ranks, rank {rank}: no all-gather recorded"
+        assert result["wrong"] == [], f"{world_size} ranks, rank {rank}: {result['wrong']}"

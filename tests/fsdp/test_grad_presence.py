@@ -8,6 +8,9 @@ last rank's shard of it (and its presence flags) is empty: fp32 within 1e-5 of t
 the control; bf16 compute bitwise equal to FSDP2 with the same dtypes, both compute-copy
 lifetimes, fp32 main grads (FSDP2: fp32 reduce), since grads accumulate across backwards.
 Which grads are ``None`` at the end must match too.
+
+Grad objects: after a backward every grad is its group's main-grad view, also where a tensor the
+user assigned was not reached by that backward.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tests.fsdp.parity import (
     run_contenders,
     world,
 )
+from tests.fsdp.sharded_views import difference
 
 STEPS = 4
 
@@ -127,3 +131,95 @@ def test_parameter_used_on_some_ranks_only_gets_every_ranks_gradient(dist_pool: 
     both ranks), as the unsharded model computes it. FSDP2 cannot run this one: its
     reduce-scatter would cover different parameters on the ranks."""
     dist_pool(world_size).run(presence_run, "rank_divergent", "fp32")
+
+
+# Before the second backward of mixed_grads_run: what each parameter's grad is ("assigned": a
+# tensor of the user's, "kept": the view the first backward left, "none": None), and whether
+# that backward reaches the parameter (aux and spare are left out of its forward).
+MIXED = {
+    "blocks.0.fc1.weight": ("assigned", True),
+    "blocks.0.fc2.weight": ("kept", True),
+    "blocks.1.fc1.weight": ("none", True),
+    "spare": ("assigned", False),
+    "aux.weight": ("kept", False),
+    "aux.bias": ("none", False),
+}
+
+
+def _differ(got: torch.Tensor | None, want: torch.Tensor | None) -> str | None:
+    """``None`` when both are ``None`` or bitwise equal; else what differs."""
+    if got is None and want is None:
+        return None
+    if got is None or want is None:
+        return f"got {'None' if got is None else 'a grad'}, want {'None' if want is None else 'a grad'}"
+    return difference(got, want)
+
+
+def mixed_grads_run() -> dict[str, Any]:
+    """Two backwards over the root unit and two block units, the second one reaching only some
+    parameters, with grads set in between as :data:`MIXED` says.
+
+    Returns: the parameters whose grad after the second backward is not their group's
+    main-grad view, those whose grad is ``None``, those whose value is not what the unsharded
+    model's rule gives (the grad it had plus what the second backward adds), and those whose grad
+    changes when the user then rescales, in place, the tensors they assigned.
+    """
+    from fsdp_patch import parameter_group_of
+
+    model = build("ours", "fp32", net={"spare": True, "aux": True})
+    named = dict(model.named_parameters())
+    ((x, y),) = batches(1)
+    loss_of(model, "ours", "fp32", x, y, use_aux=True).backward()
+    assigned: list[torch.Tensor] = []
+    for name, (before, _) in MIXED.items():
+        param = named[name]
+        if before == "assigned":
+            param.grad = torch.full_like(param, 2.0).detach()
+            assigned.append(param.grad)
+        elif before == "none":
+            param.grad = None
+    had = full_grads(model)
+    loss_of(model, "ours", "fp32", x, y).backward()
+    got = full_grads(model)
+
+    def is_view(param: torch.nn.Parameter) -> bool:
+        group = parameter_group_of(param)
+        assert group is not None, "a parameter of a fully_shard unit without its group"
+        return param.grad is group.grad_views([group.index_of(param)])[0]
+
+    not_views = sorted(n for n, p in named.items() if p.grad is not None and not is_view(p))
+    with torch.no_grad():
+        for tensor in assigned:
+            tensor.mul_(5.0)
+    rescaled = full_grads(model)
+    # What the second backward alone adds: the same weights and batch, from no grads.
+    model.zero_grad(set_to_none=True)
+    loss_of(model, "ours", "fp32", x, y).backward()
+    added = full_grads(model)
+    wrong = {}
+    for name, grad in got.items():
+        before, now = had[name], added[name]
+        want = before if now is None else now if before is None else before + now
+        if (diff := _differ(grad, want)) is not None:
+            wrong[name] = diff
+    return {
+        "unreached": sorted(n for n, g in added.items() if g is None),
+        "not_views": not_views,
+        "none": sorted(n for n, g in got.items() if g is None),
+        "wrong": wrong,
+        "changed_by_rescale": {n: d for n in got if (d := _differ(rescaled[n], got[n])) is not None},
+    }
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_grads_after_a_backward_are_main_grad_views_whether_or_not_it_reached_them(
+    dist_pool: Any, world_size: int
+) -> None:
+    """After a backward, every parameter that has a grad holds its group's main-grad view: the
+    tensors a user assigned were copied in, whether or not the backward added to them, so
+    rescaling those tensors afterwards changes no grad. Values follow the unsharded model's rule;
+    a parameter that had no grad and got none keeps ``None``."""
+    unreached = sorted(n for n, (_, reached) in MIXED.items() if not reached)
+    want = {"unreached": unreached, "not_views": [], "none": ["aux.bias"], "wrong": {}, "changed_by_rescale": {}}
+    for rank, got in enumerate(dist_pool(world_size).run(mixed_grads_run)):
+        assert got == want, f"{world_size} ranks, rank {rank}: want {want}, got {got}"

@@ -42,16 +42,18 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 # -- on the ranks --------------------------------------------------------------------------------
 
 
-def _model(kind: str) -> torch.nn.Module:
+def _model(kind: str, mesh: Any = None) -> torch.nn.Module:
+    """The model sharded by ``kind`` over ``mesh`` (``None``: every rank)."""
     model = models.make_model(0, **WIDTH)
     if kind == "fully_shard":
-        return models.shard_model(model.bfloat16())  # fp32 main weights, bf16 compute weights and grads
+        # fp32 main weights, bf16 compute weights and grads
+        return models.shard_model(model.bfloat16(), mesh=mesh)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _optimizer(model: torch.nn.Module, scenario: str) -> torch.optim.Optimizer:
@@ -313,3 +315,35 @@ def check_export_and_bitwise_training(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_default_export_is_bounded_and_training_is_bitwise_identical(dist_pool, world: int, kind: str) -> None:
     dist_pool(world).run(check_export_and_bitwise_training, kind)
+
+
+def nan_on_a_sub_mesh(kind: str) -> list[tuple[int, str, list[int]]]:
+    """4 ranks as 2 replicas of 2 shards each (the "shard" dimension of a 2 x 2 mesh: ranks 0-1
+    and 2-3), each replica training on its own, so the diagnostics gather over 2 ranks only; a
+    NaN in global rank 3's grad of the NaN target. The first-NaN events: (step, param, ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))["shard"]
+    with environment(**ALL, FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (exporter, _):
+        model = _model(kind, mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        fully_shard_optimizer(optimizer)
+        tokens = models.rank_slice(models.make_batches(1)[0], mesh.get_local_rank(), mesh.size())
+        models.lm_loss(model, tokens).backward()
+        if dist.get_rank() == 3:
+            with torch.no_grad():
+                dict(model.named_parameters())[TARGET["nan"]].grad.to_local().view(-1)[0] = float("nan")
+        optimizer.step()
+        firsts = _events(list(exporter.get_finished_spans()))["firsts"]
+    return [(f[semconv.ATTR_STEP], f[semconv.ATTR_PARAM], list(f[semconv.ATTR_RANKS])) for f in firsts]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ranks_are_named_globally_when_the_diagnostics_gather_over_some_ranks(dist_pool, kind: str) -> None:
+    """The first NaN/Inf names the global rank that holds it, not its place among the ranks the
+    diagnostics gathered over; the other replica, whose grads are finite, names nothing."""
+    got = dist_pool(4).run(nan_on_a_sub_mesh, kind)
+    want = [[], [], [(1, TARGET["nan"], [3])], [(1, TARGET["nan"], [3])]]
+    assert got == want, f"{kind}: first-NaN events (step, param, ranks) per rank: want {want}, got {got}"

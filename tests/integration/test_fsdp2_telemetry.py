@@ -179,3 +179,69 @@ def test_lost_update_ratio_near_one_for_a_tiny_lr_and_low_for_a_normal_one(dist_
     assert normal_metric == pytest.approx(normal_reference, rel=1e-12), (normal_metric, normal_reference)
     assert tiny_metric > 0.95, f"lr 1e-7 on bf16 compute weights: want a ratio near 1, got {tiny_metric}"
     assert normal_metric < 0.2, f"lr 1e-2: want a low ratio, got {normal_metric}"
+
+
+Audited = list[tuple[str, str, str, str | None, str, str]]
+
+
+def fsdp2_dtype_audit() -> dict[str, Any]:
+    """The dtype-contract audit of an Adam over FSDP2's parameters, after a step and a backward:
+    ``clean``: fp32 parameters with bf16 compute, as the contract expects; ``planted``: the same
+    with a bf16 grad on one parameter (its ``grad_dtype`` set, which torch then accepts) and a
+    bf16 ``exp_avg_sq`` on another; ``bf16_weights``: FSDP2 over a bf16 model, every main weight
+    bf16 (grads and state follow their parameters' dtype)."""
+    from fsdp_patch.telemetry.diagnostics.dtype_contract import audit_dtypes
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    tokens = models.rank_slice(models.make_batches(1)[0], rank, world_size)
+
+    def stepped(model: torch.nn.Module) -> torch.optim.Optimizer:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        models.lm_loss(model, tokens).backward()
+        optimizer.step()
+        models.lm_loss(model, tokens).backward()
+        return optimizer
+
+    def audit(optimizer: torch.optim.Optimizer) -> Audited:
+        return sorted((v.param, v.unit, v.tensor, v.state_key, str(v.expected), str(v.actual))
+                      for v in audit_dtypes(optimizer))  # fmt: skip
+
+    found: dict[str, Any] = {}
+    model = fsdp2_model()
+    optimizer = stepped(model)
+    found["clean"] = audit(optimizer)
+    named = dict(model.named_parameters())
+    grad = named["blocks.0.fc1.weight"]
+    held, grad.grad = grad.grad, None
+    grad.grad_dtype = torch.bfloat16
+    grad.grad = held.to(torch.bfloat16)
+    state = optimizer.state[named["head.weight"]]
+    state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.bfloat16)
+    found["planted"] = audit(optimizer)
+    model = models.make_model(0).bfloat16()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    found["bf16_weights"] = audit(stepped(model))
+    found["names"] = [name for name, _ in model.named_parameters()]
+    return found
+
+
+def test_dtype_audit_names_every_fsdp2_tensor_in_another_dtype(dist_pool) -> None:
+    """Each tensor kind the contract covers, on FSDP2's parameters: grads, optimizer state and
+    main weights, named with their parameter and unit on every rank."""
+    fp32, bf16 = str(torch.float32), str(torch.bfloat16)
+    for rank, found in enumerate(dist_pool(WORLD).run(fsdp2_dtype_audit)):
+        assert found["clean"] == [], f"rank {rank}: violations in a run that keeps the contract: {found['clean']}"
+        want = sorted([
+            ("blocks.0.fc1.weight", "blocks.0", semconv.TENSOR_MAIN_GRAD, None, fp32, bf16),
+            ("head.weight", "", semconv.TENSOR_OPTIMIZER_STATE, "exp_avg_sq", fp32, bf16),
+        ])  # fmt: skip
+        assert found["planted"] == want, f"rank {rank}: want {want}, got {found['planted']}"
+        want = sorted((n, n.rsplit(".", 2)[0] if n.startswith("blocks.") else "", semconv.TENSOR_MAIN_WEIGHT, None,
+                       fp32, bf16) for n in found["names"])  # fmt: skip
+        got = found["bf16_weights"]
+        assert got == want, (
+            f"rank {rank}: bf16 main weights: missing {sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}"
+        )

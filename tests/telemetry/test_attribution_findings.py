@@ -134,6 +134,39 @@ def test_a_skipped_step_needs_finite_grads() -> None:
     assert not moving.skipped
 
 
+NAN_GRAD = {"grad_amax": ps.GRAD_AMAX_NONFINITE, "grad_nan": 3}
+STEPPED, NOT_HELD = ParamContext(lr=1e-3), ParamContext(in_optimizer=False)
+
+
+@pytest.mark.parametrize(
+    ("grads", "contexts", "want"),
+    [
+        # A loss scaler skips the whole step when any grad it holds is NaN/Inf: the NaN finding
+        # explains it, whichever parameter holds the NaN.
+        ((NAN_GRAD, {"grad_amax": 0.5}), (STEPPED, STEPPED), False),
+        (({"grad_amax": 0.5}, NAN_GRAD), (STEPPED, STEPPED), False),
+        # Finite grads everywhere and nothing moved: silent.
+        (({"grad_amax": 0.5}, {"grad_amax": 0.2}), (STEPPED, STEPPED), True),
+        # The NaN is in a parameter no optimizer holds, so nothing the step reads explains the skip.
+        ((NAN_GRAD, {"grad_amax": 0.5}), (NOT_HELD, STEPPED), True),
+        # Grads all zero: no update to apply, nothing skipped.
+        (({"grad_amax": 0.0}, {"grad_amax": 0.0}), (STEPPED, STEPPED), False),
+    ],
+    ids=["nan_first", "nan_second", "all_finite", "nan_not_held", "zero_grads"],
+)
+def test_a_step_with_finite_and_nonfinite_grads_is_skipped_silently_only_without_a_held_nan(
+    grads: tuple[dict[str, float], dict[str, float]], contexts: tuple[ParamContext, ParamContext], want: bool
+) -> None:
+    """Two parameters, no main weight changed: a silent skip only if every grad the optimizer
+    steps is finite and some is non-zero."""
+    table = [slot("a"), slot("b")]
+    rows = [row(**values) for values in grads]
+    findings = attribution.Attribution(3, 3).analyze(1, table, rows, list(contexts), lambda i, s: (0,))
+    assert findings.skipped is want, (
+        f"grads {grads}, held {[c.in_optimizer for c in contexts]}: skipped {findings.skipped}, want {want}"
+    )
+
+
 def test_units_sum_their_parameters() -> None:
     table = [slot("a", "blocks.0"), slot("b", "blocks.0"), slot("c")]
     rows = [row(changed=4, lost=1, grad_amax=0.5, overflow=2), row(changed=6, lost=5, grad_amax=0.9), row(changed=1)]
