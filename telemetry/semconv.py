@@ -188,7 +188,10 @@ UNSTEPPED_NOT_IN_OPTIMIZER = "not_in_optimizer"
 UNSTEPPED_NO_UPDATE = "no_update"
 """In the optimizer with a learning rate above 0, yet its main weight never changes (a frozen
 copy, updates applied elsewhere, a step skipped for this parameter)."""
-UNSTEPPED_CAUSES = (UNSTEPPED_NOT_IN_OPTIMIZER, UNSTEPPED_NO_UPDATE)
+UNSTEPPED_LOW_PRECISION_MASTER = "low_precision_master"
+"""In the optimizer, its main weight is bfloat16/float16 (no fp32 master weights): each update is
+below the main dtype's resolution at the weight's magnitude and rounds away."""
+UNSTEPPED_CAUSES = (UNSTEPPED_NOT_IN_OPTIMIZER, UNSTEPPED_NO_UPDATE, UNSTEPPED_LOW_PRECISION_MASTER)
 
 # Whole-model values of the attribution on the SPAN_PRECISION span (the report judges them).
 ATTR_STUCK_PARAMS = DIAGNOSTIC_STUCK
@@ -248,6 +251,8 @@ ORIGIN_BACKWARD = "backward"
 ORIGIN_REDUCE = "reduce"
 ORIGIN_GRAD_WRITE = "grad_write"
 ORIGIN_OPTIMIZER = "optimizer"
+ORIGIN_WHERE_CLIP = "clip_grad_norm_"
+"""``fsdp.origin.where`` of the total norm ``torch.nn.utils.clip_grad_norm_`` returned (stage grad_write)."""
 ORIGIN_STAGES = (
     ORIGIN_WEIGHT_WRITE, ORIGIN_FORWARD, ORIGIN_LOSS, ORIGIN_BACKWARD, ORIGIN_REDUCE, ORIGIN_GRAD_WRITE, ORIGIN_OPTIMIZER,
 )  # fmt: skip

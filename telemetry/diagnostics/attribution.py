@@ -53,6 +53,14 @@ _KIND_SLOTS = {
 }
 
 
+STUCK_BELOW_RESOLUTION = 1e-3
+"""A compute weight that did not move is named stuck only where its update is this far below the
+compute dtype's rounding step (``update_resolution`` below it): with an fp32 master the compute
+copy lags by design, and a weight near 1.0 in bfloat16 at a learning rate of 1e-4 moves once in
+about 40 steps; an update 1000 times smaller takes over 1000 steps of one sign to move it once."""
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 RESOLUTION_MEASURED_FROM = 0.5
 """The update of a parameter is measured against the compute dtype's rounding step (an extra pass
 over its elements) where at least this fraction of its updates was lost at its last diagnosed
@@ -237,7 +245,15 @@ class Attribution:
                 findings.state_flushed = max(findings.state_flushed, fraction)
                 ranked[semconv.DIAGNOSTIC_STATE_FLUSHED].append((fraction, index, row_spec.SECOND_MOMENT_KEY, None))
 
-            stuck = slot.lossy and row[row_spec.CHANGED] > 0 and row[row_spec.LOST] == row[row_spec.CHANGED]
+            # The master accumulated, the compute copy did not follow: stuck only if it cannot follow
+            # within a long horizon (a lag of a few steps is what an fp32 master is for).
+            stuck = (
+                slot.lossy
+                and row[row_spec.CHANGED] > 0
+                and row[row_spec.LOST] == row[row_spec.CHANGED]
+                and resolution is not None
+                and resolution < STUCK_BELOW_RESOLUTION
+            )
             count = self._stuck[slot.name] = self._stuck.get(slot.name, 0) + 1 if stuck else 0
             if count >= self.window:
                 findings.stuck += 1
@@ -247,7 +263,12 @@ class Attribution:
             count = self._unstepped[slot.name] = self._unstepped.get(slot.name, 0) + 1 if unstepped else 0
             if count >= self.window:
                 findings.unstepped += 1
-                why = semconv.UNSTEPPED_NO_UPDATE if context.in_optimizer else semconv.UNSTEPPED_NOT_IN_OPTIMIZER
+                if not context.in_optimizer:
+                    why = semconv.UNSTEPPED_NOT_IN_OPTIMIZER
+                elif slot.main_dtype in LOW_PRECISION:
+                    why = semconv.UNSTEPPED_LOW_PRECISION_MASTER
+                else:
+                    why = semconv.UNSTEPPED_NO_UPDATE
                 ranked[semconv.DIAGNOSTIC_UNSTEPPED].append((count, index, None, why))
             if stepping:
                 stepped_any = True

@@ -34,6 +34,7 @@ from .. import semconv
 BEFORE = "before"
 AFTER = "after"
 INPUT = "input"
+CLIP = semconv.ORIGIN_WHERE_CLIP
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,11 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
             return _origin(c, f"finite before the reduce-scatter in {p.dtype}, non-finite after it")
         if p.stage == semconv.ORIGIN_REDUCE:  # grads the backward left, about to be reduced
             return _origin(c, "its parameters' grads, before the reduce-scatter", semconv.ORIGIN_BACKWARD)
+        if p.stage == semconv.ORIGIN_GRAD_WRITE and p.where == CLIP:
+            scaled = "NaN" if c.nan else "0 (grads zeroed)"
+            return _origin(
+                c, f"clip_grad_norm_'s total norm was {'NaN' if c.nan else 'Inf'}: every grad was scaled by {scaled}"
+            )
         if p.stage == semconv.ORIGIN_GRAD_WRITE and _reduced_without_output_check(before_step, p.where):
             return _origin(
                 c,

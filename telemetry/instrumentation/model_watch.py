@@ -48,6 +48,7 @@ from .. import semconv
 from ..diagnostics.origin import (
     AFTER,
     BEFORE,
+    CLIP,
     INPUT,
     Checked,
     Origin,
@@ -458,6 +459,14 @@ def _on_scaler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
     return result
 
 
+def _on_clip(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    total_norm = wrapped(*args, **kwargs)
+    if isinstance(total_norm, torch.Tensor):
+        for watch in list(_watches):
+            watch.log.check(semconv.ORIGIN_GRAD_WRITE, CLIP, total_norm)
+    return total_norm
+
+
 def _scale(scaler: Any) -> float:
     try:
         scale = float(scaler.get_scale())
@@ -497,6 +506,9 @@ def watch_optimizer_steps(
         if _registrations == 0:
             _install("backward", torch.autograd, "backward", _on_backward)
             _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
+            # Callers reach it through either module at call time (torch.nn.utils re-exports it).
+            _install("clip", torch.nn.utils, "clip_grad_norm_", _on_clip)
+            _install("clip_module", torch.nn.utils.clip_grad, "clip_grad_norm_", _on_clip)
         _registrations += 1
         for watch in watches:
             _watches.add(watch)

@@ -188,6 +188,8 @@ _STAGE_TEXT = {
 def _place(origin: OriginSeen) -> str:
     if _is_model_input(origin):
         return "the model's input"
+    if origin.stage == semconv.ORIGIN_GRAD_WRITE and origin.where == semconv.ORIGIN_WHERE_CLIP:
+        return "the total norm torch.nn.utils.clip_grad_norm_ returned"
     if origin.stage == semconv.ORIGIN_LOSS:
         return "the loss"
     if origin.stage in (semconv.ORIGIN_WEIGHT_WRITE, semconv.ORIGIN_OPTIMIZER):

@@ -295,10 +295,30 @@ def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
     return lines
 
 
+def _no_fp32_master(run: RunTrace, finding: Finding) -> bool:
+    """Whether every unstepped parameter named is so because its main weight is low precision."""
+    if finding.threshold.check != "unstepped_weights":
+        return False
+    named = run.attribution.worst(semconv.DIAGNOSTIC_UNSTEPPED, 1000, first=finding.first_step)
+    return bool(named) and all(n.cause == semconv.UNSTEPPED_LOW_PRECISION_MASTER for n, _ in named)
+
+
+NO_FP32_MASTER_FINDING = "no fp32 master weights: updates below the main dtype's resolution round away"
+NO_FP32_MASTER_ADVICE = (
+    "the parameters named get grads, and their bfloat16/float16 main weights do not change: an update smaller than "
+    "half the main dtype's spacing at the weight's magnitude (2^-8 of it in bfloat16) is lost at every step. Keep "
+    "fp32 main weights (fully_shard: MixedPrecisionPolicy(main_params_dtype=torch.float32); torch FSDP2: fp32 "
+    "parameters with MixedPrecisionPolicy(param_dtype=torch.bfloat16)) instead of model.bfloat16() on the optimizer's "
+    "parameters."
+)
+
+
 def _advice(run: RunTrace, finding: Finding) -> str:
     first = run.iterations.first()
     if finding.threshold.check == thresholds.NAN_ORIGIN.check and first is not None:
         return advice(first)
+    if _no_fp32_master(run, finding):
+        return NO_FP32_MASTER_ADVICE
     return finding.threshold.advice
 
 
@@ -306,6 +326,8 @@ def _finding_text(run: RunTrace, finding: Finding) -> str:
     first = run.iterations.first()
     if finding.threshold.check == thresholds.NAN_ORIGIN.check and first is not None:
         return f"NaN/Inf began in {_stage_phrase(first)}"
+    if _no_fp32_master(run, finding):
+        return NO_FP32_MASTER_FINDING
     return finding.threshold.finding
 
 
