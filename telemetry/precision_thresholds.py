@@ -215,6 +215,19 @@ THRESHOLDS: tuple[Threshold, ...] = (
         ),
     ),
     Threshold(
+        check="grad_underflow",
+        metric=semconv.ATTR_GRAD_UNDERFLOW,
+        above=0.5,
+        severity=PROBLEM,
+        finding="gradient underflow: most grads of the float16 backward are 0 or below float16's smallest normal",
+        advice=(
+            "a float16 backward without loss scaling flushes grads below 6e-8 to 0 and keeps those below 6.1e-5 "
+            "with few bits, so the parameters named barely train. Scale the loss: torch.amp.GradScaler (FSDP: "
+            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler), or compute in bfloat16, whose range is "
+            "float32's."
+        ),
+    ),
+    Threshold(
         check="skipped_steps",
         metric=semconv.ATTR_STEP_SKIPPED,
         above=0,

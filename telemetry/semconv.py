@@ -177,10 +177,15 @@ DIAGNOSTIC_STATE_NONFINITE = "fsdp.precision.state.nonfinite"
 DIAGNOSTIC_STATE_FLUSHED = "fsdp.precision.state.flushed"
 """Fraction of a parameter's ``exp_avg_sq`` elements that are 0 where the grad is not: the
 squared grad underflowed, and the update divides by eps alone."""
+DIAGNOSTIC_GRAD_UNDERFLOW = "fsdp.precision.grad.underflow"
+"""Where a float16 backward runs without loss scaling: the fraction of a parameter's grad elements
+that are 0 or below float16's smallest normal (6.1e-5); named only where some grad of the model
+is below that normal and not 0 (the sign of a flushing backward: an embedding's unused rows alone
+are exact zeros)."""
 DIAGNOSTICS = (
     METRIC_NONFINITE, METRIC_REFRESH_OVERFLOW, METRIC_REFRESH_UNDERFLOW, METRIC_REFRESH_ERROR,
     METRIC_LOST_RATIO, METRIC_GRAD_AMAX, DIAGNOSTIC_UPDATE_RESOLUTION, DIAGNOSTIC_STUCK,
-    DIAGNOSTIC_UNSTEPPED, DIAGNOSTIC_STATE_NONFINITE, DIAGNOSTIC_STATE_FLUSHED,
+    DIAGNOSTIC_UNSTEPPED, DIAGNOSTIC_STATE_NONFINITE, DIAGNOSTIC_STATE_FLUSHED, DIAGNOSTIC_GRAD_UNDERFLOW,
 )  # fmt: skip
 
 UNSTEPPED_NOT_IN_OPTIMIZER = "not_in_optimizer"
@@ -205,8 +210,13 @@ ATTR_STATE_FLUSHED = DIAGNOSTIC_STATE_FLUSHED
 ATTR_STEP_SKIPPED = "fsdp.precision.update.skipped"
 """1 when no main weight the optimizer steps changed although grads were non-zero and finite
 (a silently skipped step), else 0."""
+ATTR_GRAD_UNDERFLOW = DIAGNOSTIC_GRAD_UNDERFLOW
+"""Over the model: grad elements 0 or below float16's smallest normal, over every grad element,
+where some are below that normal and not 0 (else 0); only where a float16 backward runs without
+loss scaling."""
 ATTRIBUTION_SPAN_ATTRIBUTES = (
     ATTR_STUCK_PARAMS, ATTR_UNSTEPPED_PARAMS, ATTR_STATE_NONFINITE, ATTR_STATE_FLUSHED, ATTR_STEP_SKIPPED,
+    ATTR_GRAD_UNDERFLOW,
 )  # fmt: skip
 
 METRIC_DTYPE_CONTRACT = "fsdp.precision.dtype_contract.violations"

@@ -41,7 +41,7 @@ _NONFINITE_SLOTS = (
     row_spec.COMPUTE_NAN,
     row_spec.COMPUTE_INF,
 )
-STATE_SLOTS = tuple(range(row_spec.STATE_NAN, row_spec.ROW))
+STATE_SLOTS = tuple(range(row_spec.STATE_NAN, row_spec.STATE_END))
 """Row slots of the state tensors' NaN/Inf counts (pairs per state index)."""
 PER_RANK_SLOTS = (*_NONFINITE_SLOTS, *STATE_SLOTS)
 """Slots read per rank when something is non-finite (to name the ranks)."""
@@ -119,6 +119,8 @@ class StepFindings:
         state_nonfinite: NaN and Inf elements of all state tensors.
         state_flushed: The largest fraction of flushed ``exp_avg_sq`` elements of a parameter.
         skipped: No main weight the optimizer steps changed, though grads were non-zero and finite.
+        grad_underflow: ``None`` where not measured; else the model's share of grad elements 0 or
+            below float16's smallest normal, of parameters that have some of the latter.
     """
 
     offenders: list[Offender] = field(default_factory=list)
@@ -128,6 +130,7 @@ class StepFindings:
     state_nonfinite: int = 0
     state_flushed: float = 0.0
     skipped: bool = False
+    grad_underflow: float | None = None
 
 
 def _nonfinite(row: Sequence[float], slots: Iterable[int]) -> int:
@@ -204,6 +207,7 @@ class Attribution:
         rows: Sequence[Sequence[float]],
         contexts: Sequence[ParamContext],
         ranks_of: Callable[[int, Sequence[int]], tuple[int, ...]],
+        underflow_measured: bool = False,
     ) -> StepFindings:
         """The findings of one diagnosed step.
 
@@ -214,10 +218,12 @@ class Attribution:
             contexts: One per slot.
             ranks_of: ``(slot, row slots) -> ranks`` whose count in any of those slots is
                 non-zero (called only when something is non-finite).
+            underflow_measured: Whether the rows count the grads' zeros and tiny elements.
         """
         findings = StepFindings()
         ranked: dict[str, list[tuple[float, int, str | None, str | None]]] = {d: [] for d in semconv.DIAGNOSTICS}
         stepped_changed, stepped_grad, stepped_any, stepped_nonfinite = 0.0, False, False, False
+        flushed_grads, grad_elements, tiny_grads = 0.0, 0.0, 0.0
         for index, (slot, row, context) in enumerate(zip(table, rows, contexts, strict=True)):
             total_nonfinite = _nonfinite(row, _NONFINITE_SLOTS)
             for diagnostic, value in (
@@ -258,6 +264,15 @@ class Attribution:
             if count >= self.window:
                 findings.stuck += 1
                 ranked[semconv.DIAGNOSTIC_STUCK].append((count, index, None, None))
+            if underflow_measured and (row[row_spec.GRAD_AMAX] > 0 or row[row_spec.GRAD_ZERO] > 0):
+                grad_elements += row[row_spec.NUMEL]
+                tiny_grads += row[row_spec.GRAD_TINY]
+                flushed = row[row_spec.GRAD_ZERO] + row[row_spec.GRAD_TINY]
+                flushed_grads += flushed
+                if flushed:
+                    ranked[semconv.DIAGNOSTIC_GRAD_UNDERFLOW].append(
+                        (flushed / max(row[row_spec.NUMEL], 1.0), index, None, None)
+                    )
             stepping = context.in_optimizer and (context.lr is None or context.lr > 0)
             unstepped = _grad_moves(row) and row[row_spec.CHANGED] == 0 and (stepping or not context.in_optimizer)
             count = self._unstepped[slot.name] = self._unstepped.get(slot.name, 0) + 1 if unstepped else 0
@@ -276,6 +291,14 @@ class Attribution:
                 stepped_grad = stepped_grad or _grad_moves(row)
                 stepped_nonfinite = stepped_nonfinite or row[row_spec.GRAD_AMAX] >= row_spec.GRAD_AMAX_NONFINITE
         findings.skipped = stepped_any and stepped_changed == 0 and stepped_grad and not stepped_nonfinite
+        if underflow_measured:
+            # Zeros alone are no sign of a flushing backward (an embedding's unused rows, a part of
+            # the model this batch did not reach); with grads below float16's normal range beside
+            # them, they are what it flushed completely.
+            underflowing = tiny_grads > 0 and grad_elements > 0
+            findings.grad_underflow = flushed_grads / grad_elements if underflowing else 0.0
+            if not underflowing:
+                ranked[semconv.DIAGNOSTIC_GRAD_UNDERFLOW].clear()
         for diagnostic in semconv.DIAGNOSTICS:
             entries = sorted(ranked[diagnostic], key=lambda e: (-e[0], e[1]))[: self.top_k]
             for value, index, state_key, cause in entries:

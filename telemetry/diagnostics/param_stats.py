@@ -53,6 +53,8 @@ from .rows import (
     GRAD_AMAX_NONFINITE,
     GRAD_INF,
     GRAD_NAN,
+    GRAD_TINY,
+    GRAD_ZERO,
     LOST,
     MAIN_INF,
     MAIN_NAN,
@@ -253,6 +255,21 @@ class _Probes:
         return rows, found
 
 
+def _underflow_round(rows: _Rows, i: int, s: _Segment, below: float) -> None:
+    """Grad elements that are 0, and that are not 0 but below ``below`` in magnitude (two counts
+    over the segment's grad; only where a float16 backward could have flushed them)."""
+    if s.grad is None:
+        return
+    for start in range(0, s.grad.numel(), kernels.CHUNK_ELEMENTS):
+        g = _narrow(s.grad, start, min(kernels.CHUNK_ELEMENTS, s.grad.numel() - start))
+        n = g.numel()
+        nonzero = kernels.count_nonzero(kernels.masks.get("mask", g, n), g)
+        small = kernels.masks.get("mask2", g, n)
+        torch.lt(torch.abs(g, out=kernels.scratch.get("grad_abs", g, g.dtype, n)), below, out=small)
+        rows.count(i, GRAD_ZERO, n - nonzero)
+        rows.count(i, GRAD_TINY, kernels.count_true(small) - (n - nonzero))
+
+
 def _probe_round(probes: _Probes, i: int, s: _Segment) -> None:
     """Round 1's min/max of the segment's grad and ``exp_avg_sq`` (is some element 0?)."""
     if s.grad is not None and s.grad.numel():
@@ -320,6 +337,7 @@ def local_rows(
     states: Sequence[Sequence[StateTensor]] | None = None,
     detail: bool = True,
     update_slots: Collection[int] | None = None,
+    underflow_below: float | None = None,
 ) -> torch.Tensor:
     """This rank's rows, one per slot of ``table`` (float64, ``(len(table), ROW)``, on the
     buffers' device); reads the buffers, writes none.
@@ -333,6 +351,8 @@ def local_rows(
             ``False`` computes the whole-model diagnostics alone.
         update_slots: The slots whose ``UPDATE_SQ`` is computed (of those whose compute dtype
             is narrower than the main dtype); ``None``: all of them.
+        underflow_below: Count each grad's zeros and its non-zero elements below this magnitude
+            (``GRAD_ZERO``, ``GRAD_TINY``); ``None``: not counted.
 
     Raises:
         ValueError: ``groups`` does not match the snapshot, or ``states`` the table.
@@ -349,6 +369,8 @@ def local_rows(
             first.host[i][NUMEL] = float(s.slot.length)
             _weights_round(first, i, s, updates[i])
             _probe_round(probes, i, s)
+            if underflow_below is not None:
+                _underflow_round(first, i, s, underflow_below)
             for state in s.states:
                 # Not the second moment: finite iff every element is, which one fused norm tells.
                 if state.key != SECOND_MOMENT_KEY and state.local.numel() and not state.shows_in_weight:

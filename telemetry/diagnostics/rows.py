@@ -17,6 +17,9 @@ Row slots (the first :data:`WHOLE_MODEL_SLOTS` are the whole-model vector's, in 
 * ``STATE_FLUSHED``: elements whose ``exp_avg_sq`` is 0 while their grad is not.
 * ``STATE_NAN + 2 i``, ``STATE_INF + 2 i``: NaN and Inf elements of the parameter's i-th
   optimizer state tensor (at most :data:`MAX_STATES`).
+* ``GRAD_ZERO``, ``GRAD_TINY``: grad elements that are exactly 0, and that are not 0 but below a
+  dtype's smallest normal number (float16's, where a float16 backward runs without loss scaling:
+  what it flushes or nearly flushes); both 0 where that is not measured.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ STATE_NAN = 16
 STATE_INF = 17
 MAX_STATES = 4
 """State tensors per parameter whose non-finite elements are counted (Adam with amsgrad has 3)."""
-ROW = STATE_NAN + 2 * MAX_STATES
+STATE_END = STATE_NAN + 2 * MAX_STATES
+GRAD_ZERO = STATE_END
+GRAD_TINY = STATE_END + 1
+ROW = STATE_END + 2
 
 SECOND_MOMENT_KEY = "exp_avg_sq"
 """The state key whose flushed-to-zero elements are counted."""

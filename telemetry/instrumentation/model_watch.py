@@ -452,6 +452,7 @@ def _on_scaler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
     observer = _observers.get(optimizer) if optimizer is not None else None
     if observer is None:
         return wrapped(*args, **kwargs)
+    observer.loss_scaled()
     steps = observer.step_count
     result = wrapped(*args, **kwargs)
     if observer.step_count == steps:

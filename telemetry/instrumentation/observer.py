@@ -240,6 +240,11 @@ class OptimizerObserver:
             # Recorded for failed steps too: one duration per optimizer.step() call.
             self._step_timer.stop(token)
 
+    def loss_scaled(self) -> None:
+        """A ``torch.amp.GradScaler`` steps this optimizer: its grads were computed scaled (their
+        small values are no float16 underflow)."""
+        self._precision.loss_scaled = True
+
     def step_skipped(self, scale: float) -> None:
         """A ``torch.amp.GradScaler`` ended an iteration without stepping the optimizer: span
         ``fsdp.optimizer.skipped_step``, counted, with the iteration's checks."""

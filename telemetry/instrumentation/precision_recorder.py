@@ -60,6 +60,8 @@ class PrecisionRecorder:
         self._audited_state: Any = None
         self._named_violations: set[tuple[Any, ...]] = set()
         self.rank = 0
+        # Set once a torch.amp.GradScaler steps this optimizer: its grads were computed scaled.
+        self.loss_scaled = False
 
     @property
     def per_parameter(self) -> bool:
@@ -130,9 +132,11 @@ class PrecisionRecorder:
                 update_slots = self._attribution.update_slots(table)
                 if optimizer is not None:
                     states, keys = self._state_tensors.read(optimizer, table)
+            underflow_below = self._underflow_below(table)
             local = row_spec.payload(
-                param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots)
-            )
+                param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots,
+                                       underflow_below=underflow_below)
+            )  # fmt: skip
         except Exception as exc:
             self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
@@ -157,12 +161,24 @@ class PrecisionRecorder:
             ranks = row_spec.gathered_ranks(process_group)
             return tuple(rank for rank, count in zip(ranks, counts, strict=True) if count)
 
-        findings = self._attribution.analyze(step, table, rows, contexts, ranks_of)
+        findings = self._attribution.analyze(
+            step, table, rows, contexts, ranks_of, underflow_measured=self._underflow_below(table) is not None
+        )
         if findings.skipped:
             self._skipped_steps.add(1, self._rank_attrs)
         span = trace.get_current_span()
         if span.is_recording():
             self._record_findings(span, step, table, findings, self._attribution.top_k)
+
+    def _underflow_below(self, table: Sequence[row_spec.ParamSlot]) -> float | None:
+        """float16's smallest normal where a float16 backward runs without loss scaling (its grads
+        flush to 0 below it), else ``None``: nothing to count. The same on every rank whose
+        optimizer a GradScaler steps alike; only values of the rows depend on it."""
+        if not self._attribution or self.loss_scaled:
+            return None
+        if any(slot.compute_dtype == torch.float16 for slot in table):
+            return float(torch.finfo(torch.float16).tiny)
+        return None
 
     def _record_findings(self, span: Span, step: int, table: Sequence[row_spec.ParamSlot],
                          findings: attribution.StepFindings, top_k: int) -> None:  # fmt: skip
@@ -173,6 +189,8 @@ class PrecisionRecorder:
             semconv.ATTR_STATE_FLUSHED: findings.state_flushed,
             semconv.ATTR_STEP_SKIPPED: int(findings.skipped),
         })  # fmt: skip
+        if findings.grad_underflow is not None:
+            span.set_attribute(semconv.ATTR_GRAD_UNDERFLOW, findings.grad_underflow)
         first = findings.first_nonfinite
         if first is not None:
             slot = table[first.slots[0]]

@@ -171,6 +171,8 @@ def _value(diagnostic: str, value: float) -> str:
         return f"{value:.0f} element{'s' if value != 1 else ''}"
     if diagnostic == semconv.DIAGNOSTIC_UPDATE_RESOLUTION:
         return f"update {value:.2g}x the compute dtype's rounding step"
+    if diagnostic == semconv.DIAGNOSTIC_GRAD_UNDERFLOW:
+        return f"{value:.0%} of its grad elements"
     return f"{value:.3g}"
 
 
@@ -186,6 +188,7 @@ CHECK_DIAGNOSTICS: dict[str, tuple[tuple[str, bool], ...]] = {
     "unstepped_weights": ((semconv.DIAGNOSTIC_UNSTEPPED, False),),
     "state_nonfinite": ((semconv.DIAGNOSTIC_STATE_NONFINITE, False),),
     "state_flushed": ((semconv.DIAGNOSTIC_STATE_FLUSHED, False),),
+    "grad_underflow": ((semconv.DIAGNOSTIC_GRAD_UNDERFLOW, False),),
 }
 # Checks whose first step is where to look: what spreads from there (NaN, Inf) names every
 # parameter a step later, so only the first step's parameters are listed.
@@ -210,6 +213,7 @@ _LABELS = {
     semconv.DIAGNOSTIC_STUCK: "stuck",
     semconv.DIAGNOSTIC_UNSTEPPED: "unstepped",
     semconv.DIAGNOSTIC_STATE_FLUSHED: "exp_avg_sq flushed to zero",
+    semconv.DIAGNOSTIC_GRAD_UNDERFLOW: "grads 0 or below float16's smallest normal",
 }
 
 
