@@ -144,9 +144,21 @@ ATTR_CAUSE = "fsdp.precision.cause"
 """Why an unstepped parameter does not move: one of UNSTEPPED_CAUSES."""
 ATTR_DTYPE_EXPECTED = "fsdp.dtype.expected"
 ATTR_DTYPE_ACTUAL = "fsdp.dtype.actual"
+ATTR_DTYPE_DETAIL = "fsdp.dtype.detail"
+"""On a dtype-contract event of the model audit: what the dtype does there, and the fix."""
 
 TENSOR_OPTIMIZER_STATE = "optimizer_state"
-CONTRACT_TENSORS = (*TENSORS, TENSOR_OPTIMIZER_STATE)
+# What the model audit names beside the optimizer's tensors (diagnostics/model_audit.py).
+TENSOR_BUFFER = "buffer"
+"""A floating buffer of the model (``fsdp.param``: its fully qualified name)."""
+TENSOR_LOSS = "loss"
+"""The loss, or the operation it was computed in (``fsdp.param``: that operation)."""
+TENSOR_NORM_STATISTICS = "norm_statistics"
+"""A normalization module's statistics (``fsdp.param``: the module)."""
+TENSOR_GRAD_ACCUMULATION = "grad_accumulation"
+"""A group's grads summed over microbatches (``fsdp.param``: its unit)."""
+MODEL_AUDIT_TENSORS = (TENSOR_BUFFER, TENSOR_LOSS, TENSOR_NORM_STATISTICS, TENSOR_GRAD_ACCUMULATION)
+CONTRACT_TENSORS = (*TENSORS, TENSOR_OPTIMIZER_STATE, *MODEL_AUDIT_TENSORS)
 """Values of ATTR_TENSOR on METRIC_DTYPE_CONTRACT: the audit also checks the optimizer's state."""
 """``fsdp.tensor`` of an optimizer state tensor (its key in ``fsdp.optimizer.state``)."""
 # Where a NaN/Inf shows first, in the order it spreads within a step: the backward writes the

@@ -29,6 +29,12 @@ from fsdp_patch.sharding import parameter_group_of
 
 from .. import env, semconv
 from ..diagnostics.groups import first_process_group, weights_of
+from ..diagnostics.model_audit import (
+    ModelFinding,
+    low_precision_accumulation,
+    low_precision_buffers,
+    rebuilt_from_compute,
+)
 from ..diagnostics.origin import Origin
 from ..diagnostics.rows import param_table
 from .model_watch import CheckedGroup, IterationCheck, ModelWatch, watch_optimizer_steps
@@ -64,6 +70,9 @@ class IterationWatch:
         self._closed_step = 0
         self._in_episode = False
         self._refined_named: set[tuple[str, str]] = set()
+        self._observer = observer
+        self._buffers_audited = False
+        self._audited_state: Any = None
         self.watches: list[ModelWatch] = []
         if sdk_disabled:
             self._unregister = None
@@ -117,6 +126,7 @@ class IterationWatch:
         if not self.watches:
             return
         self._optimizer_groups()
+        self._audit_model(step, span)
         for watch in self.watches:
             watch.check_step_begin(self._checked)
 
@@ -127,6 +137,9 @@ class IterationWatch:
         if completed:
             for watch in self.watches:
                 watch.check_step_end(self._checked)
+            microbatches = max(w.backward_count for w in self.watches)
+            for finding in low_precision_accumulation(self._accumulation_dtypes(), microbatches):
+                self._name(finding, self._step, span)
         # A step that raised (a settings error on every rank, a rejected dtype) closes the
         # iteration on this rank alone: its peers may not have reached this point.
         self._close(span, self._step, agree=completed)
@@ -156,6 +169,56 @@ class IterationWatch:
         """Remove every model check and registration (telemetry turned off for the optimizer)."""
         _release(self.watches, self._unregister)
         self.watches = []
+
+    # -- the model audit ---------------------------------------------------------------------------
+
+    def _name(self, finding: ModelFinding, step: int, span: Span | None) -> None:
+        self._observer.name_violation(
+            ("model", finding.tensor, finding.where), finding.where, "", finding.tensor, finding.expected,
+            finding.actual, step, span, detail=finding.detail,
+        )  # fmt: skip
+
+    def _audit_model(self, step: int, span: Span | None) -> None:
+        """Buffers at the first step; the loss and the normalization statistics once checked;
+        main weights rebuilt from their compute copy at the first step and after each load of the
+        optimizer's state (``load_state_dict`` replaces ``optimizer.state``)."""
+        findings: list[ModelFinding] = []
+        for watch in self.watches:
+            if not self._buffers_audited and watch.root is not None:
+                findings.extend(low_precision_buffers(watch.root))
+            if watch.loss_finding is not None:
+                findings.append(watch.loss_finding)
+            if watch.norms.done:
+                findings.extend(watch.norms.findings)
+        self._buffers_audited = True
+        optimizer = self._optimizer_ref()
+        if optimizer is not None and optimizer.state is not self._audited_state:
+            self._audited_state = optimizer.state
+            rebuilt = rebuilt_from_compute(self._lossy_params(), _resumed_at(optimizer))
+            if rebuilt is not None:
+                findings.append(rebuilt)
+        for finding in findings:
+            self._name(finding, step, span)
+
+    def _lossy_params(self) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+        groups = self._groups
+        out = []
+        for slot in param_table(groups):
+            if slot.lossy and slot.length and slot.compute_dtype is not None:
+                main = weights_of(groups[slot.group], None).mains[slot.tensor]
+                out.append((slot.name, main[slot.start : slot.start + slot.length], slot.compute_dtype))
+        return out
+
+    def _accumulation_dtypes(self) -> list[tuple[str, torch.dtype | None]]:
+        """Per group, the dtype its grads sum microbatches in: ``fully_shard``'s main-grad dtype,
+        torch FSDP2's reduce dtype."""
+        out: list[tuple[str, torch.dtype | None]] = []
+        for group in self._groups:
+            if hasattr(group, "fsdp_group"):
+                out.append((_group_name(group), getattr(group.fsdp_group, "_reduce_dtype", None)))
+            else:
+                out.append((_group_name(group), getattr(group, "grads_dtype", None)))
+        return out
 
     # -- what an iteration found ----------------------------------------------------------------
 
@@ -233,6 +296,18 @@ class IterationWatch:
         name, count = bad[0]
         others = f"; {len(bad) - 1} other parameter(s) of the unit too" if len(bad) > 1 else ""
         return name, f"{detail}; {count} element(s) on this rank{others}".lstrip("; ")
+
+
+def _resumed_at(optimizer: torch.optim.Optimizer) -> int:
+    """The largest step count the optimizer's state holds (0: a state no step has written)."""
+    largest = 0
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if isinstance(step, int | float):
+            largest = max(largest, int(step))
+    return largest
 
 
 def _release(watches: Sequence[ModelWatch], unregister: Any) -> None:

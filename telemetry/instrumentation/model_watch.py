@@ -45,6 +45,7 @@ from fsdp_patch.model_units import ShardedModel
 from fsdp_patch.sharding.parameter_group import REDUCE_INPUT
 
 from .. import semconv
+from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precision
 from ..diagnostics.origin import (
     AFTER,
     BEFORE,
@@ -209,6 +210,10 @@ class ModelWatch:
         self.log = ProbeLog()
         self.backward_count = 0
         self.modules: ModuleChecks | None = None
+        # Checked once: the first training forward's normalization statistics, the first loss.
+        self.norms = NormStatistics(model.root)
+        self.loss_finding: ModelFinding | None = None
+        self._loss_checked = False
         self._pending: _Pending | None = None
         # Per checked group: whether its main weights were finite after the last update checked.
         self._after_finite: dict[str, bool] = {}
@@ -280,6 +285,9 @@ class ModelWatch:
         """``torch.autograd.backward(tensors)`` is about to run: the loss, checked."""
         for t in floating_tensors(tensors):
             self.log.check(semconv.ORIGIN_LOSS, "loss", t)
+            if not self._loss_checked:
+                self._loss_checked = True
+                self.loss_finding = loss_precision(t)
 
     def after_backward(self) -> None:
         """A backward pass ended (also by an exception): what follows belongs to the next microbatch."""
@@ -392,6 +400,7 @@ class ModelWatch:
     def remove(self) -> None:
         """Remove every hook and patch this watch installed."""
         self.de_escalate()
+        self.norms.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -240,6 +240,11 @@ class OptimizerObserver:
             # Recorded for failed steps too: one duration per optimizer.step() call.
             self._step_timer.stop(token)
 
+    def name_violation(self, *args: Any, **kwargs: Any) -> None:
+        """A tensor in a dtype its role does not take (:meth:`PrecisionRecorder.name_violation`)."""
+        self._ensure_ready()
+        self._precision.name_violation(*args, **kwargs)
+
     def loss_scaled(self) -> None:
         """A ``torch.amp.GradScaler`` steps this optimizer: its grads were computed scaled (their
         small values are no float16 underflow)."""

@@ -285,25 +285,39 @@ class PrecisionRecorder:
                        self.rank, type(exc).__name__, exc)  # fmt: skip
             return
         for violation in violations:
-            if violation.key in self._named_violations:
-                continue
-            self._named_violations.add(violation.key)
-            expected, actual = dtype_name(violation.expected), dtype_name(violation.actual)
-            self._dtype_contract.add(1, self._attrs.get(
-                ("contract", violation.tensor, expected, actual),
-                lambda v=violation, e=expected, a=actual: {semconv.ATTR_TENSOR: v.tensor, semconv.ATTR_DTYPE_EXPECTED: e,
-                                                           semconv.ATTR_DTYPE_ACTUAL: a},
-            ))  # fmt: skip
-            if span is not None:
-                attrs: dict[str, AttributeValue] = {
-                    semconv.ATTR_STEP: step_number,
-                    semconv.ATTR_RANK: self.rank,
-                    semconv.ATTR_PARAM: violation.param,
-                    semconv.ATTR_UNIT: violation.unit,
-                    semconv.ATTR_TENSOR: violation.tensor,
-                    semconv.ATTR_DTYPE_EXPECTED: expected,
-                    semconv.ATTR_DTYPE_ACTUAL: actual,
-                }
-                if violation.state_key is not None:
-                    attrs[semconv.ATTR_OPTIMIZER_STATE] = violation.state_key
-                span.add_event(semconv.EVENT_DTYPE_CONTRACT, attrs)
+            self.name_violation(
+                violation.key, violation.param, violation.unit, violation.tensor, violation.expected,
+                violation.actual, step_number, span, state_key=violation.state_key,
+            )  # fmt: skip
+
+    def name_violation(
+        self, key: tuple[Any, ...], param: str, unit: str, tensor: str, expected: torch.dtype, actual: torch.dtype,
+        step_number: int, span: Span | None, state_key: str | None = None, detail: str | None = None,
+    ) -> None:  # fmt: skip
+        """Count and name one tensor in a dtype its role does not take, once per ``key``: the
+        dtype-contract audit's, and the model audit's (buffers, the loss, normalization
+        statistics, accumulated grads, rebuilt master weights), with ``detail`` saying the fix."""
+        if key in self._named_violations:
+            return
+        self._named_violations.add(key)
+        wanted, found = dtype_name(expected), dtype_name(actual)
+        self._dtype_contract.add(1, self._attrs.get(
+            ("contract", tensor, wanted, found),
+            lambda: {semconv.ATTR_TENSOR: tensor, semconv.ATTR_DTYPE_EXPECTED: wanted, semconv.ATTR_DTYPE_ACTUAL: found},
+        ))  # fmt: skip
+        if span is None:
+            return
+        attrs: dict[str, AttributeValue] = {
+            semconv.ATTR_STEP: step_number,
+            semconv.ATTR_RANK: self.rank,
+            semconv.ATTR_PARAM: param,
+            semconv.ATTR_UNIT: unit,
+            semconv.ATTR_TENSOR: tensor,
+            semconv.ATTR_DTYPE_EXPECTED: wanted,
+            semconv.ATTR_DTYPE_ACTUAL: found,
+        }
+        if state_key is not None:
+            attrs[semconv.ATTR_OPTIMIZER_STATE] = state_key
+        if detail:
+            attrs[semconv.ATTR_DTYPE_DETAIL] = detail
+        span.add_event(semconv.EVENT_DTYPE_CONTRACT, attrs)

@@ -60,6 +60,7 @@ class Violation:
     expected: str
     actual: str
     ranks: set[int] = field(default_factory=set)
+    detail: str = ""
 
 
 @dataclass
@@ -100,7 +101,8 @@ class AttributionTrace:
             found = self.violations.get(key)
             if found is None:
                 found = self.violations[key] = Violation(step, key[0], str(args.get(semconv.ATTR_UNIT, "")), key[1],
-                                                         key[2], str(args.get(semconv.ATTR_DTYPE_EXPECTED, "?")), key[3])  # fmt: skip
+                                                         key[2], str(args.get(semconv.ATTR_DTYPE_EXPECTED, "?")), key[3],
+                                                         detail=str(args.get(semconv.ATTR_DTYPE_DETAIL, "")))  # fmt: skip
             found.step = min(found.step, step)
             rank = _int(args.get(semconv.ATTR_RANK))
             if rank is not None:
@@ -239,6 +241,15 @@ def first_text(first: FirstBad, step_offset: int) -> str:
             f"element{'s' if first.elements != 1 else ''}{also}")  # fmt: skip
 
 
+_MODEL_AUDIT_PLACE = {
+    semconv.TENSOR_BUFFER: "buffer",
+    semconv.TENSOR_LOSS: "loss from",
+    semconv.TENSOR_NORM_STATISTICS: "normalization",
+    semconv.TENSOR_GRAD_ACCUMULATION: "grads of unit",
+    semconv.TENSOR_MAIN_WEIGHT: "main weights, from",
+}
+
+
 def details(trace: AttributionTrace, check: str, first_step: int, limit: int, step_offset: int = 0) -> list[str]:
     """Lines naming the parameters behind the report check ``check`` (first found at ``first_step``)."""
     lines: list[str] = []
@@ -246,10 +257,14 @@ def details(trace: AttributionTrace, check: str, first_step: int, limit: int, st
         lines.append(first_text(trace.first, step_offset))
     if check == "dtype_contract":
         for v in sorted(trace.violations.values(), key=lambda v: (v.step, v.param)):
-            what = f"{v.tensor} '{v.state}'" if v.state else v.tensor
             ranks = ", ".join(str(r) for r in sorted(v.ranks)) or "?"
-            lines.append(f"{v.param} ({_where(v.unit)}): {what} is {v.actual}, expected {v.expected} "
-                         f"(step {v.step + step_offset}, ranks {ranks})")  # fmt: skip
+            when = f"step {v.step + step_offset}, ranks {ranks}"
+            if v.detail:  # the model audit's: where it is, what the dtype does there, and the fix
+                place = f"{_MODEL_AUDIT_PLACE.get(v.tensor, v.tensor)} {v.param or 'the root'}"
+                lines.append(f"{place}: {v.actual}: {v.detail} ({when})")
+                continue
+            what = f"{v.tensor} '{v.state}'" if v.state else v.tensor
+            lines.append(f"{v.param} ({_where(v.unit)}): {what} is {v.actual}, expected {v.expected} ({when})")
         return lines
     first, last = _span(check, first_step)
     for diagnostic, lowest in CHECK_DIAGNOSTICS.get(check, ()):
@@ -274,7 +289,7 @@ def details_json(
     if check == "dtype_contract":
         out["violations"] = [
             {"param": v.param, "unit": v.unit, "tensor": v.tensor, "state": v.state, "expected": v.expected,
-             "actual": v.actual, "step": v.step + step_offset, "ranks": sorted(v.ranks)}
+             "actual": v.actual, "step": v.step + step_offset, "ranks": sorted(v.ranks), "detail": v.detail}
             for v in sorted(trace.violations.values(), key=lambda v: (v.step, v.param))
         ]  # fmt: skip
         return out

@@ -96,10 +96,17 @@ def math_sqrt(x: float) -> float:
     return x**0.5
 
 
+# bfloat16's rounding step at a weight's RMS (main_sq=1.0 over the row): its unit roundoff.
+BF16_U = 2.0**-8
+
+
 def test_stuck_needs_the_window_and_resets() -> None:
     table = [slot("norm.weight"), slot("fp32.weight", compute=None)]
-    stuck = [row(changed=10, lost=10, grad_amax=1.0, main_sq=1.0), row(changed=10, lost=0, grad_amax=1.0, main_sq=1.0)]
-    moving = [row(changed=10, lost=9, grad_amax=1.0, main_sq=1.0), stuck[1]]
+    # An update 1e-4 of the rounding step: it would take some 10000 steps of one sign to move.
+    tiny = (1e-4 * BF16_U) ** 2
+    stuck = [row(changed=10, lost=10, grad_amax=1.0, main_sq=1.0, update_sq=tiny),
+             row(changed=10, lost=0, grad_amax=1.0, main_sq=1.0)]  # fmt: skip
+    moving = [row(changed=10, lost=9, grad_amax=1.0, main_sq=1.0, update_sq=tiny), stuck[1]]
     tracker = attribution.Attribution(top_k=3, window=3)
     contexts = [ParamContext()] * 2
     counts = [
@@ -109,6 +116,22 @@ def test_stuck_needs_the_window_and_resets() -> None:
     got = [(f.stuck, offenders(f, semconv.DIAGNOSTIC_STUCK)) for f in counts]
     want = [(0, []), (0, []), (1, [(0, 3.0)]), (1, [(0, 4.0)]), (0, []), (0, [])]
     assert got == want, f"want {want}, got {got}"
+
+
+def test_a_compute_copy_lagging_its_fp32_master_is_never_stuck() -> None:
+    """A bfloat16 weight near 1.0 at a learning rate of 2e-4: its update is a twentieth of the
+    rounding step, so the compute copy moves once in some 20 steps while the master accumulates;
+    every step between lost all of its (tiny) change, which is what master weights are for."""
+    table = [slot("norm.weight")]
+    lagging = [row(changed=10, lost=10, grad_amax=1.0, main_sq=1.0, update_sq=(0.05 * BF16_U) ** 2)]
+    tracker = attribution.Attribution(top_k=3, window=3)
+    found = [tracker.analyze(s, table, lagging, [ParamContext()], no_ranks) for s in range(1, 11)]
+    got = [(f.stuck, offenders(f, semconv.DIAGNOSTIC_STUCK)) for f in found]
+    assert got == [(0, [])] * 10, f"a lagging compute copy was named stuck: {got}"
+    crawling = [row(changed=10, lost=10, grad_amax=1.0, main_sq=1.0, update_sq=(0.9e-3 * BF16_U) ** 2)]
+    tracker = attribution.Attribution(top_k=3, window=3)
+    found = [tracker.analyze(s, table, crawling, [ParamContext()], no_ranks) for s in range(1, 4)]
+    assert found[-1].stuck == 1, "an update below 1e-3 of the rounding step, for the window: stuck"
 
 
 def test_unstepped_names_the_cause_and_spares_an_lr_of_zero() -> None:
@@ -271,3 +294,41 @@ def test_attribution_settings_defaults() -> None:
         env.precision_top_k({semconv.SETTING_PRECISION_TOP_K: "0"}),
         env.precision_detail({semconv.SETTING_PRECISION_DETAIL: "UNIT"}),
     ) == (0, "unit")
+
+
+def test_unstepped_weights_in_bfloat16_are_named_as_having_no_fp32_master() -> None:
+    """Pure bfloat16 training (vllm-project/speculators#765): main weights are the bfloat16 weights,
+    and updates below their resolution round away; the cause is the missing fp32 master."""
+    table = [ParamSlot("norm.weight", "", None, 0, 0, 0, 10, None, torch.bfloat16), slot("fc.weight")]
+    rows = [row(grad_amax=1.0), row(changed=10, lost=1, grad_amax=1.0, main_sq=1.0)]
+    contexts = [ParamContext(lr=1e-3)] * 2
+    tracker = attribution.Attribution(top_k=3, window=2)
+    tracker.analyze(1, table, rows, contexts, no_ranks)
+    findings = tracker.analyze(2, table, rows, contexts, no_ranks)
+    got = [(o.slot, o.cause) for o in findings.offenders if o.diagnostic == semconv.DIAGNOSTIC_UNSTEPPED]
+    want = [(0, semconv.UNSTEPPED_LOW_PRECISION_MASTER)]
+    assert got == want, f"want {want}, got {got}"
+
+
+def test_grad_underflow_counts_zeros_only_beside_grads_below_the_normal_range() -> None:
+    """fp16 grads without loss scaling (engichang1467/Open-Rig3R#35): a fully flushed parameter is
+    all zeros, a partly flushed one has grads below float16's normal range; an embedding's unused
+    rows are zeros too, and alone (no grad below the normal range anywhere) they are no underflow."""
+    table = [slot("fc1.weight"), slot("fc2.weight"), slot("embed.weight")]
+    underflowing = [row(grad_zero=10), row(grad_zero=2, grad_tiny=8, grad_amax=1e-5), row(grad_zero=9, grad_amax=0.5)]
+    findings = attribution.Attribution(top_k=3, window=3).analyze(
+        1, table, underflowing, [ParamContext()] * 3, no_ranks, underflow_measured=True
+    )
+    got = (findings.grad_underflow, offenders(findings, semconv.DIAGNOSTIC_GRAD_UNDERFLOW))
+    want = (29 / 30, [(0, 1.0), (1, 1.0), (2, 0.9)])
+    assert got == want, f"want {want}, got {got}"
+    sparse = [row(grad_amax=0.5), row(grad_amax=0.5), row(grad_zero=9, grad_amax=0.5)]
+    findings = attribution.Attribution(top_k=3, window=3).analyze(
+        1, table, sparse, [ParamContext()] * 3, no_ranks, underflow_measured=True
+    )
+    got = (findings.grad_underflow, offenders(findings, semconv.DIAGNOSTIC_GRAD_UNDERFLOW))
+    assert got == (0.0, []), f"an embedding's zero rows alone were named underflow: {got}"
+    findings = attribution.Attribution(top_k=3, window=3).analyze(
+        1, table, underflowing, [ParamContext()] * 3, no_ranks
+    )
+    assert findings.grad_underflow is None, "not measured (a GradScaler, or no float16): no value"

@@ -260,3 +260,35 @@ def test_failed_payload_marks_the_step_incomplete() -> None:
     rows, complete = ps.split_status(ps.reduce_gathered(torch.stack([good, good])))
     assert complete and float(rows.abs().sum()) == 0.0
     assert np.isnan(bad.numpy()).all()
+
+
+def test_grad_zeros_and_grads_below_a_normal_range_match_a_per_tensor_count() -> None:
+    """GRAD_ZERO and GRAD_TINY of each parameter, against counts on its own grad: float16's smallest
+    normal as the bound, grads of every magnitude, exact zeros and subnormal ones (fp32 main grads
+    of a float16 backward keep what it computed below that normal)."""
+    group, new = flat_group(seed=7, compute_dtype=torch.float16)
+    g = torch.Generator().manual_seed(8)
+    grad = torch.zeros(group.layout.shard_numel)
+    for p in group.layout.params:
+        n = p.local_numel
+        magnitude = 10.0 ** torch.randint(-12, 1, (n,), generator=g).float()
+        values = magnitude * torch.randn(n, generator=g)
+        values[torch.rand(n, generator=g) < 0.3] = 0.0
+        grad[p.offset : p.offset + n] = values
+    group.main_grad = grad
+    below = float(torch.finfo(torch.float16).tiny)
+    snapshot = take_snapshot([group])
+    group.main_weight.copy_(new)
+    group.compute_weight.copy_(group.main_weight)
+    table = ps.param_table([group])
+    rows = param_stats.local_rows(snapshot, [group], table, underflow_below=below).tolist()
+    got = {s.name: (rows[i][ps.GRAD_ZERO], rows[i][ps.GRAD_TINY]) for i, s in enumerate(table)}
+    want = {}
+    for p, name in zip(group.layout.params, NAMES, strict=True):
+        segment = grad[p.offset : p.offset + p.local_numel]
+        zeros = int((segment == 0).sum())
+        want[name] = (float(zeros), float(int((segment.abs() < below).sum()) - zeros))
+    assert got == want, f"want {want}, got {got}"
+    plain = param_stats.local_rows(take_snapshot([group]), [group], table).tolist()
+    unmeasured = [(r[ps.GRAD_ZERO], r[ps.GRAD_TINY]) for r in plain]
+    assert unmeasured == [(0.0, 0.0)] * len(table), f"counted without being asked: {unmeasured}"

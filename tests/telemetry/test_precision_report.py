@@ -78,9 +78,10 @@ def test_each_threshold_fires_on_its_line_and_names_the_bug(tmp_path: Path) -> N
         10: {"fsdp.precision.update.stuck": 1},
         11: {"fsdp.precision.state.flushed": 0.5},
         12: {"fsdp.precision.update.skipped": 1},
+        13: {"fsdp.precision.grad.underflow": 0.9},
     }
-    _write(tmp_path, diagnostics, steps=12)
-    got = _verdicts(tmp_path, lines=12)
+    _write(tmp_path, diagnostics, steps=13)
+    got = _verdicts(tmp_path, lines=13)
     want = [
         (1, 1, "healthy", []),
         (2, 2, "warning", ["lost_updates"]),
@@ -94,9 +95,10 @@ def test_each_threshold_fires_on_its_line_and_names_the_bug(tmp_path: Path) -> N
         (10, 10, "warning", ["stuck_weights"]),
         (11, 11, "warning", ["state_flushed"]),
         (12, 12, "warning", ["skipped_steps"]),
+        (13, 13, "problem", ["grad_underflow"]),
     ]
     assert got == want, got
-    text = precision_report.report(str(tmp_path), max_lines=12)
+    text = precision_report.report(str(tmp_path), max_lines=13)
     assert "overall: problem: NaN/Inf in gradients or weights, from step 3" in text, text
     line4 = next(line for line in text.splitlines() if line.strip().startswith("4-4"))
     # The overflow explains the Inf compute weights the non-finite count includes: named first.

@@ -1,0 +1,266 @@
+"""Low precision beyond the parameters: buffers, the loss, normalization statistics, accumulated
+main grads, and main weights rebuilt from their compute copy.
+
+The dtype-contract audit (:mod:`.dtype_contract`) checks what the optimizer holds. A
+mixed-precision bug is as often in what it does not hold: a RoPE ``inv_freq`` buffer that
+``model.bfloat16()`` rounded, a cross entropy computed on bfloat16 logits, an RMSNorm whose
+variance is a bfloat16 mean, microbatches summed into bfloat16 main grads, or fp32 master
+weights restored from the bfloat16 copy at a resume. Each check here runs once (at the first
+step, the first backward, the first forward, or after a load), never per step. No OpenTelemetry
+here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .. import semconv
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelFinding:
+    """One tensor of the model in a dtype too narrow for its role.
+
+    Attributes:
+        tensor: Its role: one of ``semconv.MODEL_AUDIT_TENSORS``.
+        where: A buffer's or module's fully qualified name, the loss's last operation, or a unit.
+        expected: The dtype its role needs.
+        actual: The dtype found.
+        detail: What it does, and the fix.
+    """
+
+    tensor: str
+    where: str
+    expected: torch.dtype
+    actual: torch.dtype
+    detail: str
+
+
+# -- buffers -----------------------------------------------------------------------------------
+
+
+def low_precision_buffers(root: nn.Module) -> list[ModelFinding]:
+    """Floating buffers of ``root`` in bfloat16/float16 (``model.bfloat16()`` casts buffers too)."""
+    found = []
+    for name, buffer in root.named_buffers():
+        if buffer is None or not buffer.is_floating_point() or buffer.dtype not in LOW_PRECISION:
+            continue
+        found.append(ModelFinding(
+            semconv.TENSOR_BUFFER, name, torch.float32, buffer.dtype,
+            f"a buffer rounded to {_name(buffer.dtype)} (model.{_name(buffer.dtype)}() casts buffers too; a RoPE "
+            "inv_freq loses position precision this way): keep buffers in float32, e.g. buffer.data = "
+            "buffer.data.float() after the cast, and cast the parameters only",
+        ))  # fmt: skip
+    return found
+
+
+# -- the loss ----------------------------------------------------------------------------------
+
+# Operations a loss is often wrapped in after it is computed: the first other node, walking back
+# from the loss, is where the loss was computed.
+_PASS_THROUGH = ("ToCopyBackward", "MeanBackward", "SumBackward", "DivBackward", "MulBackward", "AddBackward",
+                 "ViewBackward", "SqueezeBackward", "UnsqueezeBackward", "CloneBackward", "ExpandBackward")  # fmt: skip
+_SAVED = ("_saved_self", "_saved_result", "_saved_other", "_saved_input")
+
+
+def _saved_dtype(node: Any) -> torch.dtype | None:
+    for attribute in _SAVED:
+        try:
+            saved = getattr(node, attribute)
+        except (AttributeError, RuntimeError):  # absent, or freed by an earlier backward
+            continue
+        if isinstance(saved, torch.Tensor) and saved.is_floating_point():
+            return saved.dtype
+    return None
+
+
+def loss_precision(loss: torch.Tensor) -> ModelFinding | None:
+    """Whether the loss was computed in bfloat16/float16: its dtype, or that of the first operation
+    behind the casts and reductions it is wrapped in (``cross_entropy(logits).float()``)."""
+    if loss.dtype in LOW_PRECISION:
+        return ModelFinding(
+            semconv.TENSOR_LOSS, _op(loss.grad_fn), torch.float32, loss.dtype,
+            f"the loss is {_name(loss.dtype)}: compute it in float32 (cross_entropy(logits.float(), labels))",
+        )  # fmt: skip
+    node, depth = loss.grad_fn, 0
+    while node is not None and depth < 8:
+        name = type(node).__name__
+        if not name.startswith(_PASS_THROUGH):
+            dtype = _saved_dtype(node)
+            if dtype in LOW_PRECISION:
+                assert dtype is not None
+                return ModelFinding(
+                    semconv.TENSOR_LOSS, _op(node), torch.float32, dtype,
+                    f"the loss was computed from {_name(dtype)} values ({_op(node)}) and cast after: cast its "
+                    "input to float32 before the loss (cross_entropy(logits.float(), labels))",
+                )  # fmt: skip
+            return None
+        following = [f for f, _ in node.next_functions if f is not None]
+        node, depth = (following[0] if following else None), depth + 1
+    return None
+
+
+def _op(node: Any) -> str:
+    return type(node).__name__.removesuffix("0").removesuffix("Backward") if node is not None else "loss"
+
+
+# -- normalization statistics ----------------------------------------------------------------------
+
+# Reductions a normalization's statistics are made of.
+_STATISTICS = frozenset({"mean", "var", "std", "var_mean", "std_mean", "rsqrt", "sqrt", "pow", "square", "norm"})
+# torch.nn's own normalizations compute their statistics in float32 for bfloat16/float16 input.
+_NATIVE = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm,
+           *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))  # fmt: skip
+
+
+def _is_custom_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and not isinstance(module, _NATIVE)
+
+
+class _Reductions(TorchFunctionMode):
+    """Notes the low-precision statistics a module's forward computes."""
+
+    def __init__(self, seen: Callable[[str, torch.dtype], None]) -> None:
+        super().__init__()
+        self._seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in _STATISTICS and args and isinstance(args[0], torch.Tensor) and args[0].dtype in LOW_PRECISION:
+            self._seen(name, args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+class NormStatistics:
+    """Watches the first training forward of every custom normalization module of ``root`` (a class
+    named ``*Norm*`` that is not one of torch.nn's) for statistics computed in bfloat16/float16.
+
+    :attr:`findings` holds one per module found; :attr:`done` turns true after that forward, when
+    the hooks are gone.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.findings: list[ModelFinding] = []
+        self.done = False
+        self._active: list[tuple[str, TorchFunctionMode]] = []
+        self._named: set[str] = set()
+        self._handles = []
+        modules = [(name, m) for name, m in root.named_modules() if _is_custom_norm(m)]
+        for name, module in modules:
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
+            self._handles.append(module.register_forward_hook(functools.partial(self._exit, name), always_call=True))
+        self._handles.append(root.register_forward_hook(self._root_done, always_call=True))
+        if not modules:
+            self.remove()
+
+    def _enter(self, name: str, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        mode = _Reductions(functools.partial(self._seen, name))
+        mode.__enter__()
+        self._active.append((name, mode))
+
+    def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self._active and self._active[-1][0] == name:
+            _, mode = self._active.pop()
+            mode.__exit__(None, None, None)
+
+    def _seen(self, name: str, op: str, dtype: torch.dtype) -> None:
+        if name in self._named:
+            return
+        self._named.add(name)
+        self.findings.append(ModelFinding(
+            semconv.TENSOR_NORM_STATISTICS, name, torch.float32, dtype,
+            f"its statistics are computed in {_name(dtype)} ({op}): a mean of squares in {_name(dtype)} loses "
+            "precision (and overflows in float16); compute them in float32 (x.float().pow(2).mean(...)), or use "
+            "torch.nn.RMSNorm / LayerNorm, which do",
+        ))  # fmt: skip
+
+    def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self.remove()
+
+    def remove(self) -> None:
+        while self._active:
+            self._active.pop()[1].__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.done = True
+
+
+# -- what the optimizer's groups say -----------------------------------------------------------------
+
+
+def low_precision_accumulation(
+    groups: Iterable[tuple[str, torch.dtype | None]], microbatches: int
+) -> list[ModelFinding]:
+    """Groups whose grads sum ``microbatches`` backward passes in bfloat16/float16.
+
+    Args:
+        groups: ``(unit, dtype the grads accumulate in)`` per group (``None``: not known).
+        microbatches: Backward passes of one step.
+    """
+    if microbatches < 2:
+        return []
+    found = []
+    for unit, dtype in groups:
+        if dtype not in LOW_PRECISION:
+            continue
+        assert dtype is not None
+        bits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # significand bits: 8 for bfloat16
+        found.append(ModelFinding(
+            semconv.TENSOR_GRAD_ACCUMULATION, unit, torch.float32, dtype,
+            f"{microbatches} microbatches summed into {_name(dtype)} grads: each addition rounds to {bits} bits, "
+            f"an error of up to about {microbatches} x 2^-{bits} of the sum; accumulate in float32 (fully_shard: "
+            "MixedPrecisionPolicy(main_grads_dtype=torch.float32); torch FSDP2: "
+            "MixedPrecisionPolicy(reduce_dtype=torch.float32))",
+        ))  # fmt: skip
+    return found
+
+
+def rebuilt_from_compute(
+    params: Sequence[tuple[str, torch.Tensor, torch.dtype]], resumed_at: int
+) -> ModelFinding | None:
+    """Whether every main weight is exactly a value of its compute dtype after a resume: fp32
+    master weights restored from their bfloat16/float16 copy.
+
+    Args:
+        params: ``(name, main weight shard, compute dtype)`` of the parameters whose compute dtype
+            is narrower than their main dtype.
+        resumed_at: The step count the loaded optimizer state holds (the finding needs one: a
+            fresh run of a model cast to bfloat16 before sharding starts on that grid by design).
+    """
+    if resumed_at <= 0 or not params:
+        return None
+    elements = 0
+    for _, main, compute_dtype in params:
+        if main.numel() == 0:
+            continue
+        if not torch.equal(main.to(compute_dtype).to(main.dtype), main):
+            return None
+        elements += main.numel()
+    if not elements:
+        return None
+    name, main, compute_dtype = params[0]
+    return ModelFinding(
+        semconv.TENSOR_MAIN_WEIGHT, name, main.dtype, compute_dtype,
+        f"every main weight is exactly a {_name(compute_dtype)} value after a resume from step {resumed_at}: the "
+        f"fp32 master weights were rebuilt from the {_name(compute_dtype)} copy, and every update below its "
+        "resolution since the last save is lost at each resume; save and load the fp32 main weights (the sharded "
+        "model's state dict through torch.distributed.checkpoint)",
+    )  # fmt: skip
