@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -172,6 +172,10 @@ class Origin:
     microbatch: int
     detail: str = ""
 
+    def at(self, where: str) -> Origin:
+        """The same origin, named at ``where``."""
+        return replace(self, where=where)
+
 
 def _origin(checked: Checked, detail: str = "", stage: str | None = None) -> Origin:
     p = checked.probe
@@ -206,7 +210,9 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
             continue
         p = c.probe
         if p.stage == semconv.ORIGIN_REDUCE and p.when == AFTER:
-            return _origin(c, f"finite before the reduce-scatter in {p.dtype}, non-finite after it")
+            # Named in the dtype it was reduced in (the input's): the output may be kept wider.
+            dtype = _reduce_dtype(before_step, p.where)
+            return replace(_origin(c, f"finite before the reduce-scatter in {dtype}, non-finite after it"), dtype=dtype)
         if p.stage == semconv.ORIGIN_REDUCE:  # grads the backward left, about to be reduced
             return _origin(c, "its parameters' grads, before the reduce-scatter", semconv.ORIGIN_BACKWARD)
         if p.stage == semconv.ORIGIN_GRAD_WRITE and p.where == CLIP:
@@ -219,6 +225,16 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
                 c,
                 f"finite before the reduce-scatter in {_reduce_dtype(before_step, p.where)}, non-finite at the step",
                 semconv.ORIGIN_REDUCE,
+            )
+        if p.stage == semconv.ORIGIN_BACKWARD and not p.when:
+            # The grad of a unit's output is made by the backward of what consumed that output:
+            # the unit that ran after it in the forward, or the loss after the root.
+            consumer = _consumer(before_step, p.where, p.microbatch)
+            if consumer is None:
+                return _origin(c, f"the grad of the root's output ({p.where or 'the root'}) was not finite: the "
+                                  "loss's backward made it", semconv.ORIGIN_BACKWARD).at("loss")  # fmt: skip
+            return _origin(c, f"the grad of its input ({p.where}'s output) was not finite, of its output finite").at(
+                consumer
             )
         if p.stage == semconv.ORIGIN_FORWARD and p.when == INPUT:
             return _origin(c, "the model's input (the batch) already held it")
@@ -246,6 +262,17 @@ def _reduced_without_output_check(checks: Sequence[Checked], where: str) -> bool
 
 def _reduce_dtype(checks: Sequence[Checked], where: str) -> str:
     for c in checks:
-        if c.probe.stage == semconv.ORIGIN_REDUCE and c.probe.where == where:
+        if c.probe.stage == semconv.ORIGIN_REDUCE and c.probe.where == where and c.probe.when == BEFORE:
             return c.probe.dtype
     return "?"
+
+
+def _consumer(checks: Sequence[Checked], unit: str, microbatch: int) -> str | None:
+    """The unit whose forward ran next after ``unit``'s in ``microbatch`` (``None``: none did)."""
+    order = [c.probe.where for c in checks
+             if c.probe.stage == semconv.ORIGIN_FORWARD and c.probe.when != INPUT and c.probe.microbatch == microbatch]  # fmt: skip
+    if unit not in order:
+        return None
+    last = len(order) - 1 - order[::-1].index(unit)
+    following = [where for where in order[last + 1 :] if where != unit]
+    return following[0] if following else None

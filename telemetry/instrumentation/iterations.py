@@ -64,7 +64,9 @@ class IterationWatch:
         self.escalation = env.precision_escalation() if every else 0
         self._groups_key: tuple[int, ...] | None = None
         self._groups: list[Any] = []
-        self._checked: list[CheckedGroup] = []
+        self._table: list[Any] = []
+        self._names: list[str] = []
+        self._named = False
         self.escalated_until = 0
         self._step = 0
         self._closed_step = 0
@@ -107,14 +109,24 @@ class IterationWatch:
                     flat.setdefault(id(group), group)
             self._groups = [*flat.values(), *fsdp2_groups(params)]
             self._groups_key = key
-            self._checked = []
-            table = param_table(self._groups)
-            for index, group in enumerate(self._groups):
-                w = weights_of(group, None)
-                params = [(slot.name, w.mains[slot.tensor][slot.start : slot.start + slot.length])
-                          for slot in table if slot.group == index and slot.length]  # fmt: skip
-                self._checked.append((_group_name(group), [g for g in w.grads if g is not None], list(w.mains), params))
+            self._named = False
+        if not self._named and self._step:
+            # torch FSDP2 names its parameters and units at its lazy initialization, in the first
+            # forward: read the names at the first step.
+            self._named = True
+            self._table = [slot for slot in param_table(self._groups) if slot.length]
+            self._names = [_group_name(group) for group in self._groups]
         return self._groups
+
+    def _checked_groups(self) -> list[CheckedGroup]:
+        """Each group's tensors as they are now: its buffers may have been re-made since the last step."""
+        checked: list[CheckedGroup] = []
+        for index, group in enumerate(self._optimizer_groups()):
+            w = weights_of(group, None)
+            params = [(slot.name, w.mains[slot.tensor][slot.start : slot.start + slot.length])
+                      for slot in self._table if slot.group == index]  # fmt: skip
+            checked.append((self._names[index], [g for g in w.grads if g is not None], list(w.mains), params))
+        return checked
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -125,18 +137,19 @@ class IterationWatch:
         self._report([w.resolve() for w in self.watches], span, rank)
         if not self.watches:
             return
-        self._optimizer_groups()
+        checked = self._checked_groups()
         self._audit_model(step, span)
         for watch in self.watches:
-            watch.check_step_begin(self._checked)
+            watch.check_step_begin(checked)
 
     def end_step(self, span: Span | None, completed: bool) -> None:
         """At the end of the step: the main weights after the update; the iteration closed."""
         if not self.watches:
             return
         if completed:
+            checked = self._checked_groups()
             for watch in self.watches:
-                watch.check_step_end(self._checked)
+                watch.check_step_end(checked)
             microbatches = max(w.backward_count for w in self.watches)
             for finding in low_precision_accumulation(self._accumulation_dtypes(), microbatches):
                 self._name(finding, self._step, span)

@@ -220,7 +220,9 @@ class ModelWatch:
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._patched_groups: list[Any] = []
+        self._patched_states: list[Any] = []
         self._handles.append(model.root.register_forward_pre_hook(self._model_input))
+        fsdp2_units: list[tuple[str, Any]] = []
         for name, unit in model.units:
             self._handles.append(unit.register_forward_hook(functools.partial(self._unit_output, name)))
             state = getattr(unit, "_fsdp_state", None)
@@ -228,6 +230,9 @@ class ModelWatch:
                 self._handles.append(group.register_reduce_hook(functools.partial(self._reduced, name)))
             for group in _fsdp2_param_groups(unit):
                 self._patch_fsdp2_post_backward(group, name)
+                fsdp2_units.append((name, group))
+        if fsdp2_units:
+            self._patch_fsdp2_final_callback(model.root, fsdp2_units)
 
     @property
     def root(self) -> nn.Module | None:
@@ -280,6 +285,34 @@ class ModelWatch:
 
         group.post_backward = post_backward
         self._patched_groups.append(group)
+
+    def _patch_fsdp2_final_callback(self, root: nn.Module, units: list[tuple[str, Any]]) -> None:
+        """FSDP2 finishes its reduce-scatters in the root's final backward callback: check each
+        unit's reduced grads after it (an instance attribute over the class's method, which FSDP2
+        queues by attribute at each backward; removed by :meth:`remove`)."""
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+        except ImportError:  # pragma: no cover - torch built without distributed
+            return
+        state = _get_module_fsdp_state(root)
+        original = getattr(type(state), "_root_post_backward_final_callback", None)
+        if state is None or original is None:
+            return
+        watch_ref = weakref.ref(self)
+
+        def final_callback(*args: Any, **kwargs: Any) -> Any:
+            result = original(state, *args, **kwargs)
+            watch = watch_ref()
+            if watch is not None:
+                for name, group in units:
+                    for fsdp_param in group.fsdp_params:
+                        grad = getattr(fsdp_param.sharded_param, "grad", None)
+                        if grad is not None:
+                            watch.log.check(semconv.ORIGIN_REDUCE, name, grad, AFTER)
+            return result
+
+        state.__dict__["_root_post_backward_final_callback"] = final_callback
+        self._patched_states.append(state)
 
     def before_backward(self, tensors: Any) -> None:
         """``torch.autograd.backward(tensors)`` is about to run: the loss, checked."""
@@ -407,6 +440,9 @@ class ModelWatch:
         for group in self._patched_groups:
             group.__dict__.pop("post_backward", None)
         self._patched_groups.clear()
+        for state in self._patched_states:
+            state.__dict__.pop("_root_post_backward_final_callback", None)
+        self._patched_states.clear()
 
 
 def _backend(group: Any) -> str:

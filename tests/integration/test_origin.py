@@ -1,0 +1,189 @@
+"""Where a NaN/Inf began: a fault planted in one named place is reported at its step, with that
+place and the part of the iteration it began in, for ``fully_shard`` and torch FSDP2 models.
+
+Each run trains the tiny transformer (uneven shards on 2 and 4 ranks) with telemetry's embedded
+default writing trace files, and reads the precision report of those files as ``fsdp-patch
+report --json`` gives it. The fault is planted at step ``PLANT`` in one place, by a hook or a
+write a user's code could make: nothing of the product is patched.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import models
+from tests.integration.otel_training import environment, reset_otel
+
+STEPS = 6
+PLANT = 3
+KINDS = ("fully_shard", "fsdp2")
+
+# (stage, where) each planted fault must be reported as; ranks where the report may name it.
+WANT = {
+    "weight_write": ("weight_write", "blocks.1.fc2.weight"),
+    "forward": ("forward", "blocks.1"),
+    "loss": ("loss", "loss"),
+    "backward": ("backward", "blocks.1"),
+    "grad_write": ("grad_write", "blocks.0"),
+    "optimizer": ("optimizer", "head.weight"),
+}
+
+
+def _shard(model: torch.nn.Module, kind: str, **policy: Any) -> torch.nn.Module:
+    if kind == "fully_shard":
+        from fsdp_patch import MixedPrecisionPolicy
+
+        return models.shard_model(model, mp_policy=MixedPrecisionPolicy(**policy))
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
+    from torch.distributed.fsdp import fully_shard
+
+    mp_policy = FSDP2Policy(**policy)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class _NaNInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.nan
+
+
+def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[str, Any]:
+    """Train STEPS steps with ``fault`` planted at step PLANT (``healthy``: none); returns the
+    final main weights' local shards and whether the process-wide wrappers are gone afterwards."""
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_PRECISION_EVERY": every,
+                "FSDP_PATCH_SUMMARY": "none", "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    if trace_dir == "":
+        settings["FSDP_PATCH_TELEMETRY"] = None
+    originals = _process_wide()
+    with environment(**settings):
+        reset_otel()
+        model = _shard(models.make_model(0), kind)
+        head = [p for name, p in model.named_parameters() if name == "head.weight"]
+        rest = [p for name, p in model.named_parameters() if name != "head.weight"]
+        optimizer = torch.optim.AdamW([{"params": rest}, {"params": head}], lr=1e-3)
+        fully_shard_optimizer(optimizer)
+        for step, tokens in enumerate(models.make_batches(STEPS), start=1):
+            planted = step == PLANT
+            handles = []
+            if planted and fault == "forward":
+                handles.append(model.blocks[1].fc1.register_forward_hook(lambda m, a, out: out * math.inf))
+            if planted and fault == "backward":
+                handles.append(model.blocks[1].fc1.register_forward_hook(lambda m, a, out: _NaNInBackward.apply(out)))
+            batch = models.rank_slice(tokens, rank, world)
+            loss = models.lm_loss(model, batch)
+            if planted and fault == "loss":
+                loss = loss * math.inf
+            loss.backward()
+            for handle in handles:
+                handle.remove()
+            if planted and fault == "grad_write":
+                grad = model.blocks[0].fc1.weight.grad
+                with torch.no_grad():
+                    _local(grad).view(-1)[0] = math.nan
+            if planted and fault == "optimizer":
+                optimizer.param_groups[1]["lr"] = math.nan
+            optimizer.step()
+            optimizer.zero_grad()
+            if planted and fault == "optimizer":
+                optimizer.param_groups[1]["lr"] = 1e-3
+            if step == PLANT - 1 and fault == "weight_write" and rank == 0:
+                with torch.no_grad():
+                    _local(model.blocks[1].fc2.weight).view(-1)[0] = math.nan
+        weights = [_local(p).detach().clone() for p in model.parameters()]
+        from fsdp_patch import telemetry
+
+        telemetry.shutdown()
+        del optimizer, model, head, rest
+        gc.collect()
+        restored = _process_wide() == originals
+        reset_otel()
+    return {"weights": weights, "restored": restored}
+
+
+def _process_wide() -> tuple[Any, ...]:
+    return (torch.autograd.backward, torch.amp.GradScaler.step, torch.nn.utils.clip_grad_norm_,
+            torch.nn.utils.clip_grad.clip_grad_norm_)  # fmt: skip
+
+
+def _report(trace_dir: Path) -> dict[str, Any]:
+    from fsdp_patch.telemetry.offline.precision_report import report_json
+
+    return report_json(str(trace_dir))
+
+
+def _run(dist_pool: Any, world: int, kind: str, fault: str, tmp_path: Path, every: str) -> dict[str, Any]:
+    trace_dir = tmp_path / f"{kind}-{fault}-{every}"
+    os.makedirs(trace_dir, exist_ok=True)
+    results = dist_pool(world).run(origin_training, kind, fault, str(trace_dir), every)
+    assert all(r["restored"] for r in results), (
+        "torch.autograd.backward, GradScaler.step or clip_grad_norm_ still wrapped after the optimizer is gone"
+    )
+    return _report(trace_dir)
+
+
+@pytest.mark.parametrize("every", ["1", "100"])
+@pytest.mark.parametrize("fault", sorted(WANT))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_planted_fault_is_reported_where_and_when_it_began(dist_pool, tmp_path, kind, fault, every) -> None:
+    report = _run(dist_pool, 2, kind, fault, tmp_path, every)
+    origin = report["origin"]
+    want_stage, want_where = WANT[fault]
+    got = None if origin is None else (origin["step"], origin["stage"], origin["where"])
+    assert got == (PLANT, want_stage, want_where), (
+        f"{kind}, {fault} at step {PLANT}, diagnostics every {every}: want the origin {(PLANT, want_stage, want_where)}, "
+        f"got {got}; the report leads with {report['findings'][:1]}"
+    )
+    lead = report["findings"][0]
+    assert lead["check"] == "origin", f"{kind}, {fault}: want the report to lead with the origin, it leads with {lead}"
+    if fault == "weight_write":
+        assert origin["ranks"] == [0], f"{kind}: the write was on rank 0's shard only, got ranks {origin['ranks']}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_four_ranks_the_origin_is_the_same(dist_pool, tmp_path, kind) -> None:
+    for fault in ("weight_write", "backward"):
+        report = _run(dist_pool, 4, kind, fault, tmp_path, "100")
+        origin = report["origin"]
+        got = None if origin is None else (origin["step"], origin["stage"], origin["where"])
+        want = (PLANT, *WANT[fault])
+        assert got == want, f"{kind}, {fault}, 4 ranks: want {want}, got {got}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_healthy_run_reports_no_origin_and_trains_as_with_telemetry_off(dist_pool, tmp_path, kind) -> None:
+    report = _run(dist_pool, 2, kind, "healthy", tmp_path, "100")
+    assert report["origin"] is None and report["verdict"] == "healthy", (
+        f"{kind}: a healthy run reported {report['origin']}, verdict {report['verdict']}: {report['findings']}"
+    )
+    on = dist_pool(2).run(origin_training, kind, "forward", str(tmp_path / "on"), "1")
+    off = dist_pool(2).run(origin_training, kind, "forward", "", "1")
+    for rank, (a, b) in enumerate(zip(on, off, strict=True)):
+        same = [
+            torch.equal(x.view(torch.int32), y.view(torch.int32))
+            for x, y in zip(a["weights"], b["weights"], strict=True)
+        ]
+        assert all(same), (
+            f"{kind}, rank {rank}: weights after an escalated run differ with telemetry on and off: {same}"
+        )

@@ -1,0 +1,127 @@
+"""Where an iteration's first NaN/Inf began, from the checks it ran, in the order it ran them.
+
+Each case is an iteration's checks as a rank records them (``ProbeLog`` order: the model's input,
+each unit's output in the forward, the loss, grads in the backward and around each reduce, then
+at the step the main grads, each parameter's main weight before the update, each group's after),
+with the value each held; :func:`find_origin` names the stage and the place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fsdp_patch.telemetry import semconv
+from fsdp_patch.telemetry.diagnostics.origin import (
+    AFTER,
+    BEFORE,
+    CLIP,
+    INPUT,
+    Checked,
+    Origin,
+    Probe,
+    ProbeLog,
+    find_origin,
+)
+
+NAN, INF = math.nan, math.inf
+FWD, LOSS, BWD, RED, GW, WW = (semconv.ORIGIN_FORWARD, semconv.ORIGIN_LOSS, semconv.ORIGIN_BACKWARD,
+                               semconv.ORIGIN_REDUCE, semconv.ORIGIN_GRAD_WRITE, semconv.ORIGIN_WEIGHT_WRITE)  # fmt: skip
+
+
+def c(stage: str, where: str, value: float = 1.0, when: str = "", dtype: str = "bfloat16", group: str = "") -> Checked:
+    return Checked(Probe(stage, where, dtype, when, 0, group), min(value, -1.0) if value == value else value, value)
+
+
+def healthy_iteration(**bad: float) -> list[Checked]:
+    """One iteration of a model whose root holds blocks.0 and blocks.1 (units), a value per check."""
+    v = {"input": 1.0, "b0": 1.0, "b1": 1.0, "root": 1.0, "loss": 1.0, "g_root": 1.0, "g_b1": 1.0, "r_b1": 1.0,
+         "g_b0": 1.0, "r_b0": 1.0, "r_b0_after": 1.0, "r_b1_after": 1.0, "at_step_b0": 1.0, "w_b0": 1.0,
+         "w_after_b0": 1.0, **bad}  # fmt: skip
+    return [
+        c(FWD, "", v["input"], INPUT),
+        c(FWD, "blocks.0", v["b0"]),
+        c(FWD, "blocks.1", v["b1"]),
+        c(FWD, "", v["root"]),
+        c(LOSS, "loss", v["loss"], dtype="float32"),
+        c(BWD, "", v["g_root"]),
+        c(BWD, "blocks.1", v["g_b1"]),
+        c(RED, "blocks.1", v["r_b1"], BEFORE),
+        c(BWD, "blocks.0", v["g_b0"]),
+        c(RED, "blocks.0", v["r_b0"], BEFORE, dtype="float16"),
+        c(RED, "blocks.1", v["r_b1_after"], AFTER, dtype="float32"),
+        c(RED, "blocks.0", v["r_b0_after"], AFTER, dtype="float32"),
+        c(GW, "blocks.0", v["at_step_b0"], dtype="float32"),
+        c(WW, "blocks.0.fc.weight", v["w_b0"], BEFORE, dtype="float32", group="blocks.0"),
+        c(WW, "blocks.0", v["w_after_b0"], AFTER, dtype="float32"),
+    ]
+
+
+def where(origin: Origin | None) -> tuple[str, str] | None:
+    return None if origin is None else (origin.stage, origin.where)
+
+
+# Every later check of the iteration holds the NaN too: the origin is the first in the order
+# the iteration runs, except weights written before it began.
+CASES = {
+    "all finite": ({}, None),
+    "the batch": ({"input": NAN, "b0": NAN, "b1": NAN, "root": NAN}, (FWD, "")),
+    "a unit's output": ({"b1": INF, "root": NAN, "loss": NAN}, (FWD, "blocks.1")),
+    "the loss": ({"loss": NAN, "g_root": NAN, "g_b1": NAN}, (LOSS, "loss")),
+    # The grad of blocks.0's output is made by blocks.1's backward, which consumed that output.
+    "the backward of the unit that consumed an output": ({"g_b0": NAN, "r_b0": NAN}, (BWD, "blocks.1")),
+    # blocks.1's own parameters' grads, before they are reduced.
+    "a unit's parameter grads": ({"r_b1": NAN, "g_b0": NAN}, (BWD, "blocks.1")),
+    "the loss's backward": ({"g_root": NAN, "g_b1": NAN}, (BWD, "loss")),
+    "the reduce": ({"r_b0_after": INF, "at_step_b0": INF}, (semconv.ORIGIN_REDUCE, "blocks.0")),
+    "between backward and step": ({"at_step_b0": NAN}, (GW, "blocks.0")),
+    "a weight written between steps": ({"w_b0": NAN, "b0": NAN, "root": NAN, "loss": NAN}, (WW, "blocks.0.fc.weight")),
+    "the optimizer": ({"w_after_b0": NAN}, (semconv.ORIGIN_OPTIMIZER, "blocks.0")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_origin_is_the_first_stage_that_held_it(case: str) -> None:
+    bad, want = CASES[case]
+    got = where(find_origin(healthy_iteration(**bad)))
+    assert got == want, f"{case}: want {want}, got {got}"
+
+
+def test_a_reduce_is_named_in_the_dtype_it_reduced_in() -> None:
+    origin = find_origin(healthy_iteration(r_b0_after=INF, at_step_b0=INF))
+    assert origin is not None and origin.dtype == "float16", f"want the reduce input's float16, got {origin}"
+
+
+def test_weights_the_previous_update_left_non_finite_are_no_new_origin() -> None:
+    checks = healthy_iteration(w_b0=NAN, b0=NAN, root=NAN, loss=NAN)
+    got = find_origin(checks, previous_after_finite={"blocks.0": False})
+    assert got is None, f"the previous step's NaN, already reported there, was reported again: {got}"
+
+
+def test_a_clip_whose_norm_was_infinite_is_named() -> None:
+    checks = healthy_iteration()
+    checks.insert(12, c(GW, CLIP, INF, dtype="float32"))
+    origin = find_origin(checks)
+    assert where(origin) == (GW, CLIP) and origin is not None and "grads zeroed" in origin.detail, origin
+
+
+def test_a_reduce_whose_output_is_not_checked_is_named_from_the_grads_at_the_step() -> None:
+    """torch FSDP2 reduces out of sight when its root's final callback is not reached: the grads at
+    the step are then the reduce's output."""
+    checks = [x for x in healthy_iteration(at_step_b0=INF) if x.probe.when != AFTER or x.probe.stage != RED]
+    got = find_origin(checks)
+    assert where(got) == (semconv.ORIGIN_REDUCE, "blocks.0"), got
+
+
+def test_the_log_reads_back_each_check_in_order() -> None:
+    log = ProbeLog()
+    log.check(FWD, "a", torch.tensor([1.0, -2.0]))
+    log.check(FWD, "skipped: not floating", torch.tensor([1, 2]))
+    log.check(FWD, "skipped: empty", torch.empty(0))
+    log.check(FWD, "b", torch.tensor([NAN, 1.0], dtype=torch.bfloat16))
+    log.microbatch = 1
+    log.check(LOSS, "loss", torch.tensor(INF))
+    got = [(x.probe.where, x.probe.dtype, x.probe.microbatch, x.finite, x.nan) for x in log.read(log.stacked())]
+    want = [("a", "float32", 0, True, False), ("b", "bfloat16", 0, False, True), ("loss", "float32", 1, False, False)]
+    assert got == want, f"want {want}, got {got}"
