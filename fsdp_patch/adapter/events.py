@@ -4,8 +4,7 @@ The adapter tells an observer *what happened* (a step began with this plan, this
 grads were cast, its compute weights refreshed, ...); the observer (``fsdp_patch.telemetry``)
 decides how that becomes spans, attributes and metrics, whose names live in
 ``telemetry/semconv.py`` only. The step sequence (``step_sequence.py``) reports to an observer
-under both attachments: the wrapt attachment's (telemetry), or the hook attachment's
-:class:`NullObserver`.
+at every step: telemetry's, or with telemetry off a :class:`NullObserver`.
 """
 
 from __future__ import annotations
@@ -156,8 +155,8 @@ _NOTHING = _Nothing()
 class NullObserver:
     """Observes nothing; counts steps so that a later observer continues the numbering.
 
-    The hook attachment's observer, and the one installed on a wrapt-attached optimizer whose
-    telemetry was turned off (uninstrumented).
+    The observer of every optimizer adapted with telemetry off, and the one installed when
+    telemetry is turned off (uninstrumented).
 
     Args:
         step_count: Steps already taken.

@@ -1,8 +1,14 @@
-"""Opt-in attachment: a wrapt wrapper on the instance's ``step`` and ``zero_grad``.
+"""The attachment: a wrapt wrapper on the instance's ``step`` and ``zero_grad``.
 
-Chosen when telemetry is on (``FSDP_PATCH_TELEMETRY=1``): wrapping the call, rather than
-hooking before and after it, lets one span enclose the whole step, time each phase, and put
-the original grads back in a ``finally`` when the optimizer's own update raises.
+The same with telemetry on or off; only the observer differs (telemetry's, or a
+:class:`~.events.NullObserver`). Wrapping the call, rather than hooking before and after it,
+lets one span enclose the whole step, time each phase, and put the original grads back as an
+exception raised by the optimizer's own update (or by a step hook) passes through.
+
+Order with the user's own step hooks: torch runs them inside ``Optimizer.step``, so every
+global and instance pre- and post-hook, registered before or after the adaptation, runs inside
+the wrapper: all of them see the cast grads, and the post-hooks see the updated main weights
+before their compute copy is refreshed.
 
 Composition with learning-rate schedulers: ``LRScheduler`` re-wraps ``optimizer.step`` by
 binding ``optimizer.step.__func__`` to the optimizer. A plain bound wrapper would hand out the
@@ -10,6 +16,12 @@ class's raw function there and be silently bypassed, so the bound wrapper's ``__
 the unbound wrapper itself: re-binding it yields this wrapper again. A scheduler created
 before the adaptation is wrapped as it stands, which keeps its ``_wrapped_by_lr_sched`` mark
 visible through the proxy.
+
+Alternatives considered:
+    - torch's per-instance step pre/post hooks (Megatron-FSDP's adapter design): they cannot
+      enclose the update, so an exception raised by it (or by a hook registered after ours)
+      leaves the cast grads on the parameters until something repairs them, and a span cannot
+      enclose the step.
 """
 
 from __future__ import annotations
@@ -40,8 +52,6 @@ class _MethodWrapper(wrapt.FunctionWrapper):
 
 class WraptAttachment:
     """Encloses the step sequence around the optimizer's own step, in the observer's step span."""
-
-    kind = "wrapt"
 
     def __init__(self, optimizer: torch.optim.Optimizer, sequence: StepSequence, observer: StepObserver) -> None:
         self._sequence = sequence
