@@ -163,19 +163,27 @@ class NullObserver:
     """
 
     def __init__(self, step_count: int = 0) -> None:
-        self._step_count = step_count
+        # One scope and one context, reused at every step: nothing is allocated per step.
+        self._scope = _NullScope(step_count)
+        self._stepping = _Nothing(self._scope)
 
     @property
     def step_count(self) -> int:
-        return self._step_count
+        return self._scope.step_number
 
     @property
     def collective_settings(self) -> tuple[bool, int]:
         return (False, 0)
 
+    def count_step(self) -> StepScope:
+        """Counts one step and returns its scope: :meth:`step` without the context, for a
+        caller with nothing to enclose."""
+        self._scope.step_number += 1
+        return self._scope
+
     def step(self) -> AbstractContextManager[StepScope]:
-        self._step_count += 1
-        return _Nothing(_NullScope(self._step_count))
+        self.count_step()
+        return self._stepping
 
     def phase(self, phase: Phase) -> AbstractContextManager[None]:
         return _NOTHING
