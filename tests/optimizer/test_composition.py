@@ -355,8 +355,8 @@ def _undo(observer: str, scheduler: str) -> None:
         remove_fully_shard_optimizer(opt)
         remove_fully_shard_optimizer(opt)  # a no-op now
         # Keys torch adds without any adapter: the scheduler's wrapper marks _opt_called, and a
-        # scheduler created after the adaptation installs its own `step` (under wrapt it wraps
-        # our wrapper, which stays inside it and passes calls through).
+        # scheduler created after the adaptation installs its own `step` (it wraps our wrapper,
+        # which stays inside it and passes calls through).
         torch_keys = {"_opt_called"} if sched is not None else set()
         if scheduler == "after":
             torch_keys.add("step")
