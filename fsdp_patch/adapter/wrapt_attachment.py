@@ -85,7 +85,8 @@ class WraptAttachment:
         self._observer = observer
         # Telemetry off: no span to open and nothing to time, so the wrapper skips the step's
         # and the inner step's contexts (about 1 us of Python per step) and zero_grad's; the
-        # sequence runs and reports as ever (to no-ops). A subclass may observe: not skipped.
+        # sequence runs and reports to it like to any observer (no-ops). A subclass may
+        # observe something: not skipped.
         self._null = observer if type(observer) is NullObserver else None
 
     # ------------------------------------------------------------------ step
