@@ -9,9 +9,9 @@
    (a cast, restore and refresh per tensor, as a hand-written adapter would do).
 3. ``scaling``: 10 to 10,000 tensors at 2.56M elements in all: (adapter - floor) per parameter,
    and the slope of a least-squares line through it.
-4. ``attachments``: fp32 everywhere, nothing cast: the hook attachment against no adapter, the
-   wrapt attachment (no telemetry) against the hooks; and ``fully_shard``'s own forward/backward
-   hooks per unit (``benchmarks.hook_overhead``).
+4. ``attachments``: fp32 everywhere, nothing cast: the adapter's attachment (the wrapt wrapper,
+   telemetry off) against no adapter; and ``fully_shard``'s own forward/backward hooks per unit
+   (``benchmarks.hook_overhead``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fsdp_patch import keep_cast_buffers
-from fsdp_patch.adapter import NullObserver, adapt_optimizer
+from fsdp_patch.adapter import adapt_optimizer
 
 from .common import CaseResult, Clock, median, paired, paired_ratio, process_group, target_row
 from .flat_model import NoStep, PerTensorCast, flat_copy_floor, many_params
@@ -30,9 +30,8 @@ from .flat_model import NoStep, PerTensorCast, flat_copy_floor, many_params
 __all__ = ["attachments", "floor", "scaling", "step"]
 
 
-def _adapt(optimizer: torch.optim.Optimizer, attachment: str = "hooks") -> torch.optim.Optimizer:
-    factory = NullObserver if attachment == "wrapt" else None
-    adapt_optimizer(optimizer, precision_aware=False, attachment=attachment, observer_factory=factory)
+def _adapt(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    adapt_optimizer(optimizer, precision_aware=False)  # telemetry off: a NullObserver
     return optimizer
 
 
@@ -189,26 +188,16 @@ def attachments(device: str, quick: bool) -> CaseResult:
         clock = Clock(dev)
         model = many_params(count, numel, dev, compute=torch.float32)
         bare = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
-        hooks = _adapt(torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True))
-        wrapt = _adapt(torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True), "wrapt")
-        times = paired(
-            {"bare": _timed(clock, bare.step), "hooks": _timed(clock, hooks.step), "wrapt": _timed(clock, wrapt.step)},
-            rounds,
-        )
+        adapted = _adapt(torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True))
+        times = paired({"bare": _timed(clock, bare.step), "adapted": _timed(clock, adapted.step)}, rounds)
         units = hook_overhead.run(rounds=60 if quick else 300) if device == "cpu" else None
     medians = {name: median(values) * 1e3 for name, values in times.items()}
     rows = [
         target_row(
             "4 attachments",
-            "hooks / no adapter (fp32, nothing cast)",
-            paired_ratio(times, "hooks", "bare"),
-            note=f"{count} x {numel}, SGD foreach: {medians['hooks']:.2f} vs {medians['bare']:.2f} ms",
-        ),
-        target_row(
-            "4 attachments",
-            "wrapt (no telemetry) / hooks",
-            paired_ratio(times, "wrapt", "hooks"),
-            note=f"{medians['wrapt']:.2f} vs {medians['hooks']:.2f} ms",
+            "adapter (telemetry off) / no adapter (fp32, nothing cast)",
+            paired_ratio(times, "adapted", "bare"),
+            note=f"{count} x {numel}, SGD foreach: {medians['adapted']:.2f} vs {medians['bare']:.2f} ms",
         ),
     ]
     if units is not None:

@@ -2,7 +2,7 @@
 
 One model (``torch.distributed.fsdp.fully_shard`` per block and the root, bf16 ``param_dtype``,
 fp32 shards) and three AdamW optimizers over its parameters, all adapted with
-``fully_shard_optimizer``: one with telemetry off (torch's step hooks), one with telemetry on and
+``fully_shard_optimizer``: one with telemetry off (a ``NullObserver``), one with telemetry on and
 the whole-model precision diagnostics on **every** step (``FSDP_PATCH_PRECISION_EVERY=1``,
 ``FSDP_PATCH_PRECISION_TOP_K=0``, embedded default exporters), one with the per-parameter
 attribution too (the default). Training steps rotate between them, so drift of the machine hits

@@ -6,7 +6,7 @@ Cases (see each module's docstring for what is measured and against what):
  1    ``floor``        adapter work vs the flat-copy floor, few large tensors (``adapter_cost``)
  2    ``step``         adapted vs bare step, 2000 x 256; adapter vs a per-tensor cast loop
  3    ``scaling``      adapter cost per parameter, 10 to 10,000 tensors
- 4    ``attachments``  nothing cast: hooks vs no adapter, wrapt vs hooks; ``fully_shard`` hooks
+ 4    ``attachments``  nothing cast: the adapter (telemetry off) vs none; ``fully_shard`` hooks
  5    ``telemetry``    telemetry on, diagnostics every step (whole-model, attribution) vs off
  6    ``end_to_end``   ours vs torch FSDP2 on the demo transformer, 2 ranks (``end_to_end``)
 ====  ===============  =========================================================================

@@ -1,8 +1,8 @@
 """Telemetry overhead: training step time with telemetry on versus off (case 5 of the suite).
 
 All settings run in one process, side by side: one sharded model and one AdamW optimizer per
-setting over its parameters, each adapted with ``fully_shard_optimizer``: telemetry off (torch's
-step hooks), telemetry on with the embedded default exporter and diagnostics off, telemetry on
+setting over its parameters, each adapted with ``fully_shard_optimizer``: telemetry off (a
+``NullObserver``), telemetry on with the embedded default exporter and diagnostics off, telemetry on
 with the whole-model precision diagnostics on every step (``FSDP_PATCH_PRECISION_TOP_K=0``: no
 per-parameter detail), and the same with the per-parameter attribution (the default). Steps
 rotate between them so that drift in machine speed hits all alike; ratios are medians of

@@ -5,19 +5,26 @@ the grads of FSDP groups whose grad dtype differs from their main-weight dtype (
 group buffer), runs the optimizer's own step, puts the original grads back, and refreshes the
 compute copy of every group the optimizer touched.
 
-Attachment, chosen by the observer source registered in ``adapter.observer_source``
-(telemetry's, following ``FSDP_PATCH_TELEMETRY`` and the telemetry instrumentor):
+Attachment: a wrapt wrapper on the instance's ``step`` and ``zero_grad``
+(``adapter/wrapt_attachment.py``), telemetry on or off. The wrapper encloses the optimizer's
+own step, so an exception raised inside it (by the update or by a step hook) passes through
+after the original grads are back. What differs is the observer the step reports to, chosen by
+the observer source registered in ``adapter.observer_source`` (telemetry's, following
+``FSDP_PATCH_TELEMETRY`` and the telemetry instrumentor):
 
-- unset, ``0``, ``false``, not instrumented: torch's step pre/post hooks; no OpenTelemetry
-  call on the step, and with the variable unset nothing of ``fsdp_patch.telemetry`` imported.
+- unset, ``0``, ``false``, not instrumented: a ``NullObserver``; no OpenTelemetry call on the
+  step, and with the variable unset nothing of ``fsdp_patch.telemetry`` imported.
 - ``1``, ``true``, or ``FSDPOptimizerInstrumentor`` instrumented (``opentelemetry-instrument``):
-  a wrapt wrapper on the instance's ``step`` and ``zero_grad`` that emits spans and metrics
-  (see the ``telemetry`` package). Both train bitwise identically.
+  telemetry's observer, which emits spans and metrics (see the ``telemetry`` package). Both
+  train bitwise identically.
 
 Alternatives considered:
-    - Monkey-patching ``step`` on the instance (chosen for telemetry, through wrapt): it is the
-      only attachment that encloses the step, so it can time it and restore grads in a
-      ``finally``; it is made to compose with LR schedulers, step hooks, copies and undo.
+    - Monkey-patching ``step`` on the instance (chosen, through wrapt): it is the only
+      attachment that encloses the step, so it can time it and restore grads as an exception
+      passes; it is made to compose with LR schedulers, step hooks, copies and undo.
+    - torch's step pre/post hooks (Megatron-FSDP's adapter design): an exception raised inside
+      the update would leave the cast grads in place, and telemetry needs the wrapper anyway
+      (a span encloses the step), so hooks would be a second attachment that fails differently.
     - Generating an FSDP-specific subclass per optimizer class: changes ``type(optimizer)``,
       which checkpoint and scheduler code inspects.
     - Casting from main-grad to main-weight dtype after the last microbatch (root
@@ -41,7 +48,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
     """Attach FSDP-aware step handling to an optimizer instance, in place.
 
     The adapted optimizer keeps its class, parameter groups and state. Calling this again with
-    the same arguments does nothing; ``fsdp_patch.remove_fully_shard_optimizer`` undoes it.
+    the same ``precision_aware`` does nothing (the observer it reports to stays; telemetry's
+    instrumentor turns telemetry on and off on adapted optimizers);
+    ``fsdp_patch.remove_fully_shard_optimizer`` undoes it.
     A copy (``copy.deepcopy``, pickling) is a plain, unadapted optimizer of the same class
     over copies of the parameters, which no FSDP group manages; ``copy.copy`` shares them.
 
@@ -55,14 +64,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
             not a bool, or a param group holds something that is not an ``nn.Parameter``.
             Nothing is changed then.
         ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, or the optimizer is
-            already adapted with other settings.
+            already adapted with another ``precision_aware``.
     """
     source = registered_source()
     factory = source.observer_factory(optimizer, precision_aware) if source is not None else None
-    if factory is None:
-        adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="hooks")
-    else:
-        adapt_optimizer(optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=factory)
+    adapt_optimizer(optimizer, precision_aware=precision_aware, observer_factory=factory)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -71,4 +71,4 @@ def test_training_with_telemetry_unset_imports_no_telemetry(tmp_path: Path) -> N
     assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-3000:]}"
     modules, step_type = result.stdout.strip().splitlines()
     assert modules == "[]", f"want no fsdp_patch.telemetry module imported, got {modules}"
-    assert step_type == "method", f"want the hook attachment (a plain bound step), got {step_type}"
+    assert step_type == "_BoundMethodWrapper", f"want the attachment's wrapt wrapper as the step, got {step_type}"

@@ -8,7 +8,6 @@ import torch
 
 from .copying import CopySupport
 from .events import NullObserver, StepObserver
-from .hook_attachment import HookAttachment
 from .state_init import init_optimizer_state
 from .step_sequence import StepSequence
 from .wrapt_attachment import WraptAttachment
@@ -28,7 +27,7 @@ __all__ = [
 
 
 class Adaptation:
-    """An optimizer's adaptation: its step sequence, how it is attached, and copy support.
+    """An optimizer's adaptation: its step sequence, the wrapper attaching it, and copy support.
 
     Everything that can fail (validation of the param groups, the observer factory) runs
     before the optimizer instance is touched; a failure while attaching undoes what was
@@ -39,43 +38,29 @@ class Adaptation:
         self,
         optimizer: torch.optim.Optimizer,
         precision_aware: bool,
-        attachment: str,
         observer_factory: Callable[[], StepObserver] | None = None,
         implicit: bool = False,
     ) -> None:
-        if attachment not in ("hooks", "wrapt"):
-            raise ValueError(f"attachment must be 'hooks' or 'wrapt', got {attachment!r}")
-        if attachment == "wrapt" and observer_factory is None:
-            raise ValueError("the wrapt attachment needs an observer factory")
         self.precision_aware = precision_aware
         # Made by the telemetry instrumentor rather than by a fully_shard_optimizer call: an
         # explicit call with other settings replaces it instead of failing.
         self.implicit = implicit
         self.sequence = StepSequence(optimizer, precision_aware)  # TypeError for a non-Parameter, before any change
-        observer = observer_factory() if attachment == "wrapt" else None  # type: ignore[misc]
+        observer = NullObserver() if observer_factory is None else observer_factory()
         self.copy_support = CopySupport(optimizer)
         try:
-            if attachment == "hooks":
-                self.attachment: HookAttachment | WraptAttachment = HookAttachment(optimizer, self.sequence)
-            else:
-                self.attachment = WraptAttachment(optimizer, self.sequence, observer)  # type: ignore[arg-type]
+            self.attachment = WraptAttachment(optimizer, self.sequence, observer)
         except BaseException:
             self.copy_support.detach(optimizer)
             raise
 
     @property
-    def kind(self) -> str:
-        return self.attachment.kind
-
-    @property
-    def observer(self) -> StepObserver | None:
-        """The wrapt attachment's observer; ``None`` for the hook attachment (telemetry off)."""
-        return self.attachment.observer if isinstance(self.attachment, WraptAttachment) else None
+    def observer(self) -> StepObserver:
+        """The observer steps report to: a :class:`NullObserver` while telemetry is off."""
+        return self.attachment.observer
 
     @observer.setter
     def observer(self, observer: StepObserver) -> None:
-        if not isinstance(self.attachment, WraptAttachment):
-            raise TypeError("only the wrapt attachment reports to an observer")
         self.attachment.observer = observer
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -105,20 +90,22 @@ def adapt_optimizer(
     optimizer: torch.optim.Optimizer,
     *,
     precision_aware: bool,
-    attachment: str,
     observer_factory: Callable[[], StepObserver] | None = None,
     implicit: bool = False,
 ) -> Adaptation:
-    """Adapts ``optimizer`` in place with the given attachment; idempotent for equal settings.
+    """Adapts ``optimizer`` in place; idempotent for an equal ``precision_aware``.
 
-    ``implicit`` marks an adaptation the telemetry instrumentor made on its own; an explicit
-    call keeps it when the settings are equal (it becomes explicit) and replaces it otherwise.
+    ``observer_factory`` makes the observer its steps report to (``None``: a
+    :class:`NullObserver`, telemetry off); an adaptation that exists keeps its observer, which
+    telemetry's instrumentor replaces to turn telemetry on or off. ``implicit`` marks an
+    adaptation the telemetry instrumentor made on its own; an explicit call keeps it when the
+    settings are equal (it becomes explicit) and replaces it otherwise.
 
     Raises:
         TypeError: ``optimizer`` is not an Optimizer, ``precision_aware`` not a bool, or a
             param group holds something that is not an ``nn.Parameter`` (the message names
             the group and the index).
-        ValueError: ``optimizer`` is already adapted with other settings.
+        ValueError: ``optimizer`` is already adapted with another ``precision_aware``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard_optimizer expected a torch.optim.Optimizer instance, got {type(optimizer)!r}")
@@ -126,31 +113,28 @@ def adapt_optimizer(
         raise TypeError(f"fully_shard_optimizer expected precision_aware to be a bool, got {precision_aware!r}")
     existing = _ADAPTATIONS.get(optimizer)
     if existing is not None and existing.implicit and not implicit:
-        if existing.precision_aware == precision_aware and existing.kind == attachment:
+        if existing.precision_aware == precision_aware:
             existing.implicit = False
             return existing
         remove_fully_shard_optimizer(optimizer)
         existing = None
     if existing is not None:
-        if existing.precision_aware != precision_aware or existing.kind != attachment:
+        if existing.precision_aware != precision_aware:
             raise ValueError(
                 "fully_shard_optimizer was already applied to this optimizer with "
-                f"precision_aware={existing.precision_aware}, attachment={existing.kind!r}; got "
-                f"precision_aware={precision_aware}, attachment={attachment!r}. Call "
-                "fsdp_patch.remove_fully_shard_optimizer(optimizer) first to change them"
+                f"precision_aware={existing.precision_aware}; got precision_aware={precision_aware}. Call "
+                "fsdp_patch.remove_fully_shard_optimizer(optimizer) first to change it"
             )
         return existing
-    adaptation = Adaptation(optimizer, precision_aware, attachment, observer_factory, implicit)
+    adaptation = Adaptation(optimizer, precision_aware, observer_factory, implicit)
     _ADAPTATIONS[optimizer] = adaptation
     return adaptation
 
 
 def remove_fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Undoes ``fully_shard_optimizer``: hooks removed, instance attributes restored.
+    """Undoes ``fully_shard_optimizer``: the wrapper removed, instance attributes restored.
 
-    Grads still cast by a failed step are put back first, and the cast buffers' memory is
-    freed. Afterwards the instance's
-    ``__dict__`` holds the same keys and values as before the adaptation, unless an LR
+    Any grads still cast are put back first, and the cast buffers' memory is freed. Afterwards the instance's ``__dict__`` holds the same keys and values as before the adaptation, unless an LR
     scheduler created after the adaptation has wrapped ``step`` (its wrapper stays, and ours
     inside it passes calls through). A no-op on an optimizer that is not adapted.
     """

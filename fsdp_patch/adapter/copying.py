@@ -1,6 +1,6 @@
 """``copy.deepcopy``, ``copy.copy`` and pickling of an adapted optimizer.
 
-Semantics: a copy is a plain optimizer of the same class, not adapted (no hooks, no wrapper,
+Semantics: a copy is a plain optimizer of the same class, not adapted (no wrapper,
 ``adaptation_of(copy) is None``), exactly what torch makes of any optimizer, whose
 ``__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``:
 

@@ -4,8 +4,7 @@ The adapter tells an observer *what happened* (a step began with this plan, this
 grads were cast, its compute weights refreshed, ...); the observer (``fsdp_patch.telemetry``)
 decides how that becomes spans, attributes and metrics, whose names live in
 ``telemetry/semconv.py`` only. The step sequence (``step_sequence.py``) reports to an observer
-under both attachments: the wrapt attachment's (telemetry), or the hook attachment's
-:class:`NullObserver`.
+at every step: telemetry's, or with telemetry off a :class:`NullObserver`.
 """
 
 from __future__ import annotations
@@ -156,27 +155,35 @@ _NOTHING = _Nothing()
 class NullObserver:
     """Observes nothing; counts steps so that a later observer continues the numbering.
 
-    The hook attachment's observer, and the one installed on a wrapt-attached optimizer whose
-    telemetry was turned off (uninstrumented).
+    The observer of every optimizer adapted with telemetry off, and the one installed when
+    telemetry is turned off (uninstrumented).
 
     Args:
         step_count: Steps already taken.
     """
 
     def __init__(self, step_count: int = 0) -> None:
-        self._step_count = step_count
+        # One scope and one context, reused at every step: nothing is allocated per step.
+        self._scope = _NullScope(step_count)
+        self._stepping = _Nothing(self._scope)
 
     @property
     def step_count(self) -> int:
-        return self._step_count
+        return self._scope.step_number
 
     @property
     def collective_settings(self) -> tuple[bool, int]:
         return (False, 0)
 
+    def count_step(self) -> StepScope:
+        """Counts one step and returns its scope: :meth:`step` without the context, for a
+        caller with nothing to enclose."""
+        self._scope.step_number += 1
+        return self._scope
+
     def step(self) -> AbstractContextManager[StepScope]:
-        self._step_count += 1
-        return _Nothing(_NullScope(self._step_count))
+        self.count_step()
+        return self._stepping
 
     def phase(self, phase: Phase) -> AbstractContextManager[None]:
         return _NOTHING

@@ -31,10 +31,11 @@ Alternatives considered:
     - Keeping the main grads through the step: 2 bytes per element more
       than FSDP2 at the step's peak. Releasing them also when the buffers are kept would buy
       that at a page-faulting re-allocation of the main grads at every CPU step.
-    - One buffer per group shared by every optimizer holding part of it: optimizers step one
-      after the other, but one whose step failed (hook attachment) keeps its cast attached
-      until its next step, so a shared buffer could be overwritten under it. Each cast covers
-      only the span of the group's buffer its optimizer's parameters occupy instead.
+    - One buffer per group shared by every optimizer holding part of it: optimizers usually
+      step one after the other, but one can step inside another's step (from a step hook or
+      a closure) while the outer cast is attached, and a shared buffer would be overwritten
+      under it. Each cast covers only the span of the group's buffer its optimizer's
+      parameters occupy instead.
 """
 
 from __future__ import annotations

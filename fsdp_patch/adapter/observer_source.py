@@ -1,8 +1,8 @@
 """Where a newly adapted optimizer gets its observer: the seam telemetry registers into.
 
 The adapter knows nothing of telemetry. An :class:`ObserverSource` registered here decides,
-per adapted optimizer, whether it reports to an observer (the wrapt attachment) or to nobody
-(torch's step hooks), and words the cross-rank settings error whose settings it owns.
+per adapted optimizer, whether it reports to an observer or to nobody (a ``NullObserver``),
+and words the cross-rank settings error whose settings it owns.
 ``fsdp_patch.telemetry`` registers one when it is imported; with ``FSDP_PATCH_TELEMETRY`` set
 and no source registered yet, :func:`registered_source` imports that package by name, the one
 place the core names it. With the variable unset and telemetry never imported, nothing of it
@@ -46,7 +46,7 @@ class ObserverSource(Protocol):
     def observer_factory(
         self, optimizer: torch.optim.Optimizer, precision_aware: bool
     ) -> Callable[[], StepObserver] | None:
-        """The factory of ``optimizer``'s observer, or ``None`` when it gets none (hooks).
+        """The factory of ``optimizer``'s observer, or ``None`` when it gets none (a ``NullObserver``).
 
         Raises:
             ValueError: The source's settings are malformed; nothing is adapted then.

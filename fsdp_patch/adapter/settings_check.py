@@ -4,11 +4,11 @@ With telemetry on, the precision diagnostics add an ``all_gather`` on their step
 telemetry off (or another diagnostics schedule, or the per-parameter detail on where its peers
 have it off: a payload of another size) would skip it or send other rows while its peers wait: a
 collective mismatch on gloo, a hang on NCCL. So at its first step every adapted optimizer,
-whichever its attachment, gathers ``(telemetry on, diagnostics interval, per-parameter detail on,
-escalation)`` from every rank of its process group in one small ``all_gather``, and a difference raises the
-same error on every rank, naming each rank's values and, in the registered observer source's
-words (telemetry's), the variables they come from. A rank with telemetry off
-takes part through the same call in the hook attachment: one collective of four integers per
+telemetry on or off, gathers ``(telemetry on, diagnostics interval, per-parameter detail on,
+escalation)`` from every rank of its process group in one small ``all_gather``, and a difference
+raises the same error on every rank, naming each rank's values and, in the registered observer
+source's words (telemetry's), the variables they come from. A rank with telemetry off takes part
+through the same call, with its ``NullObserver``'s settings: one collective of four integers per
 optimizer, at its first step only.
 """
 

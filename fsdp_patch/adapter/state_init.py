@@ -129,9 +129,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, *, leave_zero_grads: 
     saved_grads = [(p, p.grad, p.grad_dtype) for p in trainable]
     saved_decay = [(pg, pg["weight_decay"]) for pg in optimizer.param_groups if "weight_decay" in pg]
 
-    # The synthetic step bypasses the step hooks (the adapter's among them): with the raw
+    # The synthetic step bypasses the adapter's wrapper and the step hooks: the class's raw
     # step for most optimizers, and for a subclass whose step calls super().step() (which
-    # runs the hooks) by emptying the instance's hook dicts for the duration.
+    # runs the hooks) the instance's hook dicts emptied for the duration.
     hook_dicts: tuple[dict[int, Any], ...] = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
     saved_hooks = [list(hooks.items()) for hooks in hook_dicts]
     try:

@@ -1,11 +1,11 @@
 """The adapted step, written once: plan, cast, (the optimizer's own step), restore, refresh.
 
-Both attachments drive one :class:`StepSequence`: torch's step hooks call :meth:`~StepSequence.begin`
-before the optimizer's step and :meth:`~StepSequence.end` after it; the wrapt wrapper encloses
-the step between the same two calls and calls ``end(completed=False)`` when the step raised. A
-step closure goes through the same sequence (see :class:`~.closure.CastingClosure`). The
-sequence reports what it does to a :class:`~.events.StepObserver` as typed events; the hook
-attachment's observer is a :class:`~.events.NullObserver`, so no telemetry runs there.
+The wrapt wrapper (:mod:`.wrapt_attachment`) encloses the optimizer's step between
+:meth:`~StepSequence.begin` and :meth:`~StepSequence.end`, and calls ``end(completed=False)``
+when the step raised. A step closure goes through the same sequence (see
+:class:`~.closure.CastingClosure`). The sequence reports what it does to a
+:class:`~.events.StepObserver` as typed events; with telemetry off that is a
+:class:`~.events.NullObserver`, so no telemetry runs.
 
 Order of one step: the first step checks the collective settings across ranks; grads a failed
 step left cast are put back (keeping what the user did to them); the plan is made and reported
@@ -15,11 +15,10 @@ every FSDP group the optimizer holds are refreshed; precision diagnostics run wh
 
 Alternatives considered:
     - A shared core of steps (plan, cast, restore, refresh) that each attachment sequences
-      itself: the sequence is then written four times (pre/post hooks, the wrapt wrapper,
-      closures, the wrapt refresh) and the copies drift apart. Here an attachment only decides
-      when ``begin`` and ``end`` run.
+      itself: the sequence is then written several times (the wrapper, closures, the refresh)
+      and the copies drift apart. Here the wrapper only decides when ``begin`` and ``end`` run.
     - Telemetry calls inside the sequence behind ``if telemetry``: the sequence reports to an
-      observer either way; the hook attachment's ``NullObserver`` makes no OpenTelemetry call.
+      observer either way; the ``NullObserver`` makes no OpenTelemetry call.
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ _GRAD = operator.attrgetter("grad")
 class StepState:
     """One step between :meth:`StepSequence.begin` and :meth:`StepSequence.end`.
 
-    Holds nothing that keeps grads alive, so that a step that failed under the hook attachment
-    (whose ``end`` never comes) holds no memory.
+    Holds nothing that keeps grads alive, so that a step whose ``begin`` raised (and whose
+    ``end`` never comes) holds no memory.
     """
 
     observer: StepObserver
@@ -108,14 +107,14 @@ class StepSequence:
 
     # ------------------------------------------------------------------ the sequence
     def begin(
-        self, observer: StepObserver, scope: StepScope | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, observer: StepObserver, scope: StepScope, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Everything before the optimizer's own step; returns its ``args``/``kwargs`` (a
         closure among them is wrapped so that every call of it leaves cast grads).
 
         Args:
             observer: Receives the step's events.
-            scope: The running step's scope (wrapt), or ``None`` (hooks: no diagnostics).
+            scope: The running step's scope (its number schedules the diagnostics).
             args: ``step``'s positional arguments after ``self``.
             kwargs: Its keyword arguments.
 
@@ -135,7 +134,7 @@ class StepSequence:
             self.prepare(state)
         else:
             args, kwargs = replace_closure(args, kwargs, CastingClosure(closure, self, state), positional)
-        if scope is not None and observer.precision_due(scope.step_number):
+        if observer.precision_due(scope.step_number):
             shape = self._shape
             state.observed = [*shape.groups, *shape.fsdp2]
             try:
@@ -187,8 +186,9 @@ class StepSequence:
         """Everything after the optimizer's own step: restore the grads; if the step
         ``completed``, refresh the compute weights and finish the diagnostics."""
         state, self._step = self._step, None
-        # End without begin: torch runs post-hooks only after pre-hooks.
-        if state is None or state.observer is None:  # pragma: no cover
+        # The wrapper calls end only after begin returned; a step re-entered from inside its own
+        # update (a step hook calling step) has ended the shared state already.
+        if state is None:  # pragma: no cover
             self.restore(carry_back=False)
             return
         observer = state.observer

@@ -11,13 +11,14 @@ the same itself::
 
 While instrumented:
 
-* ``fully_shard_optimizer`` attaches with wrapt and telemetry, as with ``FSDP_PATCH_TELEMETRY=1``;
+* ``fully_shard_optimizer`` gives the optimizer telemetry's observer, as with ``FSDP_PATCH_TELEMETRY=1``;
 * every optimizer constructed over parameters that ``fsdp_patch.fully_shard`` or torch FSDP2
   manage is adapted by the instrumentor itself (no code change), when its construction ends:
   the first point where its parameters are known and, unlike a global step pre-hook, one that
   lets the adaptation enclose its first step. A later ``fully_shard_optimizer`` call with other
   settings (``precision_aware=True``) replaces that adaptation;
-* optimizers adapted with telemetry off since re-instrumenting get their telemetry back.
+* optimizers adapted while telemetry was off (before instrumenting, or since uninstrumenting)
+  report to telemetry from their next step on.
 
 ``uninstrument()`` turns telemetry off on every adapted optimizer (the adaptation keeps
 working: grads are still cast and compute weights refreshed), removes the wrapper on
@@ -67,7 +68,6 @@ def _adapt_after_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
         adapt_optimizer(
             instance,
             precision_aware=False,
-            attachment="wrapt",
             observer_factory=lambda: activation.observer_for(instance, precision_aware=False),
             implicit=True,
         )
@@ -111,6 +111,9 @@ class FSDPOptimizerInstrumentor(BaseInstrumentor):
         activation.instrumented = None
         for _, adaptation in adaptations():
             observer = adaptation.observer
-            if observer is not None and not isinstance(observer, NullObserver):
+            if not isinstance(observer, NullObserver):
                 adaptation.observer = NullObserver(observer.step_count)
+                close = getattr(observer, "close", None)
+                if close is not None:  # its model checks and process-wide wrappers go with it
+                    close()
         providers.uninstall()

@@ -131,7 +131,7 @@ def event_timings(device: str, steps: int = 8) -> dict[str, Any]:
     observer = OptimizerObserver(
         optimizer, precision_aware=False, tracer_provider=TracerProvider(), meter_provider=meter_provider
     )
-    adapt_optimizer(optimizer, precision_aware=False, attachment="wrapt", observer_factory=lambda: observer)
+    adapt_optimizer(optimizer, precision_aware=False, observer_factory=lambda: observer)
     tokens = make_batches(1, vocab=4096)[0].to(device)
     host: list[float] = []
     for _ in range(steps):

@@ -169,7 +169,7 @@ def test_persistent_copy_is_refreshed_and_kept(run_once: Any) -> None:
 
 
 def telemetry_run() -> dict[str, Any]:
-    """Adapted AdamW under the wrapt attachment with diagnostics every step, per lifetime:
+    """Adapted AdamW with telemetry on and diagnostics every step, per lifetime:
     the refresh bytes counted and the precision gauges' values."""
     from tests.integration.otel_training import environment, in_memory_otel, metric_points
 

@@ -35,8 +35,7 @@ MICROBATCHES = 4
 
 def train_mixed(impl: str, pattern: str) -> dict[str, Any]:
     """bf16 compute, fp32 main weights: ``fully_shard`` + ``fully_shard_optimizer`` ("ours",
-    hook attachment; "ours_telemetry", wrapt attachment with telemetry and diagnostics every
-    step) against FSDP2 with ``param_dtype=bf16``, whose arithmetic is the same.
+    telemetry off; "ours_telemetry", telemetry on with diagnostics every step) against FSDP2 with ``param_dtype=bf16``, whose arithmetic is the same.
 
     Patterns: ``ckpt`` (checkpoint inside and around units) and ``two_optimizers`` with bf16
     main grads (the default policy; FSDP2 reduces in bf16); ``multi_backward`` (two backwards
@@ -382,23 +381,23 @@ def mixed_run(pattern: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("pattern", ("ckpt", "multi_backward", "two_optimizers", "fp32_accum"))
 def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, pattern: str) -> None:
-    """bf16 compute with the optimizer adapter, hook attachment (compute copy persistent and
-    ``per_gather``) and wrapt attachment with telemetry: losses and final weights bitwise those of FSDP2 with ``param_dtype=bf16`` (same
+    """bf16 compute with the optimizer adapter, telemetry off (compute copy persistent and
+    ``per_gather``) and on: losses and final weights bitwise those of FSDP2 with ``param_dtype=bf16`` (same
     casts, same reduce dtype), for checkpointing, two optimizers over one group (bf16 main grads),
     two backwards and sync-off accumulation (fp32 main grads; FSDP2 ``reduce_dtype=fp32``)."""
     results = run_once(WORLD_SIZE, mixed_run, pattern)[0]
     limitation = fsdp2_limitation(pattern, results)
     if limitation is not None:
         # Without the control the claim (bitwise FSDP2's training) cannot be checked on this torch:
-        # the attachments and compute-copy lifetimes must still train bitwise alike.
+        # telemetry on and off and the compute-copy lifetimes must still train bitwise alike.
         want = results["ours"]
         for impl in ("ours_per_gather", "ours_telemetry"):
             got = results[impl]
             assert got["losses"] == want["losses"], (
-                f"{pattern}/{impl}: losses {got['losses']}, hooks/persistent {want['losses']}"
+                f"{pattern}/{impl}: losses {got['losses']}, telemetry off/persistent {want['losses']}"
             )
             differ = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
-            assert not differ, f"{pattern}/{impl}: final weights differ from hooks/persistent in {differ}"
+            assert not differ, f"{pattern}/{impl}: final weights differ from telemetry off/persistent in {differ}"
         pytest.skip(f"FSDP2 control unavailable: {limitation}; the fp32 pattern tests check fully_shard "
                     "against the unsharded model")  # fmt: skip
     assert "error" not in results["fsdp2"], f"{pattern} under FSDP2 raised: {results['fsdp2']['error']}"

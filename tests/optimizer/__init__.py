@@ -1,7 +1,8 @@
 """Tests of the optimizer adapter, on gloo pools of 1, 2 and 4 CPU ranks.
 
-- ``test_step_equivalence``: every optimizer of the list, both attachments, bitwise equal to
-  a hand-cast fp32 reference; compute copy refreshed; LBFGS with a closure on 2 ranks.
+- ``test_step_equivalence``: every optimizer of the list, telemetry off and a recording
+  observer, bitwise equal to a hand-cast fp32 reference; compute copy refreshed; LBFGS with
+  a closure on 2 ranks.
 - ``test_schedulers``: every LR scheduler, created before or after the adaptation.
 - ``test_composition``: step hooks, GradScaler, state_dict, deepcopy/pickle, idempotence,
   undo, the public path with telemetry on, lifetime.

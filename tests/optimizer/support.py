@@ -1,8 +1,8 @@
 """Rank-side helpers of the optimizer adapter tests.
 
 Everything here runs inside the gloo pool workers (``tests.distributed_pool``): build the
-bf16 FSDP model, adapt an optimizer through either attachment, step a hand-cast reference,
-and compare tensors bit for bit. The rank bodies sit beside their tests and assert on the
+bf16 FSDP model, adapt an optimizer with telemetry off or with a recording observer, step a
+hand-cast reference, and compare tensors bit for bit. The rank bodies sit beside their tests and assert on the
 ranks; ``assert_same`` says where two values differ and what each holds.
 """
 
@@ -47,7 +47,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "lbfgs": lambda p: O.LBFGS(p, lr=0.5, max_iter=3, history_size=3),
 }
 CLOSURE_OPTIMIZERS = {"lbfgs"}
-ATTACHMENTS = ("hooks", "wrapt")
+# What an adapted optimizer reports to (see ``adapt``): ``null``, telemetry off; ``recording``, a
+# RecordingObserver where telemetry's observer would be. The attachment is the same.
+OBSERVERS = ("null", "recording")
 
 
 # ----------------------------------------------------------------------------- environment
@@ -159,22 +161,21 @@ class RecordingObserver:
 
 
 def adapt(
-    optimizer: torch.optim.Optimizer, attachment: str, *, precision_aware: bool = False
+    optimizer: torch.optim.Optimizer, observer: str, *, precision_aware: bool = False
 ) -> RecordingObserver | None:
-    """Adapts ``optimizer``: ``hooks`` through the public entry point (telemetry off),
-    ``wrapt`` through ``adapt_optimizer`` with a :class:`RecordingObserver`."""
-    if attachment == "hooks":
+    """Adapts ``optimizer``: ``null`` through the public entry point with telemetry off (its
+    steps report to a ``NullObserver``; returns ``None``), ``recording`` through
+    ``adapt_optimizer`` with a :class:`RecordingObserver` (returned)."""
+    if observer == "null":
         with env(FSDP_PATCH_TELEMETRY=None):
             fully_shard_optimizer(optimizer, precision_aware=precision_aware)
         return None
-    if attachment == "wrapt":
-        observer = RecordingObserver()
-        observer.optimizer_ref = weakref.ref(optimizer)  # weakly, like telemetry's observer
-        adapt_optimizer(
-            optimizer, precision_aware=precision_aware, attachment="wrapt", observer_factory=lambda: observer
-        )
-        return observer
-    raise ValueError(attachment)
+    if observer == "recording":
+        recording = RecordingObserver()
+        recording.optimizer_ref = weakref.ref(optimizer)  # weakly, like telemetry's observer
+        adapt_optimizer(optimizer, precision_aware=precision_aware, observer_factory=lambda: recording)
+        return recording
+    raise ValueError(observer)
 
 
 def grad_dtypes(optimizer: torch.optim.Optimizer) -> set[torch.dtype]:

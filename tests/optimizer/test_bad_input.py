@@ -25,9 +25,9 @@ from fsdp_patch import parameter_group_of
 from fsdp_patch.adapter import adapt_optimizer, adaptation_of
 from fsdp_patch.adapter.events import MismatchAction
 from tests.optimizer.support import (
-    ATTACHMENTS,
     BF16,
     FP32,
+    OBSERVERS,
     O,
     adapt,
     assert_changed,
@@ -79,12 +79,12 @@ def _assert_same_grad_records(got: list[Any], want: list[Any], what: str) -> Non
 def _adapt_time_errors() -> None:
     model = build_model()
     plain = torch.zeros(3, requires_grad=True)  # a leaf tensor, not an nn.Parameter
-    for attachment in ATTACHMENTS:
+    for observer in OBSERVERS:
         opt = O.SGD([{"params": list(model.parameters())}, {"params": [nn.Parameter(torch.ones(2)), plain]}], lr=0.1)
         before = _instance_snapshot(opt)
         with pytest.raises(TypeError, match=r"param_groups\[1\]\['params'\]\[1\].*Tensor"):
-            adapt(opt, attachment)
-        _assert_unchanged(opt, before, f"{attachment}: non-Parameter refused")
+            adapt(opt, observer)
+        _assert_unchanged(opt, before, f"{observer}: non-Parameter refused")
 
     opt = O.SGD(model.parameters(), lr=0.1)
     before = _instance_snapshot(opt)
@@ -92,24 +92,12 @@ def _adapt_time_errors() -> None:
         "precision_aware not a bool": (
             TypeError,
             "precision_aware",
-            lambda: adapt_optimizer(opt, precision_aware=1, attachment="hooks"),
-        ),
-        "unknown attachment": (
-            ValueError,
-            "patch",
-            lambda: adapt_optimizer(opt, precision_aware=False, attachment="patch"),
-        ),
-        "wrapt without observer": (
-            ValueError,
-            "observer",
-            lambda: adapt_optimizer(opt, precision_aware=False, attachment="wrapt"),
+            lambda: adapt_optimizer(opt, precision_aware=1),
         ),
         "observer factory raises": (
             KeyError,
             "no observer",
-            lambda: adapt_optimizer(
-                opt, precision_aware=False, attachment="wrapt", observer_factory=lambda: {}["no observer"]
-            ),
+            lambda: adapt_optimizer(opt, precision_aware=False, observer_factory=lambda: {}["no observer"]),
         ),
     }
     for name, (error, names, call) in cases.items():
@@ -117,7 +105,7 @@ def _adapt_time_errors() -> None:
             call()
         _assert_unchanged(opt, before, name)
     with pytest.raises(TypeError, match="object"):
-        adapt_optimizer(object(), precision_aware=False, attachment="hooks")  # type: ignore[arg-type]
+        adapt_optimizer(object(), precision_aware=False)  # type: ignore[arg-type]
     # A malformed FSDP_PATCH_TELEMETRY fails the public entry point before any change.
     from fsdp_patch.optimizer import fully_shard_optimizer
 
@@ -128,28 +116,19 @@ def _adapt_time_errors() -> None:
     opt.__dict__["__deepcopy__"] = lambda memo: None
     taken = _instance_snapshot(opt)
     with pytest.raises(ValueError, match="__deepcopy__"):
-        adapt(opt, "hooks")
+        adapt(opt, "null")
     _assert_unchanged(opt, taken, "taken __deepcopy__")
     del opt.__dict__["__deepcopy__"]
-    # Registering the post hook fails after the pre hook was registered: both are gone.
-    opt.register_step_post_hook = lambda hook: (_ for _ in ()).throw(RuntimeError("no post hooks today"))  # type: ignore[method-assign]
-    failing = _instance_snapshot(opt)
-    with pytest.raises(RuntimeError, match="no post hooks today"):
-        adapt(opt, "hooks")
-    _assert_unchanged(opt, failing, "failing hook registration")
-    del opt.register_step_post_hook
-    # Already adapted with other settings: refused, the existing adaptation stays as it was.
-    for attachment in ATTACHMENTS:
-        other = "wrapt" if attachment == "hooks" else "hooks"
+    # Already adapted with another precision_aware: refused, the existing adaptation stays as it was.
+    for observer in OBSERVERS:
         opt = O.SGD(model.parameters(), lr=0.1)
-        adapt(opt, attachment)
+        adapt(opt, observer)
         adaptation = adaptation_of(opt)
         adapted = _instance_snapshot(opt)
-        for precision_aware, kind in ((True, attachment), (False, other)):
+        for other in OBSERVERS:
             with pytest.raises(ValueError, match="remove_fully_shard_optimizer"):
-                adapt(opt, kind, precision_aware=precision_aware)
-            what = f"{attachment} then {kind}/precision_aware={precision_aware}"
-            _assert_unchanged(opt, adapted, what, adaptation)
+                adapt(opt, other, precision_aware=True)
+            _assert_unchanged(opt, adapted, f"{observer} then {other}/precision_aware=True", adaptation)
 
 
 def test_adaptation_errors_leave_optimizer_untouched(pool1: Any) -> None:
@@ -177,13 +156,13 @@ def _assert_step_refused(
     assert_grads_original(opt, f"{tag}: nothing cast")
 
 
-def _step_time_errors(attachment: str) -> None:
+def _step_time_errors(observer: str) -> None:
     data = batches(3)
     model = build_model()
     fsdp = list(model.parameters())
     extra = nn.Parameter(torch.randn(4))  # a plain fp32 parameter, not managed by fully_shard
     opt = O.Adam([{"params": fsdp}, {"params": [extra]}], lr=1e-2)
-    observer = adapt(opt, attachment)
+    recording = adapt(opt, observer)
     params = [*fsdp, extra]
 
     # A good step first, so that there is state to keep unchanged.
@@ -198,9 +177,9 @@ def _step_time_errors(attachment: str) -> None:
     extra.grad = torch.ones(4, dtype=BF16)
     names = r"(?s)(?=.*param_groups\[1\]\['params'\]\[0\])(?=.*precision_aware)"  # both, in any order
     _assert_step_refused("plain bf16 grad", opt, model, params, TypeError, names)
-    if observer is not None:
+    if recording is not None:
         want = (FP32, BF16, MismatchAction.REJECTED, 1)
-        assert want in observer.mismatches, f"plain bf16 grad: observer mismatches {observer.mismatches}, want {want}"
+        assert want in recording.mismatches, f"plain bf16 grad: observer mismatches {recording.mismatches}, want {want}"
     extra.grad = None
     extra.grad_dtype = None
     extra.grad = torch.ones(4)
@@ -235,16 +214,16 @@ def _step_time_errors(attachment: str) -> None:
     assert_grads_original(opt, "after the errors")
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_step_time_errors_change_nothing(pool1: Any, attachment: str) -> None:
-    pool1.run(_step_time_errors, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_step_time_errors_change_nothing(pool1: Any, observer: str) -> None:
+    pool1.run(_step_time_errors, observer)
 
 
-def _plain_passthrough(attachment: str) -> None:
+def _plain_passthrough(observer: str) -> None:
     """precision_aware lets a plain parameter's bf16 grad through to an optimizer that takes it."""
     extra = nn.Parameter(torch.randn(4))
     opt = O.SGD([extra], lr=0.5)
-    observer = adapt(opt, attachment, precision_aware=True)
+    recording = adapt(opt, observer, precision_aware=True)
     seen: list[torch.dtype] = []
     opt.register_step_pre_hook(lambda o, a, k: seen.append(extra.grad.dtype))
     extra.grad_dtype = BF16
@@ -255,14 +234,14 @@ def _plain_passthrough(attachment: str) -> None:
     assert seen == [BF16], f"grad dtypes the update saw: got {seen}, want [{BF16}]"
     assert_same(extra.detach(), expected, "update vs p - lr * float(g)")
     assert extra.grad is grad, "the grad was replaced"
-    if observer is not None:
+    if recording is not None:
         want = (FP32, BF16, MismatchAction.PASSTHROUGH, 1)
-        assert want in observer.mismatches, f"observer mismatches {observer.mismatches}, want {want}"
+        assert want in recording.mismatches, f"observer mismatches {recording.mismatches}, want {want}"
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_plain_mismatch_passes_through_when_precision_aware(pool1: Any, attachment: str) -> None:
-    pool1.run(_plain_passthrough, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_plain_mismatch_passes_through_when_precision_aware(pool1: Any, observer: str) -> None:
+    pool1.run(_plain_passthrough, observer)
 
 
 def test_plain_parameters_are_not_fsdp_managed() -> None:

@@ -1,8 +1,8 @@
 """The adapted optimizer composes with the rest of torch.optim and with copies.
 
 - torch's instance and global step hooks still run, once per step, and see what the
-  attachment documents (``hook_attachment.py``; wrapt: every hook is inside the wrapped
-  step, so all of them see the cast grads and none the refreshed compute copy);
+  attachment documents (``wrapt_attachment.py``: every hook is inside the wrapped step, so
+  all of them see the cast grads, and the post-hooks a compute copy not yet refreshed);
 - ``torch.amp.GradScaler("cpu")``: a step skipped for an injected inf neither casts nor
   refreshes; the other steps equal a hand-cast reference unscaled the same way;
 - ``state_dict()``/``load_state_dict()`` round trip into a new adapted optimizer;
@@ -10,8 +10,8 @@
   is a plain, unadapted optimizer of the same class (``fsdp_patch/adapter/copying.py``);
   the original stays adapted;
 - ``fully_shard_optimizer`` twice is harmless; the public undo restores the instance;
-- the public path with ``FSDP_PATCH_TELEMETRY=1`` uses telemetry's observer through the
-  wrapt attachment and trains bitwise like the default path;
+- the public path with ``FSDP_PATCH_TELEMETRY=1`` gives telemetry's observer to the same
+  attachment and trains bitwise like telemetry off;
 - an adapted optimizer is freed like any other once unreferenced.
 """
 
@@ -33,13 +33,13 @@ from torch.optim import lr_scheduler as L
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fsdp_patch import parameter_group_of, parameter_groups, remove_fully_shard_optimizer
-from fsdp_patch.adapter import adaptation_of
+from fsdp_patch.adapter import NullObserver, adaptation_of
 from fsdp_patch.optimizer import fully_shard_optimizer
 from tests.models import lm_loss
 from tests.optimizer.support import (
-    ATTACHMENTS,
     BF16,
     FP32,
+    OBSERVERS,
     OPTIMIZERS,
     HandCast,
     O,
@@ -62,29 +62,19 @@ from tests.optimizer.support import (
 )
 
 # ----------------------------------------------------------------------------- step hooks
+# name: (grad dtypes seen, compute copy fresh); the same for every observer
 EXPECTED_HOOKS = {
-    # name: (grad dtypes seen, compute copy fresh) per attachment
-    "hooks": {
-        "global_pre": ({BF16}, True),
-        "pre_before": ({BF16}, True),
-        "pre_after": ({FP32}, True),
-        "post_before": ({FP32}, False),
-        "post_after": ({BF16}, True),
-        "global_post": ({BF16}, True),
-    },
-    "wrapt": {
-        "global_pre": ({FP32}, True),
-        "pre_before": ({FP32}, True),
-        "pre_after": ({FP32}, True),
-        "post_before": ({FP32}, False),
-        "post_after": ({FP32}, False),
-        "global_post": ({FP32}, False),
-    },
+    "global_pre": ({FP32}, True),
+    "pre_before": ({FP32}, True),
+    "pre_after": ({FP32}, True),
+    "post_before": ({FP32}, False),
+    "post_after": ({FP32}, False),
+    "global_post": ({FP32}, False),
 }
 HOOK_ORDER = ["global_pre", "pre_before", "pre_after", "post_before", "post_after", "global_post"]
 
 
-def _step_hooks(attachment: str) -> None:
+def _step_hooks(observer: str) -> None:
     model = build_model()
     opt = OPTIMIZERS["adamw"](model.parameters())
     log: list[tuple[str, set[torch.dtype], bool]] = []
@@ -94,7 +84,7 @@ def _step_hooks(attachment: str) -> None:
 
     opt.register_step_pre_hook(record("pre_before"))
     opt.register_step_post_hook(record("post_before"))
-    adapt(opt, attachment)
+    adapt(opt, observer)
     opt.register_step_pre_hook(record("pre_after"))
     opt.register_step_post_hook(record("post_after"))
     handles = [
@@ -112,22 +102,22 @@ def _step_hooks(attachment: str) -> None:
     order = [name for name, *_ in log]
     assert order == HOOK_ORDER * 2, f"hooks ran in the order {order}, want {HOOK_ORDER * 2} (once per step)"
     for name, dtypes, fresh in log:
-        expected = EXPECTED_HOOKS[attachment][name]
+        expected = EXPECTED_HOOKS[name]
         assert (dtypes, fresh) == expected, (
             f"{name} saw (grad dtypes, compute fresh) {(dtypes, fresh)}, want {expected}"
         )
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_instance_and_global_step_hooks_run(pool1: Any, attachment: str) -> None:
-    pool1.run(_step_hooks, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_instance_and_global_step_hooks_run(pool1: Any, observer: str) -> None:
+    pool1.run(_step_hooks, observer)
 
 
 # ----------------------------------------------------------------------------- GradScaler
-def _grad_scaler(attachment: str) -> None:
+def _grad_scaler(observer: str) -> None:
     model, ref = build_model(), build_model()
     opt, ropt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
-    observer = adapt(opt, attachment)
+    recording = adapt(opt, observer)
     hand = HandCast(fsdp_params(ref))
     calls: list[set[torch.dtype]] = []
     opt.register_step_pre_hook(lambda o, a, k: calls.append(grad_dtypes(o)))
@@ -143,7 +133,7 @@ def _grad_scaler(attachment: str) -> None:
         main_before = main_weights(model)
         compute_before = [g.compute_weight.clone() for g in parameter_groups(model)]
         calls_before = len(calls)
-        observed_before = len(observer.steps) if observer is not None else 0
+        observed_before = len(recording.steps) if recording is not None else 0
         scale_before = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
@@ -163,8 +153,8 @@ def _grad_scaler(attachment: str) -> None:
             assert_same(main_weights(model), main_before, f"{tag} skipped: main weights")
             compute = [g.compute_weight for g in parameter_groups(model)]
             assert_same(compute, compute_before, f"{tag} skipped: compute copy (not refreshed)")
-            if observer is not None:
-                got = len(observer.steps)
+            if recording is not None:
+                got = len(recording.steps)
                 assert got == observed_before, f"{tag} skipped: observer saw {got} steps, want {observed_before}"
         else:
             assert calls[calls_before:] == [{FP32}], f"{tag}: grad dtypes the update saw: {calls[calls_before:]}"
@@ -175,18 +165,18 @@ def _grad_scaler(attachment: str) -> None:
         ropt.zero_grad()
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_grad_scaler_skipped_steps_neither_cast_nor_refresh(pool1: Any, attachment: str) -> None:
-    pool1.run(_grad_scaler, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_grad_scaler_skipped_steps_neither_cast_nor_refresh(pool1: Any, observer: str) -> None:
+    pool1.run(_grad_scaler, observer)
 
 
 # ----------------------------------------------------------------------------- state_dict
-def _state_dict_roundtrip(attachment: str) -> None:
+def _state_dict_roundtrip(observer: str) -> None:
     data = batches(3)
     model, other = build_model(), build_model()
     opt, first = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](other.parameters())
-    adapt(opt, attachment)
-    adapt(first, attachment)
+    adapt(opt, observer)
+    adapt(first, observer)
     for tokens in data[:2]:
         for m, o in ((model, opt), (other, first)):
             backward(m, tokens)
@@ -197,7 +187,7 @@ def _state_dict_roundtrip(attachment: str) -> None:
     # A second adapted optimizer over `other` takes over from `first` through the state dict.
     remove_fully_shard_optimizer(first)
     loaded = OPTIMIZERS["adamw"](other.parameters())
-    adapt(loaded, attachment)
+    adapt(loaded, observer)
     # state_dict() returns references and load_state_dict() keeps tensors whose dtype and
     # device already match (torch's semantics): copy, as one does when both live on.
     loaded.load_state_dict(copy.deepcopy(saved))
@@ -216,9 +206,9 @@ def _state_dict_roundtrip(attachment: str) -> None:
     assert_compute_fresh(other, "after the round trip")
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_state_dict_round_trip(pool1: Any, attachment: str) -> None:
-    pool1.run(_state_dict_roundtrip, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_state_dict_round_trip(pool1: Any, observer: str) -> None:
+    pool1.run(_state_dict_roundtrip, observer)
 
 
 # ----------------------------------------------------------------------------- copies
@@ -258,11 +248,11 @@ def _assert_copy(tag: str, copied: torch.optim.Optimizer, opt: torch.optim.Optim
     assert got == want, f"{tag}: hyperparameters {got}, want {want}"
 
 
-def _copies(attachment: str) -> None:
+def _copies(observer: str) -> None:
     data = batches(3)
     model, ref = build_model(), build_model()
     opt, ropt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
-    observer = adapt(opt, attachment)
+    recording = adapt(opt, observer)
     hand = HandCast(fsdp_params(ref))
     for tokens in data[:2]:
         for m in (model, ref):
@@ -291,25 +281,25 @@ def _copies(attachment: str) -> None:
     assert_same(main_weights(model), main_weights(ref), "original: next step vs reference")
     assert_grads_original(opt, "original: after the next step")
     assert_compute_fresh(model, "original: after the next step")
-    if observer is not None:
-        assert len(observer.steps) == 3, f"original: observer saw {len(observer.steps)} steps, want 3"
+    if recording is not None:
+        assert len(recording.steps) == 3, f"original: observer saw {len(recording.steps)} steps, want 3"
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_deepcopy_and_pickle_give_plain_optimizers(pool1: Any, attachment: str) -> None:
-    pool1.run(_copies, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_deepcopy_and_pickle_give_plain_optimizers(pool1: Any, observer: str) -> None:
+    pool1.run(_copies, observer)
 
 
 # ----------------------------------------------------------------------------- twice / undo
-def _twice(attachment: str) -> None:
+def _twice(observer: str) -> None:
     once, twice = build_model(), build_model()
     opt_once, opt_twice = OPTIMIZERS["adamw"](once.parameters()), OPTIMIZERS["adamw"](twice.parameters())
-    adapt(opt_once, attachment)
-    observer = adapt(opt_twice, attachment)
+    adapt(opt_once, observer)
+    recording = adapt(opt_twice, observer)
     adaptation = adaptation_of(opt_twice)
     snapshot = dict(opt_twice.__dict__)
-    adapt(opt_twice, attachment)
-    if attachment == "hooks":
+    adapt(opt_twice, observer)
+    with env(FSDP_PATCH_TELEMETRY=None):
         fully_shard_optimizer(opt_twice)  # and a third time, plain public call
     assert adaptation_of(opt_twice) is adaptation, f"another adaptation: {adaptation_of(opt_twice)}, was {adaptation}"
     assert opt_twice.__dict__.keys() == snapshot.keys(), (
@@ -318,31 +308,30 @@ def _twice(attachment: str) -> None:
     replaced = sorted(k for k, v in snapshot.items() if opt_twice.__dict__[k] is not v)
     assert not replaced, f"__dict__ values replaced by the second call: {replaced}"
     hooks = (len(opt_twice._optimizer_step_pre_hooks), len(opt_twice._optimizer_step_post_hooks))
-    want_hooks = (1, 1) if attachment == "hooks" else (0, 0)
-    assert hooks == want_hooks, f"(pre, post) step hooks {hooks}, want {want_hooks}"
+    assert hooks == (0, 0), f"(pre, post) step hooks {hooks}, want (0, 0)"
     for tokens in batches(2):
         for m, o in ((once, opt_once), (twice, opt_twice)):
             backward(m, tokens)
             o.step()
             o.zero_grad()
     assert_same(main_weights(twice), main_weights(once), "main weights vs a once-adapted optimizer's")
-    if observer is not None:
-        got, want = len([c for c in observer.casts if c[0] == "grads_cast"]), 2 * len(parameter_groups(twice))
+    if recording is not None:
+        got, want = len([c for c in recording.casts if c[0] == "grads_cast"]), 2 * len(parameter_groups(twice))
         assert got == want, f"{got} grad casts in 2 steps, want {want} (one per group per step)"
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_fully_shard_optimizer_twice_is_harmless(pool1: Any, attachment: str) -> None:
-    pool1.run(_twice, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_fully_shard_optimizer_twice_is_harmless(pool1: Any, observer: str) -> None:
+    pool1.run(_twice, observer)
 
 
-def _undo(attachment: str, scheduler: str) -> None:
+def _undo(observer: str, scheduler: str) -> None:
     model = build_model()
     opt = O.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = L.StepLR(opt, step_size=1, gamma=0.5) if scheduler == "before" else None
     before = dict(opt.__dict__)
     # 1. Adapt and undo at once: the instance is exactly as before.
-    adapt(opt, attachment)
+    adapt(opt, observer)
     remove_fully_shard_optimizer(opt)
     assert opt.__dict__.keys() == before.keys(), (
         f"immediate undo: __dict__ keys {sorted(opt.__dict__)}, was {sorted(before)}"
@@ -352,7 +341,7 @@ def _undo(attachment: str, scheduler: str) -> None:
     hooks = (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_step_post_hooks))
     assert hooks == ({}, {}), f"immediate undo: step (pre, post) hooks {hooks}"
     # 2. Adapt, train, undo.
-    adapt(opt, attachment)
+    adapt(opt, observer)
     if scheduler == "after":
         sched = L.StepLR(opt, step_size=1, gamma=0.5)
     data = batches(3)
@@ -366,8 +355,8 @@ def _undo(attachment: str, scheduler: str) -> None:
         remove_fully_shard_optimizer(opt)
         remove_fully_shard_optimizer(opt)  # a no-op now
         # Keys torch adds without any adapter: the scheduler's wrapper marks _opt_called, and a
-        # scheduler created after the adaptation installs its own `step` (under wrapt it wraps
-        # our wrapper, which stays inside it and passes calls through).
+        # scheduler created after the adaptation installs its own `step` (it wraps our wrapper,
+        # which stays inside it and passes calls through).
         torch_keys = {"_opt_called"} if sched is not None else set()
         if scheduler == "after":
             torch_keys.add("step")
@@ -392,9 +381,9 @@ def _undo(attachment: str, scheduler: str) -> None:
 
 
 @pytest.mark.parametrize("scheduler", ["none", "before", "after"])
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_remove_fully_shard_optimizer_restores_the_instance(pool1: Any, attachment: str, scheduler: str) -> None:
-    pool1.run(_undo, attachment, scheduler)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_remove_fully_shard_optimizer_restores_the_instance(pool1: Any, observer: str, scheduler: str) -> None:
+    pool1.run(_undo, observer, scheduler)
 
 
 # ----------------------------------------------------------------------------- telemetry on
@@ -403,19 +392,24 @@ def _telemetry_public_path() -> None:
 
     default_model = build_model()
     default_opt = OPTIMIZERS["adamw"](default_model.parameters())
-    adapt(default_opt, "hooks")
+    adapt(default_opt, "null")
+    default_observer = adaptation_of(default_opt).observer
+    assert type(default_observer) is NullObserver, f"telemetry off: observer {default_observer!r}, want a NullObserver"
     with env(FSDP_PATCH_TELEMETRY="1", OTEL_SDK_DISABLED="true"):
         model = build_model()
         opt = OPTIMIZERS["adamw"](model.parameters())
         fully_shard_optimizer(opt)
         fully_shard_optimizer(opt)
         adaptation = adaptation_of(opt)
-        kind = None if adaptation is None else adaptation.kind
-        assert kind == "wrapt", f"telemetry on: attachment {kind}, want wrapt"
-        observer = adaptation.attachment._observer
+        observer = None if adaptation is None else adaptation.observer
         assert isinstance(observer, telemetry.OptimizerObserver), f"telemetry on: observer {observer!r}"
-        hooks = dict(opt._optimizer_step_pre_hooks)
-        assert not hooks, f"telemetry on: step pre hooks {hooks}, want none"
+        for o, what in ((opt, "telemetry on"), (default_opt, "telemetry off")):
+            step_type = type(o.step).__name__
+            assert step_type == "_BoundMethodWrapper", (
+                f"{what}: step is a {step_type}, want the attachment's _BoundMethodWrapper"
+            )
+            hooks = (dict(o._optimizer_step_pre_hooks), dict(o._optimizer_step_post_hooks))
+            assert hooks == ({}, {}), f"{what}: step (pre, post) hooks {hooks}, want none"
         for tokens in batches(3):
             for m, o in ((model, opt), (default_model, default_opt)):
                 backward(m, tokens)
@@ -423,10 +417,15 @@ def _telemetry_public_path() -> None:
             assert_grads_original(opt, "telemetry on: grads restored")
             for o in (opt, default_opt):
                 o.zero_grad()
-        assert_same(main_weights(model), main_weights(default_model), "telemetry on vs the default path")
+        assert_same(main_weights(model), main_weights(default_model), "telemetry on vs telemetry off")
         assert_compute_fresh(model, "telemetry on")
-    with env(FSDP_PATCH_TELEMETRY="0"), pytest.raises(ValueError, match="remove_fully_shard_optimizer"):
+    # A second call with telemetry off keeps the adaptation and its observer.
+    with env(FSDP_PATCH_TELEMETRY="0"):
         fully_shard_optimizer(opt)
+    got = (adaptation_of(opt) is adaptation, adaptation.observer is observer)
+    assert got == (True, True), f"(same adaptation, same observer) after a call with telemetry off: {got}"
+    with pytest.raises(ValueError, match="remove_fully_shard_optimizer"):
+        fully_shard_optimizer(opt, precision_aware=True)
 
 
 def test_public_path_with_telemetry_on(pool2: Any) -> None:
@@ -434,7 +433,7 @@ def test_public_path_with_telemetry_on(pool2: Any) -> None:
 
 
 def test_public_path_with_telemetry_env_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Plain parameters need no process group; the entry point picks the attachment from the env.
+    # Plain parameters need no process group; the entry point picks the observer from the env.
     import fsdp_patch.telemetry as telemetry
 
     monkeypatch.setenv("FSDP_PATCH_TELEMETRY", "true")
@@ -443,8 +442,8 @@ def test_public_path_with_telemetry_env_in_process(monkeypatch: pytest.MonkeyPat
     opt = O.SGD(model.parameters(), lr=0.1)
     fully_shard_optimizer(opt)
     adaptation = adaptation_of(opt)
-    assert adaptation is not None and adaptation.kind == "wrapt"
-    assert isinstance(adaptation.attachment._observer, telemetry.OptimizerObserver)
+    observer = None if adaptation is None else adaptation.observer
+    assert isinstance(observer, telemetry.OptimizerObserver), f"telemetry on: observer {observer!r}"
     before = model.weight.detach().clone()
     model(torch.ones(4, 3)).sum().backward()
     opt.step()
@@ -453,21 +452,22 @@ def test_public_path_with_telemetry_env_in_process(monkeypatch: pytest.MonkeyPat
     assert adaptation_of(opt) is None and "step" not in opt.__dict__
     monkeypatch.setenv("FSDP_PATCH_TELEMETRY", "0")
     fully_shard_optimizer(opt)
-    assert adaptation_of(opt).kind == "hooks"
+    observer = adaptation_of(opt).observer
+    assert type(observer) is NullObserver, f"telemetry off: observer {observer!r}, want a NullObserver"
 
 
 # ----------------------------------------------------------------------------- lifetime
 def _freed() -> None:
-    for attachment in ATTACHMENTS:
+    for observer in OBSERVERS:
         model = build_model()
         opt = OPTIMIZERS["adamw"](model.parameters())
-        adapt(opt, attachment)
+        adapt(opt, observer)
         backward(model, batches(1)[0])
         opt.step()
         ref = weakref.ref(opt)
         del opt
         gc.collect()
-        assert ref() is None, f"{attachment}: the adapted optimizer outlived its last reference"
+        assert ref() is None, f"{observer}: the adapted optimizer outlived its last reference"
 
 
 def test_adapted_optimizer_is_freed(pool1: Any) -> None:

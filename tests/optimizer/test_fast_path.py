@@ -29,7 +29,7 @@ from fsdp_patch import cast_buffer_bytes, keep_cast_buffers, parameter_group_of,
 from fsdp_patch.adapter import remove_fully_shard_optimizer
 from tests.models import lm_loss
 from tests.optimizer.support import (
-    ATTACHMENTS,
+    OBSERVERS,
     HandCast,
     O,
     adapt,
@@ -99,11 +99,11 @@ def _expected_cast_bytes(params: list[torch.nn.Parameter]) -> int:
 class Pair:
     """An adapted model and its hand-cast reference, trained alike."""
 
-    def __init__(self, attachment: str, params_of: Any = list) -> None:
+    def __init__(self, observer: str, params_of: Any = list) -> None:
         self.model, self.ref = build_model(), build_model()
         self.opt = _adamw(params_of(list(self.model.parameters())))
         self.ref_opt = _adamw(params_of(list(self.ref.parameters())))
-        adapt(self.opt, attachment)
+        adapt(self.opt, observer)
         self.spy = CastSpy(self.opt)
 
     def both(self, fn: Any) -> None:
@@ -137,10 +137,10 @@ class Pair:
             assert held and not any(held), f"{tag}: main-grad bytes held after zero_grad(set_to_none=True): {held}"
 
 
-def _training_changes(attachment: str, path: str) -> None:
+def _training_changes(observer: str, path: str) -> None:
     data = batches(9)
     # The optimizer starts with the blocks' parameters only; the rest is added later.
-    pair = Pair(attachment, params_of=lambda params: params[: len(params) // 2])
+    pair = Pair(observer, params_of=lambda params: params[: len(params) // 2])
     first = fsdp_params(pair.opt)
     pair.step("step 1", data[0], zero=True)
     pair.step("step 2", data[1], zero=False)
@@ -207,12 +207,12 @@ def _training_changes(attachment: str, path: str) -> None:
     pair.spy.assert_reused(fsdp_params(pair.opt), "after the loads")
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_cached_views_stay_valid_across_changes(pool2: Any, attachment: str, tmp_path: Any) -> None:
-    pool2.run(_training_changes, attachment, str(tmp_path))
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_cached_views_stay_valid_across_changes(pool2: Any, observer: str, tmp_path: Any) -> None:
+    pool2.run(_training_changes, observer, str(tmp_path))
 
 
-def _several_optimizers(attachment: str, keep: bool | None = None) -> None:
+def _several_optimizers(observer: str, keep: bool | None = None) -> None:
     """Three optimizers over one model: alternate parameters, and the head's bias alone. With
     ``keep=False`` the buffers are freed after each step; no optimizer covers a whole group
     then, so none may free the main grads the others still step on."""
@@ -225,7 +225,7 @@ def _several_optimizers(attachment: str, keep: bool | None = None) -> None:
         rest = [p for p in params if p is not bias]
         opts[kind] = [_adamw(rest[0::2]), _adamw(rest[1::2]), O.SGD([bias], lr=0.1)]
     for opt in opts["adapted"]:
-        adapt(opt, attachment)
+        adapt(opt, observer)
         if keep is not None:
             keep_cast_buffers(opt, keep)
     for step, tokens in enumerate(data):
@@ -253,16 +253,16 @@ def _several_optimizers(attachment: str, keep: bool | None = None) -> None:
 
 
 @pytest.mark.parametrize("keep", (None, False), ids=("buffers default", "buffers freed"))
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_several_optimizers_over_one_model(pool2: Any, attachment: str, keep: bool | None) -> None:
-    pool2.run(_several_optimizers, attachment, keep)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_several_optimizers_over_one_model(pool2: Any, observer: str, keep: bool | None) -> None:
+    pool2.run(_several_optimizers, observer, keep)
 
 
 class _Planted(RuntimeError):
     pass
 
 
-def _split_group(attachment: str) -> None:
+def _split_group(observer: str) -> None:
     """Buffers freed; per FSDP group, one optimizer holds every parameter but a middle one, so
     its cast spans the whole buffer, and a second optimizer holds the middle one: the first must
     not free main grads the second steps on after it."""
@@ -277,7 +277,7 @@ def _split_group(attachment: str) -> None:
             _adamw([p for p in params if id(p) in middles]),
         ]
     for opt in opts["adapted"]:
-        adapt(opt, attachment)
+        adapt(opt, observer)
         keep_cast_buffers(opt, False)
     assert fsdp_params(opts["adapted"][1]), "no FSDP group has a middle parameter"
     fail = {"now": True}
@@ -292,10 +292,11 @@ def _split_group(attachment: str) -> None:
         for model in built.values():
             backward(model, tokens)
         if step == 0:
-            # Under hooks the failed step's cast stays attached: the second optimizer steps
-            # while it is, on the middle parameters' main grads.
+            # The failed step has put its grads back when the error arrives: the second
+            # optimizer steps next, on the middle parameters' main grads.
             with pytest.raises(_Planted, match="fails after its cast"):
                 opts["adapted"][0].step()
+            assert_grads_original(opts["adapted"][0], "step 0, optimizer 0 after its failed step")
         # After the failure the second optimizer goes first (its parameters are disjoint from
         # the first's, so the order changes nothing in the reference).
         order = (1, 0) if step == 0 else (0, 1)
@@ -303,24 +304,23 @@ def _split_group(attachment: str) -> None:
             opt, ref_opt = opts["adapted"][index], opts["ref"][index]
             opt.step()
             HandCast(fsdp_params(ref_opt)).step(ref_opt)
-            if (step, index) != (0, 1):  # under hooks the failed step's cast is still attached then
-                assert_grads_original(opt, f"step {step}, optimizer {index}")
+            assert_grads_original(opt, f"step {step}, optimizer {index}")
         assert_same(main_weights(built["adapted"]), main_weights(built["ref"]), f"step {step}: main weights")
         for opt in (*opts["adapted"], *opts["ref"]):
             opt.zero_grad()
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_an_optimizer_spanning_a_group_frees_nothing_another_holds(pool2: Any, attachment: str) -> None:
-    pool2.run(_split_group, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_an_optimizer_spanning_a_group_frees_nothing_another_holds(pool2: Any, observer: str) -> None:
+    pool2.run(_split_group, observer)
 
 
-def _main_grads_released_in_step(attachment: str) -> None:
+def _main_grads_released_in_step(observer: str) -> None:
     """Buffers freed between steps: while the update runs, the main grads' memory is free (the
     fp32 copies stand in); afterwards they hold exactly what they held before the step, also
     when the step raised after the cast."""
     data = batches(3)
-    pair = Pair(attachment)
+    pair = Pair(observer)
     keep_cast_buffers(pair.opt, False)
     groups = parameter_groups(pair.model)
     during: list[list[int]] = []
@@ -350,28 +350,27 @@ def _main_grads_released_in_step(attachment: str) -> None:
     with pytest.raises(_Planted, match="planted failure inside the step"):
         pair.opt.step()
     fail["now"] = False
-    # wrapt restores at once; hooks leave the fp32 copies attached until the next step or
-    # backward: either way the grads hold the same values.
-    got = [None if g is None else g.to(torch.bfloat16) for g in grads_snapshot(pair.model)]
-    assert_same(got, want, "after the failed step: grad values")
+    # The main grads are back at once, holding what they held before the step.
+    assert_grads_original(pair.opt, "after the failed step")
+    assert_same(grads_snapshot(pair.model), want, "after the failed step: grad values")
     main_weights_before = main_weights(pair.model)
-    pair.opt.step()  # puts the main grads back (hooks), then steps on them
+    pair.opt.step()
     assert_same(grads_snapshot(pair.model), want, "after the retried step: main grads")
     assert_changed(main_weights(pair.model), main_weights_before, "the retried step: main weights")
     held = cast_buffer_bytes(pair.opt)
     assert held == 0, f"cast-buffer bytes after the retried step: {held}, want 0 (freed)"
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_main_grads_released_during_the_step(pool2: Any, attachment: str) -> None:
-    pool2.run(_main_grads_released_in_step, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_main_grads_released_during_the_step(pool2: Any, observer: str) -> None:
+    pool2.run(_main_grads_released_in_step, observer)
 
 
-def _undo_releases(attachment: str, fail: bool) -> None:
+def _undo_releases(observer: str, fail: bool) -> None:
     data = batches(2)
     model = build_model()
     opt = _adamw(model.parameters())
-    adapt(opt, attachment)
+    adapt(opt, observer)
     captured: list[torch.Tensor] = []
     opt.register_step_pre_hook(
         lambda o, a, k: captured.append(next(p.grad for p in fsdp_params(o) if p.grad is not None))
@@ -381,7 +380,7 @@ def _undo_releases(attachment: str, fail: bool) -> None:
     got, want = cast_buffer_bytes(opt), _expected_cast_bytes(fsdp_params(opt))
     assert got == want, f"kept on the CPU after a step: {got} bytes, want {want}"
     if fail:
-        # An update that raises after the cast: the hook attachment leaves the cast grads attached.
+        # An update that raises after the cast: the grads are back, the kept buffer still holds memory.
         def boom(o: Any, a: Any, k: Any) -> None:
             raise RuntimeError("update failed")
 
@@ -402,14 +401,14 @@ def _undo_releases(attachment: str, fail: bool) -> None:
 
 
 @pytest.mark.parametrize("fail", (False, True), ids=("after a step", "after a failed step"))
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_undo_releases_the_cast_buffers(pool1: Any, attachment: str, fail: bool) -> None:
-    pool1.run(_undo_releases, attachment, fail)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_undo_releases_the_cast_buffers(pool1: Any, observer: str, fail: bool) -> None:
+    pool1.run(_undo_releases, observer, fail)
 
 
-def _memory_knob(attachment: str) -> None:
+def _memory_knob(observer: str) -> None:
     data = batches(5)
-    pair = Pair(attachment)
+    pair = Pair(observer)
     want = _expected_cast_bytes(fsdp_params(pair.opt))
 
     def assert_bytes(want: int, what: str) -> None:
@@ -440,16 +439,16 @@ def _memory_knob(attachment: str) -> None:
     pair.step("after the refusals", data[4])
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_keep_cast_buffers_and_their_bytes(pool2: Any, attachment: str) -> None:
-    pool2.run(_memory_knob, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_keep_cast_buffers_and_their_bytes(pool2: Any, observer: str) -> None:
+    pool2.run(_memory_knob, observer)
 
 
 def _external_writes() -> None:
     """Main weights written outside the adapter between steps reach the next forward, which
     casts each compute copy once."""
     data = batches(2)
-    pair = Pair("hooks")
+    pair = Pair("null")
     pair.step("step", data[0])
     groups = parameter_groups(pair.model)
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.optimizer.support import (
-    ATTACHMENTS,
+    OBSERVERS,
     HandCast,
     adapt,
     backward,
@@ -53,12 +53,12 @@ def _replace(model: nn.Module, opt: torch.optim.Optimizer, how: str) -> None:
         params[0] = others[0]
 
 
-def replacement_run(attachment: str, how: str, optimizer: str) -> None:
+def replacement_run(observer: str, how: str, optimizer: str) -> None:
     data = batches(4)
     model, ref = build_model(), build_model()
     opt = OPTIMIZERS[optimizer](list(model.blocks[0].parameters()))
     ref_opt = OPTIMIZERS[optimizer](list(ref.blocks[0].parameters()))
-    observer = adapt(opt, attachment)
+    recording = adapt(opt, observer)
     seen_dtypes: list[set[torch.dtype]] = []
     opt.register_step_pre_hook(  # after the adapter's own: what the update sees
         lambda o, args, kwargs: seen_dtypes.append({p.grad.dtype for p in fsdp_params(o) if p.grad is not None})
@@ -71,7 +71,7 @@ def replacement_run(attachment: str, how: str, optimizer: str) -> None:
         backward(ref, tokens)
         opt.step()
         HandCast(fsdp_params(ref_opt)).step(ref_opt)
-        where = f"{optimizer}, {how}, {attachment}, step {step}"
+        where = f"{optimizer}, {how}, {observer}, step {step}"
         assert seen_dtypes[-1] == {torch.float32}, f"{where}: the update saw grads of {seen_dtypes[-1]}, want fp32 only"
         got, want = main_weights(model), main_weights(ref)
         assert same(got, want), f"{where}: main weights against the hand-cast reference: {_difference(got, want)}"
@@ -80,8 +80,8 @@ def replacement_run(attachment: str, how: str, optimizer: str) -> None:
         assert compute_is_fresh(model), f"{where}: a compute copy was not refreshed from its main weights"
         problem = grads_are_original(opt)
         assert problem is None, f"{where}: grads after the step: {problem}"
-        if observer is not None:
-            planned = observer.steps[-1].planned[-1]
+        if recording is not None:
+            planned = recording.steps[-1].planned[-1]
             want_count = len(opt.param_groups[0]["params"])
             assert planned.params_count == want_count, (
                 f"{where}: planned {planned.params_count} params, want {want_count}"
@@ -92,8 +92,8 @@ def replacement_run(attachment: str, how: str, optimizer: str) -> None:
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("how", ("module_swapped", "one_replaced_in_place"))
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
+@pytest.mark.parametrize("observer", OBSERVERS)
 def test_a_replaced_parameter_is_cast_and_refreshed_as_its_own(
-    pool2: Any, attachment: str, how: str, optimizer: str
+    pool2: Any, observer: str, how: str, optimizer: str
 ) -> None:
-    pool2.run(replacement_run, attachment, how, optimizer)
+    pool2.run(replacement_run, observer, how, optimizer)

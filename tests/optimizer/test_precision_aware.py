@@ -17,8 +17,8 @@ import torch
 from fsdp_patch import parameter_groups
 from fsdp_patch.adapter.events import MismatchAction
 from tests.optimizer.support import (
-    ATTACHMENTS,
     BF16,
+    OBSERVERS,
     HandCast,
     adapt,
     assert_changed,
@@ -59,10 +59,10 @@ MAKERS = {
 }
 
 
-def _precision_aware(name: str, attachment: str) -> None:
+def _precision_aware(name: str, observer: str) -> None:
     model, ref = build_model(), build_model()
     opt, ropt = MAKERS[name](model.parameters()), MAKERS[name](ref.parameters())
-    observer = adapt(opt, attachment, precision_aware=True)
+    recording = adapt(opt, observer, precision_aware=True)
     seen: list[set[torch.dtype]] = []
     opt.register_step_pre_hook(lambda o, a, k: seen.append(grad_dtypes(o)))
     refresh = HandCast(fsdp_params(ref)).refresh
@@ -86,18 +86,18 @@ def _precision_aware(name: str, attachment: str) -> None:
             o.zero_grad()
     if isinstance(opt, Bf16MomentumSGD):
         assert opt.seen and all(s == {BF16} for s in opt.seen), f"grad dtypes the optimizer itself saw: {opt.seen}"
-    if observer is not None:
-        grad_casts = [c for c in observer.casts if c[0] == "grads_cast"]
+    if recording is not None:
+        grad_casts = [c for c in recording.casts if c[0] == "grads_cast"]
         assert not grad_casts, f"grad casts recorded: {grad_casts}"
-        assert any(kind == "weights_refreshed" for kind, *_ in observer.casts), (
-            f"no refresh cast recorded among {observer.casts}"
+        assert any(kind == "weights_refreshed" for kind, *_ in recording.casts), (
+            f"no refresh cast recorded among {recording.casts}"
         )
-        assert any(action is MismatchAction.PASSTHROUGH for *_, action, _ in observer.mismatches), (
-            f"no passthrough mismatch recorded among {observer.mismatches}"
+        assert any(action is MismatchAction.PASSTHROUGH for *_, action, _ in recording.mismatches), (
+            f"no passthrough mismatch recorded among {recording.mismatches}"
         )
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
+@pytest.mark.parametrize("observer", OBSERVERS)
 @pytest.mark.parametrize("name", list(MAKERS))
-def test_precision_aware_passes_bf16_grads_and_refreshes(pool2: Any, name: str, attachment: str) -> None:
-    pool2.run(_precision_aware, name, attachment)
+def test_precision_aware_passes_bf16_grads_and_refreshes(pool2: Any, name: str, observer: str) -> None:
+    pool2.run(_precision_aware, name, observer)

@@ -3,7 +3,7 @@
 ``LRScheduler`` re-wraps ``optimizer.step`` by binding ``optimizer.step.__func__`` to the
 optimizer, and warns ("optimizer.step() has been overridden ...") when the step it finds at
 its first ``step()`` no longer carries its mark. For each scheduler, created before or after
-the adaptation, under both attachments, three steps run next to a hand-cast reference with
+the adaptation, telemetry off and with a recording observer, three steps run next to a hand-cast reference with
 the same scheduler: no scheduler warning is raised, the learning rates follow the reference
 (and change), the weights are bitwise the reference's, and every step went through the
 adapter (fp32 grads seen by the update, compute copy refreshed, grads restored).
@@ -20,8 +20,8 @@ import torch
 from torch.optim import lr_scheduler as L
 
 from tests.optimizer.support import (
-    ATTACHMENTS,
     FP32,
+    OBSERVERS,
     HandCast,
     O,
     adapt,
@@ -72,7 +72,7 @@ def test_every_scheduler_class_is_covered() -> None:
     assert public <= SCHEDULERS.keys(), f"schedulers without a test: {public - SCHEDULERS.keys()}"
 
 
-def _schedulers(attachment: str) -> None:
+def _schedulers(observer: str) -> None:
     for name, make in SCHEDULERS.items():
         for when in ("before", "after"):
             tag = f"{name} created {when} adaptation"
@@ -84,9 +84,9 @@ def _schedulers(attachment: str) -> None:
                 warnings.simplefilter("always")
                 if when == "before":
                     sched = make(opt)
-                    observer = adapt(opt, attachment)
+                    recording = adapt(opt, observer)
                 else:
-                    observer = adapt(opt, attachment)
+                    recording = adapt(opt, observer)
                     sched = make(opt)
                 rsched = make(ropt)
                 seen: list[set[torch.dtype]] = []
@@ -117,11 +117,11 @@ def _schedulers(attachment: str) -> None:
             assert len(seen) == STEPS and all(s == {FP32} for s in seen), (
                 f"{tag}: grad dtypes the update saw per step: {seen}, want {STEPS} x {{{FP32}}}"
             )
-            if observer is not None:
-                got = len(observer.steps)
+            if recording is not None:
+                got = len(recording.steps)
                 assert got == STEPS, f"{tag}: observer saw {got} steps, want {STEPS}"
 
 
-@pytest.mark.parametrize("attachment", ATTACHMENTS)
-def test_schedulers_drive_the_adapted_step(pool1: Any, attachment: str) -> None:
-    pool1.run(_schedulers, attachment)
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_schedulers_drive_the_adapted_step(pool1: Any, observer: str) -> None:
+    pool1.run(_schedulers, observer)

@@ -107,7 +107,7 @@ def run_fake_step(
     fail_in_inner_step: BaseException | None = None,
     params_count: int = 3,
 ) -> int:
-    """Drive the observer exactly as fsdp_patch's adapter does for one step (wrapt mode).
+    """Drive the observer exactly as fsdp_patch's adapter does for one step (telemetry on).
 
     The "optimizer step" writes ``new_main`` into each group's main weight and the refresh
     copies it into the compute weight with a real dtype cast.

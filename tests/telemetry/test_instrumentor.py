@@ -77,7 +77,8 @@ def test_scope_name_version_and_schema_url(instrumentor, otel):
     instrumentor.instrument(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
     optimizer = plain_optimizer()
     fully_shard_optimizer(optimizer)
-    assert adaptation_of(optimizer).kind == "wrapt", "instrumented: the wrapt attachment with telemetry"
+    observer = adaptation_of(optimizer).observer
+    assert isinstance(observer, telemetry.OptimizerObserver), f"instrumented: observer {observer!r}, want telemetry's"
     optimizer.step()
     (step,) = spans_named(otel.span_exporter, semconv.SPAN_STEP)
     scope = step.instrumentation_scope
@@ -161,7 +162,7 @@ def test_uninstrument_removes_every_global_and_turns_telemetry_off(instrumentor,
 
     # The adaptation keeps working, without telemetry; instrumenting again brings it back.
     adaptation = adaptation_of(optimizer)
-    assert adaptation.kind == "wrapt" and isinstance(adaptation.observer, NullObserver)
+    assert type(adaptation.observer) is NullObserver, f"uninstrumented: observer {adaptation.observer!r}"
     optimizer.step()
     instrumentor.instrument()
     optimizer.step()
@@ -169,13 +170,24 @@ def test_uninstrument_removes_every_global_and_turns_telemetry_off(instrumentor,
     instrumentor.uninstrument()
 
 
+def test_instrumenting_gives_telemetry_to_optimizers_adapted_while_off(instrumentor, otel, monkeypatch):
+    monkeypatch.delenv("FSDP_PATCH_TELEMETRY", raising=False)
+    optimizer = plain_optimizer()
+    fully_shard_optimizer(optimizer)
+    optimizer.step()
+    observer = adaptation_of(optimizer).observer
+    assert type(observer) is NullObserver, f"telemetry off: observer {observer!r}, want a NullObserver"
+    instrumentor.instrument(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+    optimizer.step()
+    got = [s.attributes[semconv.ATTR_STEP] for s in spans_named(otel.span_exporter, semconv.SPAN_STEP)]
+    assert got == [2], f"step spans after instrumenting: got steps {got}, want [2] (numbering continues)"
+
+
 def test_rejected_step_span_carries_every_attribute_and_the_public_error_type(otel, make_observer, monkeypatch):
     from fsdp_patch.adapter import adapt_optimizer
 
     optimizer = plain_optimizer(grad_dtype=torch.bfloat16)  # fp32 plain param with a bf16 grad
-    adapt_optimizer(
-        optimizer, precision_aware=False, attachment="wrapt", observer_factory=lambda: make_observer(optimizer)
-    )
+    adapt_optimizer(optimizer, precision_aware=False, observer_factory=lambda: make_observer(optimizer))
     with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[0\]") as info:
         optimizer.step()
     assert type(info.value).__name__.startswith("_"), (
