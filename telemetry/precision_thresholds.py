@@ -335,10 +335,16 @@ def markdown_table() -> str:
         "| check | value | fires when | verdict | Prometheus alert | finding |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for threshold in (*THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT):
-        value = {FAILED_STEPS.check: "steps with status ERROR", DTYPE_CONTRACT.check: "dtype-contract events"}.get(
-            threshold.check, f"`{threshold.metric}`"
-        )
+    special = {
+        FAILED_STEPS.check: "steps with status ERROR",
+        DTYPE_CONTRACT.check: "dtype-contract events",
+        NAN_ORIGIN.check: "origin events",
+        SCALER_SKIPPED.check: f"skipped iterations (over {SCALER_SKIPS_WARN_SHARE:.0%} and at least "
+        f"{SCALER_SKIPS_AT_LEAST}; a problem over {SCALER_SKIPS_PROBLEM_SHARE:.0%})",
+        NO_OPTIMIZER_STEPS.check: "backward passes of a rank that ran no step and skipped none",
+    }
+    for threshold in (*THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT, NAN_ORIGIN, SCALER_SKIPPED, NO_OPTIMIZER_STEPS):
+        value = special.get(threshold.check, f"`{threshold.metric}`")
         unless = f" (unless `{threshold.unless}` fired)" if threshold.unless else ""
         alert = f"`{threshold.alert}`" if threshold.alert else "—"
         rows.append(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYER_LR_FACTOR", "SCENARIOS", "UNDERFLOW_SCALE", "Scenario"]
+__all__ = ["LAYER_LR_FACTOR", "ORIGIN_PLANTS", "SCENARIOS", "UNDERFLOW_SCALE", "Scenario"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,14 @@ class Scenario:
             times the learning rate); ``"left_out"`` (the layer in no param group);
             ``"bf16_state"`` (the layer's ``exp_avg_sq`` turned bf16 at the plant step);
             ``"underflow"`` (the layer's grads scaled by :data:`UNDERFLOW_SCALE` from the plant
-            step on, so that their squares underflow).
+            step on, so that their squares underflow). Each of the origin scenarios plants a
+            NaN/Inf in one part of an iteration, at the plant step: ``"forward_overflow"`` (the
+            module's output scaled past fp16's range), ``"loss_nan"`` (the loss), ``"backward_nan"``
+            (the module's backward), ``"weight_write"`` (the parameter's main weight, on rank 0,
+            between the steps before the plant step), ``"reduce_overflow"`` (the module's grads
+            on every rank past half of fp16's range, summed by the reduce), ``"clip_inf"`` (the
+            layer's grads so large that ``clip_grad_norm_``'s total norm is Inf), ``"optimizer_nan"``
+            (the layer's param group at a NaN learning rate for that step).
         description: What the precision report should find.
         layer: The parameter the bug is planted in (``None``: the whole model).
         plant_from_start: The default plant step is 1 (the bug is there from the start), not
@@ -88,4 +95,53 @@ SCENARIOS: dict[str, Scenario] = {
         "blocks.0.fc1.weight",
         plant_from_start=True,
     ),
+    # Where a NaN/Inf began: one scenario per part of an iteration.
+    "forward-overflow": Scenario(
+        torch.float16,
+        3e-3,
+        "forward_overflow",
+        "an activation past fp16's range: origin in the forward",
+        "blocks.1.fc1",
+    ),
+    "loss-nan": Scenario(torch.bfloat16, 3e-3, "loss_nan", "a log of 0 in the loss: origin in the loss", "loss"),
+    "backward-nan": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "backward_nan",
+        "a NaN made in a module's backward: origin in the backward",
+        "blocks.1.fc1",
+    ),
+    "weight-write": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "weight_write",
+        "a NaN written into a main weight between steps: origin weight_write",
+        "blocks.1.fc2.weight",
+    ),
+    "reduce-overflow": Scenario(
+        torch.float16,
+        3e-3,
+        "reduce_overflow",
+        "fp16 grads whose sum over ranks overflows: origin in the reduce",
+        "blocks.0.fc2",
+    ),
+    "clip-inf": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "clip_inf",
+        "clip_grad_norm_ with an Inf total norm zeroes the grads: origin grad_write",
+        "blocks.0.fc1.weight",
+    ),
+    "optimizer-nan": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "optimizer_nan",
+        "a NaN learning rate for one param group: origin in the optimizer",
+        "blocks.1.fc2.weight",
+    ),
 }
+
+ORIGIN_PLANTS = frozenset(
+    {"forward_overflow", "loss_nan", "backward_nan", "weight_write", "reduce_overflow", "clip_inf", "optimizer_nan"}
+)
+"""Plants of a NaN/Inf in one part of one iteration (the plant step's)."""

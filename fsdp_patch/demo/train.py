@@ -18,7 +18,7 @@ from .config import RunOptions, TrainingConfig
 from .data import tokens_at
 from .model import GPT, lm_loss, shard
 from .progress import Progress
-from .scenarios import LAYER_LR_FACTOR, SCENARIOS, UNDERFLOW_SCALE
+from .scenarios import LAYER_LR_FACTOR, ORIGIN_PLANTS, SCENARIOS, UNDERFLOW_SCALE
 from .schedule import WarmupCosine
 
 
@@ -57,7 +57,51 @@ def _param_groups(model: GPT, training: TrainingConfig) -> list[dict[str, object
     if scenario.plant == "layer_lr" and layer is not None:
         rest = [p for name, p in named.items() if name != layer]
         return [{"params": rest}, {"params": [named[layer]], "lr": training.lr * LAYER_LR_FACTOR}]
+    if scenario.plant == "optimizer_nan" and layer is not None:
+        rest = [p for name, p in named.items() if name != layer]
+        return [{"params": rest}, {"params": [named[layer]]}]
     return [{"params": list(named.values())}]
+
+
+class _NaNInBackward(torch.autograd.Function):
+    """Identity forward; its backward returns NaN grads."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+class _LargeGrad(torch.autograd.Function):
+    """Identity forward; its backward sends a grad summing to 5e4 over the rows of each column: the
+    bias behind it gets 5e4 on every rank, finite in fp16, past 65504 once summed over ranks."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, 5e4 / (grad.numel() // grad.shape[-1]))
+
+
+def _plant_in_forward(model: GPT, training: TrainingConfig, now: dict[str, int]) -> None:
+    """A forward hook on the scenario's module that plants its NaN/Inf at the plant step (part of the
+    model from the start, as the module's own computation would be)."""
+    scenario = SCENARIOS[training.scenario]
+    effects = {
+        "forward_overflow": lambda out: out * 1e5,
+        "backward_nan": _NaNInBackward.apply,
+        "reduce_overflow": _LargeGrad.apply,
+    }
+    effect = effects.get(scenario.plant or "")
+    if effect is None or scenario.layer is None:
+        return
+    module = model.get_submodule(scenario.layer)
+    module.register_forward_hook(lambda m, a, out: effect(out) if now["step"] == training.plant_step else out)
 
 
 def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfig, step: int) -> None:
@@ -65,6 +109,17 @@ def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfi
     scenario = SCENARIOS[training.scenario]
     plant = scenario.plant
     if plant is None or step < training.plant_step or (step != training.plant_step and plant != "underflow"):
+        return
+    if plant == "clip_inf":
+        grad = cast(DTensor, dict(model.named_parameters())[cast(str, scenario.layer)].grad)
+        with torch.no_grad():
+            grad.to_local().mul_(1e38)  # the squares of the total norm overflow: Inf
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        return
+    if plant == "optimizer_nan":
+        optimizer.param_groups[1]["lr"] = float("nan")
+        return
+    if plant in ORIGIN_PLANTS:
         return
     if scenario.layer is None:
         raise ValueError(f"scenario {training.scenario!r} plants {plant!r} but names no layer")
@@ -104,9 +159,13 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
     # Created (or emptied) by the launcher; a resumed run appends its steps.
     log = open(options.loss_log, "a", encoding="utf-8") if rank == 0 and options.loss_log else None
     device = next(model.parameters()).device
+    plant, planted_layer = SCENARIOS[training.scenario].plant, SCENARIOS[training.scenario].layer
+    now = {"step": step}
+    _plant_in_forward(model, training, now)
     try:
         while step < options.steps:
             step += 1
+            now["step"] = step
             started = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
             for micro in range(training.microbatches):
@@ -114,6 +173,8 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
                 position += 1
                 cast(FSDPModule, model).set_requires_gradient_sync(micro == training.microbatches - 1)
                 loss = lm_loss(model, tokens.to(device)) / training.microbatches
+                if plant == "loss_nan" and step == training.plant_step:
+                    loss = loss + torch.log(torch.zeros((), device=device)) * 0.0  # a log of 0: NaN
                 loss.backward()
                 loss_sum += loss.detach()
             _plant(model, optimizer, training, step)
@@ -121,6 +182,11 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+            if plant == "weight_write" and step == training.plant_step - 1 and rank == 0:
+                with torch.no_grad():  # between this step and the plant step, outside the optimizer
+                    cast(DTensor, dict(model.named_parameters())[cast(str, planted_layer)]).to_local().view(-1)[0] = (
+                        float("nan")
+                    )
             dist.all_reduce(loss_sum)
             loss_value = loss_sum.item() / world_size
             progress.step(step, loss_value, float(lr), time.perf_counter() - started)

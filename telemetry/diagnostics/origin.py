@@ -201,7 +201,7 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
     for c in checks:
         p = c.probe
         if p.stage == semconv.ORIGIN_WEIGHT_WRITE and p.when == BEFORE and not c.finite:
-            if previous_after_finite.get(p.group or p.where, True):
+            if previous_after_finite.get(p.group, True):
                 return _origin(c, "non-finite before the update; finite after the previous one")
             return None  # the NaN is the previous step's, already reported there
     before_step = [c for c in checks if c.probe.stage != semconv.ORIGIN_WEIGHT_WRITE]

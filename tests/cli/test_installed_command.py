@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 
+from fsdp_patch.demo.scenarios import SCENARIOS
+
 # The session's runs happen in the first test's setup, which the default per-test timeout counts.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -129,6 +131,11 @@ def runs(fresh_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         out[f"{scenario}:demo"] = _run([command, "demo", "--scenario", scenario, "--steps", "6", "--precision-every", "1",
                                         "--trace-dir", f"t_{scenario}", *common], work)  # fmt: skip
         out[scenario] = _run([command, "report", f"t_{scenario}"], work)
+    # Where a NaN/Inf began: at the default interval, which diagnoses step 1 only of these runs.
+    for scenario in ORIGIN_SCENARIOS:
+        out[f"{scenario}:demo"] = _run([command, "demo", "--scenario", scenario, "--steps", "4", "--plant-step", "3",
+                                        "--trace-dir", f"t_{scenario}", *common], work)  # fmt: skip
+        out[scenario] = _run([command, "report", "--json", f"t_{scenario}"], work)
     out["nan:json"] = _run([command, "report", "--json", "t_nan"], work)
     out["bad"] = _run([command, "demo", "--main-dtype", "fp8"], work, check=False)
     out["module_help"] = _run([str(fresh_venv / "bin" / "python"), "-m", "fsdp_patch", "--help"], work)
@@ -206,7 +213,7 @@ def test_healthy_run_ends_with_a_healthy_report(runs: dict[str, Any]) -> None:
     ("scenario", "verdict"),
     [
         ("tiny-lr", "overall: warning: lost updates: learning rate too small for the compute dtype"),
-        ("nan", "overall: problem: NaN/Inf in gradients or weights, from step 3"),
+        ("nan", "overall: problem: NaN/Inf began in the grads between backward and step, from step 3"),
         (
             "fp16-overflow",
             "overall: problem: refresh overflow: main weights beyond the compute dtype's range (65504 for fp16), from step 3",
@@ -265,6 +272,31 @@ def test_demo_and_report_name_the_planted_layer(runs: dict[str, Any], scenario: 
     assert f"planted in {layer}" in started, f"{scenario}: the demo does not name the planted layer: {started}"
     stdout = runs[scenario].stdout
     assert named in stdout, f"{scenario}: the report does not name {named!r}:\n{stdout}"
+
+
+# scenario -> (stage, where, ranks) the report's origin must name, at the plant step.
+ORIGIN_SCENARIOS = {
+    "forward-overflow": ("forward", "blocks.1", [0, 1]),
+    "loss-nan": ("loss", "loss", [0, 1]),
+    "backward-nan": ("backward", "blocks.1", [0, 1]),
+    "weight-write": ("weight_write", "blocks.1.fc2.weight", [0]),
+    "reduce-overflow": ("reduce", "blocks.0", [0, 1]),
+    "clip-inf": ("grad_write", "clip_grad_norm_", [0, 1]),
+    "optimizer-nan": ("optimizer", "blocks.1.fc2.weight", [0, 1]),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(ORIGIN_SCENARIOS))
+def test_each_origin_scenario_is_reported_where_it_was_planted(runs: dict[str, Any], scenario: str) -> None:
+    report = json.loads(runs[scenario].stdout)
+    origin = report["origin"]
+    got = None if origin is None else (origin["step"], origin["stage"], origin["where"], origin["ranks"])
+    want = (3, *ORIGIN_SCENARIOS[scenario])
+    assert got == want, f"{scenario}: want the origin {want}, got {got}"
+    lead = report["findings"][0]
+    assert (lead["check"], lead["first_step"]) == ("origin", 3), f"{scenario}: the report leads with {lead}"
+    started = runs[f"{scenario}:demo"].stdout.splitlines()[0]
+    assert f"planted in {SCENARIOS[scenario].layer}, at step 3" in started, f"{scenario}: {started}"
 
 
 def test_report_json_names_the_first_bad_tensor(runs: dict[str, Any]) -> None:

@@ -127,6 +127,20 @@ def _process_wide() -> tuple[Any, ...]:
             torch.nn.utils.clip_grad.clip_grad_norm_)  # fmt: skip
 
 
+def _unit_origins(trace_dir: Path) -> dict[int, int]:
+    """Unit-level origin events per rank in the trace files (escalation's refinements aside)."""
+    from fsdp_patch.telemetry import semconv
+    from fsdp_patch.telemetry.offline.trace_reading import iter_events, rank_segments
+
+    counts: dict[int, int] = {}
+    for segment in rank_segments(str(trace_dir)):
+        for event in iter_events(segment.path):
+            args = event.get("args") or {}
+            if event.get("name") == semconv.EVENT_ORIGIN and not args.get(semconv.ATTR_ORIGIN_REFINED):
+                counts[segment.rank] = counts.get(segment.rank, 0) + 1
+    return counts
+
+
 def _report(trace_dir: Path) -> dict[str, Any]:
     from fsdp_patch.telemetry.offline.precision_report import report_json
 
@@ -157,6 +171,9 @@ def test_a_planted_fault_is_reported_where_and_when_it_began(dist_pool, tmp_path
     )
     lead = report["findings"][0]
     assert lead["check"] == "origin", f"{kind}, {fault}: want the report to lead with the origin, it leads with {lead}"
+    # The NaN stays in the weights from then on: one origin per rank, not one per later step.
+    counts = _unit_origins(tmp_path / f"{kind}-{fault}-{every}")
+    assert all(n == 1 for n in counts.values()), f"{kind}, {fault}: origin events per rank {counts}, want 1 each"
     if fault == "weight_write":
         assert origin["ranks"] == [0], f"{kind}: the write was on rank 0's shard only, got ranks {origin['ranks']}"
 
