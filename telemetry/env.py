@@ -278,6 +278,20 @@ def precision_escalation(environ: Mapping[str, str] | None = None) -> int:
                          "a non-negative integer (0 turns escalation off)")  # fmt: skip
 
 
+def precision_origin(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the per-iteration checks run (``FSDP_PATCH_PRECISION_ORIGIN``: ``on``, the default, or ``off``).
+
+    Raises:
+        ValueError: Any other value.
+    """
+    from . import semconv
+
+    value = _raw(semconv.SETTING_PRECISION_ORIGIN, environ).lower() or "on"
+    if value not in ("on", "off"):
+        raise _invalid(semconv.SETTING_PRECISION_ORIGIN, value, "'on', 'off'")
+    return value == "on"
+
+
 def precision_detail(environ: Mapping[str, str] | None = None) -> str:
     """``FSDP_PATCH_PRECISION_DETAIL``: ``off`` (default) or ``unit`` (precision metrics labelled by unit).
 
@@ -314,4 +328,5 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     precision_top_k(environ)
     precision_window(environ)
     precision_escalation(environ)
+    precision_origin(environ)
     precision_detail(environ)

@@ -302,5 +302,8 @@ EVENT_ESCALATION = "fsdp.precision.escalation"
 """On SPAN_STEP: a NaN/Inf was seen at ``fsdp.step``; the next ``fsdp.precision.escalation.steps``
 iterations run module-level checks and diagnostics every step."""
 ATTR_ESCALATION_STEPS = "fsdp.precision.escalation.steps"
+SETTING_PRECISION_ORIGIN = "FSDP_PATCH_PRECISION_ORIGIN"
+"""``on`` (default) or ``off``: the per-iteration checks that find where a NaN/Inf began (off:
+escalation off too; skipped steps are still counted)."""
 SETTING_PRECISION_ESCALATION = "FSDP_PATCH_PRECISION_ESCALATION"
 """Iterations of full detail after a NaN/Inf is seen (default 3; 0 turns escalation off)."""

@@ -122,7 +122,7 @@ class StepObserver(Protocol):
         """Steps observed so far (a replacing observer continues from it)."""
 
     @property
-    def collective_settings(self) -> tuple[bool, int] | tuple[bool, int, bool] | tuple[bool, int, bool, int]:
+    def collective_settings(self) -> tuple[bool | int, ...]:
         """``(telemetry on, diagnostics interval[, per-parameter detail])``: what every rank must
         agree on (see ``settings_check``)."""
 

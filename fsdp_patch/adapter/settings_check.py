@@ -5,10 +5,11 @@ telemetry off (or another diagnostics schedule, or the per-parameter detail on w
 have it off: a payload of another size) would skip it or send other rows while its peers wait: a
 collective mismatch on gloo, a hang on NCCL. So at its first step every adapted optimizer,
 telemetry on or off, gathers ``(telemetry on, diagnostics interval, per-parameter detail on,
-escalation)`` from every rank of its process group in one small ``all_gather``, and a difference
+escalation, per-iteration checks)`` from every rank of its process group in one small ``all_gather``,
+and a difference
 raises the same error on every rank, naming each rank's values and, in the registered observer
 source's words (telemetry's), the variables they come from. A rank with telemetry off takes part
-through the same call, with its ``NullObserver``'s settings: one collective of four integers per
+through the same call, with its ``NullObserver``'s settings: one collective of five integers per
 optimizer, at its first step only.
 """
 
@@ -50,22 +51,24 @@ def _describe(values: list[list[int]]) -> str:
     rows = ", ".join(f"rank {r} {tuple(v)}" for r, v in enumerate(values))
     return (
         "fsdp_patch: ranks of this optimizer's process group disagree on settings that change "
-        f"collectives (observer on, diagnostics interval, per-parameter detail, escalation): {rows}. Expected the "
+        f"collectives ({', '.join(SETTINGS)}): {rows}. Expected the "
         "same values on every rank."
     )
 
 
-def check_collective_settings(
-    groups: Sequence[Any], telemetry_on: bool, precision_every: int, per_parameter: bool = False, escalation: int = 0
-) -> None:
+# The settings compared, in order; an observer that names fewer leaves the rest at 0 (off).
+SETTINGS = ("telemetry on", "diagnostics interval", "per-parameter detail", "escalation", "per-iteration checks")
+
+
+def check_collective_settings(groups: Sequence[Any], settings: Sequence[bool | int]) -> None:
     """Raise on every rank if the ranks' settings differ; a no-op without a process group.
 
     Args:
         groups: The FSDP groups of the optimizer (``fully_shard``'s or FSDP2's).
-        telemetry_on: Whether this rank's adapted optimizer emits telemetry.
-        precision_every: This rank's diagnostics interval (0: none).
-        per_parameter: Whether this rank's diagnostics send a row per parameter.
-        escalation: Iterations this rank diagnoses every step after a NaN/Inf (0: none).
+        settings: This rank's values of :data:`SETTINGS` (its observer's ``collective_settings``):
+            whether it emits telemetry, its diagnostics interval (0: none), whether its diagnostics
+            send a row per parameter, the iterations it diagnoses every step after a NaN/Inf, and
+            whether its per-iteration checks run (one small all-reduce per step).
 
     Raises:
         CollectiveSettingsError: The settings differ on some rank; every rank raises it, with
@@ -80,10 +83,10 @@ def check_collective_settings(
     world = dist.get_world_size(pg)
     if world == 1:
         return
-    settings = [int(telemetry_on), int(precision_every), int(per_parameter), int(escalation)]
-    mine = torch.tensor(settings, dtype=torch.int64, device=device)
-    gathered = torch.empty(world * len(settings), dtype=torch.int64, device=device)
+    padded = [int(value) for value in settings] + [0] * (len(SETTINGS) - len(settings))
+    mine = torch.tensor(padded, dtype=torch.int64, device=device)
+    gathered = torch.empty(world * len(padded), dtype=torch.int64, device=device)
     all_gather_flat(gathered, mine, group=pg)
-    values = gathered.view(world, len(settings)).tolist()
+    values = gathered.view(world, len(padded)).tolist()
     if any(v != values[0] for v in values):
         raise CollectiveSettingsError(_describe(values))

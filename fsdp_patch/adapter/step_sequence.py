@@ -126,7 +126,7 @@ class StepSequence:
         if not self._settings_checked:
             self._settings_checked = True
             shape = self.shape()
-            check_collective_settings([*shape.groups, *shape.fsdp2], *observer.collective_settings)
+            check_collective_settings([*shape.groups, *shape.fsdp2], observer.collective_settings)
         self.restore(carry_back=True)
         state = self._step = StepState(observer)
         closure, positional = find_closure(args, kwargs)

@@ -59,9 +59,10 @@ class IterationWatch:
 
     def __init__(self, optimizer: torch.optim.Optimizer, observer: Any, *, sdk_disabled: bool) -> None:
         self._optimizer_ref = weakref.ref(optimizer)
-        # Escalation diagnoses steps outside the schedule: a collective, so with diagnostics off, none.
+        # The checks and escalation belong to the precision diagnostics: off with them.
         every = 0 if sdk_disabled else env.precision_every()
-        self.escalation = env.precision_escalation() if every else 0
+        self.checking = bool(every) and env.precision_origin()
+        self.escalation = env.precision_escalation() if self.checking else 0
         self._groups_key: tuple[int, ...] | None = None
         self._groups: list[Any] = []
         self._table: list[Any] = []
@@ -82,7 +83,8 @@ class IterationWatch:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         groups = self._optimizer_groups()
         process_group = first_process_group(groups)
-        self.watches = [ModelWatch(model, process_group) for model in sharded_models(params)]
+        if self.checking:
+            self.watches = [ModelWatch(model, process_group) for model in sharded_models(params)]
         self._unregister = watch_optimizer_steps(self.watches, optimizer, observer)
         watches = list(self.watches)
         unregister = self._unregister

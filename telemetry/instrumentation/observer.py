@@ -344,11 +344,14 @@ class OptimizerObserver:
         return self._precision.every
 
     @property
-    def collective_settings(self) -> tuple[bool, int, bool, int]:
-        """``(True, diagnostics interval, per-parameter detail, escalation)``: what every rank's
-        adapted optimizer must agree on (the detail changes the size of the diagnostics'
-        collective, escalation the steps that run it)."""
-        return (True, self._precision.every, self._precision.per_parameter, self._iterations.escalation)
+    def collective_settings(self) -> tuple[bool, int, bool, int, bool]:
+        """``(True, diagnostics interval, per-parameter detail, escalation, per-iteration checks)``:
+        what every rank's adapted optimizer must agree on (the detail changes the size of the
+        diagnostics' collective, escalation the steps that run it, the checks add one per step)."""
+        return (
+            True, self._precision.every, self._precision.per_parameter, self._iterations.escalation,
+            self._iterations.checking,
+        )  # fmt: skip
 
     def precision_due(self, step_number: int) -> bool:
         """Whether step ``step_number`` runs the diagnostics (:meth:`PrecisionRecorder.due`), or

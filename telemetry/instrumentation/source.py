@@ -28,13 +28,15 @@ def describe_settings(values: Sequence[Sequence[int]]) -> str:
     every = ", ".join(f"rank {r} {v[1]}" + (" (off)" if not v[1] else "") for r, v in enumerate(values))
     detail = ", ".join(f"rank {r} {'on' if v[2] else 'off'}" for r, v in enumerate(values))
     escalation = ", ".join(f"rank {r} {v[3] if len(v) > 3 else 0}" for r, v in enumerate(values))
+    checks = ", ".join(f"rank {r} {'on' if len(v) > 4 and v[4] else 'off'}" for r, v in enumerate(values))
     return (
         "fsdp_patch: ranks of this optimizer's process group disagree on settings that change "
         f"collectives. Telemetry ({env.TELEMETRY}, or running under opentelemetry-instrument): {telemetry}. "
         f"Precision diagnostics every N steps ({env.PRECISION_EVERY}; 0 when telemetry is off or "
         f"OTEL_SDK_DISABLED=true): {every}. Per-parameter detail ({semconv.SETTING_PRECISION_TOP_K} "
         f"above 0): {detail}. Escalation ({semconv.SETTING_PRECISION_ESCALATION}; 0 when telemetry is off): "
-        f"{escalation}. Expected the same values on every rank: set these variables (and "
+        f"{escalation}. Per-iteration checks ({semconv.SETTING_PRECISION_ORIGIN}; off when telemetry or the "
+        f"diagnostics are): {checks}. Expected the same values on every rank: set these variables (and "
         "opentelemetry-instrument) alike for all ranks."
     )
 

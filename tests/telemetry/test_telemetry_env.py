@@ -147,3 +147,17 @@ def test_prometheus_final_scrape_settings(monkeypatch):
         monkeypatch.setenv("FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT='.*'.*positive, finite"):
             env.validate_all()
+
+
+def test_origin_and_escalation_settings(monkeypatch):
+    assert (env.precision_origin(), env.precision_escalation()) == (True, env.DEFAULT_PRECISION_ESCALATION)
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_ORIGIN", "Off")
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_ESCALATION", "0")
+    assert (env.precision_origin(), env.precision_escalation()) == (False, 0)
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_ORIGIN", "maybe")
+    with pytest.raises(ValueError, match="FSDP_PATCH_PRECISION_ORIGIN='maybe'.*'on', 'off'"):
+        env.validate_all()
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_ORIGIN", "on")
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_ESCALATION", "-2")
+    with pytest.raises(ValueError, match="FSDP_PATCH_PRECISION_ESCALATION='-2'.*non-negative integer"):
+        env.validate_all()
