@@ -69,7 +69,8 @@ def run(steps: int = 10, warmup: int = 2, batch: int = 16, config: GPTConfig = M
     """
     from fsdp_patch.optimizer import fully_shard_optimizer
 
-    settings = {"FSDP_PATCH_SUMMARY": "none", "FSDP_PATCH_PRECISION_EVERY": "1"}
+    # The per-iteration checks watch the shared model: off, so that each setting carries its own cost.
+    settings = {"FSDP_PATCH_SUMMARY": "none", "FSDP_PATCH_PRECISION_EVERY": "1", "FSDP_PATCH_PRECISION_ORIGIN": "off"}
     with (
         tempfile.TemporaryDirectory() as traces,
         process_group("cpu"),
