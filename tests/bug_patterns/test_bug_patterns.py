@@ -6,13 +6,16 @@ torch FSDP2, then reads ``report_json`` of the trace files here and checks what 
 verdict, the finding it leads with, and where the first NaN/Inf began (stage, place, step, ranks).
 Only what the report names correctly is tested here, per sharding; ``python -m
 benchmarks.bug_patterns`` runs every pattern under both shardings and tables what the report
-says about the others.
+says about the others; the last test runs that entry point on one pattern.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from benchmarks.bug_patterns.training import FULLY_SHARD, KINDS, train_on_rank
 from tests.integration.otel_training import reset_otel
 
 WORLD = 2
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- on the ranks --------------------------------------------------------------------------------
@@ -247,3 +251,28 @@ def test_healthy_control_at_the_default_schedule_is_healthy(
     assert got == ("healthy", [], None, 0), f"{name}, {kind}: verdict, findings, origin, skipped: {got}"
     assert iterations["optimizer_steps"] == 200 and report["steps"] == 200, f"{name}, {kind}: {iterations}"
     assert math.isnan(float(iterations["scale_first"])), f"{name}, {kind}: scale at a skip {iterations}"
+
+
+# -- the benchmark's entry point -------------------------------------------------------------------------
+
+
+def test_benchmark_runs_a_pattern_and_writes_its_row_and_json(tmp_path: Path) -> None:
+    """``python -m benchmarks.bug_patterns`` on one pattern and one sharding, in processes of its
+    own (2 spawned ranks): the table row names the report's lead finding and origin, and the JSON
+    holds the judgement and the report of that run. Source: meta-pytorch/torchtune#2341
+    (CEWithChunkedOutputLoss does not check division by zero)."""
+    out = tmp_path / "patterns.json"
+    args = ["--pattern", "4b", "--kind", FULLY_SHARD, "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bug_patterns", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, f"python -m benchmarks.bug_patterns exited {run.returncode}:\n{run.stderr[-3000:]}"
+    row = (
+        "| 4b | loss_all_targets_ignored | fully_shard | 1 | problem | origin: NaN/Inf began in the loss | loss at loss"
+    )
+    assert row in run.stdout, f"want a row starting {row!r} in:\n{run.stdout}"
+    document = json.loads(out.read_text(encoding="utf-8"))
+    (result,) = document["runs"]
+    got = (result["pattern"], result["kind"], result["judgement"]["named"], result["report"]["origin"]["stage"])
+    assert got == ("loss_all_targets_ignored", FULLY_SHARD, True, "loss"), f"the JSON's run: {got}"
+    assert set(document["patterns"]) == set(CATALOGUE), f"patterns in the JSON: {sorted(document['patterns'])}"
