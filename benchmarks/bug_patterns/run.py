@@ -13,17 +13,20 @@ Usage::
     python -m benchmarks.bug_patterns --pattern 6 --pattern loss_all_targets_ignored
     python -m benchmarks.bug_patterns --kind fully_shard --no-controls
 
-The JSON goes to ``--json`` or ``benchmarks/results/bug-patterns-DEVICE.json``: per run, the
-pattern, sharding, diagnostic schedule, the judgement, the whole ``report_json`` and each rank's
-losses and scales.
+The JSON goes to ``--json`` or ``benchmarks/results/bug-patterns-DEVICE.json``: the catalogue
+(sources, plants, settings, expectations) and per run the pattern, sharding, diagnostic schedule,
+the judgement, ``report_json`` without its per-range lines, and each rank's losses and scales.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 import warnings
@@ -61,13 +64,29 @@ def rank_main(rank: int, name: str, kind: str, every: int | None, work: str) -> 
     dist.init_process_group(
         "gloo", init_method=f"file://{os.path.join(work, 'rendezvous')}", rank=rank, world_size=WORLD_SIZE
     )
+    # Each run's start line of the trace files (and torch's warnings) would bury the table; they
+    # are shown when the run fails.
+    captured = io.StringIO()
     try:
-        pattern = CATALOGUE[name]
-        result = train_on_rank(kind, pattern.settings, pattern.plant, os.path.join(work, "traces"), every)
+        with contextlib.redirect_stderr(captured):
+            pattern = CATALOGUE[name]
+            result = train_on_rank(kind, pattern.settings, pattern.plant, os.path.join(work, "traces"), every)
         with open(os.path.join(work, f"rank{rank}.json"), "w", encoding="utf-8") as out:
             json.dump(result, out)
+    except BaseException:
+        sys.stderr.write(captured.getvalue())
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [float(f"{v:.6g}") for v in values]
+
+
+def _kept(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without its per-range lines (the findings, origin and iterations hold what is judged)."""
+    return {key: value for key, value in report.items() if key not in ("lines", "source")}
 
 
 class RunResult(dict):
@@ -89,15 +108,14 @@ def run_pattern(pattern: Pattern, kind: str, every: int | None) -> RunResult:
         )
         ranks = [json.loads(Path(work, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(WORLD_SIZE)]
         report = report_json(os.path.join(work, "traces"))
-    report["source"] = "(temporary trace directory)"
     return RunResult(
         pattern=pattern.name,
         number=pattern.number,
         kind=kind,
         every=every,
         judgement=asdict(judge(pattern, report)),
-        report=report,
-        ranks=ranks,
+        report=_kept(report),
+        ranks=[{**r, "losses": _rounded(r["losses"]), "scales": _rounded(r["scales"])} for r in ranks],
         seconds=time.perf_counter() - started,
     )
 

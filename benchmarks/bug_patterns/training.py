@@ -93,7 +93,7 @@ class Settings:
     seed: int = 0
 
     def describe(self) -> str:
-        """The settings as one short line (those that differ from a plain bf16 AdamW run, and the rest)."""
+        """The settings as one line (optional ones only where set)."""
         parts = [f"{self.compute} compute", f"{self.main} main weights", f"{self.grads} grads/reduce"]
         parts.append(f"{self.optimizer} lr {self.lr:g}" + (f" wd {self.weight_decay:g}" if self.weight_decay else ""))
         if self.eps != 1e-8:
