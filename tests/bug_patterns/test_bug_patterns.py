@@ -88,8 +88,9 @@ def test_the_catalogue_holds_twelve_patterns_and_four_controls_with_sources() ->
 
 
 def test_judge_names_what_differs_from_the_expectation() -> None:
-    """A report that leads with the planted origin is judged named; one with the origin at another
-    stage is not, and the judgement says which field differs."""
+    """On the pattern of meta-pytorch/torchtune#2341 (CEWithChunkedOutputLoss does not check
+    division by zero): a report that leads with the planted loss origin is judged named; one with
+    the origin at another stage is not, and the judgement says which field differs."""
     report: dict[str, Any] = {
         "verdict": "problem",
         "findings": [{"check": "origin", "finding": "NaN/Inf began in the loss"}],
