@@ -1,0 +1,1 @@
+"""The bug-pattern suite: the precision report on bugs from public issue trackers."""

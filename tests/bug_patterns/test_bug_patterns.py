@@ -1,0 +1,279 @@
+"""The precision report on mixed-precision bugs from public issue trackers, each planted in the tiny
+model of ``benchmarks.bug_patterns`` and trained on 2 gloo ranks with telemetry on.
+
+Each test trains one catalogue pattern on the ``dist_pool`` ranks, under ``fully_shard`` and/or
+torch FSDP2, then reads ``report_json`` of the trace files here and checks what it names: the
+verdict, the finding it leads with, and where the first NaN/Inf began (stage, place, step, ranks).
+Only what the report names correctly is tested here, per sharding; ``python -m
+benchmarks.bug_patterns`` runs every pattern under both shardings and tables what the report
+says about the others; the last test runs that entry point on one pattern.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fsdp_patch.telemetry import precision_thresholds
+from fsdp_patch.telemetry.offline.precision_report import report_json
+
+from benchmarks.bug_patterns.catalogue import CATALOGUE, CONTROLS, PATTERNS, PLANNED_CHECKS, judge
+from benchmarks.bug_patterns.run import quiet_warnings
+from benchmarks.bug_patterns.training import FULLY_SHARD, KINDS, train_on_rank
+from tests.integration.otel_training import reset_otel
+
+WORLD = 2
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- on the ranks --------------------------------------------------------------------------------
+
+
+def train_pattern(name: str, kind: str, trace_dir: str, every: int | None) -> dict[str, Any]:
+    """Trains catalogue pattern ``name`` under ``kind`` on this rank, its trace files written into
+    ``trace_dir`` and closed; returns the rank's losses and scales."""
+    quiet_warnings()
+    reset_otel()
+    try:
+        pattern = CATALOGUE[name]
+        return train_on_rank(kind, pattern.settings, pattern.plant, trace_dir, every)
+    finally:
+        gc.collect()  # the model's checks leave with its optimizer: none reach the next test's
+        reset_otel()
+
+
+# -- here ------------------------------------------------------------------------------------------
+
+
+def _report(dist_pool: Any, tmp_path: Path, name: str, kind: str, every: int | None = 1) -> dict[str, Any]:
+    traces = tmp_path / "traces"
+    dist_pool(WORLD).run(train_pattern, name, kind, str(traces), every)
+    return report_json(str(traces))
+
+
+def _lead(report: dict[str, Any]) -> tuple[str, str, str]:
+    """The verdict and the check and text of the finding the report leads with."""
+    first = report["findings"][0] if report["findings"] else {"check": "", "finding": ""}
+    return report["verdict"], first["check"], first["finding"]
+
+
+def _origin(report: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The origin as (stage, where, step, ranks, dtype, kind)."""
+    o = report["origin"]
+    return None if o is None else (o["stage"], o["where"], o["step"], o["ranks"], o["dtype"], o["kind"])
+
+
+# -- catalogue -------------------------------------------------------------------------------------
+
+
+def test_the_catalogue_holds_twelve_patterns_and_four_controls_with_sources() -> None:
+    """Every pattern cites at least one public thread as owner/repo#N with its title; every
+    expectation's lead is a check of the report's or one of the planned checks, named."""
+    assert len(PATTERNS) >= 12 and len(CONTROLS) >= 4, f"{len(PATTERNS)} patterns, {len(CONTROLS)} controls"
+    known = set(precision_thresholds.BY_CHECK) | set(PLANNED_CHECKS)
+    for pattern in PATTERNS:
+        malformed = [s for s in pattern.sources if "#" not in s.split(" ")[0] or " — " not in s]
+        assert pattern.sources and not malformed, f"{pattern.name}: sources {pattern.sources}"
+        unknown = [check for check in pattern.expect.lead if check not in known]
+        assert not unknown, f"{pattern.name}: expected lead {unknown} is neither a report check nor a planned one"
+    for control in CONTROLS:
+        got = (control.expect.verdict, control.expect.lead, control.settings.steps >= 200, control.every)
+        assert got == ("healthy", (), True, (None, 1)), f"{control.name}: {got}"
+
+
+def test_judge_names_what_differs_from_the_expectation() -> None:
+    """On the pattern of meta-pytorch/torchtune#2341 (CEWithChunkedOutputLoss does not check
+    division by zero): a report that leads with the planted loss origin is judged named; one with
+    the origin at another stage is not, and the judgement says which field differs."""
+    report: dict[str, Any] = {
+        "verdict": "problem",
+        "findings": [{"check": "origin", "finding": "NaN/Inf began in the loss"}],
+        "origin": {
+            "stage": "loss",
+            "where": "loss",
+            "step": 3,
+            "ranks": [1],
+            "dtype": "float32",
+            "kind": "nan",
+            "refined": [],
+        },  # fmt: skip
+        "iterations": {"skipped": 0, "scale_first": "nan", "scale_last": "nan"},
+    }
+    pattern = CATALOGUE["loss_all_targets_ignored"]
+    got = judge(pattern, report)
+    assert (got.named, got.mismatches) == (True, ()), f"judgement of the expected report: {got}"
+    report["origin"] = {**report["origin"], "stage": "backward"}
+    got = judge(pattern, report)
+    want = ("origin stage 'backward', want 'loss'",)
+    assert (got.named, got.mismatches) == (False, want), f"judgement of a backward origin: {got}"
+
+
+# -- NaN/Inf origins ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp16_forward_overflow_names_the_unit_then_the_module(dist_pool: Any, tmp_path: Path, kind: str) -> None:
+    """huggingface/transformers#5651 (T5 fp16 overflow in forward (T5DenseReluDense)), #9295 (Good
+    Second Issue: T5 FP16 in Pytorch), #10956 (PR): an fp16 activation passes 65504. Rank 0's batch
+    x1e5 at steps 3-5 under a GradScaler: the origin is blocks.0's output at step 3, and the
+    escalated iterations refine it to blocks.0.fc1."""
+    report = _report(dist_pool, tmp_path, "fp16_forward_overflow", kind)
+    got = (_lead(report)[:2], _origin(report))
+    want = (("problem", "origin"), ("forward", "blocks.0", 3, [0], "float16", "nan"))
+    assert got == want, f"{kind}: (verdict, lead), origin: got {got}, want {want}"
+    refined = [(o["stage"], o["where"], o["dtype"]) for o in report["origin"]["refined"]]
+    assert refined[:1] == [("forward", "blocks.0.fc1", "float16")], f"{kind}: refined origins {refined}"
+
+
+def test_nan_written_into_a_main_weight_names_the_parameter(dist_pool: Any, tmp_path: Path) -> None:
+    """ultralytics/ultralytics#24986 (PR) (Fix sticky-NaN EMA checkpoint loss …) and #24615 (EMEA
+    has 0/NaN value checkpoint not being saved): a NaN written into a main weight outside the
+    optimizer. Rank 1's shard of blocks.0.fc1.weight after step 2: a weight write at step 3, on
+    rank 1, naming the parameter."""
+    report = _report(dist_pool, tmp_path, "nan_weight_write", FULLY_SHARD)
+    got = (_lead(report)[:2], _origin(report))
+    want = (("problem", "origin"), ("weight_write", "blocks.0.fc1.weight", 3, [1], "float32", "nan"))
+    assert got == want, f"(verdict, lead), origin: got {got}, want {want}"
+
+
+def test_fp16_cast_of_live_weights_names_the_parameter_written_inf(dist_pool: Any, tmp_path: Path) -> None:
+    """ultralytics/ultralytics#24731 (PR) (Prevent NaN/Inf EMA from discarding training
+    checkpoints): live weights cast to fp16 in place, a weight above 65504 becomes Inf. Rank 1's
+    shard of blocks.1.fc2.weight after step 2: a weight write of an Inf at step 3, on rank 1."""
+    report = _report(dist_pool, tmp_path, "fp16_cast_of_live_weights", FULLY_SHARD)
+    got = (_lead(report)[:2], _origin(report))
+    want = (("problem", "origin"), ("weight_write", "blocks.1.fc2.weight", 3, [1], "float32", "inf"))
+    assert got == want, f"(verdict, lead), origin: got {got}, want {want}"
+
+
+def test_nan_state_dict_load_names_the_parameter_on_every_rank(dist_pool: Any, tmp_path: Path) -> None:
+    """huggingface/transformers#30953 (Why using empty tensor to initialize?): a load brings a
+    weight made by torch.empty. final_norm.weight loaded as NaN after step 2: a weight write at
+    step 3 on both ranks."""
+    report = _report(dist_pool, tmp_path, "nan_state_dict_load", FULLY_SHARD)
+    got = (_lead(report)[:2], _origin(report))
+    want = (("problem", "origin"), ("weight_write", "final_norm.weight", 3, [0, 1], "float32", "nan"))
+    assert got == want, f"(verdict, lead), origin: got {got}, want {want}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_scaler_skipping_every_step_names_the_skips_and_the_backward(dist_pool: Any, tmp_path: Path, kind: str) -> None:
+    """deepspeedai/DeepSpeed#697 (Model doesn't learn with fp16.enabled = true: … Attempted loss
+    scale: 1, reducing to 1), facebookresearch/fairseq#512 and #2488 (loss scale going to 1e-4 and
+    training stops), fastino-ai/GLiNER2#155 (PR): a GradScaler skips every step. A backward NaN
+    on rank 1 from step 2 under a scaler starting at 64: 7 of 8 iterations skipped (scale 64 down to
+    1), led by the skips, the origin the backward of the root unit on rank 1 at step 2."""
+    report = _report(dist_pool, tmp_path, "scaler_skips_every_step", kind)
+    iterations = report["iterations"]
+    got = (_lead(report)[:2], iterations["skipped"], iterations["scale_first"], iterations["scale_last"])
+    want = (("problem", "scaler_skipped"), 7, 64.0, 1.0)
+    assert got == want, f"{kind}: (verdict, lead), skipped, scales: got {got}, want {want}"
+    assert _origin(report)[:4] == ("backward", "", 2, [1]), f"{kind}: origin {report['origin']}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_log_of_softmax_in_fp16_is_a_loss_origin(dist_pool: Any, tmp_path: Path, kind: str) -> None:
+    """NVIDIA/apex#379 (Log function causes floating point underflow/ gradient overflow),
+    pytorch/pytorch#85791 (nn.CrossEntropyLoss overflow with FP16 and minibatch),
+    speechbrain/speechbrain#1803: -log(softmax) of fp16 logits whose target probability rounds
+    to 0. Rank 0's logits x50 at step 3: an Inf loss from finite logits, rank 0, step 3."""
+    report = _report(dist_pool, tmp_path, "log_of_softmax_fp16", kind)
+    got = (_lead(report)[:2], _origin(report))
+    want = (("problem", "origin"), ("loss", "loss", 3, [0], "float16", "inf"))
+    assert got == want, f"{kind}: (verdict, lead), origin: got {got}, want {want}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_of_ignored_labels_is_a_loss_origin(dist_pool: Any, tmp_path: Path, kind: str) -> None:
+    """meta-pytorch/torchtune#2341 (CEWithChunkedOutputLoss does not check division by zero),
+    NVIDIA-NeMo/Automodel#3796: every label ignore_index makes the mean 0/0. Rank 1's targets all
+    -100 at step 3: a NaN loss, rank 1, step 3."""
+    report = _report(dist_pool, tmp_path, "loss_all_targets_ignored", kind)
+    got = (_lead(report)[:2], _origin(report))
+    want = (("problem", "origin"), ("loss", "loss", 3, [1], "float32", "nan"))
+    assert got == want, f"{kind}: (verdict, lead), origin: got {got}, want {want}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sqrt_at_zero_is_a_backward_origin(dist_pool: Any, tmp_path: Path, kind: str) -> None:
+    """pytorch/pytorch#2421 (Gradient of zero norm is nan), fastino-ai/GLiNER2#155 (PR),
+    pytorch/pytorch#4320: forward and loss finite, the backward NaN. A zero token reaching the
+    sqrt aux loss on rank 0 at step 3: the backward of the root unit (the embedding's grads), rank 0."""
+    report = _report(dist_pool, tmp_path, "backward_sqrt_at_zero", kind)
+    got = (_lead(report)[:2], _origin(report))
+    want = (("problem", "origin"), ("backward", "", 3, [0], "float32", "nan"))
+    assert got == want, f"{kind}: (verdict, lead), origin: got {got}, want {want}"
+
+
+def test_fp16_reduce_overflow_is_a_reduce_origin(dist_pool: Any, tmp_path: Path) -> None:
+    """pytorch/pytorch#123362 (PR) ([FSDP2] Used `ReduceOp.AVG` if bf16 reduce-scatter),
+    pytorch/pytorch#78774 ([FSDP] Customizable gradient pre-divide for mixed precision training),
+    horovod/horovod#1699 (Average gradients before allreduce): finite local grads whose fp16 sum
+    overflows. head.weight[0, 0]'s local grad 4e4 on both ranks at step 3, fp16 main grads: the
+    root unit's reduce-scatter in float16, Inf."""
+    report = _report(dist_pool, tmp_path, "fp16_reduce_overflow", FULLY_SHARD)
+    got = (_lead(report)[:2], _origin(report)[:3], _origin(report)[4:])
+    want = (("problem", "origin"), ("reduce", "", 3), ("float16", "inf"))
+    assert got == want, f"(verdict, lead), origin: got {got}, want {want}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adam_eps_lost_in_fp16_state_is_an_optimizer_origin(dist_pool: Any, tmp_path: Path, kind: str) -> None:
+    """pytorch/pytorch#147437 (To avoid default eps ineffective in some precision(float16), …),
+    google-deepmind/optax#1754 (Adam-family optimizers … produce NaN on float16 zero-gradient
+    steps), afiaka87/glide-finetune#5, chainer/chainer#6299: eps 1e-8 is 0 in fp16. embed.weight's
+    exp_avg_sq kept in fp16 from step 2: the optimizer's update makes it Inf at step 2."""
+    report = _report(dist_pool, tmp_path, "adam_fp16_state_eps", kind)
+    got = (_lead(report)[:2], _origin(report)[:3], _origin(report)[4:])
+    want = (("problem", "origin"), ("optimizer", "embed.weight", 2), ("float32", "inf"))
+    assert got == want, f"{kind}: (verdict, lead), origin: got {got}, want {want}"
+
+
+# -- healthy controls ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["healthy_bf16_lr0.003", "healthy_fp16_lr0.003"])
+def test_healthy_control_at_the_default_schedule_is_healthy(
+    dist_pool: Any, tmp_path: Path, name: str, kind: str
+) -> None:
+    """The controls of every pattern above (no public source: nothing is planted): 200 steps of
+    AdamW at lr 3e-3 with fp32 main weights, bf16 compute, or fp16 compute with a GradScaler, on
+    the default diagnostic schedule: verdict healthy, no finding, no origin, no skipped iteration."""
+    report = _report(dist_pool, tmp_path, name, kind, every=None)
+    iterations = report["iterations"]
+    got = (report["verdict"], [f["check"] for f in report["findings"]], report["origin"], iterations["skipped"])
+    assert got == ("healthy", [], None, 0), f"{name}, {kind}: verdict, findings, origin, skipped: {got}"
+    assert iterations["optimizer_steps"] == 200 and report["steps"] == 200, f"{name}, {kind}: {iterations}"
+    assert math.isnan(float(iterations["scale_first"])), f"{name}, {kind}: scale at a skip {iterations}"
+
+
+# -- the benchmark's entry point -------------------------------------------------------------------------
+
+
+def test_benchmark_runs_a_pattern_and_writes_its_row_and_json(tmp_path: Path) -> None:
+    """``python -m benchmarks.bug_patterns`` on one pattern and one sharding, in processes of its
+    own (2 spawned ranks): the table row names the report's lead finding and origin, and the JSON
+    holds the judgement and the report of that run. Source: meta-pytorch/torchtune#2341
+    (CEWithChunkedOutputLoss does not check division by zero)."""
+    out = tmp_path / "patterns.json"
+    args = ["--pattern", "4b", "--kind", FULLY_SHARD, "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bug_patterns", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, f"python -m benchmarks.bug_patterns exited {run.returncode}:\n{run.stderr[-3000:]}"
+    row = (
+        "| 4b | loss_all_targets_ignored | fully_shard | 1 | problem | origin: NaN/Inf began in the loss | loss at loss"
+    )
+    assert row in run.stdout, f"want a row starting {row!r} in:\n{run.stdout}"
+    document = json.loads(out.read_text(encoding="utf-8"))
+    (result,) = document["runs"]
+    got = (result["pattern"], result["kind"], result["judgement"]["named"], result["report"]["origin"]["stage"])
+    assert got == ("loss_all_targets_ignored", FULLY_SHARD, True, "loss"), f"the JSON's run: {got}"
+    assert set(document["patterns"]) == set(CATALOGUE), f"patterns in the JSON: {sorted(document['patterns'])}"
