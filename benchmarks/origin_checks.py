@@ -1,0 +1,183 @@
+"""The per-iteration checks' cost: training step time with them on against off, and escalated.
+
+The checks that say where a NaN/Inf began (``FSDP_PATCH_PRECISION_ORIGIN``, telemetry's
+*Origin*) run on every iteration: one reduction over each unit's output and its grad, the loss,
+the grads before and after each reduce-scatter, and the main weights twice. Their target is a
+training step at most 1.03x as long as without them, telemetry on and the diagnostics at their
+default interval either way, on case 5's 27M-parameter transformer, for ``fully_shard`` and for
+torch FSDP2. Escalated iterations (after a NaN/Inf) also check every module: their cost is
+measured, not targeted.
+
+A check shares nothing with a model it does not watch, so each setting trains a model of its
+own: two identical models (one seed), steps alternating between them in rounds; a model built
+second runs a few percent slower on a CPU (where its memory lands), so the measurement is made
+twice, each setting built first once, and the ratio is the mean of the two medians of per-round
+ratios.
+
+Usage::
+
+    python -m benchmarks.origin_checks [--steps 12] [--world-size 2] [--device cuda] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from fsdp_patch.demo.data import synthetic_batches
+from fsdp_patch.demo.launch import run_ranks
+from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss
+
+from .common import Clock, device_name, median, paired, paired_ratio
+from .telemetry_overhead import LARGE, _device, _quiet_telemetry
+
+KINDS = ("fully_shard", "fsdp2")
+# Setting -> the environment its optimizer is adapted under (the diagnostics at their default interval).
+SETTINGS: dict[str, dict[str, str]] = {
+    "off": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_ORIGIN": "off"},
+    "checks": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_ORIGIN": "on"},
+}
+
+
+def _model(kind: str, config: GPTConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = GPT(config).to(_device())
+    if kind == "fully_shard":
+        from fsdp_patch import MixedPrecisionPolicy
+        from fsdp_patch.demo.model import shard
+
+        # fp32 compute with bf16 main grads, as case 5: every step casts grads and stays fast on
+        # CPUs without bf16 matrix units.
+        return shard(model, mp_policy=MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16))
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _trained(kind: str, config: GPTConfig, setting: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    model = _model(kind, config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with mock.patch.dict(os.environ, SETTINGS[setting]):
+        fully_shard_optimizer(optimizer)
+    return model, optimizer
+
+
+def _escalate(optimizer: torch.optim.Optimizer) -> None:
+    """Module-level checks from now on, as after a NaN/Inf (reached through the adapter's registry:
+    a benchmark's way in, no public switch)."""
+    from fsdp_patch.adapter import adaptation_of
+
+    adaptation = adaptation_of(optimizer)
+    assert adaptation is not None
+    for watch in adaptation.observer._iterations.watches:  # type: ignore[attr-defined]
+        watch.escalate()
+
+
+def _pair(
+    kind: str, config: GPTConfig, steps: int, warmup: int, order: tuple[str, str], escalated: bool
+) -> dict[str, Any]:
+    built = {setting: _trained(kind, config, setting) for setting in order}
+    if escalated:
+        _escalate(built["checks"][1])
+    device = _device()
+    clock = Clock(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [b[rank::world].to(device) for b in synthetic_batches(config, 4 * world, steps + warmup)]
+    cursor = {setting: 0 for setting in order}
+
+    def step(setting: str) -> float:
+        model, optimizer = built[setting]
+        tokens = batches[cursor[setting] % len(batches)]
+        cursor[setting] += 1
+        start = clock.start()
+        lm_loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return clock.seconds_since(start)
+
+    times = paired({setting: (lambda s=setting: step(s)) for setting in order}, steps, warmup)
+    result = {f"step_s_{s}": median(times[s]) for s in order}
+    result["ratio"] = paired_ratio(times, "checks", "off")
+    return result
+
+
+def run(steps: int = 12, warmup: int = 2, config: GPTConfig = LARGE) -> dict[str, Any]:
+    """Per kind: the checks' ratio (both build orders) and the escalated ratio."""
+    out: dict[str, Any] = {}
+    with _quiet_telemetry():
+        for kind in KINDS:
+            first = _pair(kind, config, steps, warmup, ("checks", "off"), escalated=False)
+            second = _pair(kind, config, steps, warmup, ("off", "checks"), escalated=False)
+            escalated = _pair(kind, config, steps, warmup, ("checks", "off"), escalated=True)
+            out[kind] = {
+                "ratio_checks_off": statistics.mean([first["ratio"], second["ratio"]]),
+                "ratio_checks_off_by_order": [first["ratio"], second["ratio"]],
+                "step_s_off": statistics.mean([first["step_s_off"], second["step_s_off"]]),
+                "step_s_checks": statistics.mean([first["step_s_checks"], second["step_s_checks"]]),
+                "ratio_escalated_off": escalated["ratio"],
+            }
+    out["params"] = sum(p.numel() for p in GPT(config).parameters())
+    return out
+
+
+def _print(results: dict[str, Any], steps: int) -> None:
+    print(f"per-iteration checks, {results['params'] / 1e6:.1f}M-parameter transformer, "
+          f"{dist.get_world_size()} rank(s), {steps} paired steps per build order")  # fmt: skip
+    for kind in KINDS:
+        r = results[kind]
+        low, high = r["ratio_checks_off_by_order"]
+        print(f"  {kind:11} step off {r['step_s_off'] * 1e3:8.1f} ms, checks {r['step_s_checks'] * 1e3:8.1f} ms; "
+              f"checks/off {r['ratio_checks_off']:.4f} (by build order {low:.4f}, {high:.4f}; target <= 1.03); "
+              f"escalated/off {r['ratio_escalated_off']:.4f}")  # fmt: skip
+
+
+def bench(steps: int, warmup: int, json_path: str | None) -> None:
+    results = run(steps, warmup)
+    if dist.get_rank() != 0:
+        return
+    _print(results, steps)
+    if json_path:
+        cuda = dist.get_backend() == "nccl"
+        document = {
+            "benchmark": "origin_checks",
+            "device": device_name("cuda" if cuda else "cpu"),
+            "world_size": dist.get_world_size(),
+            "torch": torch.__version__,
+            "timer": "cuda_events" if cuda else "perf_counter",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "steps": steps,
+            **results,
+        }
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=1)
+            f.write("\n")
+        print(f"wrote {json_path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    parser.add_argument("--json", default=None, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    run_ranks(bench, args.world_size, args.steps, args.warmup, args.json, device=args.device)
+
+
+if __name__ == "__main__":
+    main()
