@@ -187,8 +187,10 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
 
     Args:
         checks: What :meth:`ProbeLog.read` returned.
-        previous_after_finite: Per weight ``where``, whether it was finite after the previous
-            update (absent: no update checked it yet).
+        previous_after_finite: Per group, whether its main weights were finite after the
+            previous update (absent: no update checked them yet). A group checked again before
+            this update has its weights checked (a write between steps); one that is not was not
+            written since.
 
     Returns:
         ``None`` when every check was finite.
@@ -196,6 +198,13 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
     if all(c.finite for c in checks):
         return None
     previous_after_finite = previous_after_finite or {}
+    # Weights the previous update left non-finite and nothing wrote since (no check before this
+    # update: the same tensors, untouched) still hold that NaN: it was reported at its own step.
+    rechecked = {
+        c.probe.group for c in checks if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE and c.probe.when == BEFORE
+    }
+    if any(not finite and group not in rechecked for group, finite in previous_after_finite.items()):
+        return None
     # Weights non-finite before the update came from outside the optimizer, unless the previous
     # update left them so: then that update was the origin, reported at its own step.
     for c in checks:

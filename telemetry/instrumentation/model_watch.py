@@ -221,6 +221,7 @@ class ModelWatch:
         self._handles: list[Any] = []
         self._patched_groups: list[Any] = []
         self._patched_states: list[Any] = []
+        self._versions: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles.append(model.root.register_forward_pre_hook(self._model_input))
         fsdp2_units: list[tuple[str, Any]] = []
         for name, unit in model.units:
@@ -309,6 +310,7 @@ class ModelWatch:
                         grad = getattr(fsdp_param.sharded_param, "grad", None)
                         if grad is not None:
                             watch.log.check(semconv.ORIGIN_REDUCE, name, grad, AFTER)
+                            watch._seen(grad)
             return result
 
         state.__dict__["_root_post_backward_final_callback"] = final_callback
@@ -337,10 +339,13 @@ class ModelWatch:
         """
         for name, grads, _, _ in groups:
             for grad in grads:
-                self.log.check(semconv.ORIGIN_GRAD_WRITE, name, grad)
+                if not self._unchanged(grad):
+                    self.log.check(semconv.ORIGIN_GRAD_WRITE, name, grad)
         # Per parameter: a write between steps spreads through this step's update, so the
         # parameter written is known only now.
-        for name, _, _, params in groups:
+        for name, _, weights, params in groups:
+            if all(self._unchanged(weight) for weight in weights):
+                continue
             for param_name, weight in params:
                 self.log.check(semconv.ORIGIN_WEIGHT_WRITE, param_name, weight, BEFORE, group=name)
 
@@ -349,6 +354,21 @@ class ModelWatch:
         for name, _, weights, _ in groups:
             for weight in weights:
                 self.log.check(semconv.ORIGIN_WEIGHT_WRITE, name, weight, AFTER)
+                self._seen(weight)
+
+    # A tensor checked already and not written since (the same object, whose version counter,
+    # shared with every view of its storage, has not moved) holds what that check saw: the main
+    # weights from the update to the next step, torch FSDP2's grads from its reduce to the step.
+    # Not checking it again saves a pass over it in every iteration that writes nothing between.
+
+    def _seen(self, tensor: torch.Tensor) -> None:
+        local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
+        self._versions[id(local)] = (weakref.ref(local), local._version)  # weakly: grads come and go
+
+    def _unchanged(self, tensor: torch.Tensor) -> bool:
+        local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
+        held = self._versions.get(id(local))
+        return held is not None and held[0]() is local and held[1] == local._version
 
     def close_iteration(self, agree: bool = True) -> IterationCheck | None:
         """End the iteration: its log goes on its way (with the ranks' flag when ``agree``, a
