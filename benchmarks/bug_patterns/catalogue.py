@@ -39,13 +39,8 @@ HEALTHY, WARNING, PROBLEM = "healthy", "warning", "problem"
 # Checks a correct report needs that precision_thresholds.py has no row for: the causes
 # the per-iteration NaN/Inf origin cannot see (nothing goes non-finite), or sees only downstream.
 PLANNED_CHECKS: dict[str, str] = {
-    "grad_underflow": "fp16 grads flushed to zero in the backward while a float32 backward's are not (no loss scaling)",
-    "main_weights_from_compute": "main weights exactly representable in the compute dtype from a step on (rebuilt from it)",
-    "main_update_below_resolution": "updates below the rounding step of low-precision main weights: norm scales never move",
-    "clip_nonfinite_norm": "a clip whose total norm was not finite (an fp16 sum of squares) zeroed every grad",
-    "grad_accumulation_dtype": "microbatch grads accumulated in bf16",
-    "loss_low_precision": "the loss computed on bf16/fp16 logits",
-    "norm_low_precision": "norm statistics computed in fp16: variance Inf, output zeros",
+    "clip_nonfinite_norm": "a clip of one's own whose total norm was not finite (an fp16 sum of squares) zeroed every "
+    "grad: finite, so no origin; torch.nn.utils.clip_grad_norm_'s norm is checked",
     "lr_spike": "a learning rate jump that made the weights leave the compute dtype's safe range",
 }
 
@@ -83,6 +78,8 @@ class Expect:
         origin: What the origin must hold, when the cause is a NaN/Inf's.
         skipped: ``iterations.skipped`` (iterations a GradScaler skipped), when it matters.
         scales: ``(scale_first, scale_last)`` of the skipped iterations, when they matter.
+        finding: Words the lead finding's text must hold, where the check alone says too little.
+        contract: The role (``fsdp.tensor``) a dtype-contract violation of the report must name.
     """
 
     verdict: str
@@ -91,6 +88,8 @@ class Expect:
     origin: OriginWant | None = None
     skipped: int | None = None
     scales: tuple[float, float] | None = None
+    finding: str | None = None
+    contract: str | None = None
 
     @property
     def planned(self) -> bool:
@@ -360,7 +359,7 @@ PATTERNS: tuple[Pattern, ...] = (
         settings=Settings(compute="fp16", steps=8),
         plant=plants.ScaleLoss(W(1), 1e-6),
         expect=Expect(
-            WARNING,
+            PROBLEM,
             ("grad_underflow",),
             "fp16 grads flushed to zero in the backward (no loss scaling): use a GradScaler or bf16",
         ),
@@ -379,9 +378,10 @@ PATTERNS: tuple[Pattern, ...] = (
         plant=plants.MainWeightsFromCompute(W(3)),
         expect=Expect(
             WARNING,
-            ("main_weights_from_compute",),
+            ("dtype_contract",),
             "every main weight exactly bf16-representable from step 4: rebuilt from the compute copy; checkpoint "
             "the fp32 main weights",
+            contract="main_weight",
         ),
     ),
     Pattern(
@@ -398,9 +398,10 @@ PATTERNS: tuple[Pattern, ...] = (
         settings=Settings(main="bf16", grads="bf16", steps=8),
         plant=plants.NoPlant(),
         expect=Expect(
-            WARNING,
-            ("dtype_contract", "main_update_below_resolution"),
+            PROBLEM,
+            ("unstepped_weights",),
             "main weights are bf16 (no fp32 main weights): the norm weights' updates are below bf16's rounding step",
+            finding="no fp32 master weights",
         ),
     ),
     Pattern(
@@ -417,7 +418,7 @@ PATTERNS: tuple[Pattern, ...] = (
             ("origin",),
             "the grads went non-finite between backward and step (a grad hook, a clip of a non-finite norm) in "
             "the root unit, rank 1, step 3",
-            OriginWant("grad_write", "", 3, (1,)),
+            OriginWant("grad_write", "clip_grad_norm_", 3),
         ),
     ),
     Pattern(
@@ -452,8 +453,9 @@ PATTERNS: tuple[Pattern, ...] = (
         plant=plants.NoPlant(),
         expect=Expect(
             WARNING,
-            ("grad_accumulation_dtype",),
+            ("dtype_contract",),
             "microbatch grads accumulated in bf16: accumulate in fp32 (main_grads_dtype / reduce_dtype float32)",
+            contract="grad_accumulation",
         ),
     ),
     Pattern(
@@ -470,8 +472,9 @@ PATTERNS: tuple[Pattern, ...] = (
         plant=plants.HeadBias(30.0),
         expect=Expect(
             WARNING,
-            ("loss_low_precision",),
+            ("dtype_contract",),
             "the loss read bf16 logits: compute it on logits.float()",
+            contract="loss",
         ),
     ),
     Pattern(
@@ -490,8 +493,9 @@ PATTERNS: tuple[Pattern, ...] = (
         plant=plants.FinalGain(W(3, 3, ranks=(0,)), 300.0),
         expect=Expect(
             WARNING,
-            ("norm_low_precision",),
+            ("dtype_contract",),
             "final_norm's statistics overflowed fp16 at step 3 on rank 0 (output all zeros): compute them in fp32",
+            contract="norm_statistics",
         ),
     ),
     Pattern(
@@ -509,9 +513,10 @@ PATTERNS: tuple[Pattern, ...] = (
         settings=Settings(main="bf16", grads="bf16", lr=1e-2, steps=8),
         plant=plants.LrSchedule(W(3), lr=1e-4),
         expect=Expect(
-            WARNING,
-            ("main_update_below_resolution",),
+            PROBLEM,
+            ("unstepped_weights",),
             "from step 3 (the lr drop) the norm weights' updates are below bf16's rounding step: fp32 main weights",
+            finding="no fp32 master weights",
         ),
     ),
 )
@@ -583,6 +588,12 @@ def judge(pattern: Pattern, report: dict[str, Any]) -> Judgement:
     got_lead = lead["check"] if lead else ""
     if want.lead and got_lead not in want.lead:
         mismatches.append(f"lead {got_lead or '(none)'}, want {' or '.join(want.lead)}")
+    if want.finding and lead is not None and want.finding not in lead["finding"]:
+        mismatches.append(f"lead finding {lead['finding']!r}, want it to say {want.finding!r}")
+    if want.contract:
+        roles = [v["tensor"] for f in findings for v in f.get("violations", ())]
+        if want.contract not in roles:
+            mismatches.append(f"dtype-contract roles {roles}, want {want.contract}")
     if not want.lead and findings:
         mismatches.append(f"findings {[f['check'] for f in findings]}, want none")
     if want.origin is not None:

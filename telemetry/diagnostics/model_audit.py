@@ -233,19 +233,18 @@ def low_precision_accumulation(
     return found
 
 
-def rebuilt_from_compute(
-    params: Sequence[tuple[str, torch.Tensor, torch.dtype]], resumed_at: int
-) -> ModelFinding | None:
-    """Whether every main weight is exactly a value of its compute dtype after a resume: fp32
-    master weights restored from their bfloat16/float16 copy.
+def rebuilt_from_compute(params: Sequence[tuple[str, torch.Tensor, torch.dtype]], since: str) -> ModelFinding | None:
+    """Whether every main weight is exactly a value of its compute dtype: fp32 master weights
+    rebuilt from their bfloat16/float16 copy.
 
     Args:
         params: ``(name, main weight shard, compute dtype)`` of the parameters whose compute dtype
             is narrower than their main dtype.
-        resumed_at: The step count the loaded optimizer state holds (the finding needs one: a
-            fresh run of a model cast to bfloat16 before sharding starts on that grid by design).
+        since: When they were written: a resume (``"a resume from step N"``) or a write between
+            steps (``"a write between steps N and N+1"``). The check needs one: a fresh run of a
+            model cast to bfloat16 before sharding starts on that grid by design.
     """
-    if resumed_at <= 0 or not params:
+    if not params:
         return None
     elements = 0
     for _, main, compute_dtype in params:
@@ -259,8 +258,8 @@ def rebuilt_from_compute(
     name, main, compute_dtype = params[0]
     return ModelFinding(
         semconv.TENSOR_MAIN_WEIGHT, name, main.dtype, compute_dtype,
-        f"every main weight is exactly a {_name(compute_dtype)} value after a resume from step {resumed_at}: the "
-        f"fp32 master weights were rebuilt from the {_name(compute_dtype)} copy, and every update below its "
-        "resolution since the last save is lost at each resume; save and load the fp32 main weights (the sharded "
-        "model's state dict through torch.distributed.checkpoint)",
+        f"every main weight is exactly a {_name(compute_dtype)} value after {since}: the fp32 master weights were "
+        f"rebuilt from the {_name(compute_dtype)} copy, and every update below its resolution since they were last "
+        "saved is lost; save and load the fp32 main weights (the sharded model's state dict through "
+        "torch.distributed.checkpoint), not the compute copy",
     )  # fmt: skip

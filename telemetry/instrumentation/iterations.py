@@ -207,18 +207,31 @@ class IterationWatch:
                 findings.extend(watch.norms.findings)
         self._buffers_audited = True
         optimizer = self._optimizer_ref()
+        rebuilt = None
         if optimizer is not None and optimizer.state is not self._audited_state:
             self._audited_state = optimizer.state
-            rebuilt = rebuilt_from_compute(self._lossy_params(), _resumed_at(optimizer))
-            if rebuilt is not None:
-                findings.append(rebuilt)
+            resumed_at = _resumed_at(optimizer)
+            if resumed_at:
+                rebuilt = rebuilt_from_compute(self._lossy_params(), f"a resume from step {resumed_at}")
+        written = [i for i, group in enumerate(self._groups) if self._written_since_update(group)]
+        if rebuilt is None and written:
+            rebuilt = rebuilt_from_compute(self._lossy_params(written), f"a write between steps {step - 1} and {step}")
+        if rebuilt is not None:
+            findings.append(rebuilt)
         for finding in findings:
             self._name(finding, step, span)
 
-    def _lossy_params(self) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+    def _written_since_update(self, group: Any) -> bool:
+        """Whether a group's main weights were written since the update that last checked them."""
+        mains = weights_of(group, None).mains
+        return any(w.was_checked(main) and not w.unchanged(main) for w in self.watches for main in mains)
+
+    def _lossy_params(self, groups_of: Sequence[int] | None = None) -> list[tuple[str, torch.Tensor, torch.dtype]]:
         groups = self._groups
         out = []
         for slot in param_table(groups):
+            if groups_of is not None and slot.group not in groups_of:
+                continue
             if slot.lossy and slot.length and slot.compute_dtype is not None:
                 main = weights_of(groups[slot.group], None).mains[slot.tensor]
                 out.append((slot.name, main[slot.start : slot.start + slot.length], slot.compute_dtype))

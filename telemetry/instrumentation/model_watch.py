@@ -221,7 +221,8 @@ class ModelWatch:
         self._handles: list[Any] = []
         self._patched_groups: list[Any] = []
         self._patched_states: list[Any] = []
-        self._versions: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._versions: dict[tuple[int, int, int], int] = {}
+        self._grad_versions: dict[tuple[int, int, int], int] = {}
         self._handles.append(model.root.register_forward_pre_hook(self._model_input))
         fsdp2_units: list[tuple[str, Any]] = []
         for name, unit in model.units:
@@ -310,7 +311,7 @@ class ModelWatch:
                         grad = getattr(fsdp_param.sharded_param, "grad", None)
                         if grad is not None:
                             watch.log.check(semconv.ORIGIN_REDUCE, name, grad, AFTER)
-                            watch._seen(grad)
+                            watch._seen(grad, grad=True)
             return result
 
         state.__dict__["_root_post_backward_final_callback"] = final_callback
@@ -339,12 +340,12 @@ class ModelWatch:
         """
         for name, grads, _, _ in groups:
             for grad in grads:
-                if not self._unchanged(grad):
+                if not self.unchanged(grad, grad=True):
                     self.log.check(semconv.ORIGIN_GRAD_WRITE, name, grad)
         # Per parameter: a write between steps spreads through this step's update, so the
         # parameter written is known only now.
         for name, _, weights, params in groups:
-            if all(self._unchanged(weight) for weight in weights):
+            if all(self.unchanged(weight) for weight in weights):
                 continue
             for param_name, weight in params:
                 self.log.check(semconv.ORIGIN_WEIGHT_WRITE, param_name, weight, BEFORE, group=name)
@@ -356,19 +357,27 @@ class ModelWatch:
                 self.log.check(semconv.ORIGIN_WEIGHT_WRITE, name, weight, AFTER)
                 self._seen(weight)
 
-    # A tensor checked already and not written since (the same object, whose version counter,
-    # shared with every view of its storage, has not moved) holds what that check saw: the main
-    # weights from the update to the next step, torch FSDP2's grads from its reduce to the step.
-    # Not checking it again saves a pass over it in every iteration that writes nothing between.
+    # A tensor checked already and not written since holds what that check saw: the main weights
+    # from the update to the next step, torch FSDP2's grads from its reduce to the step. Not
+    # checking it again saves a pass over it in every iteration that writes nothing between. The
+    # tensors handed over are fresh views (``detach``), so they are known by their memory, and
+    # "not written" is their version counter (shared by every view of the storage) unmoved; grads
+    # are known for one iteration only, since their memory is handed to the next ones.
 
-    def _seen(self, tensor: torch.Tensor) -> None:
+    def _seen(self, tensor: torch.Tensor, grad: bool = False) -> None:
         local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
-        self._versions[id(local)] = (weakref.ref(local), local._version)  # weakly: grads come and go
+        (self._grad_versions if grad else self._versions)[_memory(local)] = local._version
 
-    def _unchanged(self, tensor: torch.Tensor) -> bool:
+    def was_checked(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory was checked after the last update (main weights)."""
         local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
-        held = self._versions.get(id(local))
-        return held is not None and held[0]() is local and held[1] == local._version
+        return _memory(local) in self._versions
+
+    def unchanged(self, tensor: torch.Tensor, grad: bool = False) -> bool:
+        """Whether ``tensor``'s memory was checked and not written since."""
+        local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
+        held = (self._grad_versions if grad else self._versions).get(_memory(local))
+        return held is not None and held == local._version
 
     def close_iteration(self, agree: bool = True) -> IterationCheck | None:
         """End the iteration: its log goes on its way (with the ranks' flag when ``agree``, a
@@ -389,6 +398,7 @@ class ModelWatch:
             refined = [o for o in self.modules.reset() if o is not None]
         count, self.backward_count = self.backward_count, 0
         log, self.log = self.log, ProbeLog()
+        self._grad_versions.clear()
         values = log.stacked()
         flag: torch.Tensor | None = None
         work = event = None
@@ -463,6 +473,11 @@ class ModelWatch:
         for state in self._patched_states:
             state.__dict__.pop("_root_post_backward_final_callback", None)
         self._patched_states.clear()
+
+
+def _memory(t: torch.Tensor) -> tuple[int, int, int]:
+    """Where a tensor's elements are: its first element's address, its numel, its element size."""
+    return (t.data_ptr(), t.numel(), t.element_size())
 
 
 def _backend(group: Any) -> str:

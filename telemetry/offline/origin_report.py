@@ -46,7 +46,7 @@ class RankSteps:
     """One rank's iterations."""
 
     steps: set[int] = field(default_factory=set)
-    skipped: list[tuple[float, float]] = field(default_factory=list)  # (span start, scale), in time order
+    skipped: list[tuple[float, float, int]] = field(default_factory=list)  # (span start, scale, step)
     backward: int = 0
 
 
@@ -100,7 +100,8 @@ class OriginTrace:
             steps.backward += _int(args.get(semconv.ATTR_BACKWARD_COUNT)) or 0
         elif name == semconv.SPAN_SKIPPED_STEP:
             scale = args.get(semconv.ATTR_GRAD_SCALER_SCALE)
-            steps.skipped.append((start, float(scale) if isinstance(scale, int | float) else float("nan")))
+            steps.skipped.append((start, float(scale) if isinstance(scale, int | float) else float("nan"),
+                                  _int(args.get(semconv.ATTR_STEP)) or 0))  # fmt: skip
             steps.backward += _int(args.get(semconv.ATTR_BACKWARD_COUNT)) or 0
 
     # -- what it adds up to ----------------------------------------------------------------------
@@ -118,9 +119,14 @@ class OriginTrace:
         if not self.ranks:
             return 0, 0, float("nan"), float("nan")
         rank = max(self.ranks.values(), key=lambda r: (len(r.skipped), len(r.steps)))
-        scales = [scale for _, scale in sorted(rank.skipped)]
+        scales = [scale for _, scale, _ in sorted(rank.skipped)]
         first, last = (scales[0], scales[-1]) if scales else (float("nan"), float("nan"))
         return len(rank.skipped), len(rank.skipped) + len(rank.steps), first, last
+
+    def first_skip(self) -> int | None:
+        """The step of the first iteration a GradScaler skipped (the step it would have made)."""
+        steps = [step for r in self.ranks.values() for _, _, step in r.skipped]
+        return min(steps) if steps else None
 
     def backward_without_steps(self) -> int:
         """Backward passes on a rank that ran no optimizer step and skipped none (0 otherwise)."""

@@ -273,7 +273,7 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
         threshold = thresholds.SCALER_SKIPPED
         if skipped > thresholds.SCALER_SKIPS_PROBLEM_SHARE * iterations:
             threshold = replace(threshold, severity=thresholds.PROBLEM)
-        found.append(Finding(threshold, run.first_step or 1))
+        found.append(Finding(threshold, run.iterations.first_skip() or run.first_step or 1))
     if run.iterations.backward_without_steps():
         found.append(Finding(thresholds.NO_OPTIMIZER_STEPS, 1))
     return found
