@@ -60,6 +60,7 @@ from .replacement import adopted_shard, check_replacement
 # The stages of a reduce-scatter a reduce hook sees (ParameterGroup.register_reduce_hook).
 REDUCE_INPUT = "input"
 REDUCE_OUTPUT = "output"
+REDUCE_COPIED = "copied"
 
 __all__ = ["ParameterGroup"]
 
@@ -344,6 +345,8 @@ class ParameterGroup:
             if self._reduce_hooks:
                 self._run_reduce_hooks(REDUCE_OUTPUT, reduce.wait()[: self.layout.shard_numel])
             self._grads.apply(reduce)
+            if self._reduce_hooks and reduce.overwrite and self.main_grad is not None:
+                self._run_reduce_hooks(REDUCE_COPIED, self.main_grad)
 
     def register_reduce_hook(self, hook: Callable[[ParameterGroup, str, torch.Tensor], None]) -> RemovableHandle:
         """Runs ``hook(group, stage, grads)`` around each reduce-scatter of the group's grads.
@@ -351,7 +354,9 @@ class ParameterGroup:
         ``stage`` is :data:`REDUCE_INPUT` with the packed unsharded grads about to be reduced
         (``(world_size, shard_numel + len(params))`` rows in the main-grad dtype, presence flags
         last) and :data:`REDUCE_OUTPUT` with this rank's reduced shard before it is added into
-        ``main_grad``. A hook reads; it must not write either tensor.
+        ``main_grad``, and :data:`REDUCE_COPIED` with ``main_grad`` where that shard replaced what
+        it held (the first reduce of an accumulation: ``main_grad`` then holds exactly the shard
+        the hook saw). A hook reads; it must not write any of them.
         """
         handle = RemovableHandle(self._reduce_hooks)
         self._reduce_hooks[handle.id] = hook

@@ -42,7 +42,7 @@ import wrapt
 from torch import nn
 
 from fsdp_patch.model_units import ShardedModel
-from fsdp_patch.sharding.parameter_group import REDUCE_INPUT
+from fsdp_patch.sharding.parameter_group import REDUCE_COPIED, REDUCE_INPUT
 
 from .. import semconv
 from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precision
@@ -264,6 +264,9 @@ class ModelWatch:
         self.log.check(semconv.ORIGIN_BACKWARD, name, grad)
 
     def _reduced(self, name: str, group: Any, stage: str, grads: torch.Tensor) -> None:
+        if stage == REDUCE_COPIED:  # main_grad now holds the shard just checked: not checked again at the step
+            self._seen(grads.reshape(-1), grad=True)
+            return
         when = BEFORE if stage == REDUCE_INPUT else AFTER
         self.log.check(semconv.ORIGIN_REDUCE, name, grads, when)
 
