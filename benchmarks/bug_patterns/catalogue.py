@@ -222,7 +222,7 @@ PATTERNS: tuple[Pattern, ...] = (
         plant=plants.ZeroedToken(W(2, ranks=(1,))),
         expect=Expect(
             PROBLEM,
-            ("scaler_skipped",),
+            ("origin", "scaler_skipped"),
             "the GradScaler skipped 7 of 8 iterations (scale 64 to 1) because the backward makes NaN on rank 1 "
             "from step 2, in the root unit: not a loss-scale problem",
             OriginWant("backward", "", 2, (1,), "nan"),

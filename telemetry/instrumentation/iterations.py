@@ -243,7 +243,9 @@ class IterationWatch:
         out: list[tuple[str, torch.dtype | None]] = []
         for group in self._groups:
             if hasattr(group, "fsdp_group"):
-                out.append((_group_name(group), getattr(group.fsdp_group, "_reduce_dtype", None)))
+                # FSDP2 keeps no reduce dtype where it equals the parameters' compute dtype.
+                reduce_dtype = getattr(group.fsdp_group, "_reduce_dtype", None) or group.compute_dtype
+                out.append((_group_name(group), reduce_dtype))
             else:
                 out.append((_group_name(group), getattr(group, "grads_dtype", None)))
         return out

@@ -346,10 +346,9 @@ class ModelWatch:
                 if not self.unchanged(grad, grad=True):
                     self.log.check(semconv.ORIGIN_GRAD_WRITE, name, grad)
         # Per parameter: a write between steps spreads through this step's update, so the
-        # parameter written is known only now.
-        for name, _, weights, params in groups:
-            if all(self.unchanged(weight) for weight in weights):
-                continue
+        # parameter written is known only now. Checked every step: writes through ``.data`` (a
+        # load, an EMA, a manual edit) leave the version counter where it was.
+        for name, _, _, params in groups:
             for param_name, weight in params:
                 self.log.check(semconv.ORIGIN_WEIGHT_WRITE, param_name, weight, BEFORE, group=name)
 
@@ -360,12 +359,14 @@ class ModelWatch:
                 self.log.check(semconv.ORIGIN_WEIGHT_WRITE, name, weight, AFTER)
                 self._seen(weight)
 
-    # A tensor checked already and not written since holds what that check saw: the main weights
-    # from the update to the next step, torch FSDP2's grads from its reduce to the step. Not
-    # checking it again saves a pass over it in every iteration that writes nothing between. The
-    # tensors handed over are fresh views (``detach``), so they are known by their memory, and
-    # "not written" is their version counter (shared by every view of the storage) unmoved; grads
-    # are known for one iteration only, since their memory is handed to the next ones.
+    # A grad checked already and not written since holds what that check saw: torch FSDP2's from
+    # its reduce to the step, fully_shard's main grads copied from the reduce. Not checking it
+    # again saves a pass over the grads in every iteration that writes nothing between. The tensors
+    # handed over are fresh views (``detach``), so they are known by their memory, and "not
+    # written" is their version counter (shared by every view of the storage) unmoved: a clip or
+    # an unscale writes in place and moves it. Grads are known for one iteration only, since their
+    # memory is handed to the next ones. Main weights are written through ``.data`` too (loads,
+    # EMAs), which moves no counter: they are not skipped, only known (for the model audit).
 
     def _seen(self, tensor: torch.Tensor, grad: bool = False) -> None:
         local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
