@@ -28,6 +28,7 @@ __all__ = [
     "Row",
     "device_name",
     "device_slug",
+    "write_results",
     "median",
     "paired",
     "paired_ratio",
@@ -176,3 +177,24 @@ def device_name(device: str) -> str:
 def device_slug(device: str) -> str:
     """``device_name`` as a file-name part: ``nvidia-h200``, ``cpu-x86_64-2cores``."""
     return re.sub(r"[^a-z0-9_]+", "-", device_name(device).lower()).strip("-")
+
+
+def write_results(json_path: str, benchmark: str, results: dict[str, Any]) -> None:
+    """Write one benchmark's figures as JSON, with the device, world, torch and timer they came from."""
+    import json
+
+    cuda = dist.get_backend() == "nccl"
+    document = {
+        "benchmark": benchmark,
+        "device": device_name("cuda" if cuda else "cpu"),
+        "world_size": dist.get_world_size(),
+        "torch": torch.__version__,
+        "timer": "cuda_events" if cuda else "perf_counter",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **results,
+    }
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+    print(f"wrote {json_path}")

@@ -22,10 +22,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
 from typing import Any
 from unittest import mock
 
@@ -36,7 +34,7 @@ from fsdp_patch.demo.data import synthetic_batches
 from fsdp_patch.demo.launch import run_ranks
 from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss
 
-from .common import Clock, device_name, median, paired, paired_ratio
+from .common import Clock, median, paired, paired_ratio, write_results
 from .telemetry_overhead import LARGE, _device, _quiet_telemetry
 
 KINDS = ("fully_shard", "fsdp2")
@@ -150,22 +148,7 @@ def bench(steps: int, warmup: int, json_path: str | None) -> None:
         return
     _print(results, steps)
     if json_path:
-        cuda = dist.get_backend() == "nccl"
-        document = {
-            "benchmark": "origin_checks",
-            "device": device_name("cuda" if cuda else "cpu"),
-            "world_size": dist.get_world_size(),
-            "torch": torch.__version__,
-            "timer": "cuda_events" if cuda else "perf_counter",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "steps": steps,
-            **results,
-        }
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1)
-            f.write("\n")
-        print(f"wrote {json_path}")
+        write_results(json_path, "origin_checks", {"steps": steps, **results})
 
 
 def main(argv: list[str] | None = None) -> None:

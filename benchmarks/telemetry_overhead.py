@@ -26,10 +26,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,7 +40,7 @@ from fsdp_patch.demo.data import synthetic_batches
 from fsdp_patch.demo.launch import run_ranks
 from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss, shard
 
-from .common import Clock, device_name, median, paired, paired_ratio, process_group
+from .common import Clock, median, paired, paired_ratio, process_group, write_results
 
 LARGE = GPTConfig(vocab=8192, dim=512, heads=8, layers=6, seq=64)
 SMALL = GPTConfig(vocab=1024, dim=128, heads=4, layers=2, seq=32)
@@ -206,21 +204,7 @@ def bench(steps: int, tiny_steps: int, warmup: int, json_path: str | None) -> No
         return
     _report(results)
     if json_path:
-        cuda = dist.get_backend() == "nccl"
-        document = {
-            "benchmark": "telemetry_overhead",
-            "device": device_name("cuda" if cuda else "cpu"),
-            "world_size": dist.get_world_size(),
-            "torch": torch.__version__,
-            "timer": "cuda_events" if cuda else "perf_counter",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **results,
-        }
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1)
-            f.write("\n")
-        print(f"wrote {json_path}")
+        write_results(json_path, "telemetry_overhead", results)
 
 
 def main(argv: list[str] | None = None) -> None:
