@@ -10,7 +10,8 @@ SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 # The oldest torch fsdp_patch supports. `make test` also runs TORCH_RANGE_TESTS on it, in the
 # environment .venv-torch$(OLDEST_TORCH) of its own: the tests of what reads torch's internals and
 # calls its collectives and foreach ops (fully_shard, the adapter, DCP, torch.compile, FSDP2 and
-# fully_shard telemetry with its precision diagnostics, the demo). Left out there, so that CI stays
+# fully_shard telemetry with its precision diagnostics and per-iteration checks, which hook into
+# FSDP2's parameter groups and root state, the demo). Left out there, so that CI stays
 # within its time: what runs no torch code of its own (exporters, trace files, reports, settings,
 # dashboards, the set-up script, the conventions page), the OpenTelemetry integration runs whose
 # torch side is the adapter's and fully_shard's (spans, exporters, trace caps, opentelemetry-instrument;
@@ -24,7 +25,8 @@ TORCH_RANGE_TESTS := tests/fsdp tests/optimizer tests/test_torch_compat.py \
 	tests/integration/test_fsdp2_telemetry.py tests/integration/test_attribution.py \
 	tests/cli/test_demo_parts.py tests/cli/test_without_opentelemetry.py \
 	tests/telemetry/test_telemetry_precision.py tests/telemetry/test_param_stats.py \
-	tests/telemetry/test_precision_across_ranks.py tests/telemetry/test_attribution_findings.py
+	tests/telemetry/test_precision_across_ranks.py tests/telemetry/test_attribution_findings.py \
+	tests/integration/test_origin.py tests/integration/test_step_accounting.py
 
 .PHONY: setup demo test test-torch lint typecheck bench gpu-check
 
