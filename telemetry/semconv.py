@@ -290,7 +290,8 @@ SPAN_SKIPPED_STEP = "fsdp.optimizer.skipped_step"
 """An iteration whose ``torch.amp.GradScaler.step(optimizer)`` did not step the optimizer (its
 grads held NaN/Inf); parent: the caller's span."""
 ATTR_BACKWARD_COUNT = "fsdp.backward.count"
-"""On SPAN_STEP and SPAN_SKIPPED_STEP: backward passes since the previous step or skipped step."""
+"""On SPAN_STEP and SPAN_SKIPPED_STEP: backward passes since the previous step or skipped step; on
+SPAN_CHECKS at exit: those no step followed."""
 ATTR_GRAD_SCALER_SCALE = "fsdp.grad_scaler.scale"
 """On SPAN_SKIPPED_STEP: the GradScaler's scale in that iteration (before its update halves it)."""
 METRIC_OPTIMIZER_SKIPPED_STEPS = "fsdp.optimizer.skipped_steps"

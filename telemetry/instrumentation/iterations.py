@@ -85,6 +85,8 @@ class IterationWatch:
         process_group = first_process_group(groups)
         if self.checking:
             self.watches = [ModelWatch(model, process_group) for model in sharded_models(params)]
+            for watch in self.watches:
+                watch.backward_listeners.append(observer.ensure_ready)
         self._unregister = watch_optimizer_steps(self.watches, optimizer, observer)
         watches = list(self.watches)
         unregister = self._unregister
@@ -171,6 +173,10 @@ class IterationWatch:
         for watch in self.watches:
             watch.close_iteration(agree)
         self._closed_step = step
+
+    def backward_since_step(self) -> int:
+        """Backward passes since the last step or skipped step (at exit: ones no step followed)."""
+        return sum(w.backward_count for w in self.watches)
 
     def pending(self) -> bool:
         """Whether an iteration's checks wait to be read."""

@@ -209,6 +209,9 @@ class ModelWatch:
         self._process_group = process_group
         self.log = ProbeLog()
         self.backward_count = 0
+        # Told after each backward pass (the observer readies its providers: a run that never steps
+        # still reports its backward passes at exit).
+        self.backward_listeners: list[Callable[[], None]] = []
         self.modules: ModuleChecks | None = None
         # Checked once: the first training forward's normalization statistics, the first loss.
         self.norms = NormStatistics(model.root)
@@ -332,6 +335,8 @@ class ModelWatch:
         """A backward pass ended (also by an exception): what follows belongs to the next microbatch."""
         self.backward_count += 1
         self.log.microbatch += 1
+        for listener in self.backward_listeners:
+            listener()
 
     # -- the step -----------------------------------------------------------------------------
 

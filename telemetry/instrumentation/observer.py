@@ -135,6 +135,10 @@ class OptimizerObserver:
 
     # -- lazy set-up -------------------------------------------------------------------
 
+    def ensure_ready(self) -> None:
+        """Resolve providers, rank and instruments now (a model's backward pass may come first)."""
+        self._ensure_ready()
+
     def _ensure_ready(self) -> None:
         if self._ready:
             return
@@ -377,8 +381,12 @@ class OptimizerObserver:
         if self._ready:
             self._step_timer.flush()
             self._refresh_timer.flush()
-            if self._iterations.pending():
-                attrs: dict[str, AttributeValue] = {semconv.ATTR_STEP: self._step_count, semconv.ATTR_RANK: self.rank}
+            unstepped = self._iterations.backward_since_step()
+            if self._iterations.pending() or unstepped:
+                attrs: dict[str, AttributeValue] = {
+                    semconv.ATTR_STEP: self._step_count, semconv.ATTR_RANK: self.rank,
+                    semconv.ATTR_BACKWARD_COUNT: unstepped,
+                }  # fmt: skip
                 with self._span(semconv.SPAN_CHECKS, attrs) as span:
                     self._iterations.flush(self.rank, span)
 

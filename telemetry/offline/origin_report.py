@@ -98,6 +98,8 @@ class OriginTrace:
             if step is not None:
                 steps.steps.add(step)
             steps.backward += _int(args.get(semconv.ATTR_BACKWARD_COUNT)) or 0
+        elif name == semconv.SPAN_CHECKS:  # at exit: backward passes no step followed
+            steps.backward += _int(args.get(semconv.ATTR_BACKWARD_COUNT)) or 0
         elif name == semconv.SPAN_SKIPPED_STEP:
             scale = args.get(semconv.ATTR_GRAD_SCALER_SCALE)
             steps.skipped.append((start, float(scale) if isinstance(scale, int | float) else float("nan"),

@@ -123,8 +123,8 @@ def read_run(directory: str) -> RunTrace:
                 resource = args.get(RESOURCE) or {}
                 run.world_size = resource.get(semconv.RESOURCE_WORLD_SIZE, run.world_size)
                 run.service = resource.get(RESOURCE_SERVICE, run.service)
-            elif event.get("ph") == "X" and event.get("name") == semconv.SPAN_SKIPPED_STEP:
-                run.iterations.feed_span(semconv.SPAN_SKIPPED_STEP, args, segment.rank, float(event.get("ts") or 0))
+            elif event.get("ph") == "X" and event.get("name") in (semconv.SPAN_SKIPPED_STEP, semconv.SPAN_CHECKS):
+                run.iterations.feed_span(str(event["name"]), args, segment.rank, float(event.get("ts") or 0))
             elif (
                 event.get("ph") == "X"
                 and event.get("name") == semconv.SPAN_STEP

@@ -149,3 +149,35 @@ def test_a_float16_reduce_that_overflows_is_named_as_the_reduce(dist_pool, tmp_p
     got = None if origin is None else (origin["step"], origin["stage"], origin["where"], origin["dtype"])
     assert got == (3, "reduce", "blocks.0", "float16"), f"{kind}: want (3, reduce, blocks.0, float16), got {got}"
     assert "reduce_dtype=torch.float32" in report["findings"][0]["advice"], report["findings"][0]
+
+
+def backward_only(kind: str, trace_dir: str) -> None:
+    """Three backward passes through an adapted optimizer's model, and no optimizer step."""
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_SUMMARY": "none",
+                "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    with environment(**settings):
+        reset_otel()
+        model = _shard(models.make_model(0), kind)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fully_shard_optimizer(optimizer)
+        for tokens in models.make_batches(3):
+            models.lm_loss(model, models.rank_slice(tokens, rank, world)).backward()
+        from fsdp_patch import telemetry
+
+        telemetry.shutdown()
+        del optimizer, model
+        gc.collect()
+        reset_otel()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_passes_without_any_optimizer_step_are_named(dist_pool, tmp_path, kind) -> None:
+    trace_dir = tmp_path / kind
+    os.makedirs(trace_dir, exist_ok=True)
+    dist_pool(2).run(backward_only, kind, str(trace_dir))
+    report = _report(trace_dir)
+    got = ([f["check"] for f in report["findings"]], report["iterations"]["backward_without_steps"])
+    assert got == (["no_optimizer_steps"], 3), f"{kind}: want 3 backward passes named without a step, got {got}"

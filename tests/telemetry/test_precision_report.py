@@ -252,3 +252,52 @@ def test_report_json_carries_the_same_findings_and_parameters(tmp_path: Path) ->
     import json
 
     json.dumps(data)  # plain data throughout
+
+
+def _write_iterations(directory: Path, ranks: dict[int, list[tuple[str, int, dict]]]) -> None:
+    """Per rank, spans in order: ``(name, step, extra attributes)`` (a step, a skipped step, checks)."""
+    for rank, spans in ranks.items():
+        exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": len(ranks)},
+                                                 jaeger_at_shutdown=False)  # fmt: skip
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracer = provider.get_tracer("t")
+        for name, step, attributes in spans:
+            with tracer.start_as_current_span(name, attributes={"fsdp.step": step, **attributes}):
+                pass
+        provider.shutdown()
+
+
+def test_backward_passes_no_step_followed_are_a_finding(tmp_path: Path) -> None:
+    """A run whose backward passes no optimizer step followed (a step never called, or called on
+    another optimizer) and no GradScaler skipped: the report names it, which a run with its steps does
+    not (its last backward passes are followed by a step)."""
+    _write_iterations(
+        tmp_path / "none", {r: [("fsdp.optimizer.checks", 0, {"fsdp.backward.count": 5})] for r in (0, 1)}
+    )
+    report = precision_report.report_json(str(tmp_path / "none"))
+    got = ([f["check"] for f in report["findings"]], report["iterations"]["backward_without_steps"], report["verdict"])
+    assert got == (["no_optimizer_steps"], 5, "problem"), f"want the finding over 5 backward passes, got {got}"
+    stepped = [("fsdp.optimizer.step", s, {"fsdp.backward.count": 1}) for s in (1, 2)]
+    _write_iterations(tmp_path / "some", {r: [*stepped, ("fsdp.optimizer.checks", 2, {"fsdp.backward.count": 0})]
+                                          for r in (0, 1)})  # fmt: skip
+    report = precision_report.report_json(str(tmp_path / "some"))
+    assert report["iterations"]["backward_without_steps"] == 0 and report["findings"] == [], report
+
+
+def test_a_scaler_that_skips_some_iterations_is_dated_at_its_first_skip(tmp_path: Path) -> None:
+    """The GradScaler finding starts at the first skipped iteration, and only many skips are one."""
+    steps = [("fsdp.optimizer.step", s, {"fsdp.backward.count": 1}) for s in range(1, 4)]
+    skipped = [("fsdp.optimizer.skipped_step", 4, {"fsdp.backward.count": 1, "fsdp.grad_scaler.scale": 2.0 ** -k})
+               for k in range(4)]  # fmt: skip
+    _write_iterations(tmp_path, {0: steps + skipped, 1: steps + skipped})
+    report = precision_report.report_json(str(tmp_path))
+    got = ([(f["check"], f["first_step"]) for f in report["findings"]], report["iterations"])
+    want = ([("scaler_skipped", 4)], {"optimizer_steps": 3, "skipped": 4, "scale_first": 1.0, "scale_last": 0.125,
+                                       "backward_without_steps": 0})  # fmt: skip
+    assert got == want, f"want {want}, got {got}"
+    text = precision_report.report(str(tmp_path))
+    assert (
+        "iterations: 3 optimizer steps, 4 skipped (GradScaler scale 1 at the first skip, 0.125 at the last), 7 backward passes"
+        in text
+    ), text
