@@ -85,13 +85,15 @@ class ScenarioRun:
         return self.expected in names if self.expected else not names
 
 
-def _free_ports(count: int) -> list[int]:
-    """``count`` consecutive free loopback ports (a rank r serves on base + r)."""
+def _free_ports(count: int, taken: set[int]) -> list[int]:
+    """``count`` consecutive free loopback ports (a rank r serves on base + r), none of them in
+    ``taken``, which they are added to: a port is free again once probed, and the system hands
+    the same one out twice; two jobs scraping one endpoint would see each other's alerts."""
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             base = probe.getsockname()[1]
-        if base + count > 65535:
+        if base + count > 65535 or taken.intersection(range(base, base + count)):
             continue
         sockets = []
         try:
@@ -99,6 +101,7 @@ def _free_ports(count: int) -> list[int]:
                 s = socket.socket()
                 sockets.append(s)
                 s.bind(("127.0.0.1", port))
+            taken.update(range(base, base + count))
             return list(range(base, base + count))
         except OSError:
             continue
@@ -117,7 +120,7 @@ class Prometheus:
     """A Prometheus server on loopback scraping one job per scenario, with the project's rules."""
 
     def __init__(self, binary: str, workdir: Path, jobs: dict[str, list[int]]) -> None:
-        self.port = _free_ports(1)[0]
+        self.port = _free_ports(1, {port for ports in jobs.values() for port in ports})[0]
         self.url = f"http://127.0.0.1:{self.port}"
         scrape = "\n".join(
             f"  - job_name: {job}\n    static_configs:\n      - targets: [{', '.join(repr(f'127.0.0.1:{p}') for p in ports)}]"
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="fsdp_patch_demo_alerts_") as tmp:
         workdir = Path(tmp)
-        ports = {scenario: _free_ports(WORLD_SIZE) for scenario in scenarios}
+        taken: set[int] = set()
+        ports = {scenario: _free_ports(WORLD_SIZE, taken) for scenario in scenarios}
         prometheus = Prometheus(binary, workdir, ports)
         print(f"prometheus at {prometheus.url}: scrape and rule evaluation every {SCRAPE_INTERVAL}, rules {RULES.name}",
               flush=True)  # fmt: skip
