@@ -266,8 +266,9 @@ DTYPE_CONTRACT = Threshold(
     ),
 )
 
-# The per-iteration checks' findings (offline/origin_report.py): where a NaN/Inf began, and
-# iterations that ran no optimizer step. Their advice is the origin's own (per stage).
+# The per-iteration checks' findings (offline/origin_report.py): where a NaN/Inf began (and the lr
+# jump it followed), grads zeroed before the step, and iterations that ran no optimizer step. The
+# origin's advice is its stage's own.
 NAN_ORIGIN = Threshold(
     check="origin",
     metric=semconv.EVENT_ORIGIN,
@@ -298,6 +299,35 @@ NO_OPTIMIZER_STEPS = Threshold(
         "not called, or is called on another optimizer than the one over this model's parameters."
     ),
 )
+# An lr jump explains a NaN/Inf that begins within this many iterations after it (the update with
+# the jumped lr moves the weights; the following forwards run on them).
+LR_JUMP_WINDOW = 3
+LR_JUMP = Threshold(
+    check="lr_jump",
+    metric=semconv.EVENT_LR_JUMP,
+    above=0,
+    severity=PROBLEM,
+    finding="a learning-rate jump, then NaN/Inf",
+    advice=(
+        "the update made with the jumped learning rate moved the weights out of what the model's dtypes hold, and "
+        "the NaN/Inf below followed from it: that module or stage is where the damage showed, not its cause. Check "
+        "the learning-rate schedule at that step (a warm-up or restart that jumps, a scheduler stepped per "
+        "microbatch or resumed at the wrong step, a value off by a power of ten)."
+    ),
+)
+GRADS_ZEROED = Threshold(
+    check="grads_zeroed",
+    metric=semconv.EVENT_GRADS_ZEROED,
+    above=0,
+    severity=WARNING,
+    finding="grads zeroed between backward and step: non-zero after the backward and its reduce, all 0 at the step",
+    advice=(
+        "code between loss.backward() and optimizer.step() multiplied every grad by 0, so that step learned "
+        "nothing: a clip of one's own whose total norm was Inf or NaN (a sum of squares in float16 or bfloat16 "
+        "overflows: compute the norm in float32, or use torch.nn.utils.clip_grad_norm_, whose norm the checks "
+        "read), optimizer.zero_grad() called before step(), or a grad hook."
+    ),
+)
 # Above this share of skipped iterations (and at least SCALER_SKIPS_AT_LEAST of them) a GradScaler's
 # skips are a warning, and once every iteration (or most) is skipped a problem: a healthy fp16 run
 # skips a handful while the scale settles from its initial 2**16, and one per growth interval.
@@ -307,7 +337,16 @@ SCALER_SKIPS_AT_LEAST = 3
 
 BY_CHECK = {
     threshold.check: threshold
-    for threshold in (NAN_ORIGIN, *THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT, SCALER_SKIPPED, NO_OPTIMIZER_STEPS)
+    for threshold in (
+        LR_JUMP,
+        NAN_ORIGIN,
+        GRADS_ZEROED,
+        *THRESHOLDS,
+        FAILED_STEPS,
+        DTYPE_CONTRACT,
+        SCALER_SKIPPED,
+        NO_OPTIMIZER_STEPS,
+    )
 }
 _PRECEDENCE = {check: index for index, check in enumerate(BY_CHECK)}
 
@@ -342,8 +381,19 @@ def markdown_table() -> str:
         SCALER_SKIPPED.check: f"skipped iterations (over {SCALER_SKIPS_WARN_SHARE:.0%} and at least "
         f"{SCALER_SKIPS_AT_LEAST}; a problem over {SCALER_SKIPS_PROBLEM_SHARE:.0%})",
         NO_OPTIMIZER_STEPS.check: "backward passes of a rank that ran no step and skipped none",
+        LR_JUMP.check: f"lr-jump events followed by an origin event within {LR_JUMP_WINDOW} iterations",
+        GRADS_ZEROED.check: "grads-zeroed events",
     }
-    for threshold in (*THRESHOLDS, FAILED_STEPS, DTYPE_CONTRACT, NAN_ORIGIN, SCALER_SKIPPED, NO_OPTIMIZER_STEPS):
+    for threshold in (
+        *THRESHOLDS,
+        FAILED_STEPS,
+        DTYPE_CONTRACT,
+        NAN_ORIGIN,
+        LR_JUMP,
+        GRADS_ZEROED,
+        SCALER_SKIPPED,
+        NO_OPTIMIZER_STEPS,
+    ):
         value = special.get(threshold.check, f"`{threshold.metric}`")
         unless = f" (unless `{threshold.unless}` fired)" if threshold.unless else ""
         alert = f"`{threshold.alert}`" if threshold.alert else "—"

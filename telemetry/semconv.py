@@ -281,6 +281,12 @@ ORIGIN_STAGES = (
 """In the order an iteration runs them: a write between steps, then forward, loss, backward, the
 reduce-scatter, what changed the grads between backward and step, and the optimizer's update."""
 
+EVENT_GRADS_ZEROED = "fsdp.precision.grads_zeroed"
+"""On SPAN_STEP of the step after it: every unit's grads were non-zero after the backward and its
+reduce, and all exactly 0 at the optimizer's step (something between multiplied them by 0)."""
+ATTR_GRADS_ZEROED_UNITS = "fsdp.grads_zeroed.units"
+"""The units whose grads were zeroed, comma-separated (``(root)`` is the root)."""
+
 # -- step accounting -----------------------------------------------------------------------------------
 
 SPAN_CHECKS = "fsdp.optimizer.checks"
@@ -296,6 +302,17 @@ ATTR_GRAD_SCALER_SCALE = "fsdp.grad_scaler.scale"
 """On SPAN_SKIPPED_STEP: the GradScaler's scale in that iteration (before its update halves it)."""
 METRIC_OPTIMIZER_SKIPPED_STEPS = "fsdp.optimizer.skipped_steps"
 """Counter, ``{step}``: iterations a GradScaler skipped (no optimizer step ran)."""
+
+EVENT_LR_JUMP = "fsdp.optimizer.lr_jump"
+"""On SPAN_STEP: a param group's learning rate at this step is at least LR_JUMP_FACTOR times the
+one the previous step used (a previous lr of 0 is no jump: a warm-up from 0)."""
+ATTR_PARAM_GROUP = "fsdp.param_group"
+"""The index of the optimizer's param group."""
+ATTR_LR_BEFORE = "fsdp.lr.before"
+"""The learning rate the previous step used."""
+ATTR_LR_AFTER = "fsdp.lr.after"
+"""The learning rate this step uses."""
+LR_JUMP_FACTOR = 10.0
 
 # -- escalation -----------------------------------------------------------------------------------------
 

@@ -6,10 +6,9 @@ with (the same under ``fully_shard`` and torch FSDP2) and what the precision rep
 (``fsdp_patch.telemetry.offline.precision_report.report_json``) must say about it
 (:class:`Expect`). :func:`judge` compares a report with that expectation.
 
-An expectation is the diagnosis a correct report gives, whether or not the report gives it:
-``Expect.lead`` may name a check that ``telemetry/precision_thresholds.py`` does not have
-(:data:`PLANNED_CHECKS`), and then no report names the cause. The benchmark
-(``python -m benchmarks.bug_patterns``) shows, per pattern and sharding, whether it does.
+An expectation is the diagnosis a correct report gives, whether or not the report gives it; each
+``Expect.lead`` is a check of ``telemetry/precision_thresholds.py``. The benchmark
+(``python -m benchmarks.bug_patterns``) shows, per pattern and sharding, whether the report does.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ __all__ = [
     "CATALOGUE",
     "CONTROLS",
     "PATTERNS",
-    "PLANNED_CHECKS",
     "Expect",
     "Judgement",
     "OriginWant",
@@ -35,14 +33,6 @@ __all__ = [
 ]
 
 HEALTHY, WARNING, PROBLEM = "healthy", "warning", "problem"
-
-# Checks a correct report needs that precision_thresholds.py has no row for: the causes
-# the per-iteration NaN/Inf origin cannot see (nothing goes non-finite), or sees only downstream.
-PLANNED_CHECKS: dict[str, str] = {
-    "clip_nonfinite_norm": "a clip of one's own whose total norm was not finite (an fp16 sum of squares) zeroed every "
-    "grad: finite, so no origin; torch.nn.utils.clip_grad_norm_'s norm is checked",
-    "lr_spike": "a learning rate jump that made the weights leave the compute dtype's safe range",
-}
 
 
 @dataclass(frozen=True)
@@ -90,11 +80,6 @@ class Expect:
     scales: tuple[float, float] | None = None
     finding: str | None = None
     contract: str | None = None
-
-    @property
-    def planned(self) -> bool:
-        """Whether the lead is a check the report does not have (:data:`PLANNED_CHECKS`)."""
-        return bool(self.lead) and all(check in PLANNED_CHECKS for check in self.lead)
 
 
 @dataclass(frozen=True)
@@ -343,8 +328,10 @@ PATTERNS: tuple[Pattern, ...] = (
         plant=plants.LrSchedule(W(3, 3), lr=100.0),
         expect=Expect(
             PROBLEM,
-            ("lr_spike",),
-            "the lr jump at step 3 (update/weight ratio up by orders of magnitude), ahead of step 4's forward overflow",
+            ("lr_jump",),
+            "the lr jump at step 3 (1e-3 to 100), ahead of step 4's forward overflow",
+            OriginWant("forward", "blocks.0", 4),
+            finding="jumped x1e+05 (0.001 to 100, param group 0) at step 3",
         ),
     ),
     Pattern(
@@ -435,7 +422,7 @@ PATTERNS: tuple[Pattern, ...] = (
         plant=plants.ClipInLowPrecision(W(3, 3, ranks=(0,)), "head.weight", 5000.0),
         expect=Expect(
             WARNING,
-            ("clip_nonfinite_norm",),
+            ("grads_zeroed",),
             "the clip's total norm was Inf at step 3 (summed in fp16) and zeroed every grad: compute norms in fp32",
         ),
     ),

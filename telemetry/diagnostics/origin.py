@@ -13,7 +13,8 @@ read once, after the optimizer step:
 - ``backward``: the grad of a unit's output (or, escalated, of any module's input and output);
 - ``reduce``: a group's grads before the reduce-scatter, and its reduced shard after it;
 - ``grad_write``: main grads at the step, after every backward and reduce was finite: changed in
-  between (a clip whose norm was not finite, a hook);
+  between (a clip whose norm was not finite, a hook); the same checks find grads that were
+  non-zero after the reduce and all 0 at the step (:func:`zeroed_groups`);
 - ``optimizer``: the main weights after the update, grads and weights before it finite.
 
 :func:`find_origin` applies that order to what a log read. No OpenTelemetry here.
@@ -260,6 +261,32 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
                 c, "finite grads and weights before the update, non-finite after it", semconv.ORIGIN_OPTIMIZER
             )
     return None
+
+
+def zeroed_groups(checks: Sequence[Checked]) -> list[str]:
+    """The groups whose grads something zeroed between the backward and the step.
+
+    A group's reduced grads (its reduce-scatter's output) held a non-zero element, and every
+    check of its main grads at the step read exactly 0. Named only when that is true of every
+    group whose reduced grads were non-zero (a whole model's grads multiplied by 0: a clip whose
+    total norm was not finite, ``zero_grad`` before ``step``); one group zeroed while others kept
+    theirs is a choice (a frozen part), not a finding. An iteration holding a NaN/Inf has an
+    origin instead.
+    """
+    if not all(c.finite for c in checks):
+        return []
+    reduced: dict[str, bool] = {}
+    at_step: dict[str, bool] = {}
+    for c in checks:
+        p = c.probe
+        if p.stage == semconv.ORIGIN_REDUCE and p.when == AFTER:
+            reduced[p.where] = reduced.get(p.where, False) or c.low != 0.0 or c.high != 0.0
+        elif p.stage == semconv.ORIGIN_GRAD_WRITE and p.where != CLIP:
+            at_step[p.where] = at_step.get(p.where, True) and c.low == 0.0 and c.high == 0.0
+    nonzero = [where for where, held in reduced.items() if held]
+    if not nonzero or not all(at_step.get(where, False) for where in nonzero):
+        return []
+    return nonzero
 
 
 def _reduced_without_output_check(checks: Sequence[Checked], where: str) -> bool:

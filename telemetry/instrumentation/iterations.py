@@ -10,7 +10,12 @@ the next one, and what they say goes on that step's span:
   refine;
 - event ``fsdp.precision.escalation`` when any rank saw one: the next
   ``FSDP_PATCH_PRECISION_ESCALATION`` iterations check every module and run the precision
-  diagnostics every step, the same on every rank (the flag was all-reduced).
+  diagnostics every step, the same on every rank (the flag was all-reduced);
+- event ``fsdp.precision.grads_zeroed`` for an iteration whose grads were non-zero after the
+  reduce and all 0 at the step.
+
+Each step's span also gets event ``fsdp.optimizer.lr_jump`` where a param group's learning rate
+rose ``LR_JUMP_FACTOR``-fold since the previous step (read from the param groups: no device work).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class IterationWatch:
         self._observer = observer
         self._buffers_audited = False
         self._audited_state: Any = None
+        self._rates: list[float | None] = []
         self.watches: list[ModelWatch] = []
         if sdk_disabled:
             self._unregister = None
@@ -139,12 +145,32 @@ class IterationWatch:
         this step's main grads and main weights checked before the update."""
         self._step = step
         self._report([w.resolve() for w in self.watches], span, rank)
+        self._watch_learning_rates(step, span, rank)
         if not self.watches:
             return
         checked = self._checked_groups()
         self._audit_model(step, span)
         for watch in self.watches:
             watch.check_step_begin(checked)
+
+    def _watch_learning_rates(self, step: int, span: Span | None, rank: int) -> None:
+        """Event ``fsdp.optimizer.lr_jump`` where a param group's lr rose by LR_JUMP_FACTOR or more
+        since the previous step: the report ties a NaN/Inf that begins soon after to it."""
+        optimizer = self._optimizer_ref()
+        if optimizer is None or span is None:
+            return
+        rates = [_learning_rate(group) for group in optimizer.param_groups]
+        previous, self._rates = self._rates, rates
+        if len(previous) != len(rates):
+            return  # a param group added: nothing to compare with
+        for index, (before, after) in enumerate(zip(previous, rates, strict=True)):
+            if before is None or after is None or before <= 0.0:
+                continue
+            if after >= semconv.LR_JUMP_FACTOR * before:
+                span.add_event(semconv.EVENT_LR_JUMP, {
+                    semconv.ATTR_STEP: step, semconv.ATTR_RANK: rank, semconv.ATTR_PARAM_GROUP: index,
+                    semconv.ATTR_LR_BEFORE: before, semconv.ATTR_LR_AFTER: after,
+                })  # fmt: skip
 
     def end_step(self, span: Span | None, completed: bool) -> None:
         """At the end of the step: the main weights after the update; the iteration closed."""
@@ -279,6 +305,12 @@ class IterationWatch:
                         semconv.ATTR_ESCALATION_STEPS: self.escalation,
                     })  # fmt: skip
         self._in_episode = anywhere
+        zeroed = sorted({where for r in found for where in r.zeroed})
+        if zeroed and span is not None:
+            span.add_event(semconv.EVENT_GRADS_ZEROED, {
+                semconv.ATTR_STEP: step, semconv.ATTR_RANK: rank,
+                semconv.ATTR_GRADS_ZEROED_UNITS: ", ".join(where or "(root)" for where in zeroed),
+            })  # fmt: skip
         for r in found:
             # Module-level checks of an iteration whose NaN/Inf began in it (a GradScaler skipping
             # overflows anew); once the weights hold NaN every module's output follows from them.
@@ -332,6 +364,17 @@ class IterationWatch:
         name, count = bad[0]
         others = f"; {len(bad) - 1} other parameter(s) of the unit too" if len(bad) > 1 else ""
         return name, f"{detail}; {count} element(s) on this rank{others}".lstrip("; ")
+
+
+def _learning_rate(group: dict[str, Any]) -> float | None:
+    """A param group's lr as a number; ``None`` when it has none, or keeps it in a device tensor
+    (reading that would wait for the device)."""
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor):
+        if lr.device.type != "cpu" or lr.numel() != 1:
+            return None
+        lr = lr.item()
+    return float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) else None
 
 
 def _resumed_at(optimizer: torch.optim.Optimizer) -> int:

@@ -57,6 +57,7 @@ from ..diagnostics.origin import (
     dtype_name,
     find_origin,
     floating_tensors,
+    zeroed_groups,
 )
 
 __all__ = ["CheckedGroup", "IterationCheck", "ModelWatch", "ModuleChecks", "watch_optimizer_steps"]
@@ -165,6 +166,7 @@ class IterationCheck:
         anywhere: Whether any rank saw a NaN/Inf in the iteration (agreed by all ranks).
         backward_count: Backward passes the iteration ran.
         checks: Everything checked, in order (for tests and the findings that read values).
+        zeroed: The groups whose non-zero grads were all 0 at the step (:func:`zeroed_groups`).
     """
 
     origin: Origin | None
@@ -172,6 +174,7 @@ class IterationCheck:
     anywhere: bool
     backward_count: int
     checks: list[Checked]
+    zeroed: list[str]
 
 
 class _Pending:
@@ -454,6 +457,7 @@ class ModelWatch:
             anywhere=any(not c.finite for c in checks) if agreed is None else agreed,
             backward_count=pending.backward_count,
             checks=checks,
+            zeroed=zeroed_groups(checks),
         )
 
     # -- escalation ---------------------------------------------------------------------------

@@ -5,6 +5,8 @@ what the per-iteration checks recorded (``semconv``'s origin names):
 
 - ``fsdp.precision.origin`` events of every rank, merged: the earliest step wins, then the
   earliest stage of an iteration, and every rank that saw that origin is named;
+- ``fsdp.precision.grads_zeroed`` events: grads non-zero after the reduce, all 0 at the step;
+- ``fsdp.optimizer.lr_jump`` events, which a NaN/Inf beginning soon after is tied to;
 - ``fsdp.optimizer.skipped_step`` spans (a GradScaler skipped the iteration), with the scale;
 - ``fsdp.backward.count`` on the step spans, against the optimizer steps that ran.
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import semconv
+from ..precision_thresholds import LR_JUMP_WINDOW
 
 _STAGE_ORDER = {stage: index for index, stage in enumerate(semconv.ORIGIN_STAGES)}
 
@@ -39,6 +42,29 @@ class OriginSeen:
     @property
     def key(self) -> tuple[int, int, str]:
         return (self.step, _STAGE_ORDER.get(self.stage, len(_STAGE_ORDER)), self.where)
+
+
+@dataclass
+class LrJump:
+    """A param group's learning rate rising LR_JUMP_FACTOR-fold or more from one step to the next."""
+
+    step: int
+    group: int
+    before: float
+    after: float
+
+
+@dataclass
+class ZeroedSeen:
+    """An iteration whose grads something zeroed between backward and step, with the ranks."""
+
+    step: int
+    units: str
+    ranks: set[int] = field(default_factory=set)
+
+
+# Stages an lr cannot cause: writes from outside the optimizer, and grads changed before it ran.
+_NOT_FROM_LR = (semconv.ORIGIN_WEIGHT_WRITE, semconv.ORIGIN_GRAD_WRITE)
 
 
 @dataclass
@@ -65,9 +91,26 @@ class OriginTrace:
     refined: dict[tuple[int, str, str], OriginSeen] = field(default_factory=dict)
     escalations: set[int] = field(default_factory=set)
     ranks: dict[int, RankSteps] = field(default_factory=dict)
+    lr_jumps: dict[tuple[int, int], LrJump] = field(default_factory=dict)
+    zeroed: dict[int, ZeroedSeen] = field(default_factory=dict)
 
     def feed_instant(self, args: Mapping[str, Any], name: str) -> None:
         """Take an instant event of a trace file (``name`` its event name)."""
+        if name == semconv.EVENT_LR_JUMP:
+            step, group = _int(args.get(semconv.ATTR_STEP)), _int(args.get(semconv.ATTR_PARAM_GROUP))
+            before, after = _float(args.get(semconv.ATTR_LR_BEFORE)), _float(args.get(semconv.ATTR_LR_AFTER))
+            if step is not None and group is not None and before is not None and after is not None:
+                self.lr_jumps.setdefault((step, group), LrJump(step, group, before, after))
+            return
+        if name == semconv.EVENT_GRADS_ZEROED:
+            step = _int(args.get(semconv.ATTR_STEP))
+            if step is not None:
+                units = str(args.get(semconv.ATTR_GRADS_ZEROED_UNITS, ""))
+                zeroed = self.zeroed.setdefault(step, ZeroedSeen(step, units))
+                rank = _int(args.get(semconv.ATTR_RANK))
+                if rank is not None:
+                    zeroed.ranks.add(rank)
+            return
         if name == semconv.EVENT_ESCALATION:
             step = _int(args.get(semconv.ATTR_STEP))
             if step is not None:
@@ -130,9 +173,30 @@ class OriginTrace:
         steps = [step for r in self.ranks.values() for _, _, step in r.skipped]
         return min(steps) if steps else None
 
+    def lr_jump_before(self, origin: OriginSeen) -> LrJump | None:
+        """The largest lr jump a NaN/Inf that began at ``origin`` followed: at most LR_JUMP_WINDOW
+        iterations before it (the same step for the optimizer's own update)."""
+        if origin.stage in _NOT_FROM_LR:
+            return None
+        earliest = origin.step - LR_JUMP_WINDOW
+        latest = origin.step if origin.stage == semconv.ORIGIN_OPTIMIZER else origin.step - 1
+        jumps = [j for j in self.lr_jumps.values() if earliest <= j.step <= latest]
+        return max(jumps, key=lambda j: (j.after / j.before, j.step), default=None)
+
+    def zeroed_steps(self) -> list[ZeroedSeen]:
+        """The iterations whose grads were zeroed between backward and step, in order."""
+        return [self.zeroed[step] for step in sorted(self.zeroed)]
+
     def backward_without_steps(self) -> int:
         """Backward passes on a rank that ran no optimizer step and skipped none (0 otherwise)."""
         return max((r.backward for r in self.ranks.values() if not r.steps and not r.skipped), default=0)
+
+
+def _float(value: object) -> float | None:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 def _int(value: object) -> int | None:

@@ -268,6 +268,12 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
     first = run.iterations.first()
     if first is not None:
         found.append(Finding(thresholds.NAN_ORIGIN, first.step))
+        jump = run.iterations.lr_jump_before(first)
+        if jump is not None:
+            found.append(Finding(thresholds.LR_JUMP, jump.step))
+    zeroed = run.iterations.zeroed_steps()
+    if zeroed:
+        found.append(Finding(thresholds.GRADS_ZEROED, zeroed[0].step))
     skipped, iterations, _, _ = run.iterations.skipped()
     if skipped >= thresholds.SCALER_SKIPS_AT_LEAST and skipped > thresholds.SCALER_SKIPS_WARN_SHARE * iterations:
         threshold = thresholds.SCALER_SKIPPED
@@ -292,6 +298,13 @@ def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
                      f"{scale_last:g} at the last{where}")  # fmt: skip
     elif check == thresholds.NO_OPTIMIZER_STEPS.check:
         lines.append(f"{run.iterations.backward_without_steps()} backward passes, 0 optimizer steps, 0 skipped")
+    elif check == thresholds.LR_JUMP.check and first is not None:
+        lines.append(f"then: {origin_text(first, step_offset)}")
+    elif check == thresholds.GRADS_ZEROED.check:
+        zeroed = run.iterations.zeroed_steps()
+        steps = ", ".join(str(z.step + step_offset) for z in zeroed[:10]) + (", ..." if len(zeroed) > 10 else "")
+        ranks = ", ".join(str(r) for r in sorted(set().union(*(z.ranks for z in zeroed)))) or "?"
+        lines.append(f"{len(zeroed)} iteration(s) (steps {steps}); units {zeroed[0].units}; ranks {ranks}")
     return lines
 
 
@@ -326,6 +339,11 @@ def _finding_text(run: RunTrace, finding: Finding) -> str:
     first = run.iterations.first()
     if finding.threshold.check == thresholds.NAN_ORIGIN.check and first is not None:
         return f"NaN/Inf began in {_stage_phrase(first)}"
+    jump = run.iterations.lr_jump_before(first) if first is not None else None
+    if finding.threshold.check == thresholds.LR_JUMP.check and jump is not None and first is not None:
+        return (f"the learning rate jumped x{jump.after / jump.before:.3g} ({jump.before:g} to {jump.after:g}, param "
+                f"group {jump.group}) at step {jump.step}, then NaN/Inf began in {_stage_phrase(first)} at step "
+                f"{first.step}")  # fmt: skip
     if _no_fp32_master(run, finding):
         return NO_FP32_MASTER_FINDING
     return finding.threshold.finding
@@ -342,6 +360,12 @@ def _all_findings(run: RunTrace, lines: list[RangeLine]) -> list[Finding]:
     for line in lines:
         for finding in line.findings:
             findings.setdefault(finding.threshold.check, finding)
+    zeroed = {z.step for z in run.iterations.zeroed_steps()}
+    grad_zero = findings.get("grad_zero")
+    if grad_zero is not None and grad_zero.first_step in zeroed:
+        # Zero grads at the step are what the zeroing left: its finding names the cause, this
+        # one's advice (a detached loss, frozen parameters) would lead away from it.
+        del findings["grad_zero"]
     return _ordered(findings.values())
 
 

@@ -23,6 +23,7 @@ from fsdp_patch.telemetry.diagnostics.origin import (
     Probe,
     ProbeLog,
     find_origin,
+    zeroed_groups,
 )
 
 NAN, INF = math.nan, math.inf
@@ -31,7 +32,8 @@ FWD, LOSS, BWD, RED, GW, WW = (semconv.ORIGIN_FORWARD, semconv.ORIGIN_LOSS, semc
 
 
 def c(stage: str, where: str, value: float = 1.0, when: str = "", dtype: str = "bfloat16", group: str = "") -> Checked:
-    return Checked(Probe(stage, where, dtype, when, 0, group), min(value, -1.0) if value == value else value, value)
+    low = value if value != value or value == 0.0 else min(value, -1.0)  # 0: every element 0
+    return Checked(Probe(stage, where, dtype, when, 0, group), low, value)
 
 
 def healthy_iteration(**bad: float) -> list[Checked]:
@@ -112,6 +114,35 @@ def test_a_reduce_whose_output_is_not_checked_is_named_from_the_grads_at_the_ste
     checks = [x for x in healthy_iteration(at_step_b0=INF) if x.probe.when != AFTER or x.probe.stage != RED]
     got = find_origin(checks)
     assert where(got) == (semconv.ORIGIN_REDUCE, "blocks.0"), got
+
+
+def _at_step(checks: list[Checked], **values: float) -> list[Checked]:
+    """``checks`` with the main grads at the step of the groups named (``blocks_0=0.0``) added."""
+    added = [c(GW, where.replace("_", "."), value, dtype="float32") for where, value in values.items()]
+    index = next(i for i, x in enumerate(checks) if x.probe.stage == GW)
+    return [*checks[:index], *added, *[x for x in checks[index:] if x.probe.stage != GW]]
+
+
+def test_grads_zeroed_between_the_reduce_and_the_step_are_named() -> None:
+    """Every group's reduced grads non-zero and its main grads all 0 at the step (a clip of an Inf
+    norm): both groups named. One group zeroed while the other kept its grads (a frozen part), a
+    group not written since its reduce, or an iteration holding a NaN: nothing named."""
+    both = _at_step(healthy_iteration(), blocks_0=0.0, blocks_1=0.0)
+    assert zeroed_groups(both) == ["blocks.1", "blocks.0"], zeroed_groups(both)
+    one = _at_step(healthy_iteration(), blocks_0=0.0, blocks_1=1.0)
+    assert zeroed_groups(one) == [], zeroed_groups(one)
+    unwritten = [
+        x
+        for x in _at_step(healthy_iteration(), blocks_0=0.0)
+        if not (x.probe.stage == GW and x.probe.where == "blocks.1")
+    ]
+    assert zeroed_groups(unwritten) == [], zeroed_groups(unwritten)
+    nan = _at_step(healthy_iteration(loss=NAN), blocks_0=0.0, blocks_1=0.0)
+    assert zeroed_groups(nan) == [], zeroed_groups(nan)
+    already_zero = _at_step(healthy_iteration(r_b0_after=0.0, r_b1_after=0.0), blocks_0=0.0, blocks_1=0.0)
+    assert zeroed_groups(already_zero) == [], (
+        f"grads zero after the reduce were not zeroed later: {zeroed_groups(already_zero)}"
+    )
 
 
 def test_the_log_reads_back_each_check_in_order() -> None:

@@ -254,8 +254,15 @@ def test_report_json_carries_the_same_findings_and_parameters(tmp_path: Path) ->
     json.dumps(data)  # plain data throughout
 
 
-def _write_iterations(directory: Path, ranks: dict[int, list[tuple[str, int, dict]]]) -> None:
-    """Per rank, spans in order: ``(name, step, extra attributes)`` (a step, a skipped step, checks)."""
+def _write_iterations(
+    directory: Path,
+    ranks: dict[int, list[tuple[str, int, dict]]],
+    events: dict[int, list[tuple[str, dict]]] | None = None,
+    diagnostics: dict[int, dict] | None = None,
+) -> None:
+    """Per rank, spans in order: ``(name, step, extra attributes)`` (a step, a skipped step,
+    checks); on the step span of each step in ``events`` those events (the same on every rank,
+    the rank added), and a precision child on each step in ``diagnostics``."""
     for rank, spans in ranks.items():
         exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": len(ranks)},
                                                  jaeger_at_shutdown=False)  # fmt: skip
@@ -263,9 +270,83 @@ def _write_iterations(directory: Path, ranks: dict[int, list[tuple[str, int, dic
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("t")
         for name, step, attributes in spans:
-            with tracer.start_as_current_span(name, attributes={"fsdp.step": step, **attributes}):
-                pass
+            with tracer.start_as_current_span(name, attributes={"fsdp.step": step, **attributes}) as span:
+                if name != "fsdp.optimizer.step":
+                    continue
+                for event, event_attributes in (events or {}).get(step, []):
+                    span.add_event(event, {**event_attributes, "fsdp.rank": rank})
+                if step in (diagnostics or {}):
+                    with tracer.start_as_current_span("fsdp.optimizer.precision") as child:
+                        child.set_attributes({**HEALTHY, **(diagnostics or {})[step]})
         provider.shutdown()
+
+
+def _steps(count: int) -> list[tuple[str, int, dict]]:
+    return [("fsdp.optimizer.step", s, {"fsdp.backward.count": 1}) for s in range(1, count + 1)]
+
+
+def _origin_event(step: int, stage: str, where: str) -> tuple[str, dict]:
+    return ("fsdp.precision.origin", {"fsdp.step": step, "fsdp.origin.stage": stage, "fsdp.origin.where": where,
+                                      "fsdp.origin.dtype": "float16", "fsdp.nonfinite.kind": "nan",
+                                      "fsdp.microbatch": 0, "fsdp.origin.refined": False})  # fmt: skip
+
+
+JUMP = (
+    "fsdp.optimizer.lr_jump",
+    {"fsdp.step": 3, "fsdp.param_group": 0, "fsdp.lr.before": 1e-3, "fsdp.lr.after": 100.0},
+)
+
+
+def test_an_lr_jump_that_a_nan_followed_leads_the_report(tmp_path: Path) -> None:
+    """Source: facebookresearch/fairseq#282 (Sometimes my loss explodes). The lr rose 1e5-fold at
+    step 3 and the fp16 forward overflowed at step 4: the report leads with the jump and gives the
+    origin as what followed; the origin is still the origin of the NaN."""
+    # The origin of iteration 4 is read at step 5.
+    _write_iterations(
+        tmp_path, {r: _steps(6) for r in (0, 1)}, {3: [JUMP], 5: [_origin_event(4, "forward", "blocks.0")]}
+    )
+    report = precision_report.report_json(str(tmp_path))
+    got = [(f["check"], f["first_step"]) for f in report["findings"]]
+    assert got == [("lr_jump", 3), ("origin", 4)], f"want the jump, then the origin; got {got}"
+    want = "the learning rate jumped x1e+05 (0.001 to 100, param group 0) at step 3, then NaN/Inf began in the forward at step 4"
+    assert report["findings"][0]["finding"] == want, report["findings"][0]
+    assert (report["origin"]["stage"], report["origin"]["step"]) == ("forward", 4), report["origin"]
+    text = precision_report.report(str(tmp_path))
+    assert "then: NaN began in the forward at step 4: module 'blocks.0' output" in text, text
+
+
+@pytest.mark.parametrize(
+    ("case", "origin"),
+    [("too late", _origin_event(7, "forward", "blocks.0")), ("a write", _origin_event(4, "weight_write", "w")),
+     ("before it", _origin_event(2, "forward", "blocks.0"))],
+)  # fmt: skip
+def test_an_lr_jump_is_no_finding_unless_a_nan_of_the_update_follows_it(
+    tmp_path: Path, case: str, origin: tuple[str, dict]
+) -> None:
+    """A jump (a restart of a schedule) with no NaN/Inf within 3 iterations after it, or followed by a
+    weight written from outside the optimizer, or after the NaN began: the origin leads alone."""
+    _write_iterations(tmp_path, {r: _steps(9) for r in (0, 1)}, {3: [JUMP], origin[1]["fsdp.step"] + 1: [origin]})
+    report = precision_report.report_json(str(tmp_path))
+    got = [f["check"] for f in report["findings"]]
+    assert got == ["origin"], f"{case}: want the origin alone, got {got}"
+
+
+def test_grads_zeroed_before_the_step_name_the_cause_of_zero_grads(tmp_path: Path) -> None:
+    """Source: facebookresearch/fairscale#263 (grad norms become inf with OSS / fp16). Step 3's grads
+    were zeroed after the backward (a clip of an Inf norm): the report names that, with the units
+    and ranks, and not "all gradients are zero" with its advice of a detached loss."""
+    zeroed = ("fsdp.precision.grads_zeroed", {"fsdp.step": 3, "fsdp.grads_zeroed.units": "(root), blocks.0"})
+    _write_iterations(tmp_path, {r: _steps(6) for r in (0, 1)}, {4: [zeroed]}, {3: {"fsdp.precision.grad.amax": 0.0}})
+    report = precision_report.report_json(str(tmp_path))
+    got = ([(f["check"], f["first_step"]) for f in report["findings"]], report["verdict"])
+    assert got == ([("grads_zeroed", 3)], "warning"), f"want the zeroing alone, got {got}"
+    text = precision_report.report(str(tmp_path))
+    assert "1 iteration(s) (steps 3); units (root), blocks.0; ranks 0, 1" in text, text
+    assert "clip" in report["findings"][0]["advice"], report["findings"][0]
+    # Without the event, zero grads are reported as such.
+    _write_iterations(tmp_path / "plain", {r: _steps(6) for r in (0, 1)}, {}, {3: {"fsdp.precision.grad.amax": 0.0}})
+    got_plain = [f["check"] for f in precision_report.report_json(str(tmp_path / "plain"))["findings"]]
+    assert got_plain == ["grad_zero"], got_plain
 
 
 def test_backward_passes_no_step_followed_are_a_finding(tmp_path: Path) -> None:
