@@ -446,6 +446,26 @@ PATTERNS: tuple[Pattern, ...] = (
         ),
     ),
     Pattern(
+        name="rope_buffer_in_bf16",
+        number="13",
+        title="a RoPE inv_freq buffer rounded to bf16 by a model-wide cast",
+        sources=(
+            "huggingface/transformers#29285 (PR) — RoPE loses precision for Llama / Gemma + Gemma logits.float()",
+            "huggingface/transformers#29496 — Precision issues in Mistral rotary embeddings",
+            "EleutherAI/gpt-neox#1016 (PR) — fix rope precision bug",
+        ),
+        plants="the root's inv_freq buffer made in fp32 and cast to bf16 before sharding (what model.bfloat16() "
+        "does to every floating buffer); sinusoidal positions built from it are added to the embedding output",
+        settings=Settings(steps=6),
+        plant=plants.LowPrecisionBuffer(),
+        expect=Expect(
+            WARNING,
+            ("dtype_contract",),
+            "the buffer inv_freq is bf16: keep buffers in fp32 (buffer.data = buffer.data.float() after the cast)",
+            contract="buffer",
+        ),
+    ),
+    Pattern(
         name="loss_on_bf16_logits",
         number="14",
         title="cross entropy on bf16 logits",

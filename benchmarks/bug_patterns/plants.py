@@ -23,6 +23,7 @@ __all__ = [
     "GradSpike",
     "HeadBias",
     "IgnoreAllTargets",
+    "LowPrecisionBuffer",
     "LowPrecisionOptimizerState",
     "LrSchedule",
     "MainWeightsFromCompute",
@@ -125,6 +126,20 @@ class HeadBias(Plant):
     def before_shard(self, ctx: Context, model: TinyLM) -> None:
         with torch.no_grad():
             model.head.bias.add_(self.offset)
+
+
+@dataclass
+class LowPrecisionBuffer(Plant):
+    """Before sharding, registers the root's ``inv_freq`` buffer (RoPE's inverse frequencies) in
+    float32 and casts it to ``dtype``, as ``model.bfloat16()`` casts every floating buffer."""
+
+    dtype: torch.dtype = torch.bfloat16
+
+    def before_shard(self, ctx: Context, model: TinyLM) -> None:
+        from .training import DIM
+
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, DIM, 2, dtype=torch.float32) / DIM))
+        model.register_buffer("inv_freq", inv_freq.to(self.dtype))
 
 
 @dataclass

@@ -180,7 +180,8 @@ class TinyLM(nn.Module):
     ``embed_gain`` and ``final_gain`` scale the embedding output and the final norm's input (an
     outlier batch, large residuals); ``zeroed`` is a (sequence, token) whose embedding row the
     aux loss sees as exactly zero (a padded or zeroed token); ``aux`` is the aux loss the last
-    forward made (``None`` without ``aux_sqrt``).
+    forward made (``None`` without ``aux_sqrt``). A buffer ``inv_freq`` (``DIM / 2`` inverse
+    frequencies), where a plant registers one, adds sinusoidal positions to the embedding output.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -197,6 +198,11 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
+        inv_freq = getattr(self, "inv_freq", None)
+        if inv_freq is not None:
+            # Positions as the buffer's dtype holds them, as a RoPE cache built from it is.
+            angles = torch.outer(torch.arange(tokens.shape[1], device=h.device, dtype=inv_freq.dtype), inv_freq)
+            h = h + torch.cat([angles.sin(), angles.cos()], dim=-1).to(h.dtype)
         if self.embed_gain != 1.0:
             h = h * self.embed_gain
         self.aux = None

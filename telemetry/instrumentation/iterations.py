@@ -40,7 +40,7 @@ from ..diagnostics.model_audit import (
     low_precision_buffers,
     rebuilt_from_compute,
 )
-from ..diagnostics.origin import Origin
+from ..diagnostics.origin import Checked, Origin
 from ..diagnostics.rows import param_table
 from .model_watch import CheckedGroup, IterationCheck, ModelWatch, watch_optimizer_steps
 
@@ -293,7 +293,8 @@ class IterationWatch:
         if anywhere and not self._in_episode:
             for r in found:
                 if r.origin is not None and span is not None:
-                    span.add_event(semconv.EVENT_ORIGIN, self._origin_attributes(r.origin, step, rank, False))
+                    attributes = self._origin_attributes(r.origin, step, rank, False, r.checks)
+                    span.add_event(semconv.EVENT_ORIGIN, attributes)
             if self.escalation and self._step > self.escalated_until:
                 self.escalated_until = self._step + self.escalation - 1
                 self._refined_named.clear()
@@ -326,11 +327,15 @@ class IterationWatch:
             for watch in self.watches:
                 watch.de_escalate()
 
-    def _origin_attributes(self, origin: Origin, step: int, rank: int, refined: bool) -> dict[str, AttributeValue]:
+    def _origin_attributes(
+        self, origin: Origin, step: int, rank: int, refined: bool, checks: Sequence[Checked] = ()
+    ) -> dict[str, AttributeValue]:
         where, detail = origin.where, origin.detail
         if origin.stage == semconv.ORIGIN_OPTIMIZER:
             # Read before this step's update: the weights as the update that made them non-finite left them.
             where, detail = self._locate(origin, detail)
+        elif origin.stage == semconv.ORIGIN_WEIGHT_WRITE:
+            detail = self._written_elements(origin, detail, checks)
         attrs: dict[str, AttributeValue] = {
             semconv.ATTR_STEP: step,
             semconv.ATTR_RANK: rank,
@@ -344,6 +349,37 @@ class IterationWatch:
         if detail:
             attrs[semconv.ATTR_ORIGIN_DETAIL] = detail
         return attrs
+
+    def _written_elements(self, origin: Origin, detail: str, checks: Sequence[Checked]) -> str:
+        """``detail`` with how many elements of the parameter written hold NaN/Inf on this rank.
+
+        Counted now, after the update of the step whose checks saw the write (a count when it
+        was checked would cost one more pass over every main weight at every step): when that
+        iteration's grads of the parameter's group were finite (the forward ran on a copy the
+        write missed), the update kept the count; when they were not (the forward gathered the
+        weight written), the update spread it, and the count says so.
+        """
+        group = next((c.probe.group for c in checks if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE
+                      and c.probe.where == origin.where and c.probe.group), "")  # fmt: skip
+        groups = self._optimizer_groups()
+        names = [_group_name(g) for g in groups]
+        slots = [slot for slot in param_table(groups) if slot.name == origin.where and names[slot.group] == group]
+        if not slots:
+            return detail
+        slot = slots[0]
+        main = weights_of(groups[slot.group], None).mains[slot.tensor]
+        segment = main[slot.start : slot.start + slot.length]
+        count = int((~torch.isfinite(segment)).sum())
+        grads_finite = all(
+            c.finite for c in checks
+            if c.probe.where == group and c.probe.stage in (semconv.ORIGIN_REDUCE, semconv.ORIGIN_GRAD_WRITE)
+        )  # fmt: skip
+        if grads_finite:
+            counted = f"{count} of its {slot.length} element(s) on this rank"
+        else:
+            counted = (f"{count} of its {slot.length} element(s) on this rank after that step's update, which spread "
+                       "it (the step's grads already held NaN/Inf: the forward ran on the weight written)")  # fmt: skip
+        return f"{detail}; {counted}" if detail else counted
 
     def _locate(self, origin: Origin, detail: str) -> tuple[str, str]:
         """The first parameter of the named unit whose main weight holds NaN/Inf now, and how many

@@ -243,13 +243,14 @@ def test_adam_eps_lost_in_fp16_state_is_an_optimizer_origin(dist_pool: Any, tmp_
 # model audit. Their sources are their catalogue entries' (engichang1467/Open-Rig3R#35,
 # TensorAuto/OpenTau#185, vllm-project/speculators#765, pytorch/pytorch#46849,
 # deepspeedai/DeepSpeed#1800, Modalities/modalities#464, meta-llama/llama#1048,
-# NVIDIA/Model-Optimizer#2322, facebookresearch/fairscale#263, facebookresearch/fairseq#282 and the
+# NVIDIA/Model-Optimizer#2322, facebookresearch/fairscale#263, facebookresearch/fairseq#282,
+# huggingface/transformers#29285 and the
 # others listed there), printed with a failure. The lr spike's NaN is the forward's, but its cause
 # (the lr jump before it) shows in nothing non-finite.
 NAMED_CAUSES = (
     "fp16_grad_underflow", "main_weights_from_bf16", "pure_bf16_no_master_weights", "inf_grad_spread_by_clip",
     "bf16_grad_accumulation", "loss_on_bf16_logits", "norm_statistics_fp16", "lr_too_small_for_bf16_weights",
-    "clip_norm_in_fp16", "lr_spike_fp16",
+    "clip_norm_in_fp16", "lr_spike_fp16", "rope_buffer_in_bf16",
 )  # fmt: skip
 
 
@@ -262,7 +263,7 @@ def test_the_report_names_a_cause_nothing_non_finite_shows(
     fp32 main weights (and an lr below their resolution), an Inf grad spread by clip_grad_norm_,
     microbatches summed in bf16, the loss on bf16 logits, RMSNorm statistics in fp16, a clip of
     one's own whose fp16 norm overflowed and zeroed every grad, an lr jump that an fp16 forward
-    overflow followed: the report
+    overflow followed, a RoPE buffer rounded to bf16: the report
     leads with the catalogue's diagnosis of each (its verdict, lead check, and where it names one,
     the dtype-contract role or the origin), under fully_shard and torch FSDP2."""
     pattern = CATALOGUE[name]

@@ -176,6 +176,10 @@ def test_a_planted_fault_is_reported_where_and_when_it_began(dist_pool, tmp_path
     assert all(n == 1 for n in counts.values()), f"{kind}, {fault}: origin events per rank {counts}, want 1 each"
     if fault == "weight_write":
         assert origin["ranks"] == [0], f"{kind}: the write was on rank 0's shard only, got ranks {origin['ranks']}"
+        # The forward ran on the weight written (gathered from the main weights), so the step's
+        # grads held NaN and its update spread it over the parameter: the count says so.
+        want = "which spread it"
+        assert want in origin["detail"], f"{kind}: want the elements counted ({want!r}): {origin['detail']!r}"
 
 
 @pytest.mark.parametrize("kind", KINDS)
