@@ -19,6 +19,7 @@ around the measured code, read after synchronizing; on the CPU, ``time.perf_coun
 Usage::
 
     python -m benchmarks.telemetry_overhead [--steps 12] [--tiny-steps 400] [--device cuda] [--json out.json]
+        [--settings off,on,diagnostics,attribution]
 
 ``run()`` measures in the calling process (on its process group, or a world-size-1 one).
 """
@@ -191,15 +192,21 @@ def _report(results: dict[str, Any]) -> None:
         f"  of which optimizer.step(): off {large['optimizer_step_s_off'] * 1e3:.2f} ms, "
         f"on {large['optimizer_step_s_on'] * 1e3:.2f} ms, ratio {large['optimizer_step_ratio_on_off']:.4f}"
     )
+    for setting in ("diagnostics", "attribution"):
+        if f"ratio_{setting}_off" in large:
+            print(f"  step time, {setting:11}: {large[f'step_s_{setting}'] * 1e3:9.2f} ms (median), "
+                  f"{setting} / off {large[f'ratio_{setting}_off']:.4f}")  # fmt: skip
+    if "ratio_attribution_diagnostics" in large:
+        print(f"  attribution / diagnostics: {large['ratio_attribution_diagnostics']:.4f}")
     print(f"tiny model: {tiny['params']} parameters, SGD optimizer.step() alone, {tiny['steps']} steps each")
     print(f"  step, telemetry off: {tiny['step_s_off'] * 1e6:9.1f} us (median)")
     print(f"  step, telemetry on : {tiny['step_s_on'] * 1e6:9.1f} us (median)")
     print(f"  fixed cost per step: {tiny['fixed_cost_s'] * 1e6:9.1f} us")
 
 
-def bench(steps: int, tiny_steps: int, warmup: int, json_path: str | None) -> None:
+def bench(steps: int, tiny_steps: int, warmup: int, json_path: str | None, settings: tuple[str, ...]) -> None:
     """One rank's part of the command line run: measure, print on rank 0, write the JSON."""
-    results = run(steps, tiny_steps, warmup)
+    results = run(steps, tiny_steps, warmup, settings=settings)
     if dist.get_rank() != 0:
         return
     _report(results)
@@ -215,8 +222,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
+    parser.add_argument(
+        "--settings", default="off,on",
+        help=f"comma-separated, of {', '.join(SETTINGS)}; off first (case 5 of the suite runs them all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    run_ranks(bench, args.world_size, args.steps, args.tiny_steps, args.warmup, args.json, device=args.device)
+    settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
+    if not settings or settings[0] != "off" or "on" not in settings or any(s not in SETTINGS for s in settings):
+        parser.error(f"--settings {args.settings!r}: want off first, then on and any of {', '.join(SETTINGS)}")
+    run_ranks(bench, args.world_size, args.steps, args.tiny_steps, args.warmup, args.json, settings,
+              device=args.device)  # fmt: skip
 
 
 if __name__ == "__main__":
