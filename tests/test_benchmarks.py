@@ -70,3 +70,14 @@ def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
         run = _suite("--device", "cuda", "--case", "1")
         assert run.returncode == 2, f"--device cuda without CUDA: exit {run.returncode}"
         assert "torch sees no CUDA device" in run.stderr, run.stderr
+
+
+def test_telemetry_overhead_refuses_settings_it_cannot_pair() -> None:
+    """Case 5's settings from the command line: ratios are against ``off``, so it comes first."""
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.telemetry_overhead", "--settings", "on,attribution"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, f"--settings on,attribution: exit {run.returncode}\n{run.stderr[-2000:]}"
+    want = "want off first, then on and any of off, on, diagnostics, attribution"
+    assert want in run.stderr, run.stderr
