@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -28,6 +29,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -78,6 +80,7 @@ class ScenarioRun:
     service_names: list[str] = field(default_factory=list)
     fired: list[Fired] = field(default_factory=list)
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -85,14 +88,28 @@ class ScenarioRun:
         return self.expected in names if self.expected else not names
 
 
-def _free_ports(count: int, taken: set[int]) -> list[int]:
-    """``count`` consecutive free loopback ports (a rank r serves on base + r), none of them in
-    ``taken``, which they are added to: a port is free again once probed, and the system hands
-    the same one out twice; two jobs scraping one endpoint would see each other's alerts."""
+# Ports the demo's ranks serve on are drawn below the range the system hands out on its own
+# (connect()'s local ports, bind to port 0): Prometheus's scrape connections and gloo's connections
+# take ports from that range, and one taken between the draw and the run would leave a rank without
+# an endpoint. Linux says where the range starts; elsewhere it is 49152 (IANA's).
+PORT_POOL_START = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def _free_ports(count: int, taken: set[int], choose: Callable[[int, int], int] = random.randrange) -> list[int]:
+    """``count`` consecutive free loopback ports (a rank r serves on base + r) below the system's
+    ephemeral range, none of them in ``taken``, which they are added to: a port is free again
+    once probed, and two jobs scraping one endpoint would see each other's alerts."""
+    end = _ephemeral_start() - count
     for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
+        base = choose(PORT_POOL_START, end) if end > PORT_POOL_START else _any_free_port()
         if base + count > 65535 or taken.intersection(range(base, base + count)):
             continue
         sockets = []
@@ -109,6 +126,12 @@ def _free_ports(count: int, taken: set[int]) -> list[int]:
             for s in sockets:
                 s.close()
     raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def _any_free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _get(url: str) -> Any:
@@ -247,6 +270,8 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
         assert process.stderr is not None
         for line in process.stderr:
             stderr.append(line)
+            if "fsdp_patch telemetry" in line and ("cannot" in line or "warning" in line.lower()):
+                result.warnings.append(line.strip())
             # Several ranks write to one pipe: read every endpoint a line holds, not one per line.
             result.endpoints.extend(_ENDPOINT.findall(line))
 
@@ -315,6 +340,7 @@ def describe(run: ScenarioRun) -> list[str]:
     lines.append(
         f"  endpoints: {', '.join(run.endpoints) or 'none printed'}; service {', '.join(run.service_names) or '?'}"
     )
+    lines.extend(f"  the demo warned: {warning}" for warning in run.warnings)
     return lines
 
 

@@ -63,7 +63,8 @@ class ZeroedSeen:
     ranks: set[int] = field(default_factory=set)
 
 
-# Stages an lr cannot cause: writes from outside the optimizer, and grads changed before it ran.
+# Stages an lr cannot cause: writes from outside the optimizer, and grads changed before it ran
+# (nor can a batch that held NaN/Inf before any module ran).
 _NOT_FROM_LR = (semconv.ORIGIN_WEIGHT_WRITE, semconv.ORIGIN_GRAD_WRITE)
 
 
@@ -176,7 +177,7 @@ class OriginTrace:
     def lr_jump_before(self, origin: OriginSeen) -> LrJump | None:
         """The largest lr jump a NaN/Inf that began at ``origin`` followed: at most LR_JUMP_WINDOW
         iterations before it (the same step for the optimizer's own update)."""
-        if origin.stage in _NOT_FROM_LR:
+        if origin.stage in _NOT_FROM_LR or _is_model_input(origin):
             return None
         earliest = origin.step - LR_JUMP_WINDOW
         latest = origin.step if origin.stage == semconv.ORIGIN_OPTIMIZER else origin.step - 1

@@ -318,13 +318,16 @@ def test_an_lr_jump_that_a_nan_followed_leads_the_report(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("case", "origin"),
     [("too late", _origin_event(7, "forward", "blocks.0")), ("a write", _origin_event(4, "weight_write", "w")),
-     ("before it", _origin_event(2, "forward", "blocks.0"))],
+     ("before it", _origin_event(2, "forward", "blocks.0")),
+     ("the batch", (_origin_event(4, "forward", "")[0], {**_origin_event(4, "forward", "")[1],
+                                                          "fsdp.origin.detail": "the model's input (the batch) already held it"}))],
 )  # fmt: skip
 def test_an_lr_jump_is_no_finding_unless_a_nan_of_the_update_follows_it(
     tmp_path: Path, case: str, origin: tuple[str, dict]
 ) -> None:
     """A jump (a restart of a schedule) with no NaN/Inf within 3 iterations after it, or followed by a
-    weight written from outside the optimizer, or after the NaN began: the origin leads alone."""
+    weight written from outside the optimizer or a batch that held NaN, or after the NaN began:
+    the origin leads alone."""
     _write_iterations(tmp_path, {r: _steps(9) for r in (0, 1)}, {3: [JUMP], origin[1]["fsdp.step"] + 1: [origin]})
     report = precision_report.report_json(str(tmp_path))
     got = [f["check"] for f in report["findings"]]
