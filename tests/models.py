@@ -52,6 +52,16 @@ def shard_model(model: nn.Module, **kwargs) -> nn.Module:
     return model
 
 
+def fsdp2_shard_model(model: nn.Module, **kwargs) -> nn.Module:
+    """Applies torch FSDP2's fully_shard the same way: each block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
 def rank_slice(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     per = tokens.shape[0] // world_size
     return tokens[rank * per : (rank + 1) * per]

@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -319,22 +320,12 @@ class Plant:
 
 
 @contextlib.contextmanager
-def environment(**values: str | None) -> Iterator[None]:
-    """Sets (``None``: unsets) environment variables for a block, then puts them back."""
-    saved = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
-        if value is None:
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """The variables of ``values`` set (``None``: unset) for a block; every variable as it was after."""
+    with mock.patch.dict(os.environ, {k: v for k, v in values.items() if v is not None}):
+        for key in [k for k, v in values.items() if v is None]:
             os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _shard(model: TinyLM, kind: str, settings: Settings) -> None:
@@ -413,7 +404,7 @@ def train_on_rank(
     ctx = Context(kind, rank, world, settings)
     losses: list[float] = []
     scales: list[float] = []
-    with environment(**telemetry_environment(trace_dir, precision_every)):
+    with environment(telemetry_environment(trace_dir, precision_every)):
         torch.manual_seed(settings.seed)
         model = TinyLM(settings)
         plant.before_shard(ctx, model)

@@ -82,6 +82,7 @@ class IterationWatch:
         self._buffers_audited = False
         self._audited_state: Any = None
         self._rates: list[float | None] = []
+        self._step_groups: list[CheckedGroup] = []  # the running step's, from begin_step to end_step
         self.watches: list[ModelWatch] = []
         if sdk_disabled:
             self._unregister = None
@@ -148,7 +149,7 @@ class IterationWatch:
         self._watch_learning_rates(step, span, rank)
         if not self.watches:
             return
-        checked = self._checked_groups()
+        checked = self._step_groups = self._checked_groups()
         self._audit_model(step, span)
         for watch in self.watches:
             watch.check_step_begin(checked)
@@ -176,8 +177,9 @@ class IterationWatch:
         """At the end of the step: the main weights after the update; the iteration closed."""
         if not self.watches:
             return
+        checked, self._step_groups = self._step_groups, []
         if completed:
-            checked = self._checked_groups()
+            # The tensors begin_step found: the update writes into them and re-makes none.
             for watch in self.watches:
                 watch.check_step_end(checked)
             microbatches = max(w.backward_count for w in self.watches)

@@ -23,14 +23,11 @@ PLANTED_STEP = 2
 
 
 def fsdp2_model(seed: int = 0) -> torch.nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = models.make_model(seed)  # fp32 parameters: FSDP2 keeps them as the optimizer's main weights
     policy = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return model
+    return models.fsdp2_shard_model(model, mp_policy=policy)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +188,6 @@ def fsdp2_dtype_audit() -> dict[str, Any]:
     bf16 ``exp_avg_sq`` on another; ``bf16_weights``: FSDP2 over a bf16 model, every main weight
     bf16 (grads and state follow their parameters' dtype)."""
     from fsdp_patch.telemetry.diagnostics.dtype_contract import audit_dtypes
-    from torch.distributed.fsdp import fully_shard
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tokens = models.rank_slice(models.make_batches(1)[0], rank, world_size)
@@ -219,10 +215,7 @@ def fsdp2_dtype_audit() -> dict[str, Any]:
     state = optimizer.state[named["head.weight"]]
     state["exp_avg_sq"] = state["exp_avg_sq"].to(torch.bfloat16)
     found["planted"] = audit(optimizer)
-    model = models.make_model(0).bfloat16()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = models.fsdp2_shard_model(models.make_model(0).bfloat16())
     found["bf16_weights"] = audit(stepped(model))
     found["names"] = [name for name, _ in model.named_parameters()]
     return found

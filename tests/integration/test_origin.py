@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_patch.demo.train import _NaNInBackward  # the demo's backward-nan plant
 from tests import models
 from tests.integration.otel_training import environment, reset_otel
 
@@ -43,27 +44,12 @@ def _shard(model: torch.nn.Module, kind: str, **policy: Any) -> torch.nn.Module:
 
         return models.shard_model(model, mp_policy=MixedPrecisionPolicy(**policy))
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
-    from torch.distributed.fsdp import fully_shard
 
-    mp_policy = FSDP2Policy(**policy)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
-    return model
+    return models.fsdp2_shard_model(model, mp_policy=FSDP2Policy(**policy))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-class _NaNInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * math.nan
 
 
 def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[str, Any]:
