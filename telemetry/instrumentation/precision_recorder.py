@@ -31,6 +31,13 @@ from .instruments import AttributeCache, dtype_name
 _logger = logging.getLogger(__name__)
 
 
+def _in_one_two_five_series(step_number: int) -> bool:
+    """Whether ``step_number`` is 1, 2 or 5 times a power of ten."""
+    while step_number % 10 == 0:
+        step_number //= 10
+    return step_number in (1, 2, 5)
+
+
 class PrecisionRecorder:
     """When the diagnostics run for one optimizer, their computation and their record.
 
@@ -51,7 +58,9 @@ class PrecisionRecorder:
         compute_dtype = env.compute_dtype()
         self._default_compute_dtype = getattr(torch, compute_dtype) if compute_dtype else None
         top_k = env.precision_top_k()
-        self._attribution = attribution.Attribution(top_k, env.precision_window()) if top_k else None
+        window = env.precision_window()
+        self._attribution = attribution.Attribution(top_k, window) if top_k else None
+        self._early_steps = window
         self._state_tensors = optimizer_state.StateTensors()
         self._unit_detail = env.precision_detail() == semconv.DETAIL_UNIT
         self._warn = warn
@@ -92,13 +101,22 @@ class PrecisionRecorder:
         }
 
     def due(self, step_number: int) -> bool:
-        """Whether step ``step_number`` runs the diagnostics: step 1, then every N-th step.
+        """Whether step ``step_number`` runs the diagnostics (the schedule of ``telemetry/README.md``).
 
-        Step 1 is included so that short runs report once and the snapshot's memory peak shows
-        at the start of a run rather than hours in. Depends only on the environment and the
+        Dense where set-up bugs show, sparse in the steady state: steps 1 to W, W the window of
+        diagnosed steps in a row that names a stuck or unstepped parameter
+        (``FSDP_PATCH_PRECISION_WINDOW``, 3), so that one stuck from the start is named at step W;
+        then the steps of the 1-2-5 series below the interval N (5, 10, 20, 50 for N = 100); then
+        every N-th step. A run of 20 steps is diagnosed on 6 of them; past step N the schedule is
+        every N-th step alone, the cost the interval sets. Step 1 also shows the snapshot's memory
+        peak at the start of a run rather than hours in. Depends only on the environment and the
         step number, so every rank agrees (the diagnostics run a collective).
         """
-        return self.every > 0 and (step_number == 1 or step_number % self.every == 0)
+        if self.every <= 0:
+            return False
+        if step_number <= self._early_steps or step_number % self.every == 0:
+            return True
+        return step_number < self.every and _in_one_two_five_series(step_number)
 
     def begin(self, groups: Sequence[Any]) -> PrecisionSnapshot:
         """Copy the weights before the inner step.

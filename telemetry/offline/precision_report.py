@@ -410,8 +410,8 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
             out.append("  no precision diagnostics: they run at optimizer steps, and no step ran")
         else:
             out.append(
-                "  no precision diagnostics in these traces: they run on step 1 and every FSDP_PATCH_PRECISION_EVERY "
-                "steps (0 turns them off), and need telemetry on (FSDP_PATCH_TELEMETRY=1) with a traced rank."
+                "  no precision diagnostics in these traces: they run on steps 1-3, 5, 10, 20, 50 and every "
+                "FSDP_PATCH_PRECISION_EVERY steps (0 turns them off), and need telemetry on (FSDP_PATCH_TELEMETRY=1) with a traced rank."
             )
         if not ordered:
             return "\n".join(out) + "\n"

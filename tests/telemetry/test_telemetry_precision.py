@@ -208,14 +208,30 @@ def test_observer_records_the_diagnostics(otel, make_observer, monkeypatch):
     assert point_value(points, semconv.METRIC_LOST_RATIO) == pytest.approx(reference["lost_ratio"])
 
 
-@pytest.mark.parametrize(("every", "due_steps"), [("1", [1, 2, 3, 4, 5, 6]), ("3", [1, 3, 6]), ("0", []), (None, [1])])
-def test_precision_schedule(make_observer, monkeypatch, every, due_steps):
+@pytest.mark.parametrize(
+    ("every", "window", "due_steps"),
+    [
+        ("1", None, list(range(1, 121))),
+        ("3", None, [s for s in range(1, 121) if s % 3 == 0 or s < 3]),
+        ("0", None, []),
+        # the default: steps 1 to 3, then 5, 10, 20, 50 (the 1-2-5 series below 100), then every 100th
+        (None, None, [1, 2, 3, 5, 10, 20, 50, 100]),
+        ("7", None, [1, 2, 3, 5, 7, 14, 21, 28, 35, 42, 49, 56, 63, 70, 77, 84, 91, 98, 105, 112, 119]),
+        # a longer window: a parameter stuck from the start is still named at its end
+        ("100", "5", [1, 2, 3, 4, 5, 10, 20, 50, 100]),
+    ],
+)
+def test_precision_schedule(make_observer, monkeypatch, every, window, due_steps):
     if every is not None:
         monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", every)
+    if window is not None:
+        monkeypatch.setenv("FSDP_PATCH_PRECISION_WINDOW", window)
     observer = make_observer()
-    assert [s for s in range(1, 7) if observer.precision_due(s)] == due_steps
+    got = [s for s in range(1, 121) if observer.precision_due(s)]
+    assert got == due_steps, f"every={every} window={window}: want diagnosed steps {due_steps}, got {got}"
     if every is None:
-        assert observer.precision_due(100) and observer.precision_due(200) and not observer.precision_due(150)
+        steady = [s for s in range(101, 1001) if observer.precision_due(s)]
+        assert steady == list(range(200, 1001, 100)), f"past step 100 want every 100th step, got {steady}"
 
 
 def test_sdk_disabled_turns_diagnostics_off(make_observer, monkeypatch):

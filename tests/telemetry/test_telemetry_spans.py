@@ -27,6 +27,7 @@ def by_name(spans):
 
 def test_step_span_tree_and_attributes(otel, make_observer, monkeypatch):
     monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", "2")
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_WINDOW", "2")  # the dense start: steps 1 and 2
     observer = make_observer(precision_aware=True)
     group = small_group()
     tracer = otel.tracer_provider.get_tracer("training-loop")
@@ -54,9 +55,10 @@ def test_step_span_tree_and_attributes(otel, make_observer, monkeypatch):
     for phase in PHASES:
         children = spans[phase]
         assert sorted(step_ids[c.parent.span_id] for c in children) == [1, 2, 3]
-    # precision every 2 steps: step 1 (always) and step 2, not step 3
+    # precision every 2 steps, with FSDP_PATCH_PRECISION_WINDOW=2 (below): steps 1 and 2, not step 3
     precision = spans[semconv.SPAN_PRECISION]
-    assert sorted(step_ids[c.parent.span_id] for c in precision) == [1, 2]
+    got = sorted(step_ids[c.parent.span_id] for c in precision)
+    assert got == [1, 2], f"want precision spans under steps [1, 2], got {got}"
     assert semconv.METRIC_LOST_RATIO in precision[0].attributes
     # children nest inside their parent's time range, and in call order
     for step in steps:
