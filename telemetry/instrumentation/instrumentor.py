@@ -15,14 +15,17 @@ While instrumented:
 * every optimizer constructed over parameters that ``fsdp_patch.fully_shard`` or torch FSDP2
   manage is adapted by the instrumentor itself (no code change), when its construction ends:
   the first point where its parameters are known and, unlike a global step pre-hook, one that
-  lets the adaptation enclose its first step. A later ``fully_shard_optimizer`` call with other
+  lets the adaptation enclose its first step. One given such parameters later (HF Accelerate
+  swaps the sharded parameters into its param groups; ``add_param_group``) is adapted before
+  the first backward that follows, and one that steps parameters sharding replaced is warned
+  about (:mod:`.late_adaptation`). A later ``fully_shard_optimizer`` call with other
   settings (``precision_aware=True``) replaces that adaptation;
 * optimizers adapted while telemetry was off (before instrumenting, or since uninstrumenting)
   report to telemetry from their next step on.
 
 ``uninstrument()`` turns telemetry off on every adapted optimizer (the adaptation keeps
 working: grads are still cast and compute weights refreshed), removes the wrapper on
-``torch.optim.Optimizer.__init__``, and shuts down the embedded default providers, taking their
+``torch.optim.Optimizer.__init__`` (and the watch of pending optimizers), and shuts down the embedded default providers, taking their
 ``atexit`` hook, the ``destroy_process_group`` wrapper and the logging filters with them.
 """
 
@@ -42,6 +45,7 @@ from fsdp_patch.sharding import parameter_group_of
 
 from ..export import providers
 from . import activation
+from .late_adaptation import PendingOptimizers
 
 __all__ = ["FSDPOptimizerInstrumentor"]
 
@@ -60,17 +64,29 @@ def fsdp_managed(optimizer: torch.optim.Optimizer) -> bool:
     return any(parameter_group_of(p) is not None for p in params) or bool(fsdp2_groups(params))
 
 
+def _adapt(optimizer: torch.optim.Optimizer) -> None:
+    if adaptation_of(optimizer) is None:
+        adapt_optimizer(
+            optimizer,
+            precision_aware=False,
+            observer_factory=lambda: activation.observer_for(optimizer, precision_aware=False),
+            implicit=True,
+        )
+
+
+# Optimizers built over no FSDP-managed parameter yet, adapted once they hold some (HF Accelerate).
+_pending = PendingOptimizers(fsdp_managed, _adapt)
+
+
 def _adapt_after_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     if activation.instrumented is None:  # uninstrumented while another wrapper kept ours in place
         return result
-    if isinstance(instance, torch.optim.Optimizer) and adaptation_of(instance) is None and fsdp_managed(instance):
-        adapt_optimizer(
-            instance,
-            precision_aware=False,
-            observer_factory=lambda: activation.observer_for(instance, precision_aware=False),
-            implicit=True,
-        )
+    if isinstance(instance, torch.optim.Optimizer) and adaptation_of(instance) is None:
+        if fsdp_managed(instance):
+            _adapt(instance)
+        else:
+            _pending.add(instance)
     return result
 
 
@@ -109,6 +125,7 @@ class FSDPOptimizerInstrumentor(BaseInstrumentor):
                 "leaving that wrapper (ours inside it no longer adapts optimizers)."
             )
         activation.instrumented = None
+        _pending.close()
         for _, adaptation in adaptations():
             observer = adaptation.observer
             if not isinstance(observer, NullObserver):

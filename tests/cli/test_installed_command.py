@@ -18,7 +18,6 @@ session, ten demo runs and eleven other runs of the command, all in the first te
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +27,11 @@ import pytest
 import torch
 
 from fsdp_patch.demo.scenarios import SCENARIOS
+from tests.package_source import copy_package_source
 
 # The session's runs happen in the first test's setup, which the default per-test timeout counts.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
-REPO = Path(__file__).resolve().parents[2]
-# What `pip install .` needs from a checkout: the metadata and the two package folders.
-PACKAGE_FILES = ("pyproject.toml", "README.md", "fsdp_patch", "telemetry")
 TIMEOUT_S = 300
 
 
@@ -51,14 +48,7 @@ def _run(args: list[str], cwd: Path, check: bool = True) -> subprocess.Completed
 def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A new virtual environment holding torch==2.13.0 and ``pip install`` of this checkout's package."""
     root = tmp_path_factory.mktemp("fresh_venv")
-    source = root / "source"
-    source.mkdir()
-    for name in PACKAGE_FILES:
-        path = REPO / name
-        if path.is_dir():
-            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy2(path, source / name)
+    source = copy_package_source(root / "source")
     venv = root / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=root)
     python = str(venv / "bin" / "python")

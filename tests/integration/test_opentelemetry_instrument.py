@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from fsdp_patch.telemetry import semconv
+
+from tests.package_source import copy_package_source
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -91,12 +92,7 @@ def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     if direct_url.get("url") == REPO.as_uri() and seen.get("entry_points") == ["fsdp_patch"]:
         return ""
     target, source = tmp_path_factory.mktemp("installed"), tmp_path_factory.mktemp("source")
-    # Built from a copy of what `pip install .` reads, so that the build leaves nothing in the checkout.
-    for name in ("pyproject.toml", "README.md", "fsdp_patch", "telemetry"):
-        if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(REPO / name, source / name)
+    copy_package_source(source)  # built from a copy: the build leaves nothing in the checkout
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300, check=False,

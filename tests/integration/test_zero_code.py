@@ -1,0 +1,104 @@
+"""``FSDP_PATCH_TELEMETRY=1`` alone instruments the scripts users train with, under torchrun on 2 ranks.
+
+Each script of ``tests/integration/zero_code/`` (a plain torch FSDP2 script, a ``fully_shard``
+script, HF Accelerate's FSDP2 preparation, the HF Trainer, Lightning's ``ModelParallelStrategy``)
+holds no line of telemetry and plants a learning rate of 1e-9 on one parameter. Run once with the
+variable set and once without: with it, both ranks write trace files and the report names the
+planted parameter, by the name the script's own model gives it; the losses of every step equal
+the run without it, bitwise; the launcher prints no summary of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.zero_code import common
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).resolve().parent / "zero_code"
+CLIENTS = ("fsdp2", "fully_shard", "accelerate", "trainer", "lightning")
+TIMEOUT_S = 600
+
+
+def _planted(client: str) -> str:
+    for line in (SCRIPTS / f"{client}_script.py").read_text().splitlines():
+        if line.startswith("PLANTED = "):
+            return line.split("=", 1)[1].strip().strip('"')
+    raise AssertionError(f"{client}_script.py names no PLANTED parameter")
+
+
+def _run(client: str, telemetry: bool, cwd: Path) -> dict:
+    """One torchrun of the client's script: each rank's losses, and the output."""
+    cwd.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_"))}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if telemetry:
+        env["FSDP_PATCH_TELEMETRY"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={common.WORLD}",
+               str(SCRIPTS / f"{client}_script.py")]  # fmt: skip
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{client} (telemetry {telemetry}) exited {result.returncode}:\n{output[-5000:]}"
+    losses = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("LOSSES "):
+            _, rank, values = line.split(" ", 2)
+            losses[int(rank)] = json.loads(values)
+    assert sorted(losses) == list(range(common.WORLD)), (
+        f"{client}: want losses of ranks 0, 1, got {losses}:\n{output[-3000:]}"
+    )
+    return {"losses": losses, "output": output, "cwd": cwd}
+
+
+@pytest.fixture(scope="module", params=CLIENTS)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    client = request.param
+    root = tmp_path_factory.mktemp(client)
+    return {"client": client, "on": _run(client, True, root / "on"), "off": _run(client, False, root / "off")}
+
+
+def test_losses_equal_the_run_without_telemetry_bitwise(runs: dict) -> None:
+    on, off = runs["on"]["losses"], runs["off"]["losses"]
+    assert on == off, f"{runs['client']}: losses with FSDP_PATCH_TELEMETRY=1 {on} differ from without {off}"
+    steps = {rank: len(values) for rank, values in on.items()}
+    assert steps == {rank: common.STEPS for rank in range(common.WORLD)}, (
+        f"want {common.STEPS} steps per rank, got {steps}"
+    )
+
+
+def test_both_ranks_write_trace_files_and_nothing_without_the_variable(runs: dict) -> None:
+    traces = runs["on"]["cwd"] / "fsdp_patch_traces"
+    got = sorted(p.name for p in traces.glob("rank*.trace.json")) if traces.is_dir() else []
+    assert got == ["rank0.trace.json", "rank1.trace.json"], f"{runs['client']}: want both ranks' trace files, got {got}"
+    assert not (runs["off"]["cwd"] / "fsdp_patch_traces").exists(), "a run without the variable wrote trace files"
+    assert "fsdp_patch" not in runs["off"]["output"], (
+        f"without the variable fsdp_patch said:\n{runs['off']['output'][-2000:]}"
+    )
+
+
+def test_the_launcher_prints_no_summary_of_its_own(runs: dict) -> None:
+    summaries = [line for line in runs["on"]["output"].splitlines() if "fsdp_patch telemetry summary" in line]
+    want = [f"fsdp_patch telemetry summary: rank 0 of {common.WORLD} (service fsdp_patch)"]
+    assert summaries == want, f"{runs['client']}: want rank 0's summary only, got {summaries}"
+
+
+def test_the_report_names_the_planted_parameter_as_the_script_names_it(runs: dict) -> None:
+    traces = runs["on"]["cwd"] / "fsdp_patch_traces"
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdp_patch", "report", "--json", str(traces)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, f"report exited {result.returncode}:\n{result.stderr[-2000:]}"
+    report = json.loads(result.stdout)
+    stuck = [f for f in report["findings"] if f["check"] == "stuck_weights"]
+    named = sorted({p["param"] for f in stuck for p in f["parameters"]})
+    want = _planted(runs["client"])
+    assert named == [want], f"{runs['client']}: want the stuck-weights finding to name [{want!r}], got {named}"
+    assert stuck[0]["first_step"] == 3, f"want it found at step 3 (the dense start of the schedule), got {stuck[0]}"
