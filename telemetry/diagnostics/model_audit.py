@@ -168,6 +168,9 @@ class NormStatistics:
             self.remove()
 
     def _enter(self, name: str, module: nn.Module, args: Any) -> None:
+        if self.done:
+            self.remove()  # a pre-hook of a module, not the root's post-hooks: safe to remove now
+            return
         if not torch.is_grad_enabled():
             return
         mode = _Reductions(functools.partial(self._seen, name))
@@ -175,6 +178,8 @@ class NormStatistics:
         self._active.append((name, mode))
 
     def _exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self.done:
+            return
         if self._active and self._active[-1][0] == name:
             _, mode = self._active.pop()
             mode.__exit__(None, None, None)
@@ -191,16 +196,23 @@ class NormStatistics:
         ))  # fmt: skip
 
     def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Runs inside the root's forward hooks, also when the forward raised: torch then iterates
+        # over the root's hook dict itself, so removing a hook here would replace the user's error
+        # with "OrderedDict mutated during iteration". The hooks go inert now and are removed by
+        # the next _enter (or remove()), outside any iteration over the root's hooks.
         if torch.is_grad_enabled():
-            self.remove()
+            self._finish()
 
-    def remove(self) -> None:
+    def _finish(self) -> None:
         while self._active:
             self._active.pop()[1].__exit__(None, None, None)
+        self.done = True
+
+    def remove(self) -> None:
+        self._finish()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.done = True
 
 
 # -- what the optimizer's groups say -----------------------------------------------------------------

@@ -239,6 +239,7 @@ class IterationWatch:
                 findings.append(watch.loss_finding)
             if watch.norms.done:
                 findings.extend(watch.norms.findings)
+                watch.norms.remove()  # its inert hooks, outside any forward
         self._buffers_audited = True
         optimizer = self._optimizer_ref()
         rebuilt = None

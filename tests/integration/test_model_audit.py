@@ -162,3 +162,52 @@ def test_a_model_that_keeps_them_in_float32_names_none(dist_pool, tmp_path, kind
     roles = {"buffer", "loss", "norm_statistics", "grad_accumulation"}
     named = sorted(key for key in found if key[0] in roles)
     assert named == [], f"{kind}: a float32 buffer, statistics, loss and accumulation were named: {named}"
+
+
+def failing_forward(kind: str, trace_dir: str) -> list[str]:
+    """The audit's first training forward raises (a batch of the wrong type): the error is the user's, and
+    the next forward trains. Returns what each attempt raised."""
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_SUMMARY": "none",
+                "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    raised = []
+    with environment(**settings):
+        reset_otel()
+        torch.manual_seed(0)
+        model = Model(upcast=False)
+        if kind == "fully_shard":
+            from fsdp_patch import fully_shard
+
+            model = model.bfloat16()
+        else:
+            from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fully_shard_optimizer(optimizer)
+        tokens = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(dist.get_rank()))
+        for batch in (tokens.tolist(), tokens):  # a list first: the embedding refuses it
+            try:
+                model(batch).float().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                raised.append("")
+            except Exception as exc:
+                raised.append(f"{type(exc).__name__}: {exc}")
+        from fsdp_patch import telemetry
+
+        telemetry.shutdown()
+        del optimizer, model
+        gc.collect()
+        reset_otel()
+    return raised
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_error_in_the_audited_forward_stays_the_users(dist_pool, tmp_path, kind) -> None:
+    for rank, raised in enumerate(dist_pool(2).run(failing_forward, kind, str(tmp_path / "traces"))):
+        assert len(raised) == 2 and raised[0].startswith("TypeError: embedding()") and raised[1] == "", (
+            f"rank {rank}: want the embedding's TypeError, then a step that trains; got {raised}"
+        )
