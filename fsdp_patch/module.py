@@ -100,6 +100,18 @@ def all_units() -> list[nn.Module]:
     return list(_UNITS)
 
 
+def replaced_by_sharding(param: torch.Tensor) -> str | None:
+    """What ``param`` was, if it is an original parameter that ``fully_shard`` (this package's, or
+    torch FSDP2's where its version tags originals) replaced by a sharded one; else ``None``."""
+    if param in _CONSUMED:
+        return str(_CONSUMED[param])
+    # torch FSDP2 (2.12 and newer) tags each original parameter with a uid when it shards it; its
+    # sharded parameters are DTensors.
+    if getattr(param, "_fsdp_orig_uid", None) is not None and not isinstance(param, DTensor):
+        return "an original parameter of a module torch FSDP2's fully_shard sharded"
+    return None
+
+
 def unit_module_of(group: ParameterGroup) -> nn.Module | None:
     """The module ``fully_shard`` made the unit holding ``group``."""
     ref = _UNIT_MODULE.get(group)

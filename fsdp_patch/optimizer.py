@@ -63,8 +63,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: 
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``precision_aware`` is
             not a bool, or a param group holds something that is not an ``nn.Parameter``.
             Nothing is changed then.
-        ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, or the optimizer is
-            already adapted with another ``precision_aware``.
+        ValueError: ``FSDP_PATCH_TELEMETRY`` has an unaccepted value, the optimizer is
+            already adapted with another ``precision_aware``, or it holds parameters that
+            ``fully_shard`` replaced (it was built before sharding).
     """
     source = registered_source()
     factory = source.observer_factory(optimizer, precision_aware) if source is not None else None

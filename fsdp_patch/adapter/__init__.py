@@ -8,6 +8,7 @@ import torch
 
 from .copying import CopySupport
 from .events import NullObserver, StepObserver
+from .replaced_params import refuse_replaced_parameters
 from .state_init import init_optimizer_state
 from .step_sequence import StepSequence
 from .wrapt_attachment import WraptAttachment
@@ -45,6 +46,7 @@ class Adaptation:
         # Made by the telemetry instrumentor rather than by a fully_shard_optimizer call: an
         # explicit call with other settings replaces it instead of failing.
         self.implicit = implicit
+        refuse_replaced_parameters(optimizer)  # before any change, as every check here
         self.sequence = StepSequence(optimizer, precision_aware)  # TypeError for a non-Parameter, before any change
         observer = NullObserver() if observer_factory is None else observer_factory()
         self.copy_support = CopySupport(optimizer)

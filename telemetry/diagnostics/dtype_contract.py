@@ -46,6 +46,7 @@ def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, st
     """``id(param) -> (name, unit)`` of every parameter of ``optimizer``: fully qualified names of
     ``fully_shard``'s and FSDP2's parameters, ``param_groups[g]['params'][i]`` for the others."""
     from fsdp_patch.fsdp2 import fsdp2_groups
+    from fsdp_patch.model_units import group_prefix, user_name
     from fsdp_patch.module import unit_name_of
     from fsdp_patch.sharding import parameter_group_of
 
@@ -55,14 +56,17 @@ def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, st
         for i, param in enumerate(group["params"]):
             owner = parameter_group_of(param)
             if owner is not None:
-                names[id(param)] = (owner.names[owner.index_of(param)], unit_name_of(owner))
+                prefix = group_prefix(owner)
+                names[id(param)] = (user_name(prefix, owner.names[owner.index_of(param)]),
+                                    user_name(prefix, unit_name_of(owner)))  # fmt: skip
             else:
                 names[id(param)] = (f"param_groups[{g}]['params'][{i}]", "")
                 plain.append(param)
     for fsdp2 in fsdp2_groups(plain):
+        prefix = group_prefix(fsdp2)
         for param, name in zip(fsdp2.members, fsdp2.names, strict=True):
             if id(param) in names:
-                names[id(param)] = (name, fsdp2.unit_name)
+                names[id(param)] = (user_name(prefix, name), user_name(prefix, fsdp2.unit_name))
     return names
 
 

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fsdp_patch.model_units import user_name
+
 from .. import semconv
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -53,10 +55,11 @@ class ModelFinding:
 # -- buffers -----------------------------------------------------------------------------------
 
 
-def low_precision_buffers(root: nn.Module) -> list[ModelFinding]:
-    """Floating buffers of ``root`` in bfloat16/float16 (``model.bfloat16()`` casts buffers too)."""
+def low_precision_buffers(root: nn.Module, prefix: str = "") -> list[ModelFinding]:
+    """Floating buffers of ``root`` in bfloat16/float16 (``model.bfloat16()`` casts buffers too),
+    named as the module holding ``root`` names them (``prefix``: :func:`fsdp_patch.model_units.holder_prefix`)."""
     found = []
-    for name, buffer in root.named_buffers():
+    for name, buffer in root.named_buffers(prefix=prefix[:-1]):
         if buffer is None or not buffer.is_floating_point() or buffer.dtype not in LOW_PRECISION:
             continue
         found.append(ModelFinding(
@@ -153,13 +156,13 @@ class NormStatistics:
     the hooks are gone.
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, prefix: str = "") -> None:
         self.findings: list[ModelFinding] = []
         self.done = False
         self._active: list[tuple[str, TorchFunctionMode]] = []
         self._named: set[str] = set()
         self._handles = []
-        modules = [(name, m) for name, m in root.named_modules() if _is_custom_norm(m)]
+        modules = [(user_name(prefix, name), m) for name, m in root.named_modules() if _is_custom_norm(m)]
         for name, module in modules:
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
             self._handles.append(module.register_forward_hook(functools.partial(self._exit, name), always_call=True))

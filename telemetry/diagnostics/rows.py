@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fsdp_patch.model_units import group_prefix, user_name
 from fsdp_patch.torch_compat import all_gather_flat
 
 from .groups import weights_of
@@ -133,26 +134,30 @@ def param_table(
     """
     table: list[ParamSlot] = []
     for g, group in enumerate(groups):
+        prefix = group_prefix(group)  # names as the module the user holds gives them
         w = weights_of(group, default_compute_dtype)
         dtype: torch.dtype | None = w.computes[0].dtype if w.computes is not None else w.compute_dtype
         if hasattr(group, "main_weights"):
             names = list(getattr(group, "names", None) or [f"group{g}.{i}" for i in range(len(w.mains))])
             unit = getattr(group, "unit_name", "")
             params = list(getattr(group, "members", None) or [None] * len(w.mains))
+            unit = user_name(prefix, unit)
             for i, main in enumerate(w.mains):
-                table.append(ParamSlot(names[i], unit, params[i], g, i, 0, main.numel(), dtype, main.dtype))
+                name = user_name(prefix, names[i])
+                table.append(ParamSlot(name, unit, params[i], g, i, 0, main.numel(), dtype, main.dtype))
             continue
         main = w.mains[0]
         layout = getattr(group, "layout", None)
         if layout is None or not per_parameter:
             names = getattr(group, "names", None) or [f"group{g}"]
-            unit = "" if layout is None else _unit_of_flat_group(group)
-            table.append(ParamSlot(names[0], unit, None, g, 0, 0, main.numel(), dtype, main.dtype))
+            unit = "" if layout is None else user_name(prefix, _unit_of_flat_group(group))
+            table.append(ParamSlot(user_name(prefix, names[0]), unit, None, g, 0, 0, main.numel(), dtype, main.dtype))
             continue
-        unit = _unit_of_flat_group(group)
+        unit = user_name(prefix, _unit_of_flat_group(group))
         params = getattr(group, "params", None) or [None] * len(layout.params)
         for i, p in enumerate(layout.params):
-            table.append(ParamSlot(group.names[i], unit, params[i], g, 0, p.offset, p.local_numel, dtype, main.dtype))
+            name = user_name(prefix, group.names[i])
+            table.append(ParamSlot(name, unit, params[i], g, 0, p.offset, p.local_numel, dtype, main.dtype))
     return table
 
 

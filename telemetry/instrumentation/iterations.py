@@ -29,7 +29,7 @@ from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
 from fsdp_patch.fsdp2 import fsdp2_groups
-from fsdp_patch.model_units import sharded_models
+from fsdp_patch.model_units import group_prefix, sharded_models, user_name
 from fsdp_patch.sharding import parameter_group_of
 
 from .. import env, semconv
@@ -46,11 +46,12 @@ from .model_watch import CheckedGroup, IterationCheck, ModelWatch, watch_optimiz
 
 
 def _group_name(group: Any) -> str:
+    """The group's unit as the module the user holds names it (as the model watch names units)."""
     if hasattr(group, "main_weights"):
-        return str(getattr(group, "unit_name", ""))
+        return user_name(group_prefix(group), str(getattr(group, "unit_name", "")))
     from fsdp_patch.module import unit_name_of
 
-    return unit_name_of(group)
+    return user_name(group_prefix(group), unit_name_of(group))
 
 
 class IterationWatch:
@@ -234,7 +235,7 @@ class IterationWatch:
         findings: list[ModelFinding] = []
         for watch in self.watches:
             if not self._buffers_audited and watch.root is not None:
-                findings.extend(low_precision_buffers(watch.root))
+                findings.extend(low_precision_buffers(watch.root, watch.prefix))
             if watch.loss_finding is not None:
                 findings.append(watch.loss_finding)
             if watch.norms.done:

@@ -104,7 +104,10 @@ class PendingOptimizers:
                 )
 
     def _before_backward(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._backward is None or not self._pending:
+        if self._backward is None:  # uninstalled while another wrapper kept ours in place
+            return wrapped(*args, **kwargs)
+        if not self._pending:  # the last one ended its watch at a step: nothing left to watch
+            self._uninstall()
             return wrapped(*args, **kwargs)
         ready = [optimizer for optimizer in list(self._pending) if self._managed(optimizer)]
         for optimizer in ready:
@@ -113,8 +116,10 @@ class PendingOptimizers:
             self._uninstall()  # before adapting: the adapted optimizer's own backward wrapper goes on torch's
         for optimizer in ready:
             self._adapt(optimizer)
+        if self._backward is not None or not ready:
+            return wrapped(*args, **kwargs)
         # Through the attribute, not `wrapped`: this backward already passes the wrappers the
-        # adaptation just installed (its loss and grads are checked).
+        # adaptation just installed (its loss and grads are checked); ours is no longer there.
         return torch.autograd.backward(*args, **kwargs)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import wrapt
 from torch import nn
 
-from fsdp_patch.model_units import ShardedModel
+from fsdp_patch.model_units import ShardedModel, user_name
 from fsdp_patch.sharding.parameter_group import REDUCE_COPIED, REDUCE_INPUT
 
 from .. import semconv
@@ -88,12 +88,13 @@ class ModuleChecks:
     Backward: the first module whose input grad is not finite while its output grad was.
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, prefix: str = "") -> None:
         self.forward: Origin | None = None
         self.backward: Origin | None = None
         self._output_grad_finite: dict[str, bool] = {}
         self._handles = []
         for name, module in root.named_modules():
+            name = user_name(prefix, name)
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._inputs, name)))
             self._handles.append(module.register_forward_hook(functools.partial(self._outputs, name)))
 
@@ -209,6 +210,7 @@ class ModelWatch:
 
     def __init__(self, model: ShardedModel, process_group: Any) -> None:
         self._root_ref = weakref.ref(model.root)
+        self.prefix = model.prefix
         self._process_group = process_group
         self.log = ProbeLog()
         self.backward_count = 0
@@ -217,7 +219,7 @@ class ModelWatch:
         self.backward_listeners: list[Callable[[], None]] = []
         self.modules: ModuleChecks | None = None
         # Checked once: the first training forward's normalization statistics, the first loss.
-        self.norms = NormStatistics(model.root)
+        self.norms = NormStatistics(model.root, model.prefix)
         self.loss_finding: ModelFinding | None = None
         self._loss_checked = False
         self._pending: _Pending | None = None
@@ -232,6 +234,7 @@ class ModelWatch:
         self._handles.append(model.root.register_forward_pre_hook(self._model_input))
         fsdp2_units: list[tuple[str, Any]] = []
         for name, unit in model.units:
+            name = user_name(model.prefix, name)
             self._handles.append(unit.register_forward_hook(functools.partial(self._unit_output, name)))
             state = getattr(unit, "_fsdp_state", None)
             for group in getattr(state, "groups", ()) or ():
@@ -466,7 +469,7 @@ class ModelWatch:
         """Module-level checks from the next forward on."""
         root = self.root
         if self.modules is None and root is not None:
-            self.modules = ModuleChecks(root)
+            self.modules = ModuleChecks(root, self.prefix)
 
     def de_escalate(self) -> None:
         if self.modules is not None:

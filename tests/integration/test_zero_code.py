@@ -46,11 +46,7 @@ def _run(client: str, telemetry: bool, cwd: Path) -> dict:
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{client} (telemetry {telemetry}) exited {result.returncode}:\n{output[-5000:]}"
-    losses = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("LOSSES "):
-            _, rank, values = line.split(" ", 2)
-            losses[int(rank)] = json.loads(values)
+    losses = {int(p.name.split(".")[1][4:]): json.loads(p.read_text()) for p in cwd.glob("losses.rank*.json")}
     assert sorted(losses) == list(range(common.WORLD)), (
         f"{client}: want losses of ranks 0, 1, got {losses}:\n{output[-3000:]}"
     )

@@ -214,6 +214,7 @@ def global_state() -> dict[str, Any]:
     """Everything the package may install process-wide, by identity (``id``: a wrapt wrapper
     compares equal to what it wraps)."""
     import torch.distributed as dist
+    import torch.optim.optimizer as optimizer_module
     from torch.distributed import distributed_c10d as c10d
 
     # OpenTelemetry's own modules add filters to their loggers when first imported (the SDK's
@@ -223,6 +224,8 @@ def global_state() -> dict[str, Any]:
                for n in list(logging.root.manager.loggerDict) if n.split(".", 1)[0] == "opentelemetry"}  # fmt: skip
     return {
         "Optimizer.__init__": id(torch.optim.Optimizer.__dict__["__init__"]),
+        "torch.autograd.backward": id(torch.autograd.backward),
+        "global optimizer step pre-hooks": [id(h) for h in optimizer_module._global_optimizer_pre_hooks.values()],
         "dist.destroy_process_group": id(dist.destroy_process_group),
         "c10d.destroy_process_group": id(c10d.destroy_process_group),
         "opentelemetry logger filters": {n: [id(f) for f in fs] for n, fs in loggers.items() if fs},

@@ -49,5 +49,9 @@ def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], planted: str) 
 
 
 def print_losses(rank: int, losses: list[float]) -> None:
-    """The line the test reads: this rank's losses, exactly (JSON keeps every bit of a float)."""
+    """This rank's losses, exactly (JSON keeps every bit of a float), printed and written to
+    ``losses.rank<N>.json`` in the working directory, which the test reads (the ranks share one
+    stdout, where another rank's output can split a line)."""
     print("LOSSES", rank, json.dumps(losses), flush=True)
+    with open(f"losses.rank{rank}.json", "w", encoding="utf-8") as f:
+        json.dump(losses, f)
