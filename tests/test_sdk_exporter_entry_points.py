@@ -53,6 +53,16 @@ def test_summary_reader_prints_at_shutdown(monkeypatch, capsys: pytest.CaptureFi
     assert "fsdp_patch telemetry summary: rank 0 of 1" in err and "fsdp.optimizer.cast.size [By]" in err, err
 
 
+def test_summary_reader_of_a_process_that_recorded_nothing_prints_nothing(monkeypatch, capsys) -> None:
+    # A launcher (torchrun) under opentelemetry-instrument gets a reader too, and trains nothing.
+    monkeypatch.setenv("FSDP_PATCH_SUMMARY", "all")
+    provider = MeterProvider(metric_readers=[SummaryMetricReader()])
+    provider.get_meter("t")
+    provider.shutdown()
+    err = capsys.readouterr().err
+    assert "fsdp_patch" not in err, f"want nothing printed, got:\n{err}"
+
+
 # Two training steps of an optimizer the instrumentor adapts.
 SCRIPT = one_rank_training(2, adapt=False)
 

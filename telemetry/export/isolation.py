@@ -289,3 +289,49 @@ def run_bounded(fn: Callable[[], object], timeout_s: float, what: str, warn: War
     call = BoundedCall(what, fn)
     call.wait(time.monotonic() + timeout_s)
     return call.report(timeout_s, warn)
+
+
+class _CollectorFailuresOnce(logging.Filter):
+    """The application's OTLP exporters' export failures: the first as one line naming the fix, the rest dropped.
+
+    Under ``opentelemetry-instrument`` with nothing set the distro exports OTLP to localhost:4317,
+    and every batch then logs a retry warning and a failure, for the whole run. The first record
+    is rewritten in place; a record logged inside one of our guarded exports is left to
+    :class:`_HoldBackInsideGuard`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reported = False
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or getattr(_capture, "held", None) is not None:
+            return True
+        first = record.getMessage().splitlines()[0] if record.getMessage() else ""
+        if "export" not in first.lower():
+            return True  # not an export failure: the exporter's other warnings stay as they are
+        with self._lock:
+            if self._reported:
+                return False
+            self._reported = True
+        record.msg = (
+            "fsdp_patch telemetry: an OTLP exporter cannot deliver (%s); its later failures are not logged. Start a "
+            "collector (dashboards/README.md), or set OTEL_TRACES_EXPORTER=trace_file for the trace files that "
+            "fsdp-patch report reads"
+        )
+        record.args = (first[:300],)
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+# The OTLP exporter packages' loggers (gRPC and HTTP, traces and metrics).
+OTLP_EXPORTER_LOGGERS = "opentelemetry.exporter.otlp"
+_COLLECTOR_ONCE = _CollectorFailuresOnce()
+
+
+def fold_collector_failures() -> None:
+    """Fold the export failures of the application's OTLP exporters into one line (removed by :func:`remove_log_filters`)."""
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(OTLP_EXPORTER_LOGGERS)]
+    for name in names:
+        _add_filter(logging.getLogger(name), _COLLECTOR_ONCE)

@@ -157,6 +157,8 @@ def _build() -> _Embedded:
             local = any(exporter.inner is trace_file for trace_file in files)
             state.span_processors.append(_SpanProcessor(processor, type(exporter.inner).__name__, local))
         state.tracer_provider, state.trace_files = provider, files
+    else:
+        _announce_application_sdk(info)
     if _meter_provider_unset(metrics.get_meter_provider()):
         resource = resource or build_resource(info)
         service = resource.attributes.get(SERVICE_NAME)
@@ -165,6 +167,27 @@ def _build() -> _Embedded:
         state.meter_provider = SdkMeterProvider(resource=resource, metric_readers=setup.readers, shutdown_on_exit=False)
         state.metric_setup = setup
     return state
+
+
+def _announce_application_sdk(info: RankInfo) -> None:
+    """Say where spans go when the application's SDK (``opentelemetry-instrument``'s) has them, and
+    fold its OTLP exporters' failures into one line: with nothing set that SDK exports to a
+    collector at localhost:4317 and writes nothing a user could read."""
+    isolation.fold_collector_failures()
+    if info.rank != 0:
+        return
+    traces = os.environ.get("OTEL_TRACES_EXPORTER", "").strip() or "otlp"
+    where = f"OTEL_TRACES_EXPORTER={traces}"
+    if "otlp" in traces.split(","):
+        endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                    or "localhost:4317, the default")  # fmt: skip
+        where += f", to {endpoint}"
+    files = (
+        ""
+        if "trace_file" in traces.split(",")
+        else "; no trace files are written. For the trace files fsdp-patch report reads, add trace_file to OTEL_TRACES_EXPORTER (or use FSDP_PATCH_TELEMETRY=1 without opentelemetry-instrument)"
+    )
+    _say(f"fsdp_patch telemetry: spans go to the application's OpenTelemetry SDK ({where}){files}")
 
 
 def _ensure_built() -> _Embedded | None:

@@ -85,7 +85,9 @@ class SummaryMetricReader(InMemoryMetricReader):
 
     The SDK's configurator (``opentelemetry-instrument`` with ``OTEL_METRICS_EXPORTER=summary``)
     constructs it without arguments; it collects in memory and prints the summary when the meter
-    provider shuts down, on the ranks ``FSDP_PATCH_SUMMARY`` names.
+    provider shuts down, on the ranks ``FSDP_PATCH_SUMMARY`` names. The configurator builds one in
+    every process it starts in, a launcher such as ``torchrun`` too: a process that recorded no
+    metric at all prints nothing.
     """
 
     def __init__(self) -> None:
@@ -100,9 +102,10 @@ class SummaryMetricReader(InMemoryMetricReader):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         if self.enabled:
-            text = render(self.get_metrics_data(), self.header)
-            sys.stderr.write(text)
-            sys.stderr.flush()
+            data = self.get_metrics_data()
+            if data is not None and any(sm.metrics for rm in data.resource_metrics for sm in rm.scope_metrics):
+                sys.stderr.write(render(data, self.header))
+                sys.stderr.flush()
             self.enabled = False
         super().shutdown(timeout_millis=timeout_millis, **kwargs)
 

@@ -192,3 +192,26 @@ def _console_spans(stdout: str) -> list[dict]:
 def _console_metrics(stdout: str) -> list[dict]:
     """The JSON documents ConsoleMetricExporter prints, one per export."""
     return _json_documents(stdout, ("resource_metrics",))
+
+
+def test_opentelemetry_instrument_with_nothing_set_says_where_spans_went(job_python_path: str, tmp_path: Path) -> None:
+    """No OTEL_* at all: the distro exports OTLP to localhost:4317. One line says so and how to get
+    trace files; an unreachable collector is one line per process, not a retry warning per batch."""
+    from tests.training_script import one_rank_training
+
+    script = tmp_path / "train.py"
+    script.write_text(one_rank_training(4, adapt=False))
+    env = _job_env()
+    if job_python_path:
+        env["PYTHONPATH"] = job_python_path
+    command = [str(Path(sys.executable).parent / "opentelemetry-instrument"), sys.executable, str(script)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-3000:]}"
+    lines = result.stderr.splitlines()
+    where = [line for line in lines if "spans go to the application's OpenTelemetry SDK" in line]
+    assert len(where) == 1 and "localhost:4317" in where[0] and "trace_file" in where[0], (
+        f"want one line naming the collector and how to get trace files, got {where}; stderr:\n{result.stderr[-2000:]}"
+    )
+    ours = [line for line in lines if "an OTLP exporter cannot deliver" in line]
+    raw = [line for line in lines if ("Transient error" in line or "Failed to export" in line) and line not in ours]
+    assert len(ours) <= 1 and not raw, f"want at most one folded failure line and no raw ones, got {ours} and {raw}"
