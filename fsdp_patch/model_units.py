@@ -186,7 +186,10 @@ def unit_prefix(unit: nn.Module | None) -> str:
     outermost = [
         m for m in around if not any(m is not other and any(s is m for s in other.modules()) for other in around)
     ]
-    prefix = holder_prefix(outermost[0] if outermost else unit)
+    root = outermost[0] if outermost else unit
+    prefix = _UNIT_PREFIX.get(root)  # the units of one root share its walk
+    if prefix is None:
+        prefix = _UNIT_PREFIX[root] = holder_prefix(root)
     _UNIT_PREFIX[unit] = prefix
     return prefix
 

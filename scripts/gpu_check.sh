@@ -168,7 +168,7 @@ install_wheels() {
 install_checkout() {  # fsdp_patch built from a copy of the checkout into $SITE (telemetry/ becomes fsdp_patch.telemetry)
     local source="$SCRATCH/source" name
     mkdir -p "$source"
-    for name in pyproject.toml README.md fsdp_patch telemetry; do
+    for name in pyproject.toml setup.py README.md fsdp_patch telemetry startup; do  # tests/package_source.py names the same
         cp -R "$REPO/$name" "$source/$name"
     done
     local index=()

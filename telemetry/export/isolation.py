@@ -194,8 +194,9 @@ class _OncePerMessage(logging.Filter):
 
 
 # The batch processor warns "Queue full, dropping Span." on the training thread, outside any
-# export, whenever an exporter falls behind; the SDK repeats it every 20 s for a whole run.
-BATCH_PROCESSOR_LOGGER = "opentelemetry.sdk._shared_internal"
+# export, whenever an exporter falls behind; the SDK repeats it every 20 s for a whole run. Which
+# module logs it is the SDK's private business: every OpenTelemetry logger gets the filter, inert
+# outside our processors' on_end.
 _ONCE = _OncePerMessage()
 
 
@@ -208,7 +209,8 @@ class OwnBatchSpanProcessor(BatchSpanProcessor):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _add_filter(logging.getLogger(BATCH_PROCESSOR_LOGGER), _ONCE)
+        for name in [n for n in list(logging.root.manager.loggerDict) if n.split(".", 1)[0] == "opentelemetry"]:
+            _add_filter(logging.getLogger(name), _ONCE)
 
     def on_end(self, span: ReadableSpan) -> None:
         _in_own_processor.active = True

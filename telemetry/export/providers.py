@@ -49,11 +49,6 @@ _warn = WarnOnce(_logger)
 
 SCOPE_NAME = semconv.SCOPE_NAME
 
-try:
-    from opentelemetry.metrics._internal import _ProxyMeterProvider
-except ImportError:  # pragma: no cover - private name; fall back to "anything but the SDK is unset"
-    _ProxyMeterProvider = None  # type: ignore[assignment,misc]
-
 
 class _Flushable(Protocol):
     def flush_timers(self) -> None: ...
@@ -106,9 +101,10 @@ def _tracer_provider_unset(provider: trace.TracerProvider) -> bool:
 
 
 def _meter_provider_unset(provider: metrics.MeterProvider) -> bool:
-    if _ProxyMeterProvider is not None:
-        return isinstance(provider, _ProxyMeterProvider)
-    return not isinstance(provider, SdkMeterProvider)  # pragma: no cover
+    # The API's default global is a proxy of a private class: anything but an SDK provider or an
+    # explicit no-op one counts as unset (an application that disables metrics with a
+    # NoOpMeterProvider keeps them off).
+    return not isinstance(provider, (SdkMeterProvider, metrics.NoOpMeterProvider))
 
 
 def add_rank_identity(provider: Any, rank_info: RankInfo) -> None:

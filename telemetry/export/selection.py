@@ -1,13 +1,16 @@
 """Which exporters ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` select: names -> classes.
 
-A name means here what it means under ``opentelemetry-instrument``: every listed name goes through
-the SDK configurator's own resolution in ``opentelemetry.sdk._configuration``, name by name:
-``_get_exporter_entry_point`` (``otlp`` becomes ``otlp_proto_grpc`` or ``otlp_proto_http`` by the
-``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]PROTOCOL`` variables) and ``_import_exporters`` (the entry
-point of that name in ``opentelemetry_traces_exporter`` / ``opentelemetry_metrics_exporter``,
-loaded and type-checked). So ``console``, ``otlp``, ``prometheus``, this package's ``trace_file``
-and ``summary`` (registered in ``pyproject.toml``) and any installed third-party exporter resolve
-to the same classes under both. Constructing them is :mod:`fsdp_patch.telemetry.export.exporters`.
+A name means here what it means under ``opentelemetry-instrument``: the entry point of that name
+in ``opentelemetry_traces_exporter`` / ``opentelemetry_metrics_exporter`` (the SDK's public
+extension points, read with :func:`importlib.metadata.entry_points`), loaded and checked to be an
+exporter of the signal (a ``SpanExporter``; a ``MetricExporter`` or a pull ``MetricReader``), and
+``otlp`` the OTLP entry point of the protocol the specification's variables
+``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]PROTOCOL`` name (``grpc`` -> ``otlp_proto_grpc``,
+``http/protobuf`` -> ``otlp_proto_http``). So ``console``, ``otlp``, ``prometheus``, this
+package's ``trace_file`` and ``summary`` (registered in ``pyproject.toml``) and any installed
+third-party exporter resolve to the same classes under both (``tests/telemetry/test_exporter_selection.py``
+checks it against the SDK's configurator). Constructing them is
+:mod:`fsdp_patch.telemetry.export.exporters`.
 
 What the embedded default adds on top of that resolution:
 
@@ -25,22 +28,15 @@ What the embedded default adds on top of that resolution:
 
 Alternatives considered:
 
-- Our own parser of the variables with a class per name: a second meaning of each name, apart
-  from the SDK's wherever the two are not kept in step by hand (a protocol table of its own,
-  third-party exporters a special case, a new SDK exporter unknown until added here).
+- The SDK configurator's own resolution (``opentelemetry.sdk._configuration``'s
+  ``_get_exporter_entry_point`` and ``_import_exporters``): the same meaning by construction, but
+  private functions any SDK release may change or remove; what they do is the entry point lookup
+  above and the specification's two protocol names.
 - The SDK's ``_initialize_components`` wholesale: it installs the global tracer, meter and logger
   providers, which the embedded default must not do (an application may install its own at any
   time, and the API accepts only the first); it also raises for the whole list on one bad name.
-- The SDK's ``_get_exporter_names``: it reads the whole variable and raises for all names on a
-  bad protocol, mapping ``otlp`` to grpc before the http/protobuf default could apply; so the
-  variable is split here as it splits it (at commas, each name stripped) and each name handed to
-  ``_get_exporter_entry_point``.
-
-``_get_exporter_entry_point(name, signal)`` and ``_import_exporters(traces, metrics, logs)`` are
-private to the SDK. They have these signatures, and ``_import_exporters`` accepts pull readers
-(``summary``, ``prometheus``), from opentelemetry-sdk 1.21.0 on; the package requires
-``opentelemetry-sdk>=1.30``. A release without them is one warning naming what is missing, and
-no exporter.
+- Our own class per name: a second meaning of each name, third-party exporters a special case,
+  a new SDK exporter unknown until added here.
 """
 
 from __future__ import annotations
@@ -48,7 +44,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from importlib.metadata import EntryPoint, entry_points
+from typing import Literal
 
 from .. import env
 
@@ -71,8 +68,8 @@ _PROTOCOL_VARIABLES: dict[Signal, str] = {
 }
 # What to install for an entry point that is not there: the extras of this package that bring it.
 _EXTRAS = {"otlp_proto_http": "otlp", "otlp_proto_grpc": "otlp", "prometheus": "prometheus"}
-# What the resolution calls in opentelemetry.sdk._configuration (entry_points: the installed ones as it sees them).
-SDK_FUNCTIONS = ("_get_exporter_entry_point", "_import_exporters", "entry_points")
+# The OTLP protocols of the specification and the entry point each selects for ``otlp``.
+OTLP_PROTOCOLS = {"grpc": "otlp_proto_grpc", DEFAULT_OTLP_PROTOCOL: _OTLP_HTTP_ENTRY_POINT}
 
 
 @dataclass(frozen=True)
@@ -108,30 +105,9 @@ def listed_names(signal: Signal) -> list[str]:
     return names
 
 
-def _sdk_configuration() -> Any:
-    """The SDK configurator's module, with the functions the resolution calls; a clear error without them."""
-    try:
-        from opentelemetry.sdk import _configuration
-    except ImportError as exc:
-        raise RuntimeError(
-            f"this OpenTelemetry SDK has no opentelemetry.sdk._configuration ({exc}), whose exporter resolution "
-            "fsdp_patch telemetry uses; install opentelemetry-sdk>=1.30"
-        ) from exc
-    missing = [name for name in SDK_FUNCTIONS if not callable(getattr(_configuration, name, None))]
-    if missing:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            release = f"opentelemetry-sdk {version('opentelemetry-sdk')}"
-        except PackageNotFoundError:
-            release = "this opentelemetry-sdk"
-        raise RuntimeError(
-            f"{release} has no "
-            f"{', '.join('opentelemetry.sdk._configuration.' + name for name in missing)}, which fsdp_patch "
-            "telemetry resolves exporter names with (opentelemetry-sdk 1.30 to 1.45 have them); install a release "
-            "that has them"
-        )
-    return _configuration
+def installed_entry_points(group: str) -> list[EntryPoint]:
+    """The installed entry points of ``group``, as the SDK's configurator finds them."""
+    return list(entry_points(group=group))
 
 
 def _protocol_setting(signal: Signal) -> tuple[str, str] | None:
@@ -144,50 +120,68 @@ def _protocol_setting(signal: Signal) -> tuple[str, str] | None:
     return None
 
 
-def _accepted(sdk: Any, group: str) -> list[str]:
+def _accepted(installed: list[EntryPoint]) -> list[str]:
     """The names that select something: the installed entry points, ``otlp`` where one serves it, ``none``."""
-    installed = {entry_point.name for entry_point in sdk.entry_points(group=group)}
-    if installed & {_OTLP_HTTP_ENTRY_POINT, "otlp_proto_grpc"}:
-        installed.add("otlp")
-    return [*sorted(installed), "none"]
+    names = {entry_point.name for entry_point in installed}
+    if names & set(OTLP_PROTOCOLS.values()):
+        names.add("otlp")
+    return [*sorted(names), "none"]
 
 
-def _not_installed(signal: Signal, name: str, entry_point: str, sdk: Any) -> None:
+def _not_installed(signal: Signal, name: str, entry_point: str, installed: list[EntryPoint]) -> None:
     group = GROUPS[signal]
     what = repr(name) if entry_point == name else f"{name!r} (the entry point {entry_point!r})"
     extra = _EXTRAS.get(entry_point)
     if extra is not None:
         hint = f"install it with `pip install 'fsdp-patch[{extra}]'`"
     else:
-        hint = f"accepted values: {', '.join(_accepted(sdk, group))}"
+        hint = f"accepted values: {', '.join(_accepted(installed))}"
     _logger.warning(
         "%s lists %s, which is not an installed %s entry point; %s. fsdp_patch telemetry continues without it.",
         VARIABLES[signal], what, group, hint,
     )  # fmt: skip
 
 
-def _resolve_one(signal: Signal, name: str, sdk: Any) -> Resolved | None:
-    handed = name
-    if name == "otlp" and _protocol_setting(signal) is None:
-        handed = _OTLP_HTTP_ENTRY_POINT
-    try:
-        entry_point = sdk._get_exporter_entry_point(handed, signal)
-    except RuntimeError:  # the SDK refuses the protocol variable's value
-        variable, value = _protocol_setting(signal) or ("OTEL_EXPORTER_OTLP_PROTOCOL", "")
-        accepted = sorted(getattr(sdk, "_EXPORTER_BY_OTLP_PROTOCOL", ("grpc", DEFAULT_OTLP_PROTOCOL)))
+def _entry_point_name(signal: Signal, name: str) -> str | None:
+    """The entry point ``name`` selects (``otlp``: that of the protocol set, http/protobuf where none is); ``None``
+    with a warning for a protocol the specification does not name."""
+    if name != "otlp":
+        return name
+    setting = _protocol_setting(signal)
+    if setting is None:
+        return _OTLP_HTTP_ENTRY_POINT
+    variable, value = setting
+    entry_point = OTLP_PROTOCOLS.get(value.strip())
+    if entry_point is None:
         _logger.warning(
             "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry continues without the OTLP %s exporter "
             "(%s lists %r).",
-            variable, value, ", ".join(accepted), signal, VARIABLES[signal], name,
+            variable, value, ", ".join(sorted(OTLP_PROTOCOLS)), signal, VARIABLES[signal], name,
         )  # fmt: skip
+    return entry_point
+
+
+def _is_exporter_of(signal: Signal, cls: object) -> bool:
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    wanted: tuple[type, ...] = (SpanExporter,) if signal == "traces" else (MetricExporter, MetricReader)
+    return isinstance(cls, type) and issubclass(cls, wanted)
+
+
+def _resolve_one(signal: Signal, name: str, installed: list[EntryPoint]) -> Resolved | None:
+    entry_point = _entry_point_name(signal, name)
+    if entry_point is None:
         return None
-    if not any(True for _ in sdk.entry_points(group=GROUPS[signal], name=entry_point)):
-        _not_installed(signal, name, entry_point, sdk)
+    matching = [ep for ep in installed if ep.name == entry_point]
+    if not matching:
+        _not_installed(signal, name, entry_point, installed)
         return None
     try:
-        traces, metrics, _logs = sdk._import_exporters(
-            [entry_point] if signal == "traces" else [], [entry_point] if signal == "metrics" else [], []
-        )
+        exporter_class = matching[0].load()
+        if not _is_exporter_of(signal, exporter_class):
+            kind = "a trace exporter" if signal == "traces" else "a metric exporter or reader"
+            raise TypeError(f"{exporter_class!r} is not {kind}")
     except Exception as exc:  # its module does not import, or it is not an exporter of this signal
         extra = _EXTRAS.get(entry_point)
         hint = f"; `pip install 'fsdp-patch[{extra}]'` installs what it needs" if extra else ""
@@ -197,34 +191,21 @@ def _resolve_one(signal: Signal, name: str, sdk: Any) -> Resolved | None:
             VARIABLES[signal], name, GROUPS[signal], entry_point, type(exc).__name__, exc, hint,
         )  # fmt: skip
         return None
-    (exporter_class,) = (traces if signal == "traces" else metrics).values()
     return Resolved(name, entry_point, exporter_class)
 
 
 def resolve(signal: Signal) -> list[Resolved]:
-    """The exporters the variable of ``signal`` selects, resolved by the SDK's configurator name by name.
+    """The exporters the variable of ``signal`` selects, resolved name by name.
 
     A name that does not resolve or load is a warning, and left out; the others are kept.
     """
     names = listed_names(signal)
     if not names:
         return []
-    try:
-        sdk = _sdk_configuration()
-    except RuntimeError as exc:
-        _logger.warning("fsdp_patch telemetry: %s. Continuing without %s exporters.", exc, signal)
-        return []
+    installed = installed_entry_points(GROUPS[signal])
     found: list[Resolved] = []
     for name in names:
-        try:
-            resolved = _resolve_one(signal, name, sdk)
-        except Exception as exc:  # a configurator whose private functions changed: no exporter of this name
-            _logger.warning(
-                "fsdp_patch telemetry: resolving %s %r with this OpenTelemetry SDK's configurator failed (%s: %s); "
-                "continuing without it.",
-                VARIABLES[signal], name, type(exc).__name__, exc,
-            )  # fmt: skip
-            continue
+        resolved = _resolve_one(signal, name, installed)
         # Two names of one entry point (otlp, otlp_proto_http) are one exporter, as for the SDK's configurator.
         if resolved is not None and all(r.entry_point != resolved.entry_point for r in found):
             found.append(resolved)

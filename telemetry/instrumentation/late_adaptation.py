@@ -7,7 +7,10 @@ sharded parameters into its param groups in place; ``add_param_group`` after sha
 same with a new group. So while instrumented, an optimizer constructed over no FSDP-managed
 parameter is *pending*: before each backward (``torch.autograd.backward``, which
 ``Tensor.backward`` calls) the pending optimizers are looked at again and those that hold
-FSDP-managed parameters now are adapted, so that their first step is adapted and observed.
+FSDP-managed parameters now are adapted, so that their first step is adapted and observed. The
+backward is seen through the model watch's process-wide wrapper
+(:func:`~.model_watch.listen_before_backward`): one wrapper on ``torch.autograd.backward``,
+however many parts of telemetry need it, so that it comes off exactly whatever the order.
 
 At its first step a pending optimizer stops being pending. If it holds FSDP-managed parameters
 by then (its backward ran where the wrapper does not see it: ``torch.autograd.grad``), it is
@@ -16,8 +19,8 @@ of its parameters has a gradient, the likely cause is an optimizer built before 
 parameters ``fully_shard`` or FSDP2 replaced and which therefore steps nothing the model trains
 (FSDP2 does the same, silently); the fix is to build the optimizer after sharding.
 
-The backward wrapper and the global step pre-hook exist only while an optimizer is pending (until
-the first backward after none is), and both are removed, exactly, then or when the instrumentor is
+The backward listener and the global step pre-hook exist only while an optimizer is pending (until
+the first backward after none is), and both are removed then, or when the instrumentor is
 uninstrumented.
 
 Alternatives considered:
@@ -37,9 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import wrapt
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
+
+from .model_watch import listen_before_backward
 
 __all__ = ["PendingOptimizers"]
 
@@ -68,7 +72,7 @@ class PendingOptimizers:
         self._managed = managed
         self._adapt = adapt
         self._pending: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._backward: wrapt.FunctionWrapper | None = None
+        self._unlisten: Callable[[], None] | None = None
         self._step_hook: RemovableHandle | None = None
         self._warned = False
 
@@ -80,12 +84,11 @@ class PendingOptimizers:
         self._pending.add(optimizer)
         if self._step_hook is None:
             self._step_hook = register_optimizer_step_pre_hook(self._before_step)
-        if self._backward is None:
-            self._backward = wrapt.FunctionWrapper(torch.autograd.backward, self._before_backward)
-            torch.autograd.backward = self._backward
+        if self._unlisten is None:
+            self._unlisten = listen_before_backward(self._before_backward)
 
     def close(self) -> None:
-        """Stop watching: the wrapper and the hook removed, nothing pending."""
+        """Stop watching: the listener and the hook removed, nothing pending."""
         self._pending.clear()
         self._uninstall()
 
@@ -93,34 +96,17 @@ class PendingOptimizers:
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        backward, self._backward = self._backward, None
-        if backward is not None:
-            if torch.autograd.backward is backward:
-                torch.autograd.backward = backward.__wrapped__
-            else:  # wrapped again on top of ours: ours stays inside, passing calls through
-                _logger.warning(
-                    "fsdp_patch telemetry: torch.autograd.backward was wrapped again after instrumenting; "
-                    "leaving that wrapper (ours inside it no longer adapts optimizers)."
-                )
+        unlisten, self._unlisten = self._unlisten, None
+        if unlisten is not None:
+            unlisten()
 
-    def _before_backward(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._backward is None:  # uninstalled while another wrapper kept ours in place
-            return wrapped(*args, **kwargs)
-        if not self._pending:  # the last one ended its watch at a step: nothing left to watch
-            self._uninstall()
-            return wrapped(*args, **kwargs)
+    def _before_backward(self) -> None:
         ready = [optimizer for optimizer in list(self._pending) if self._managed(optimizer)]
         for optimizer in ready:
             self._pending.discard(optimizer)
+            self._adapt(optimizer)  # its watches check this backward already (see listen_before_backward)
         if not self._pending:
-            self._uninstall()  # before adapting: the adapted optimizer's own backward wrapper goes on torch's
-        for optimizer in ready:
-            self._adapt(optimizer)
-        if self._backward is not None or not ready:
-            return wrapped(*args, **kwargs)
-        # Through the attribute, not `wrapped`: this backward already passes the wrappers the
-        # adaptation just installed (its loss and grads are checked); ours is no longer there.
-        return torch.autograd.backward(*args, **kwargs)
+            self._uninstall()  # after adapting: the shared wrapper stays for the adapted optimizer's watches
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer not in self._pending:

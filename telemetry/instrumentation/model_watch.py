@@ -529,10 +529,14 @@ _watches: weakref.WeakSet[ModelWatch] = weakref.WeakSet()
 _observers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 _installed: dict[str, tuple[Any, str, Any]] = {}
 _install_lock = threading.Lock()
+# Called before each backward, ahead of the watches (the late adaptation's pending optimizers).
+_backward_listeners: list[Callable[[], None]] = []
 
 
 def _on_backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = args[0] if args else kwargs.get("tensors")
+    for listener in list(_backward_listeners):
+        listener()  # may adapt an optimizer: its watches, registered now, check this backward too
     watches = list(_watches)
     for watch in watches:
         watch.before_backward(tensors)
@@ -588,6 +592,27 @@ def _uninstall(key: str) -> None:
 _registrations = 0
 
 
+def _register() -> None:
+    """One more registration (the caller holds ``_install_lock``): the wrappers go in with the first."""
+    global _registrations
+    if _registrations == 0:
+        _install("backward", torch.autograd, "backward", _on_backward)
+        _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
+        # Callers reach it through either module at call time (torch.nn.utils re-exports it).
+        _install("clip", torch.nn.utils, "clip_grad_norm_", _on_clip)
+        _install("clip_module", torch.nn.utils.clip_grad, "clip_grad_norm_", _on_clip)
+    _registrations += 1
+
+
+def _unregister() -> None:
+    """One registration fewer (the caller holds ``_install_lock``): the wrappers go with the last."""
+    global _registrations
+    _registrations -= 1
+    if _registrations == 0:
+        for key in list(_installed):
+            _uninstall(key)
+
+
 def watch_optimizer_steps(
     watches: Sequence[ModelWatch], optimizer: torch.optim.Optimizer, observer: Any
 ) -> Callable[[], None]:
@@ -598,15 +623,8 @@ def watch_optimizer_steps(
         A function that unregisters both (once) and removes the wrappers after the last
         registration.
     """
-    global _registrations
     with _install_lock:
-        if _registrations == 0:
-            _install("backward", torch.autograd, "backward", _on_backward)
-            _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
-            # Callers reach it through either module at call time (torch.nn.utils re-exports it).
-            _install("clip", torch.nn.utils, "clip_grad_norm_", _on_clip)
-            _install("clip_module", torch.nn.utils.clip_grad, "clip_grad_norm_", _on_clip)
-        _registrations += 1
+        _register()
         for watch in watches:
             _watches.add(watch)
         _observers[optimizer] = observer
@@ -614,7 +632,6 @@ def watch_optimizer_steps(
     done = False
 
     def unregister() -> None:
-        global _registrations
         nonlocal done
         with _install_lock:
             if done:
@@ -625,9 +642,31 @@ def watch_optimizer_steps(
             held = optimizer_ref()
             if held is not None and _observers.get(held) is observer:
                 del _observers[held]
-            _registrations -= 1
-            if _registrations == 0:
-                for key in list(_installed):
-                    _uninstall(key)
+            _unregister()
+
+    return unregister
+
+
+def listen_before_backward(listener: Callable[[], None]) -> Callable[[], None]:
+    """Call ``listener`` before each backward (``torch.autograd.backward``) through the same
+    process-wide wrapper as the watches, installed while any registration lives: one wrapper, so
+    registrations may come and go in any order and the original comes back exactly.
+
+    Returns:
+        A function that unregisters it (once; safe from inside the listener).
+    """
+    with _install_lock:
+        _register()
+        _backward_listeners.append(listener)
+    done = False
+
+    def unregister() -> None:
+        nonlocal done
+        with _install_lock:
+            if done:
+                return
+            done = True
+            _backward_listeners.remove(listener)
+            _unregister()
 
     return unregister

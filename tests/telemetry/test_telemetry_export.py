@@ -277,7 +277,7 @@ def test_span_exporter_selection(monkeypatch, caplog):
 
 
 def test_unsupported_protocol_and_missing_package_are_explained(monkeypatch, caplog):
-    from opentelemetry.sdk import _configuration
+    from fsdp_patch.telemetry.export import selection
 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
@@ -288,9 +288,11 @@ def test_unsupported_protocol_and_missing_package_are_explained(monkeypatch, cap
 
     caplog.clear()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    installed = _configuration.entry_points
+    installed = selection.installed_entry_points
     monkeypatch.setattr(
-        _configuration, "entry_points", lambda **kw: [ep for ep in installed(**kw) if ep.name != "otlp_proto_grpc"]
+        selection,
+        "installed_entry_points",
+        lambda group: [ep for ep in installed(group) if ep.name != "otlp_proto_grpc"],
     )
     with caplog.at_level(logging.WARNING):
         assert exporters.build_span_exporters(RANK0, build_resource(RANK0))[0] == []
