@@ -592,25 +592,35 @@ def _uninstall(key: str) -> None:
 _registrations = 0
 
 
-def _register() -> None:
-    """One more registration (the caller holds ``_install_lock``): the wrappers go in with the first."""
+def _registration(add: Callable[[], None], remove: Callable[[], None]) -> Callable[[], None]:
+    """Run ``add`` as one more registration (the wrappers go in with the first); returns the function
+    that runs ``remove`` once and takes the registration back (the wrappers go with the last)."""
     global _registrations
-    if _registrations == 0:
-        _install("backward", torch.autograd, "backward", _on_backward)
-        _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
-        # Callers reach it through either module at call time (torch.nn.utils re-exports it).
-        _install("clip", torch.nn.utils, "clip_grad_norm_", _on_clip)
-        _install("clip_module", torch.nn.utils.clip_grad, "clip_grad_norm_", _on_clip)
-    _registrations += 1
+    with _install_lock:
+        if _registrations == 0:
+            _install("backward", torch.autograd, "backward", _on_backward)
+            _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
+            # Callers reach it through either module at call time (torch.nn.utils re-exports it).
+            _install("clip", torch.nn.utils, "clip_grad_norm_", _on_clip)
+            _install("clip_module", torch.nn.utils.clip_grad, "clip_grad_norm_", _on_clip)
+        _registrations += 1
+        add()
+    done = False
 
+    def unregister() -> None:
+        global _registrations
+        nonlocal done
+        with _install_lock:
+            if done:
+                return
+            done = True
+            remove()
+            _registrations -= 1
+            if _registrations == 0:
+                for key in list(_installed):
+                    _uninstall(key)
 
-def _unregister() -> None:
-    """One registration fewer (the caller holds ``_install_lock``): the wrappers go with the last."""
-    global _registrations
-    _registrations -= 1
-    if _registrations == 0:
-        for key in list(_installed):
-            _uninstall(key)
+    return unregister
 
 
 def watch_optimizer_steps(
@@ -623,28 +633,21 @@ def watch_optimizer_steps(
         A function that unregisters both (once) and removes the wrappers after the last
         registration.
     """
-    with _install_lock:
-        _register()
+    optimizer_ref = weakref.ref(optimizer)
+
+    def add() -> None:
         for watch in watches:
             _watches.add(watch)
         _observers[optimizer] = observer
-    optimizer_ref = weakref.ref(optimizer)
-    done = False
 
-    def unregister() -> None:
-        nonlocal done
-        with _install_lock:
-            if done:
-                return
-            done = True
-            for watch in watches:
-                _watches.discard(watch)
-            held = optimizer_ref()
-            if held is not None and _observers.get(held) is observer:
-                del _observers[held]
-            _unregister()
+    def remove() -> None:
+        for watch in watches:
+            _watches.discard(watch)
+        held = optimizer_ref()
+        if held is not None and _observers.get(held) is observer:
+            del _observers[held]
 
-    return unregister
+    return _registration(add, remove)
 
 
 def listen_before_backward(listener: Callable[[], None]) -> Callable[[], None]:
@@ -655,18 +658,4 @@ def listen_before_backward(listener: Callable[[], None]) -> Callable[[], None]:
     Returns:
         A function that unregisters it (once; safe from inside the listener).
     """
-    with _install_lock:
-        _register()
-        _backward_listeners.append(listener)
-    done = False
-
-    def unregister() -> None:
-        nonlocal done
-        with _install_lock:
-            if done:
-                return
-            done = True
-            _backward_listeners.remove(listener)
-            _unregister()
-
-    return unregister
+    return _registration(lambda: _backward_listeners.append(listener), lambda: _backward_listeners.remove(listener))

@@ -1,8 +1,9 @@
-"""``FSDP_PATCH_TELEMETRY=1`` alone instruments the scripts users train with, under torchrun on 2 ranks.
+"""``FSDP_PATCH_TELEMETRY=1`` alone instruments the scripts users train with, on 2 ranks.
 
 Each script of ``tests/integration/zero_code/`` (a plain torch FSDP2 script, a ``fully_shard``
-script, HF Accelerate's FSDP2 preparation, the HF Trainer, Lightning's ``ModelParallelStrategy``)
-holds no line of telemetry and plants a learning rate of 1e-9 on one parameter. Run once with the
+script, HF Accelerate's FSDP2 preparation, the HF Trainer: under torchrun; Lightning's
+``ModelParallelStrategy``: under plain ``python``, which starts the other rank itself) holds no
+line of telemetry and plants a learning rate of 1e-9 on one parameter. Run once with the
 variable set and once without: with it, both ranks write trace files and the report names the
 planted parameter, by the name the script's own model gives it; the losses of every step equal
 the run without it, bitwise; the launcher prints no summary of its own.
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).resolve().parent / "zero_code"
 CLIENTS = ("fsdp2", "fully_shard", "accelerate", "trainer", "lightning")
+# How each is launched: torchrun, or plain python where the framework starts its ranks itself.
+PLAIN_PYTHON = ("lightning",)
 TIMEOUT_S = 600
 
 
@@ -41,8 +44,12 @@ def _run(client: str, telemetry: bool, cwd: Path) -> dict:
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if telemetry:
         env["FSDP_PATCH_TELEMETRY"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={common.WORLD}",
-               str(SCRIPTS / f"{client}_script.py")]  # fmt: skip
+    script = str(SCRIPTS / f"{client}_script.py")
+    if client in PLAIN_PYTHON:
+        command = [sys.executable, script]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={common.WORLD}",
+                   script]  # fmt: skip
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{client} (telemetry {telemetry}) exited {result.returncode}:\n{output[-5000:]}"

@@ -30,12 +30,5 @@ rank = dist.get_rank()
 model = common.tiny_llama()
 optimizer = torch.optim.AdamW(common.param_groups(model.named_parameters(), PLANTED), lr=common.LR)
 model, optimizer = accelerator.prepare(model, optimizer)
-losses = []
-for tokens in common.token_batches(rank):
-    loss = model(input_ids=tokens, labels=tokens).loss
-    accelerator.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-    losses.append(loss.item())
-common.print_losses(rank, losses)
+common.print_losses(rank, common.train(model, optimizer, rank, backward=accelerator.backward))
 accelerator.end_training()

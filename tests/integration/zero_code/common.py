@@ -8,7 +8,7 @@ and without ``FSDP_PATCH_TELEMETRY=1``.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -46,6 +46,24 @@ def param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], planted: str) 
         {"params": [p for n, p in named if n != planted]},
         {"params": [p for n, p in named if n == planted], "lr": PLANTED_LR},
     ]
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+) -> list[float]:
+    """The loop a user writes: forward, ``backward`` (``accelerator.backward`` under Accelerate), step,
+    zero_grad, over this rank's batches; returns the losses."""
+    losses = []
+    for tokens in token_batches(rank):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def print_losses(rank: int, losses: list[float]) -> None:

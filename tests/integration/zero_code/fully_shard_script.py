@@ -22,12 +22,5 @@ for layer in model.model.layers:
 fully_shard(model)
 optimizer = torch.optim.AdamW(common.param_groups(model.named_parameters(), PLANTED), lr=common.LR)
 fully_shard_optimizer(optimizer)
-losses = []
-for tokens in common.token_batches(rank):
-    loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    losses.append(loss.item())
-common.print_losses(rank, losses)
+common.print_losses(rank, common.train(model, optimizer, rank))
 dist.destroy_process_group()
