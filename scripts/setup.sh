@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment and installs fsdp_patch into it (editable, dev extras).
+# Sets up a virtual environment and installs fsdp_patch into it (editable; dev and frameworks extras, dev only with --torch).
 #
 #   scripts/setup.sh [--venv DIR] [--torch X.Y.Z]
 #
@@ -98,5 +98,9 @@ else
 fi
 # The torch just chosen stays: naming it keeps pip from replacing it while resolving the extras.
 torch_now=$(torch_release "$PY")
-echo "setup: installing fsdp_patch (editable, with dev extras) into $VENV, with torch $torch_now" >&2
-"$PY" -m pip install --quiet -e ".[dev]" "torch==$torch_now"
+# The frameworks of the zero-code tests (frameworks extra) only where the whole suite runs: not in
+# an environment made for one torch release's range tests (--torch).
+extras="dev,frameworks"
+[ -n "$WANT_TORCH" ] && extras="dev"
+echo "setup: installing fsdp_patch (editable, with the $extras extras) into $VENV, with torch $torch_now" >&2
+"$PY" -m pip install --quiet -e ".[$extras]" "torch==$torch_now"

@@ -98,7 +98,9 @@ def _setup(
     return result.stderr, calls
 
 
-EDITABLE = "-m pip install --quiet -e .[dev]"
+EDITABLE = "-m pip install --quiet -e .[dev,frameworks]"
+# With --torch (a torch-range environment): the dev extras alone.
+EDITABLE_RANGE = "-m pip install --quiet -e .[dev]"
 
 
 @pytest.mark.parametrize(
@@ -116,10 +118,10 @@ EDITABLE = "-m pip install --quiet -e .[dev]"
         (
             "2.13.0+cpu",
             ("--torch", "2.11.0"),
-            ["-m pip install --quiet torch==2.11.0", f"{EDITABLE} torch==2.11.0"],
+            ["-m pip install --quiet torch==2.11.0", f"{EDITABLE_RANGE} torch==2.11.0"],
             "(it has 2.13.0)",
         ),
-        ("2.11.0+cu130", ("--torch", "2.11.0"), [f"{EDITABLE} torch==2.11.0"], "with torch 2.11.0"),
+        ("2.11.0+cu130", ("--torch", "2.11.0"), [f"{EDITABLE_RANGE} torch==2.11.0"], "with torch 2.11.0"),
     ],
 )
 def test_torch_kept_or_installed(

@@ -3,6 +3,7 @@ sharded by fully_shard (bf16 compute, fp32 main weights, bf16 main grads)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -50,6 +51,7 @@ def instrument_round_trip(trace_dir: str) -> dict[str, Any]:
     with environment(FSDP_PATCH_TELEMETRY=None, FSDP_PATCH_PRECISION_EVERY="1", FSDP_PATCH_SUMMARY="none",
                      FSDP_PATCH_TRACE_DIR=trace_dir, OTEL_TRACES_EXPORTER=None, OTEL_METRICS_EXPORTER=None):  # fmt: skip
         reset_otel()
+        gc.collect()  # an earlier test's optimizers (and the wrappers their watches hold) go first
         before = global_state()
         instrumentor = FSDPOptimizerInstrumentor()
         instrumentor.instrument()
