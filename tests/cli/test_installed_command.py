@@ -163,6 +163,37 @@ def test_installed_package_is_self_contained(fresh_venv: Path, runs: dict[str, A
     assert "{demo,report,trace}" in runs["module_help"].stdout, runs["module_help"].stdout
 
 
+# After the script's import torch: whether the hook instrumented, and where the hook's .pth lies.
+_HOOK_PROBE = (
+    "import json, site, torch\n"
+    "from pathlib import Path\n"
+    "from fsdp_patch.telemetry.instrumentation import activation\n"
+    "pth = [str(Path(d) / 'fsdp_patch_startup.pth') for d in site.getsitepackages() if (Path(d) / 'fsdp_patch_startup.pth').is_file()]\n"
+    "print(json.dumps({'instrumented': activation.instrumented is not None, 'pth': pth}))\n"
+)
+
+
+@pytest.mark.parametrize("value", ["1", None])
+def test_a_regular_install_puts_the_start_up_hook_beside_the_packages(
+    fresh_venv: Path, tmp_path: Path, value: str | None
+) -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
+    if value is not None:
+        env["FSDP_PATCH_TELEMETRY"] = value
+    result = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", _HOOK_PROBE], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-2000:]}"
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(got["pth"]) == 1 and Path(got["pth"][0]).is_relative_to(fresh_venv), (
+        f"want the hook in the venv, got {got}"
+    )
+    assert got["instrumented"] is (value == "1"), (
+        f"FSDP_PATCH_TELEMETRY={value!r}: want instrumented {value == '1'}, got {got}"
+    )
+
+
 def test_resumed_run_equals_an_uninterrupted_run_bitwise(runs: dict[str, Any], tmp_path: Path) -> None:
     work = runs["work"]
     resumed, whole = _losses(work / "resumed.jsonl"), _losses(work / "whole.jsonl")

@@ -70,6 +70,7 @@ def late_training(kind: str, how: str) -> dict[str, Any]:
     with ``add_param_group``), ``stale`` (built before and left so). Returns losses, step spans,
     warnings, what stayed installed."""
     from fsdp_patch.telemetry import FSDPOptimizerInstrumentor, semconv
+    from fsdp_patch.telemetry.instrumentation import model_watch
 
     from fsdp_patch.adapter import adaptation_of
 
@@ -81,6 +82,7 @@ def late_training(kind: str, how: str) -> dict[str, Any]:
         with environment(**settings), in_memory_otel() as (spans, _):
             gc.collect()  # an earlier test's optimizers (and the wrappers they hold) go first
             before = global_state()
+            before_registrations = model_watch._registrations
             instrumentor = FSDPOptimizerInstrumentor()
             instrumentor.instrument()
             model = _unsharded(kind)
@@ -104,9 +106,18 @@ def late_training(kind: str, how: str) -> dict[str, Any]:
             out["steps"] = sorted(s.attributes[semconv.ATTR_STEP] for s in spans.get_finished_spans()
                                   if s.name == semconv.SPAN_STEP)  # fmt: skip
             out["weights"] = [w.clone() for w in main_weights(model)] if how != "stale" else []
-            out["changed while watching"] = {k for k, v in global_state().items() if v != before[k]}
+            # The watch's own pieces: its listener on the shared backward wrapper, its step pre-hook.
+            # (The wrapper itself is shared with every live optimizer's watches, in this process
+            # possibly an earlier test's: its identity is checked after uninstrument, below.)
+            out["listeners after training"] = len(model_watch._backward_listeners)
+            out["step hooks changed"] = (
+                global_state()["global optimizer step pre-hooks"] != before["global optimizer step pre-hooks"]
+            )
+            registrations = model_watch._registrations
             instrumentor.uninstrument()
+            gc.collect()
             out["left after uninstrument"] = {k: v for k, v in global_state().items() if v != before[k]}
+            out["registrations"] = (before_registrations, registrations, model_watch._registrations)
     finally:
         logging.getLogger(WATCH_LOGGER).removeHandler(handler)
     out["warnings"] = handler.messages
@@ -134,7 +145,9 @@ def test_parameters_given_after_construction_are_adapted_before_the_first_step(d
             assert not differ, f"rank {rank}: main weights {differ} differ from the control's"
         assert got["warnings"] == [], f"rank {rank}: unexpected warnings {got['warnings']}"
         left = got["left after uninstrument"]
-        assert left == {}, f"rank {rank}: left installed after uninstrument: {left}"
+        assert left == {}, (
+            f"rank {rank}: left installed after uninstrument: {left} (registrations {got['registrations']})"
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -144,10 +157,13 @@ def test_an_optimizer_built_before_sharding_is_warned_about_on_every_rank(dist_p
         warned = [m for m in got["warnings"] if "build the optimizer after sharding" in m]
         assert len(warned) == 1 and len(got["warnings"]) == 1, f"rank {rank}: want one warning, got {got['warnings']}"
         assert "AdamW over" in warned[0] and "no gradient on any of its parameters" in warned[0], warned[0]
-        # the first step ended the watch; the next backward removed its wrapper and hook
-        lingering = got["changed while watching"] & {"torch.autograd.backward", "global optimizer step pre-hooks"}
-        assert not lingering, f"rank {rank}: still installed after the watch ended: {lingering}"
-        assert got["left after uninstrument"] == {}, f"rank {rank}: left installed: {got['left after uninstrument']}"
+        # the first step ended the watch; the next backward removed its listener and its hook
+        assert got["listeners after training"] == 0 and not got["step hooks changed"], (
+            f"rank {rank}: still listening after the watch ended: {got['listeners after training']} listener(s), "
+            f"step hooks changed {got['step hooks changed']}"
+        )
+        left = got["left after uninstrument"]
+        assert left == {}, f"rank {rank}: left installed: {left} (registrations {got['registrations']})"
 
 
 def refused_stale(kind: str) -> dict[str, Any]:
