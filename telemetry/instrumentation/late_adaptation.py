@@ -76,9 +76,6 @@ class PendingOptimizers:
         self._step_hook: RemovableHandle | None = None
         self._warned = False
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def add(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch ``optimizer`` until its first step (installing the watch if none is running)."""
         self._pending.add(optimizer)
