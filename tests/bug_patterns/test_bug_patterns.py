@@ -278,7 +278,8 @@ def test_the_report_names_a_cause_nothing_non_finite_shows(
 # -- healthy controls ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("every", [None, 1])
+# Diagnosed every step too under `make test-long` (another 200 steps per control and sharding).
+@pytest.mark.parametrize("every", [None, pytest.param(1, marks=pytest.mark.long)])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", [p.name for p in CONTROLS])
 def test_healthy_control_is_healthy(dist_pool: Any, tmp_path: Path, name: str, kind: str, every: int | None) -> None:
