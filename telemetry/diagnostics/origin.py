@@ -38,6 +38,16 @@ AFTER = "after"
 INPUT = "input"
 CLIP = semconv.ORIGIN_WHERE_CLIP
 
+# [Note: the reduce's input in a wide dtype]
+# A reduce-scatter in float32 (or wider) sums finite grads to a finite result unless they are
+# near float32's limit (3.4e38), far past any grad a healthy or an overflowing fp16/bf16 model
+# makes; its output is non-finite only when an input was. Torch FSDP2's unsharded grads reduced in
+# such a dtype are therefore not checked before the reduce (a pass over world-size times a shard's
+# elements on every iteration: the largest part of the always-on checks' cost): a non-finite
+# reduce output whose input went unchecked is named as the backward of that unit. Grads reduced in
+# fp16 or bf16 are checked before, so a reduce that overflows is named as the reduce.
+WIDE_REDUCE_DTYPES = frozenset({torch.float32, torch.float64})
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -230,8 +240,12 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
             continue
         p = c.probe
         if p.stage == semconv.ORIGIN_REDUCE and p.when == AFTER:
-            # Named in the dtype it was reduced in (the input's): the output may be kept wider.
             dtype = _reduce_dtype(before_step, p.where)
+            if dtype is None:  # reduced in a wide dtype, unchecked before: [Note: the reduce's input in a wide dtype]
+                return _origin(
+                    c, f"its parameters' grads, reduced in {p.dtype}, which adds no overflow", semconv.ORIGIN_BACKWARD
+                )
+            # Named in the dtype it was reduced in (the input's): the output may be kept wider.
             return replace(_origin(c, f"finite before the reduce-scatter in {dtype}, non-finite after it"), dtype=dtype)
         if p.stage == semconv.ORIGIN_REDUCE:  # grads the backward left, about to be reduced
             return _origin(c, "its parameters' grads, before the reduce-scatter", semconv.ORIGIN_BACKWARD)
@@ -306,11 +320,12 @@ def _reduced_without_output_check(checks: Sequence[Checked], where: str) -> bool
     return BEFORE in stages and AFTER not in stages
 
 
-def _reduce_dtype(checks: Sequence[Checked], where: str) -> str:
+def _reduce_dtype(checks: Sequence[Checked], where: str) -> str | None:
+    """The dtype ``where``'s grads were reduced in, as checked before the reduce (``None``: unchecked)."""
     for c in checks:
         if c.probe.stage == semconv.ORIGIN_REDUCE and c.probe.where == where and c.probe.when == BEFORE:
             return c.probe.dtype
-    return "?"
+    return None
 
 
 def _consumer(checks: Sequence[Checked], unit: str, microbatch: int) -> str | None:

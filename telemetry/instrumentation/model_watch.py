@@ -51,6 +51,7 @@ from ..diagnostics.origin import (
     BEFORE,
     CLIP,
     INPUT,
+    WIDE_REDUCE_DTYPES,
     Checked,
     Origin,
     ProbeLog,
@@ -282,7 +283,8 @@ class ModelWatch:
     def _patch_fsdp2_post_backward(self, group: Any, name: str) -> None:
         """FSDP2 reduces inside its group's ``post_backward``: check the unsharded grads it is about
         to reduce, in the dtype it reduces them in (an instance attribute over the class's method;
-        removed by :meth:`remove`)."""
+        removed by :meth:`remove`). Grads reduced in float32 or wider are not checked here: see
+        [Note: the reduce's input in a wide dtype]."""
         original = type(group).post_backward
         watch_ref = weakref.ref(self)
 
@@ -292,7 +294,7 @@ class ModelWatch:
                 dtype = getattr(group, "_reduce_dtype", None)
                 for fsdp_param in group.fsdp_params:
                     grad = _fsdp2_unsharded_grad(fsdp_param)
-                    if grad is not None:
+                    if grad is not None and (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES:
                         checked = grad if dtype is None else grad.to(dtype)
                         watch.log.check(semconv.ORIGIN_REDUCE, name, checked, BEFORE)
             return original(group, *args, **kwargs)

@@ -116,6 +116,19 @@ def test_a_reduce_whose_output_is_not_checked_is_named_from_the_grads_at_the_ste
     assert where(got) == (semconv.ORIGIN_REDUCE, "blocks.0"), got
 
 
+def test_grads_reduced_in_float32_unchecked_before_are_named_as_their_units_backward() -> None:
+    """torch FSDP2's grads reduced in float32 are not checked before the reduce (a float32 sum of
+    finite grads does not overflow): a non-finite reduce output is then its unit's backward, not the
+    reduce, whatever the reduce dtype of the other units."""
+    checks = [x for x in healthy_iteration(r_b0_after=NAN, at_step_b0=NAN) if (x.probe.when, x.probe.where) != (BEFORE, "blocks.0") or x.probe.stage != RED]  # fmt: skip
+    origin = find_origin(checks)
+    got = None if origin is None else (origin.stage, origin.where, origin.dtype, "reduced in float32" in origin.detail)
+    want = (BWD, "blocks.0", "float32", True)
+    assert got == want, f"want {want}, got {got} ({origin})"
+    still_checked = find_origin(healthy_iteration(r_b0_after=INF, at_step_b0=INF))
+    assert where(still_checked) == (semconv.ORIGIN_REDUCE, "blocks.0"), f"a checked fp16 reduce: {still_checked}"
+
+
 def _at_step(checks: list[Checked], **values: float) -> list[Checked]:
     """``checks`` with the main grads at the step of the groups named (``blocks_0=0.0``) added."""
     added = [c(GW, where.replace("_", "."), value, dtype="float32") for where, value in values.items()]
