@@ -81,3 +81,25 @@ def test_telemetry_overhead_refuses_settings_it_cannot_pair() -> None:
     assert run.returncode == 2, f"--settings on,attribution: exit {run.returncode}\n{run.stderr[-2000:]}"
     want = "want off first, then on and any of off, on, diagnostics, attribution"
     assert want in run.stderr, run.stderr
+
+
+def test_origin_checks_own_time_counts_outermost_calls_once_and_restores_exactly() -> None:
+    """``benchmarks.origin_checks``' own-time timer: a check made inside a timed hook is counted
+    with the hook, not again; every entry point is the original again afterwards."""
+    from fsdp_patch.telemetry import semconv
+    from fsdp_patch.telemetry.diagnostics.origin import ProbeLog
+
+    from benchmarks.origin_checks import _OwnTime
+
+    originals = {(owner, name): owner.__dict__[name] for owner, name in _OwnTime.ENTRY_POINTS}
+    calls: list[str] = []
+    with _OwnTime() as own:
+        log = ProbeLog()
+        timed_check = ProbeLog.check
+        assert timed_check is not originals[(ProbeLog, "check")], "ProbeLog.check is not timed inside the timer"
+        nested = own._timed(lambda: (calls.append("outer"), log.check(semconv.ORIGIN_LOSS, "loss", torch.ones(3))))
+        nested()
+        got = (calls, len(log), own._depth, own.seconds > 0.0)
+    assert got == (["outer"], 1, 0, True), f"calls, checks logged, depth after, time counted: {got}"
+    restored = {key: key[0].__dict__[key[1]] is original for key, original in originals.items()}
+    assert all(restored.values()), f"entry points not restored: {[k[1] for k, ok in restored.items() if not ok]}"

@@ -292,11 +292,11 @@ class ModelWatch:
             watch = watch_ref()
             if watch is not None:
                 dtype = getattr(group, "_reduce_dtype", None)
-                for fsdp_param in group.fsdp_params:
-                    grad = _fsdp2_unsharded_grad(fsdp_param)
-                    if grad is not None and (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES:
-                        checked = grad if dtype is None else grad.to(dtype)
-                        watch.log.check(semconv.ORIGIN_REDUCE, name, checked, BEFORE)
+                grads = [g for p in group.fsdp_params if (g := _fsdp2_unsharded_grad(p)) is not None]
+                watch.log.check_all(semconv.ORIGIN_REDUCE, [
+                    (name, grad if dtype is None else grad.to(dtype), BEFORE, "")
+                    for grad in grads if (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES
+                ])  # fmt: skip
             return original(group, *args, **kwargs)
 
         group.post_backward = post_backward
@@ -320,12 +320,11 @@ class ModelWatch:
             result = original(state, *args, **kwargs)
             watch = watch_ref()
             if watch is not None:
-                for name, group in units:
-                    for fsdp_param in group.fsdp_params:
-                        grad = getattr(fsdp_param.sharded_param, "grad", None)
-                        if grad is not None:
-                            watch.log.check(semconv.ORIGIN_REDUCE, name, grad, AFTER)
-                            watch._seen(grad, grad=True)
+                reduced = [(name, grad) for name, group in units for fsdp_param in group.fsdp_params
+                           if (grad := getattr(fsdp_param.sharded_param, "grad", None)) is not None]  # fmt: skip
+                watch.log.check_all(semconv.ORIGIN_REDUCE, [(name, grad, AFTER, "") for name, grad in reduced])
+                for _, grad in reduced:
+                    watch._seen(grad, grad=True)
             return result
 
         state.__dict__["_root_post_backward_final_callback"] = final_callback
@@ -354,22 +353,24 @@ class ModelWatch:
         Args:
             groups: ``(name, main grads, main weights)`` per group the optimizer steps.
         """
-        for name, grads, _, _ in groups:
-            for grad in grads:
-                if not self.unchanged(grad, grad=True):
-                    self.log.check(semconv.ORIGIN_GRAD_WRITE, name, grad)
+        self.log.check_all(semconv.ORIGIN_GRAD_WRITE, [
+            (name, grad, "", "") for name, grads, _, _ in groups for grad in grads
+            if not self.unchanged(grad, grad=True)
+        ])  # fmt: skip
         # Per parameter: a write between steps spreads through this step's update, so the
         # parameter written is known only now. Checked every step: writes through ``.data`` (a
         # load, an EMA, a manual edit) leave the version counter where it was.
-        for name, _, _, params in groups:
-            for param_name, weight in params:
-                self.log.check(semconv.ORIGIN_WEIGHT_WRITE, param_name, weight, BEFORE, group=name)
+        self.log.check_all(semconv.ORIGIN_WEIGHT_WRITE, [
+            (param_name, weight, BEFORE, name) for name, _, _, params in groups for param_name, weight in params
+        ])  # fmt: skip
 
     def check_step_end(self, groups: Sequence[CheckedGroup]) -> None:
         """After the update: each group's main weights."""
-        for name, _, weights, _ in groups:
+        self.log.check_all(semconv.ORIGIN_WEIGHT_WRITE, [
+            (name, weight, AFTER, "") for name, _, weights, _ in groups for weight in weights
+        ])  # fmt: skip
+        for _, _, weights, _ in groups:
             for weight in weights:
-                self.log.check(semconv.ORIGIN_WEIGHT_WRITE, name, weight, AFTER)
                 self._seen(weight)
 
     # A grad checked already and not written since holds what that check saw: torch FSDP2's from

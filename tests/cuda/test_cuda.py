@@ -3,6 +3,7 @@
 - ``fully_shard`` trains like torch's FSDP2 on CUDA (fp32, AdamW; losses and weights within 1e-6).
 - The adapter on CUDA tensors equals the hand-cast reference bit for bit (bf16 compute, fp32 main,
   bf16 grads), and the compute copy is the main weights cast.
+- The origin checks of a list, fused on CUDA, read as one check per tensor.
 - Telemetry's step durations on CUDA come from CUDA events: non-zero, and close to (never above) a
   measurement of the same steps between ``torch.cuda.synchronize()`` calls.
 """
@@ -196,3 +197,13 @@ def test_step_durations_are_cuda_event_times_close_to_a_synchronized_measurement
     # The events bracket the step on the stream, so they see the host's issuing time as well as
     # the kernels: close to the synchronized host time, and not above it (beyond timer resolution).
     assert 0.5 * host <= device <= 1.02 * host + 1e-3, f"CUDA events {device:.6f} s vs synchronized host {host:.6f} s"
+
+
+def test_fused_checks_read_as_one_check_per_tensor_on_cuda(on_cuda: Any) -> None:
+    """On CUDA the origin checks of a list are one ``torch._foreach_norm(inf)``
+    ([Note: one fused reduction per list on a GPU]): they read as one ``aminmax`` per tensor."""
+    from tests.telemetry.test_origin_checks import check_all_against_check
+
+    got = on_cuda(check_all_against_check, "cuda")
+    assert got["many"] == got["one"], f"fused {got['many']} != one check per tensor {got['one']}"
+    assert len(got["one"]) == 5, f"want 5 checked tensors (empty and integer skipped), got {got['one']}"

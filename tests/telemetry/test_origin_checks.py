@@ -9,6 +9,7 @@ with the value each held; :func:`find_origin` names the stage and the place.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -169,3 +170,36 @@ def test_the_log_reads_back_each_check_in_order() -> None:
     got = [(x.probe.where, x.probe.dtype, x.probe.microbatch, x.finite, x.nan) for x in log.read(log.stacked())]
     want = [("a", "float32", 0, True, False), ("b", "bfloat16", 0, False, True), ("loss", "float32", 1, False, False)]
     assert got == want, f"want {want}, got {got}"
+
+
+def check_all_against_check(device: str) -> dict[str, Any]:
+    """What :meth:`ProbeLog.check_all` and one :meth:`ProbeLog.check` per tensor read of the same
+    tensors on ``device`` (a CUDA device takes the fused path): finite, NaN, magnitude, all zero."""
+    tensors = {
+        "finite": torch.tensor([-3.0, 2.0, 0.5]),
+        "nan": torch.tensor([1.0, math.nan, -2.0]),
+        "inf": torch.tensor([1.0, -math.inf]),
+        "zeros": torch.zeros(4),
+        "bf16": torch.tensor([-70000.0, 1.0]).to(torch.bfloat16),
+        "empty": torch.zeros(0),
+        "ints": torch.arange(3),
+    }
+    items = [(name, t.to(device), "", "") for name, t in tensors.items()]
+    one, many = ProbeLog(), ProbeLog()
+    for where, t, when, group in items:
+        one.check(RED, where, t, when, group)
+    many.check_all(RED, items)
+
+    def summary(log: ProbeLog) -> list[tuple[Any, ...]]:
+        stacked = log.stacked()
+        return [(x.probe.where, x.probe.dtype, x.finite, x.nan, "nan" if x.nan else x.magnitude, x.low == 0.0 and x.high == 0.0)
+                for x in log.read(None if stacked is None else stacked.cpu())]  # fmt: skip
+
+    return {"one": summary(one), "many": summary(many)}
+
+
+def test_check_all_reads_as_one_check_per_tensor() -> None:
+    got = check_all_against_check("cpu")
+    assert got["many"] == got["one"], f"check_all {got['many']} != check per tensor {got['one']}"
+    wheres = [row[0] for row in got["one"]]
+    assert wheres == ["finite", "nan", "inf", "zeros", "bf16"], f"checked (empty and integer skipped): {wheres}"
