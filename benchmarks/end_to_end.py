@@ -1,6 +1,6 @@
 """Case 6: ``fully_shard`` + the adapter against torch FSDP2, end to end, on the main job's transformer.
 
-Both train ``fsdp_patch.demo.model.GPT`` with bf16 compute and fp32 main weights under AdamW, on
+Both train ``fsdp_patch.app.demo.model.GPT`` with bf16 compute and fp32 main weights under AdamW, on
 2 gloo ranks (on CUDA: one rank per GPU, at most 2), with 1 and 4 microbatches per step
 (gradient sync on the last one only):
 
@@ -54,8 +54,9 @@ def _device() -> torch.device:
 def _ours(
     config: Any, reduce: torch.dtype, overlap: dict[str, int] | None, compute_copy: str = "persistent"
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from fsdp_patch.app.demo.model import GPT, shard
+
     from fsdp_patch import MixedPrecisionPolicy
-    from fsdp_patch.demo.model import GPT, shard
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     torch.manual_seed(0)
@@ -70,9 +71,8 @@ def _ours(
 
 
 def _fsdp2(config: Any, reduce: torch.dtype) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from fsdp_patch.app.demo.model import GPT
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from fsdp_patch.demo.model import GPT
 
     torch.manual_seed(0)
     model = GPT(config).to(_device())
@@ -99,7 +99,7 @@ def _train_step(
 ) -> float:
     """One optimizer step over ``microbatches``; with ``clock``, appends the seconds of each of
     :data:`PHASES` (summed over microbatches) to ``phases``: where the step's time goes."""
-    from fsdp_patch.demo.model import lm_loss
+    from fsdp_patch.app.demo.model import lm_loss
 
     spent = dict.fromkeys(PHASES, 0.0)
 
@@ -126,7 +126,7 @@ def _train_step(
 
 def _batches(config: Any, rows: int, count: int, microbatches: int) -> list[list[torch.Tensor]]:
     """Per step, this rank's rows split into microbatches."""
-    from fsdp_patch.demo.data import synthetic_batches
+    from fsdp_patch.app.demo.data import synthetic_batches
 
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = synthetic_batches(config, rows * world, count)
@@ -241,7 +241,7 @@ def _memory(config: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 def rank_main(spec: dict[str, Any], out_dir: str) -> None:
     """One rank's measurements, written to ``out_dir/rank{R}.json``."""
-    from fsdp_patch.demo.model import GPTConfig
+    from fsdp_patch.app.demo.model import GPTConfig
 
     config = GPTConfig(**spec["model"])
     result = {"memory": _memory(config, spec), "timing": _timings(config, spec)}
@@ -256,8 +256,8 @@ def _bitwise(a: list[float], b: list[float]) -> bool:
 def run(device: str, quick: bool) -> CaseResult:
     """Spawns the ranks, gathers their figures, and makes the table's rows (rank 0's times;
     memory: the largest rank)."""
-    from fsdp_patch.demo.launch import run_ranks
-    from fsdp_patch.demo.model import GPTConfig
+    from fsdp_patch.app.demo.launch import run_ranks
+    from fsdp_patch.app.demo.model import GPTConfig
 
     spec = dict(QUICK if quick else FULL)
     world = min(2, torch.cuda.device_count()) if device == "cuda" else 2

@@ -28,9 +28,8 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-
-from fsdp_patch.demo.data import synthetic_batches
-from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss
+from fsdp_patch.app.demo.data import synthetic_batches
+from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
 
 from .common import paired_ratio, process_group
 

@@ -37,13 +37,12 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from fsdp_patch.app.demo.data import synthetic_batches
+from fsdp_patch.app.demo.launch import run_ranks
+from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
 from fsdp_patch.telemetry.diagnostics.origin import ProbeLog
 from fsdp_patch.telemetry.instrumentation.iterations import IterationWatch
 from fsdp_patch.telemetry.instrumentation.model_watch import ModelWatch
-
-from fsdp_patch.demo.data import synthetic_batches
-from fsdp_patch.demo.launch import run_ranks
-from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss
 
 from .common import Clock, median, paired, paired_ratio, write_results
 from .telemetry_overhead import LARGE, _device, _quiet_telemetry
@@ -60,8 +59,9 @@ def _model(kind: str, config: GPTConfig) -> torch.nn.Module:
     torch.manual_seed(0)
     model = GPT(config).to(_device())
     if kind == "fully_shard":
+        from fsdp_patch.app.demo.model import shard
+
         from fsdp_patch import MixedPrecisionPolicy
-        from fsdp_patch.demo.model import shard
 
         # fp32 compute with bf16 main grads, as case 5: every step casts grads and stays fast on
         # CPUs without bf16 matrix units.

@@ -36,10 +36,9 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-
-from fsdp_patch.demo.data import synthetic_batches
-from fsdp_patch.demo.launch import run_ranks
-from fsdp_patch.demo.model import GPT, GPTConfig, lm_loss, shard
+from fsdp_patch.app.demo.data import synthetic_batches
+from fsdp_patch.app.demo.launch import run_ranks
+from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss, shard
 
 from .common import Clock, median, paired, paired_ratio, process_group, write_results
 

@@ -258,7 +258,7 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
     command = [sys.executable, "-m", "fsdp_patch", "demo", "--scenario", scenario, "--steps", str(steps),
                "--world-size", str(WORLD_SIZE), "--exporter", "prometheus", "--progress", "none",
                "--trace-dir", str(workdir / f"{scenario}.traces"), "--loss-log", str(loss_log)]  # fmt: skip
-    from fsdp_patch.demo.scenarios import SCENARIOS
+    from fsdp_patch.app.demo.scenarios import SCENARIOS
 
     plant = max(1, steps // 2) if SCENARIOS[scenario].plant else None  # the demo's default plant step
     result = ScenarioRun(scenario, EXPECTED[scenario], steps, plant)

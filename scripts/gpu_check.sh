@@ -166,10 +166,10 @@ install_wheels() {
     record "0 wheels" PASS "${#otel[@]} from $WHEELS"
 }
 
-install_checkout() {  # fsdp_patch built from a copy of the checkout into $SITE (telemetry/ becomes fsdp_patch.telemetry)
+install_checkout() {  # fsdp_patch built from a copy of the checkout into $SITE (telemetry/ and app/ become fsdp_patch.telemetry and fsdp_patch.app)
     local source="$SCRATCH/source" name
     mkdir -p "$source"
-    for name in pyproject.toml setup.py README.md fsdp_patch telemetry startup; do  # tests/package_source.py names the same
+    for name in pyproject.toml setup.py README.md fsdp_patch telemetry app startup; do  # tests/package_source.py names the same
         cp -R "$REPO/$name" "$source/$name"
     done
     local index=()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from fsdp_patch.app.demo.model import Block
 from torch import nn
-
-from fsdp_patch.demo.model import Block
 
 
 class TinyTransformer(nn.Module):

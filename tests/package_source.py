@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The metadata (pyproject.toml, setup.py, which puts the start-up hook's .pth beside the packages),
 # the README the metadata names, and the package folders.
-PACKAGE_FILES = ("pyproject.toml", "setup.py", "README.md", "fsdp_patch", "telemetry", "startup")
+PACKAGE_FILES = ("pyproject.toml", "setup.py", "README.md", "fsdp_patch", "telemetry", "app", "startup")
 
 
 def copy_package_source(dest: Path) -> Path:

@@ -124,7 +124,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 
 def test_command_line_is_the_pages():
-    from fsdp_patch.cli.parser import build_parser
+    from fsdp_patch.app.cli.parser import build_parser
 
     listed = [code_spans(r[0])[0].split() for r in table_rows(section("Command line"), "command")]
     commands = {words[1] for words in listed}
@@ -136,7 +136,7 @@ def test_command_line_is_the_pages():
     have = {opt for action in top["report"]._actions for opt in action.option_strings}
     assert report_options <= have, f"report options on the page {report_options}, the parser has {have}"
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts") if ep.name == "fsdp-patch"}
-    assert scripts == {"fsdp-patch": "fsdp_patch.cli:main"}, f"installed command: {scripts}"
+    assert scripts == {"fsdp-patch": "fsdp_patch.app.cli:main"}, f"installed command: {scripts}"
 
 
 def test_instrumentor_entry_point_is_installed_as_the_page_says():

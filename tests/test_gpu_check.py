@@ -73,10 +73,10 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
         return
     assert "no CUDA device: running what runs without one, skipping the CUDA parts" in log, log[:2000]
     tests_log = (out / "logs" / "1-cuda-tests.log").read_text()
-    assert "3 skipped" in tests_log and "scripts/gpu_check.sh runs the CUDA tests on a GPU machine" in tests_log, (
+    assert "4 skipped" in tests_log and "scripts/gpu_check.sh runs the CUDA tests on a GPU machine" in tests_log, (
         tests_log
     )
-    assert parts["1 CUDA tests"] == ("SKIP", "no CUDA device: 3 skipped, each saying why"), parts
+    assert parts["1 CUDA tests"] == ("SKIP", "no CUDA device: 4 skipped, each saying why"), parts
     for part in ("2 demo, torchrun", "2 demo, torchrun --resume"):
         status, detail = parts[part]
         assert status == "PASS" and "telemetry on, overall: healthy, last step" in detail, f"{part}: {status} {detail}"

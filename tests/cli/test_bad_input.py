@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from fsdp_patch.cli import main
-from fsdp_patch.demo import checkpoint
-from fsdp_patch.demo.config import TrainingConfig
+from fsdp_patch.app.cli import main
+from fsdp_patch.app.demo import checkpoint
+from fsdp_patch.app.demo.config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,12 +8,11 @@ import math
 
 import pytest
 import torch
-
-from fsdp_patch.demo.data import synthetic_batches, tokens_at
-from fsdp_patch.demo.model import GPTConfig
-from fsdp_patch.demo.options import DemoInputError, add_arguments, training_from_args
-from fsdp_patch.demo.progress import Progress
-from fsdp_patch.demo.schedule import WarmupCosine
+from fsdp_patch.app.demo.data import synthetic_batches, tokens_at
+from fsdp_patch.app.demo.model import GPTConfig
+from fsdp_patch.app.demo.options import DemoInputError, add_arguments, training_from_args
+from fsdp_patch.app.demo.progress import Progress
+from fsdp_patch.app.demo.schedule import WarmupCosine
 
 
 def test_warmup_then_cosine_to_the_floor() -> None:

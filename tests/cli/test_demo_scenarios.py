@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fsdp_patch.app.demo.scenarios import SCENARIOS
 from fsdp_patch.telemetry.offline.precision_report import report_json
-
-from fsdp_patch.demo.scenarios import SCENARIOS
 
 pytestmark = [pytest.mark.long, pytest.mark.timeout(1200)]
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_patch.app.demo.train import _NaNInBackward  # the demo's backward-nan plant
 
-from fsdp_patch.demo.train import _NaNInBackward  # the demo's backward-nan plant
 from tests import models
 from tests.integration.otel_training import environment, reset_otel
 

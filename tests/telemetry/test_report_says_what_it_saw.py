@@ -13,13 +13,12 @@ from pathlib import Path
 import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
+from fsdp_patch.app.cli import main as cli_main
 from fsdp_patch.telemetry import OptimizerObserver, env, precision_thresholds
 from fsdp_patch.telemetry.diagnostics import rows
 from fsdp_patch.telemetry.export import providers
 from fsdp_patch.telemetry.offline import precision_report
 from telemetry_testing import Group, fake_optimizer, run_fake_step
-
-from fsdp_patch.cli import main as cli_main
 
 FP16_RANGE_FINDING = precision_thresholds.BY_CHECK["grad_amax_fp16"].finding
 NONFINITE_FINDING = precision_thresholds.BY_CHECK["nonfinite"].finding

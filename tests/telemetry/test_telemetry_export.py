@@ -13,6 +13,7 @@ import urllib.request
 import fsdp_patch.telemetry as telemetry
 import pytest
 import torch
+from fsdp_patch.app import cli
 from fsdp_patch.telemetry import OptimizerObserver, semconv
 from fsdp_patch.telemetry.export import exit_hooks, exporters, providers, trace_files
 from fsdp_patch.telemetry.export.isolation import GuardedSpanExporter, WarnOnce, run_bounded
@@ -26,7 +27,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from telemetry_testing import Group, fake_optimizer, metric_points, run_fake_step
 
-from fsdp_patch import cli
 from tests.silent_collector import BOUND_S, SilentCollector
 
 STEP_NAMES = {semconv.SPAN_STEP, *semconv.STEP_PHASE_SPANS} - {semconv.SPAN_PRECISION}

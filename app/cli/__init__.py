@@ -32,7 +32,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ..telemetry.offline.precision_report import report, report_json
+    from fsdp_patch.telemetry.offline.precision_report import report, report_json
 
     if args.lines < 1:
         raise UsageError(f"fsdp-patch report: --lines {args.lines} is too small; expected an integer >= 1")
@@ -46,7 +46,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from ..telemetry.offline.trace_conversion import merge_chrome_traces, write_jaeger
+    from fsdp_patch.telemetry.offline.trace_conversion import merge_chrome_traces, write_jaeger
 
     if args.trace_command == "merge":
         print(f"wrote {merge_chrome_traces(args.inputs, args.output)} events to {args.output}")
@@ -67,8 +67,9 @@ def _prog(args: argparse.Namespace | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (2 for bad input, with one line on stderr)."""
+    from fsdp_patch.telemetry.offline.trace_reading import TraceFileError
+
     from ..demo.options import DemoInputError
-    from ..telemetry.offline.trace_reading import TraceFileError
 
     parser = build_parser()
     args: argparse.Namespace | None = None

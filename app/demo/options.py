@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..mixed_precision import COMPUTE_COPY_LIFETIMES
+from fsdp_patch.mixed_precision import COMPUTE_COPY_LIFETIMES
+
 from .config import DTYPES, RunOptions, TrainingConfig, dtype_name
 from .scenarios import SCENARIOS
 

@@ -72,7 +72,7 @@ def _prepare_loss_log(path: str, resume: bool) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the demo as ``args`` (from :func:`fsdp_patch.demo.options.add_arguments`) asks.
+    """Run the demo as ``args`` (from :func:`fsdp_patch.app.demo.options.add_arguments`) asks.
 
     Raises:
         DemoInputError: Bad input, before any rank starts.

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..optimizer import init_optimizer_state
+from fsdp_patch.optimizer import init_optimizer_state
+
 from .config import TrainingConfig
 from .options import DemoInputError
 

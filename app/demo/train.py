@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import FSDPModule, MixedPrecisionPolicy
-from ..optimizer import fully_shard_optimizer
+from fsdp_patch import FSDPModule, MixedPrecisionPolicy
+from fsdp_patch.optimizer import fully_shard_optimizer
+
 from . import checkpoint
 from .config import RunOptions, TrainingConfig
 from .data import tokens_at
