@@ -11,8 +11,9 @@ its observer seam, is ``test_core_without_telemetry.py``'s; telemetry's own laye
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from tests.import_statements import import_statements
 
 REPO = Path(__file__).resolve().parents[1]
 # Folder -> the package it installs as.
@@ -21,18 +22,13 @@ ENTRY_POINT = REPO / "fsdp_patch" / "__main__.py"
 
 
 def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in ``path``, a module of ``package`` (relative ones
-    resolved; ``from P import x`` counts as ``P.x``, which names a module or a name of ``P``)."""
-    parts = package.split(".")
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = parts[: len(parts) - node.level + 1] if node.level else []
-            module = ".".join([*base, node.module] if node.module else base)
-            found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
-    return found
+    """(line, absolute module) of every import in ``path``, a module of ``package``; ``from P import x``
+    counts as ``P.x``, which names a module or a name of ``P``."""
+    return [
+        (line, f"{module}.{name}" if names else module)
+        for line, module, names in import_statements(path, package)
+        for name in (names or [""])
+    ]
 
 
 def upward_imports(folder: Path, package: str, forbidden: str) -> list[str]:

@@ -11,8 +11,9 @@ Within a layer too, no module imports itself back through a chain of others.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from tests.import_statements import import_statements
 
 TELEMETRY = Path(__file__).resolve().parents[1] / "telemetry"
 LAYERS = ("", "offline", "diagnostics", "export", "instrumentation")  # "" is the bottom: the top-level modules
@@ -27,19 +28,14 @@ def _layer_of(path: Path) -> str:
 
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module) of every import in ``path``, relative ones resolved within telemetry/."""
-    package = ["fsdp_patch", "telemetry", *path.relative_to(TELEMETRY).parts[:-1]]
+    package = ".".join(["fsdp_patch", "telemetry", *path.relative_to(TELEMETRY).parts[:-1]])
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            module = ".".join([*base, node.module] if node.module else base)
-            if _layer_of_module(module) is not None and _is_package(module):
-                # "from <package> import x": x is a module of it, else a name of the package itself.
-                found += [(node.lineno, _name_in(module, a.name)) for a in node.names]
-            else:
-                found.append((node.lineno, module))
+    for line, module, names in import_statements(path, package):
+        if names and _layer_of_module(module) is not None and _is_package(module):
+            # "from <package> import x": x is a module of it, else a name of the package itself.
+            found += [(line, _name_in(module, name)) for name in names]
+        else:
+            found.append((line, module))
     return found
 
 
