@@ -12,7 +12,7 @@ A check shares nothing with a model it does not watch, so each setting trains a 
 own: two identical models (one seed), steps alternating between them in rounds; a model built
 second runs a few percent slower on a CPU (where its memory lands), so the measurement is made
 twice, each setting built first once, and the ratio is the mean of the two medians of per-round
-ratios. That ratio's spread from run to run on a shared 2-core CPU is several percent, as large
+ratios. That ratio's spread from run to run on a 2-core CPU is several percent, as large
 as the target; so the checks' own time is measured too, with less spread: the wall time spent
 inside the checks (every hook and step entry point of the model watch and the iteration watch,
 timed at the outermost call only, so that nothing counts twice) over the step time, on the model
