@@ -131,15 +131,17 @@ class ProbeLog:
     the Python around it (tens of microseconds), against a pass over memory that takes
     microseconds. A list of tensors on one CUDA device is therefore checked by one
     ``torch._foreach_norm(tensors, inf)``, each tensor's largest magnitude (NaN when it holds a
-    NaN, Inf when an Inf), recorded as the pair ``(-peak, peak)``: finite, NaN, magnitude and
-    all-zero read the same as from ``aminmax``. On a CPU that call is 13x slower than one
-    ``aminmax`` per tensor, which stays.
+    NaN, Inf when an Inf), stacked into one 1-d tensor and read back as the pair ``(-peak, peak)``:
+    finite, NaN, magnitude and all-zero read the same as from ``aminmax``. On a CPU that call is
+    13x slower than one ``aminmax`` per tensor, which stays.
     """
 
     def __init__(self) -> None:
         self._probes: list[Probe] = []
-        self._values: list[torch.Tensor] = []  # per probe, its least and greatest element (or its peak twice)
-        self._peaks: list[bool] = []  # per probe, whether its values are its peak magnitude twice
+        # In probe order: 0-d values (an aminmax probe's least and greatest element) and 1-d
+        # tensors (a fused list's peaks, one per probe).
+        self._values: list[torch.Tensor] = []
+        self._peaks: list[bool] = []  # per probe, whether it holds one peak magnitude (else two values)
         self.microbatch = 0
 
     def __len__(self) -> int:
@@ -175,31 +177,49 @@ class ProbeLog:
             self._peaks.extend([False] * len(probes))
             return
         with torch.no_grad():
-            peaks = torch._foreach_norm(data, math.inf)
-        for peak in peaks:
-            self._values.extend((peak, peak))
+            self._values.append(torch.stack(torch._foreach_norm(data, math.inf)))
         self._probes.extend(probes)
         self._peaks.extend([True] * len(probes))
 
     def stacked(self) -> torch.Tensor | None:
-        """Every check's ``(min, max)`` as one 1-d float64 tensor on the first check's device (``None``
-        when nothing was checked); launches the stacking only, copies nothing to the host unless
-        checks ran on several devices."""
+        """Every check's values (an aminmax probe's min and max, a fused probe's peak) as one 1-d
+        float64 tensor on the first check's device (``None`` when nothing was checked); launches
+        the stacking only, copies nothing to the host unless checks ran on several devices."""
         if not self._values:
             return None
         device = self._values[0].device
-        values = [v if v.device == device else v.to(device) for v in self._values]
-        return torch.stack(values).to(torch.float64)
+        # Runs of 0-d values stacked, 1-d ones as they are, all joined: one op per run.
+        segments: list[torch.Tensor] = []
+        run: list[torch.Tensor] = []
+        for value in self._values:
+            value = value if value.device == device else value.to(device)
+            if value.dim() == 0:
+                run.append(value)
+                continue
+            if run:
+                segments.append(torch.stack(run))
+                run = []
+            segments.append(value)
+        if run:
+            segments.append(torch.stack(run))
+        joined = segments[0] if len(segments) == 1 else torch.cat(segments)
+        return joined.to(torch.float64)
 
     def read(self, stacked: torch.Tensor | None) -> list[Checked]:
         """Every probe with its values from :meth:`stacked` (on the host by now), in order."""
         if stacked is None:
             return []
         host = stacked.tolist()
-        return [
-            Checked(p, -host[2 * i] if peak else host[2 * i], host[2 * i + 1])
-            for i, (p, peak) in enumerate(zip(self._probes, self._peaks, strict=True))
-        ]
+        checked = []
+        index = 0
+        for probe, peak in zip(self._probes, self._peaks, strict=True):
+            if peak:
+                checked.append(Checked(probe, -host[index], host[index]))
+                index += 1
+            else:
+                checked.append(Checked(probe, host[index], host[index + 1]))
+                index += 2
+        return checked
 
 
 def _checkable(tensor: torch.Tensor) -> torch.Tensor | None:

@@ -185,21 +185,27 @@ def check_all_against_check(device: str) -> dict[str, Any]:
         "ints": torch.arange(3),
     }
     items = [(name, t.to(device), "", "") for name, t in tensors.items()]
-    one, many = ProbeLog(), ProbeLog()
+    one, many, mixed = ProbeLog(), ProbeLog(), ProbeLog()
     for where, t, when, group in items:
         one.check(RED, where, t, when, group)
     many.check_all(RED, items)
+    # Single checks around a list: their values interleave with the list's in the log.
+    mixed.check(RED, *items[0][:2])
+    mixed.check_all(RED, items[1:-1])
+    mixed.check(RED, *items[-1][:2])
+    mixed.check(RED, *items[-3][:2])
 
     def summary(log: ProbeLog) -> list[tuple[Any, ...]]:
         stacked = log.stacked()
         return [(x.probe.where, x.probe.dtype, x.finite, x.nan, "nan" if x.nan else x.magnitude, x.low == 0.0 and x.high == 0.0)
                 for x in log.read(None if stacked is None else stacked.cpu())]  # fmt: skip
 
-    return {"one": summary(one), "many": summary(many)}
+    return {"one": summary(one), "many": summary(many), "mixed": summary(mixed)}
 
 
 def test_check_all_reads_as_one_check_per_tensor() -> None:
     got = check_all_against_check("cpu")
     assert got["many"] == got["one"], f"check_all {got['many']} != check per tensor {got['one']}"
+    assert got["mixed"] == got["one"] + got["one"][-1:], f"mixed {got['mixed']} != {got['one']} then bf16 again"
     wheres = [row[0] for row in got["one"]]
     assert wheres == ["finite", "nan", "inf", "zeros", "bf16"], f"checked (empty and integer skipped): {wheres}"
