@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,3 +104,44 @@ def test_origin_checks_own_time_counts_outermost_calls_once_and_restores_exactly
     assert got == (["outer"], 1, 0, True), f"calls, checks logged, depth after, time counted: {got}"
     restored = {key: key[0].__dict__[key[1]] is original for key, original in originals.items()}
     assert all(restored.values()), f"entry points not restored: {[k[1] for k, ok in restored.items() if not ok]}"
+
+
+def test_determinism_soak_names_the_runs_whose_state_differs() -> None:
+    """``benchmarks.determinism_soak``'s summary: one state when every run's digests agree; a run
+    whose digest differs on any rank is named."""
+    from benchmarks.determinism_soak import summarize
+
+    same = [
+        {"run": r, "setting": s, "digests": ["a", "b"]} for r in range(2) for s in ("telemetry_off", "telemetry_on")
+    ]
+    assert summarize(same) == {"runs": 4, "distinct_states": 1, "differ_from_first": []}, summarize(same)
+    differing = [*same[:3], {"job": 1, "run": 1, "setting": "telemetry_on", "digests": ["a", "c"]}]
+    got = summarize(differing)
+    assert got == {"runs": 4, "distinct_states": 2, "differ_from_first": ["job 1 run 1 telemetry_on"]}, got
+
+
+@pytest.mark.long
+def test_determinism_soak_runs_and_every_run_holds_one_state(tmp_path: Path) -> None:
+    """Two jobs of one run per setting on 2 ranks (overlap, 2 microbatches, telemetry on and off):
+    one digest per rank for all four, in the table and the JSON."""
+    out = tmp_path / "soak-WORLD.json"
+    args = [
+        "--jobs",
+        "2",
+        "--runs",
+        "1",
+        "--world-sizes",
+        "2",
+        "--steps",
+        "3",
+        "--microbatches",
+        "2",
+        "--json",
+        str(out),
+    ]
+    run = subprocess.run([sys.executable, "-m", "benchmarks.determinism_soak", *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, f"determinism_soak exited {run.returncode}:\n{run.stderr[-3000:]}"
+    assert "| 2 | 4 (2 jobs x 1 per setting) | 3 x 2 | all bitwise equal | - |" in run.stdout, run.stdout
+    summary = json.loads((tmp_path / "soak-2.json").read_text())["summary"]
+    assert summary == {"runs": 4, "distinct_states": 1, "differ_from_first": []}, summary

@@ -1,0 +1,186 @@
+"""Determinism soak: the same training repeated, its final state compared bit for bit.
+
+Each run trains the demo's transformer from one seed on every rank of a job (bf16 compute, fp32
+main weights, bf16 main grads, AdamW through the adapter), with overlap on (prefetching
+all-gathers, reduce-scatters left in flight while backward goes on) and several microbatches per
+step (gradient sync off but for the last), alternately with telemetry on (the precision
+diagnostics and the per-iteration checks at every step) and off. At its end, every rank hashes
+its shards of the main weights and its optimizer state (SHA-256 of their bytes); the runs of a
+job must all hold one digest per rank: telemetry on and off alike, every repetition alike. A
+difference would be a race (an asynchronous reduce-scatter, a prefetch, the final step) or state
+telemetry changes; the table says which runs differ, and from which.
+
+Each job is one process per rank running its runs one after another (fresh models, a fresh
+optimizer each); several jobs per world size (fresh processes each), all compared with the first
+run of the first job. Usage::
+
+    python -m benchmarks.determinism_soak [--jobs 3] [--runs 10] [--world-sizes 2 4] [--steps 6] [--microbatches 3] [--json out-WORLD.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from fsdp_patch.app.demo.data import synthetic_batches
+from fsdp_patch.app.demo.launch import run_ranks
+from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss, shard
+
+from .common import device_name
+from .telemetry_overhead import _quiet_telemetry
+
+CONFIG = GPTConfig(vocab=1024, dim=128, heads=4, layers=3, seq=32)
+# Telemetry on: diagnostics and checks on every step, so that they run beside each reduce.
+SETTINGS: dict[str, dict[str, str]] = {
+    "telemetry_off": {"FSDP_PATCH_TELEMETRY": "0"},
+    "telemetry_on": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"},
+}
+
+
+def _digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of this rank's main-weight shards and optimizer state, in a fixed order."""
+    sha = hashlib.sha256()
+
+    def add(tensor: torch.Tensor) -> None:
+        local = getattr(tensor, "_local_tensor", tensor).detach().contiguous().cpu()
+        sha.update(str((local.dtype, tuple(local.shape))).encode())
+        sha.update(local.reshape(-1).view(torch.uint8).numpy().tobytes() if local.numel() else b"")
+
+    for name, param in sorted(model.named_parameters()):
+        sha.update(name.encode())
+        add(param)
+    for state in optimizer.state.values():
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, torch.Tensor):
+                sha.update(key.encode())
+                add(value)
+    return sha.hexdigest()
+
+
+def train_once(setting: str, steps: int, microbatches: int) -> tuple[list[float], str]:
+    """One run on this rank: the losses it saw and its final state's digest."""
+    from fsdp_patch import MixedPrecisionPolicy
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG).to(torch.bfloat16)
+    shard(model, mp_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    with mock.patch.dict(os.environ, SETTINGS[setting]):
+        fully_shard_optimizer(optimizer)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = 2 * microbatches * world
+    losses = []
+    for tokens in synthetic_batches(CONFIG, rows, steps):
+        mine = tokens[rank::world]
+        for index, part in enumerate(mine.chunk(microbatches)):
+            model.set_requires_gradient_sync(index == microbatches - 1)
+            loss = lm_loss(model, part)
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, _digest(model, optimizer)
+
+
+def soak_on_ranks(runs: int, steps: int, microbatches: int) -> list[dict[str, Any]] | None:
+    """``runs`` runs per setting, alternating; rank 0 returns every run's digests (one per rank)."""
+    out = []
+    with _quiet_telemetry():
+        for run in range(runs):
+            for setting in SETTINGS:
+                losses, digest = train_once(setting, steps, microbatches)
+                digests: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(digests, digest)
+                out.append({"run": run, "setting": setting, "digests": digests, "last_loss": losses[-1]})
+    return out if dist.get_rank() == 0 else None
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The distinct final states among the runs, and which runs differ from the first."""
+    first = results[0]["digests"]
+    differing = [f"job {r.get('job', 0)} run {r['run']} {r['setting']}" for r in results if r["digests"] != first]
+    return {
+        "runs": len(results),
+        "distinct_states": len({tuple(r["digests"]) for r in results}),
+        "differ_from_first": differing,
+    }
+
+
+def _job(runs: int, steps: int, microbatches: int, job: int, results_path: str) -> None:
+    results = soak_on_ranks(runs, steps, microbatches)
+    if results is not None:
+        with open(results_path, "a", encoding="utf-8") as f:
+            for result in results:
+                f.write(json.dumps({"job": job, **result}) + "\n")
+
+
+def _write_json(
+    json_path: str, world: int, args: argparse.Namespace, summary: dict[str, Any], results: list[Any]
+) -> None:
+    """The JSON of one world size's jobs, written as the benchmarks write theirs (outside the ranks)."""
+    document = {
+        "benchmark": "determinism_soak",
+        "device": device_name("cpu"),
+        "world_size": world,
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "jobs": args.jobs,
+        "runs_per_setting_and_job": args.runs,
+        "steps": args.steps,
+        "microbatches": args.microbatches,
+        "summary": summary,
+        "results": results,
+    }
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+    print(f"wrote {json_path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=3, help="jobs per world size (fresh processes each)")
+    parser.add_argument("--runs", type=int, default=10, help="runs per setting in each job")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--microbatches", type=int, default=3)
+    parser.add_argument(
+        "--json", default=None, help="write each world size's runs as JSON (WORLD replaced by the size)"
+    )
+    args = parser.parse_args(argv)
+    for name in ("jobs", "runs", "steps", "microbatches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)} is too small; expected an integer >= 1")
+    if any(w < 1 for w in args.world_sizes):
+        parser.error(f"--world-sizes {args.world_sizes}: each must be an integer >= 1")
+    print("| ranks | runs | steps x microbatches | final weights and optimizer state | runs that differ |")
+    print("| --- | --- | --- | --- | --- |")
+    for world in args.world_sizes:
+        with tempfile.TemporaryDirectory() as scratch:
+            results_path = os.path.join(scratch, "runs.jsonl")
+            for job in range(args.jobs):
+                run_ranks(_job, world, args.runs, args.steps, args.microbatches, job, results_path)
+            with open(results_path, encoding="utf-8") as f:
+                results = [json.loads(line) for line in f]
+        summary = summarize(results)
+        states = summary["distinct_states"]
+        verdict = "all bitwise equal" if states == 1 else f"{states} distinct states"
+        print(f"| {world} | {summary['runs']} ({args.jobs} jobs x {args.runs} per setting) | {args.steps} x "
+              f"{args.microbatches} | {verdict} | {', '.join(summary['differ_from_first']) or '-'} |", flush=True)  # fmt: skip
+        if args.json:
+            _write_json(args.json.replace("WORLD", str(world)), world, args, summary, results)
+
+
+if __name__ == "__main__":
+    main()
