@@ -70,7 +70,7 @@ test-torch:
 
 # The tests that run past the suite's budget (marked `long`: every demo scenario through the
 # command, the healthy controls diagnosed every step, the determinism soak at a small size), about
-# two and a half minutes on 2 cores.
+# three and a half minutes on 2 cores.
 test-long: setup
 	$(VENV_PYTHON) -m pytest -m long
 
