@@ -179,15 +179,19 @@ def device_slug(device: str) -> str:
     return re.sub(r"[^a-z0-9_]+", "-", device_name(device).lower()).strip("-")
 
 
-def write_results(json_path: str, benchmark: str, results: dict[str, Any]) -> None:
-    """Write one benchmark's figures as JSON, with the device, world, torch and timer they came from."""
+def write_results(json_path: str, benchmark: str, results: dict[str, Any], world_size: int | None = None) -> None:
+    """Write one benchmark's figures as JSON, with the device, world, torch and timer they came from.
+
+    On a rank the device and world are the process group's; outside the ranks (figures gathered
+    from several jobs) ``world_size`` names the world and the device is the CPU.
+    """
     import json
 
-    cuda = dist.get_backend() == "nccl"
+    cuda = world_size is None and dist.get_backend() == "nccl"
     document = {
         "benchmark": benchmark,
         "device": device_name("cuda" if cuda else "cpu"),
-        "world_size": dist.get_world_size(),
+        "world_size": dist.get_world_size() if world_size is None else world_size,
         "torch": torch.__version__,
         "timer": "cuda_events" if cuda else "perf_counter",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from typing import Any
 from unittest import mock
 
@@ -34,7 +33,7 @@ from fsdp_patch.app.demo.data import synthetic_batches
 from fsdp_patch.app.demo.launch import run_ranks
 from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss, shard
 
-from .common import device_name
+from .common import write_results
 from .telemetry_overhead import _quiet_telemetry
 
 CONFIG = GPTConfig(vocab=1024, dim=128, heads=4, layers=3, seq=32)
@@ -124,30 +123,6 @@ def _job(runs: int, steps: int, microbatches: int, job: int, results_path: str) 
                 f.write(json.dumps({"job": job, **result}) + "\n")
 
 
-def _write_json(
-    json_path: str, world: int, args: argparse.Namespace, summary: dict[str, Any], results: list[Any]
-) -> None:
-    """The JSON of one world size's jobs, written as the benchmarks write theirs (outside the ranks)."""
-    document = {
-        "benchmark": "determinism_soak",
-        "device": device_name("cpu"),
-        "world_size": world,
-        "torch": torch.__version__,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "jobs": args.jobs,
-        "runs_per_setting_and_job": args.runs,
-        "steps": args.steps,
-        "microbatches": args.microbatches,
-        "summary": summary,
-        "results": results,
-    }
-    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=1)
-        f.write("\n")
-    print(f"wrote {json_path}")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=3, help="jobs per world size (fresh processes each)")
@@ -179,7 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {world} | {summary['runs']} ({args.jobs} jobs x {args.runs} per setting) | {args.steps} x "
               f"{args.microbatches} | {verdict} | {', '.join(summary['differ_from_first']) or '-'} |", flush=True)  # fmt: skip
         if args.json:
-            _write_json(args.json.replace("WORLD", str(world)), world, args, summary, results)
+            settings = {"jobs": args.jobs, "runs_per_setting_and_job": args.runs, "steps": args.steps,
+                        "microbatches": args.microbatches}  # fmt: skip
+            write_results(args.json.replace("WORLD", str(world)), "determinism_soak",
+                          {**settings, "summary": summary, "results": results}, world_size=world)  # fmt: skip
 
 
 if __name__ == "__main__":

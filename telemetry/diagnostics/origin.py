@@ -150,11 +150,13 @@ class ProbeLog:
     def check(self, stage: str, where: str, tensor: torch.Tensor, when: str = "", group: str = "") -> None:
         """Add ``tensor``'s check; tensors that are empty or not floating point are skipped."""
         data = _checkable(tensor)
-        if data is None:
-            return
+        if data is not None:
+            self._add_extremes(Probe(stage, where, dtype_name(tensor.dtype), when, self.microbatch, group), data)
+
+    def _add_extremes(self, probe: Probe, data: torch.Tensor) -> None:
         with torch.no_grad():
             self._values.extend(torch.aminmax(data))
-        self._probes.append(Probe(stage, where, dtype_name(tensor.dtype), when, self.microbatch, group))
+        self._probes.append(probe)
         self._peaks.append(False)
 
     def check_all(self, stage: str, items: Sequence[tuple[str, torch.Tensor, str, str]]) -> None:
@@ -170,11 +172,8 @@ class ProbeLog:
         if not data:
             return
         if data[0].device.type != "cuda" or any(d.device != data[0].device for d in data):
-            with torch.no_grad():
-                for checked in data:
-                    self._values.extend(torch.aminmax(checked))
-            self._probes.extend(probes)
-            self._peaks.extend([False] * len(probes))
+            for probe, checked in zip(probes, data, strict=True):
+                self._add_extremes(probe, checked)
             return
         with torch.no_grad():
             self._values.append(torch.stack(torch._foreach_norm(data, math.inf)))
