@@ -7,32 +7,45 @@ VENV_PYTHON := $(VENV)/bin/python
 # Re-installed when the package's metadata or the set-up changes (sources are installed editable).
 SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 
-# The oldest torch fsdp_patch supports. `make test` also runs TORCH_RANGE_TESTS on it, in the
-# environment .venv-torch$(OLDEST_TORCH) of its own: the tests of what reads torch's internals or
-# depends on how a torch release behaves (torch_compat's features; fully_shard's collectives,
-# DTensors, hooks, meta init, DCP and torch.compile; the adapter's foreach ops; telemetry's hooks
-# into FSDP2's parameter groups and root state, through the per-iteration checks and the step
-# accounting). Left out there, so that CI stays within its time: what reads no torch internals
-# (exporters, trace files, reports, settings, dashboards, the demo's command line, the set-up
-# script, the conventions page), the OpenTelemetry integration runs and the attribution over
-# FSDP2 (whose FSDP2 side is the parameter-group reading tested above), the installed-package
-# test (it builds its own environment on the pinned torch), the end-to-end runs of the benchmark
-# suite and the GPU check, the `long` and `slow` tests (inductor's compile among them: torch.compile
-# stays, through aot_eager), and the 4-rank variants (uneven shards are the same on any torch; 2
-# ranks exercise the collectives). `make test OLDEST_TORCH=` leaves that out (a
-# machine with no package registry to install it from); `make test-torch TORCH=X.Y.Z` runs the
-# same tests on any other torch release, in .venv-torchX.Y.Z.
+# The oldest releases fsdp_patch supports: torch OLDEST_TORCH and the OpenTelemetry releases pinned
+# in OLDEST_OPENTELEMETRY (pyproject.toml's floors). `make test` also runs, in the environment
+# .venv-oldest of its own (`make test-oldest`), TORCH_RANGE_TESTS and OPENTELEMETRY_SEAM_TESTS on
+# them; the main environment has the newest releases the package index offers at set-up.
+# TORCH_RANGE_TESTS: the tests of what reads torch's internals or depends on how a torch release
+# behaves (torch_compat's features; fully_shard's collectives, DTensors, hooks, meta init, DCP and
+# torch.compile; the adapter's foreach ops; telemetry's hooks into FSDP2's parameter groups and
+# root state, through the per-iteration checks and the step accounting). OPENTELEMETRY_SEAM_TESTS:
+# what uses the OpenTelemetry API and SDK (the observer's spans and metrics on in-memory readers,
+# the exporters, exporter selection against the SDK's configurator, the embedded default's life
+# cycle, the instrumentor, the distro and `opentelemetry-instrument`). Left out there, so that CI
+# stays within its time: what uses neither torch internals nor OpenTelemetry (reports, settings,
+# dashboards, the demo's command line, the set-up script, the conventions page), the attribution
+# over FSDP2 (whose FSDP2 side is the parameter-group reading tested above), the installed-package
+# test (it builds its own environment), the end-to-end runs of the benchmark suite and the GPU
+# check, the `long` and `slow` tests (inductor's compile among them: torch.compile stays, through
+# aot_eager), and the 4-rank variants (uneven shards are the same on any torch; 2 ranks exercise
+# the collectives). `make test OLDEST_TORCH=` leaves that out (a machine with no package registry
+# to install it from); `make test-torch TORCH=X.Y.Z` runs TORCH_RANGE_TESTS on any other torch
+# release, with the newest OpenTelemetry, in .venv-torchX.Y.Z.
 OLDEST_TORCH ?= 2.11.0
+OLDEST_OPENTELEMETRY := scripts/oldest-opentelemetry.txt
 TORCH_RANGE_TESTS := tests/fsdp tests/optimizer tests/test_torch_compat.py \
 	tests/integration/test_fsdp2_telemetry.py tests/integration/test_origin.py \
 	tests/integration/test_step_accounting.py
+OPENTELEMETRY_SEAM_TESTS := tests/telemetry tests/test_sdk_exporter_entry_points.py \
+	tests/integration/test_opentelemetry_instrument.py
+OLDEST_STAMP := .venv-oldest/.fsdp_patch-setup-torch$(OLDEST_TORCH)
 
-.PHONY: setup demo test test-torch test-long lint typecheck bench gpu-check
+.PHONY: setup demo test test-torch test-oldest test-long lint typecheck bench gpu-check
 
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	PYTHON=$(PYTHON) bash scripts/setup.sh --venv $(VENV)
+	touch $@
+
+$(OLDEST_STAMP): pyproject.toml scripts/setup.sh $(OLDEST_OPENTELEMETRY)
+	PYTHON=$(PYTHON) bash scripts/setup.sh --venv .venv-oldest --torch $(OLDEST_TORCH) --constraints $(OLDEST_OPENTELEMETRY)
 	touch $@
 
 .venv-torch%/.fsdp_patch-setup: pyproject.toml scripts/setup.sh
@@ -44,12 +57,13 @@ demo: setup
 	$(VENV)/bin/fsdp-patch demo
 
 # Sets up (with promtool, which the dashboard tests run), checks lint, formatting and types, then
-# runs the test suite but its `long` tests, then the torch-range tests on the oldest supported torch.
+# runs the test suite but its `long` tests, then the torch-range and OpenTelemetry-seam tests on the
+# oldest supported releases.
 test: setup lint typecheck
 	bash dashboards/install_promtool.sh
 	$(VENV_PYTHON) -m pytest -m "not long"
 ifneq ($(OLDEST_TORCH),)
-	$(MAKE) --no-print-directory test-torch TORCH=$(OLDEST_TORCH)
+	$(MAKE) --no-print-directory test-oldest
 endif
 
 # ruff's rules and formatting (`make lint`) and mypy over fsdp_patch/ and telemetry/ (`make
@@ -61,6 +75,11 @@ lint: setup
 
 typecheck: setup
 	$(VENV)/bin/mypy
+
+test-oldest:
+	$(MAKE) --no-print-directory $(OLDEST_STAMP)
+	@echo "== the torch-range and OpenTelemetry-seam tests on torch $(OLDEST_TORCH) and $(OLDEST_OPENTELEMETRY) (.venv-oldest)"
+	.venv-oldest/bin/python -m pytest -m "not long and not slow" -k "not ws4" $(TORCH_RANGE_TESTS) $(OPENTELEMETRY_SEAM_TESTS)
 
 test-torch:
 	@[ -n "$(TORCH)" ] || { echo "make test-torch: say which torch release, e.g. make test-torch TORCH=2.15.0" >&2; exit 2; }

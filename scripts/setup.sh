@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment and installs fsdp_patch into it (editable; dev and frameworks extras, dev only with --torch).
 #
-#   scripts/setup.sh [--venv DIR] [--torch X.Y.Z]
+#   scripts/setup.sh [--venv DIR] [--torch X.Y.Z] [--constraints FILE]
 #
 # Which environment: DIR if given; else the active one ($VIRTUAL_ENV) if there is one; else .venv
 # in the repository, created with `$PYTHON -m venv` (PYTHON defaults to python3). A virtual
@@ -16,22 +16,30 @@
 # - with --torch X.Y.Z: exactly that release (`make test` checks the oldest supported torch in an
 #   environment of its own this way); installed unless the environment already has it.
 # pip's own configuration (PIP_INDEX_URL, PIP_FIND_LINKS, ...) decides where torch comes from.
+#
+# --constraints FILE: pip constraints for the install (`make test` pins the oldest supported
+# OpenTelemetry releases this way, scripts/oldest-opentelemetry.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PINNED_TORCH=2.13.0
 OLDEST_TORCH=2.11
 
 usage() {
-    echo "usage: scripts/setup.sh [--venv DIR] [--torch X.Y.Z]" >&2
+    echo "usage: scripts/setup.sh [--venv DIR] [--torch X.Y.Z] [--constraints FILE]" >&2
     exit 2
 }
 
 VENV="${VIRTUAL_ENV:-.venv}"
 WANT_TORCH=""
+CONSTRAINTS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --venv) [ $# -ge 2 ] || usage; VENV="$2"; shift 2 ;;
         --torch) [ $# -ge 2 ] || usage; WANT_TORCH="$2"; shift 2 ;;
+        --constraints)
+            [ $# -ge 2 ] || usage
+            [ -f "$2" ] || { echo "setup: --constraints wants a pip constraints file, '$2' is not one" >&2; exit 2; }
+            CONSTRAINTS=(--constraint "$2"); shift 2 ;;
         *) echo "setup: unknown argument '$1'" >&2; usage ;;
     esac
 done
@@ -103,4 +111,4 @@ torch_now=$(torch_release "$PY")
 extras="dev,frameworks"
 [ -n "$WANT_TORCH" ] && extras="dev"
 echo "setup: installing fsdp_patch (editable, with the $extras extras) into $VENV, with torch $torch_now" >&2
-"$PY" -m pip install --quiet -e ".[$extras]" "torch==$torch_now"
+"$PY" -m pip install --quiet "${CONSTRAINTS[@]}" -e ".[$extras]" "torch==$torch_now"

@@ -36,7 +36,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
 from .. import env, semconv
-from . import exit_hooks, isolation, otel_env
+from . import exit_hooks, isolation, otel_env, selection
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
 from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
 from .prometheus_endpoint import wait_for_final_scrapes
@@ -175,13 +175,15 @@ def _announce_application_sdk(info: RankInfo) -> None:
     traces = os.environ.get("OTEL_TRACES_EXPORTER", "").strip() or "otlp"
     where = f"OTEL_TRACES_EXPORTER={traces}"
     if "otlp" in traces.split(","):
+        setting = selection.protocol_setting("traces")
+        port = 4318 if setting is not None and setting[1].strip() == selection.DEFAULT_OTLP_PROTOCOL else 4317
         endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                    or "localhost:4317, the default")  # fmt: skip
+                    or f"localhost:{port}, the default")  # fmt: skip
         where += f", to {endpoint}"
     files = (
         ""
         if "trace_file" in traces.split(",")
-        else "; no trace files are written. For the trace files fsdp-patch report reads, add trace_file to OTEL_TRACES_EXPORTER (or use FSDP_PATCH_TELEMETRY=1 without opentelemetry-instrument)"
+        else "; no trace files are written. For the trace files fsdp-patch report reads, add trace_file to OTEL_TRACES_EXPORTER (or set OTEL_PYTHON_DISTRO=fsdp_patch, or use FSDP_PATCH_TELEMETRY=1 without opentelemetry-instrument)"
     )
     _say(f"fsdp_patch telemetry: spans go to the application's OpenTelemetry SDK ({where}){files}")
 

@@ -110,7 +110,7 @@ def installed_entry_points(group: str) -> list[EntryPoint]:
     return list(entry_points(group=group))
 
 
-def _protocol_setting(signal: Signal) -> tuple[str, str] | None:
+def protocol_setting(signal: Signal) -> tuple[str, str] | None:
     """(variable, value) of the OTLP protocol the SDK reads for ``signal``, or ``None`` where none is set."""
     # The SDK's own precedence and test: the per-signal variable unless empty, then the general one.
     for variable in (_PROTOCOL_VARIABLES[signal], "OTEL_EXPORTER_OTLP_PROTOCOL"):
@@ -147,7 +147,7 @@ def _entry_point_name(signal: Signal, name: str) -> str | None:
     with a warning for a protocol the specification does not name."""
     if name != "otlp":
         return name
-    setting = _protocol_setting(signal)
+    setting = protocol_setting(signal)
     if setting is None:
         return _OTLP_HTTP_ENTRY_POINT
     variable, value = setting

@@ -195,8 +195,9 @@ def _console_metrics(stdout: str) -> list[dict]:
 
 
 def test_opentelemetry_instrument_with_nothing_set_says_where_spans_went(job_python_path: str, tmp_path: Path) -> None:
-    """No OTEL_* at all: the distro exports OTLP to localhost:4317. One line says so and how to get
-    trace files; an unreachable collector is one line per process, not a retry warning per batch."""
+    """No OTEL_* but OpenTelemetry's distro chosen: it exports OTLP to localhost:4317. One line says so
+    and how to get trace files; an unreachable collector is one line per process, not a retry
+    warning per batch."""
     from tests.training_script import one_rank_training
 
     script = tmp_path / "train.py"
@@ -204,6 +205,7 @@ def test_opentelemetry_instrument_with_nothing_set_says_where_spans_went(job_pyt
     env = _job_env()
     if job_python_path:
         env["PYTHONPATH"] = job_python_path
+    env["OTEL_PYTHON_DISTRO"] = "distro"  # opentelemetry-distro's (dev installs it beside ours)
     command = [str(Path(sys.executable).parent / "opentelemetry-instrument"), sys.executable, str(script)]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-3000:]}"
@@ -215,3 +217,59 @@ def test_opentelemetry_instrument_with_nothing_set_says_where_spans_went(job_pyt
     ours = [line for line in lines if "an OTLP exporter cannot deliver" in line]
     raw = [line for line in lines if ("Transient error" in line or "Failed to export" in line) and line not in ours]
     assert len(ours) <= 1 and not raw, f"want at most one folded failure line and no raw ones, got {ours} and {raw}"
+
+
+@pytest.mark.parametrize(
+    "configurator",
+    [
+        pytest.param(None, id="with-the-sdk-configurator"),
+        # A configurator name nothing registers: opentelemetry-instrument loads none, as where
+        # opentelemetry-distro is not installed; the instrumentor then builds the embedded default.
+        pytest.param("no-such-configurator", id="without-a-configurator"),
+    ],
+)
+def test_the_fsdp_patch_distro_writes_trace_files_and_the_summary_with_nothing_set(
+    job_python_path: str, tmp_path: Path, configurator: str | None
+) -> None:
+    """``OTEL_PYTHON_DISTRO=fsdp_patch`` and no other OTEL_*: the step spans go to the trace files
+    and the summary is printed, through the SDK's configurator or, with none, the embedded default."""
+    from tests.training_script import one_rank_training
+
+    steps = 3
+    script = tmp_path / "train.py"
+    script.write_text(one_rank_training(steps, adapt=False))
+    env = {**_job_env(), "OTEL_PYTHON_DISTRO": "fsdp_patch", "FSDP_PATCH_TRACE_DIR": str(tmp_path / "traces")}
+    if job_python_path:
+        env["PYTHONPATH"] = job_python_path
+    if configurator is not None:
+        env["OTEL_PYTHON_CONFIGURATOR"] = configurator
+    command = [str(Path(sys.executable).parent / "opentelemetry-instrument"), sys.executable, str(script)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-3000:]}"
+    from fsdp_patch.telemetry.offline.trace_reading import iter_events, rank_segments
+
+    segments = rank_segments(str(tmp_path / "traces")) if (tmp_path / "traces").is_dir() else []
+    events = [event for segment in segments for event in iter_events(segment.path)]
+    got = sorted((e.get("args") or {}).get(semconv.ATTR_STEP) for e in events if e.get("name") == semconv.SPAN_STEP)
+    assert got == list(range(1, steps + 1)), (
+        f"want step spans 1..{steps} in the trace files, got {got} from {segments}; stderr:\n{result.stderr[-2000:]}"
+    )
+    summaries = [line for line in result.stderr.splitlines() if "fsdp_patch telemetry summary" in line]
+    assert summaries, f"want the exit summary on stderr, got:\n{result.stderr[-2000:]}"
+    assert "no trace files are written" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_fsdp_patch_distro_sets_only_what_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The distro fills unset or empty variables with the embedded default's values and keeps the user's."""
+    from fsdp_patch.telemetry.instrumentation.distro import FSDPPatchDistro
+
+    for variable in ("OTEL_TRACES_EXPORTER", "OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", " ")
+    FSDPPatchDistro().configure()
+    got = {v: os.environ.get(v) for v in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER",
+                                          "OTEL_EXPORTER_OTLP_PROTOCOL")}  # fmt: skip
+    want = {"OTEL_TRACES_EXPORTER": "trace_file", "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_LOGS_EXPORTER": "none",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}  # fmt: skip
+    assert got == want, f"want {want}, got {got}"
