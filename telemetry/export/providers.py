@@ -41,7 +41,7 @@ from .exporters import MetricSetup, build_metric_readers, build_span_exporters
 from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
 from .prometheus_endpoint import wait_for_final_scrapes
 from .ranks import RankInfo, current_rank_info
-from .resource import build_resource, rank_attributes
+from .resource import build_resource
 from .trace_files import TraceFileExporter
 
 _logger = logging.getLogger(__name__)
@@ -105,33 +105,6 @@ def _meter_provider_unset(provider: metrics.MeterProvider) -> bool:
     # explicit no-op one counts as unset (an application that disables metrics with a
     # NoOpMeterProvider keeps them off).
     return not isinstance(provider, (SdkMeterProvider, metrics.NoOpMeterProvider))
-
-
-def add_rank_identity(provider: Any, rank_info: RankInfo) -> None:
-    """Add the rank identity to an SDK provider's resource, for the attributes it lacks.
-
-    The global providers of the application or of ``opentelemetry-instrument`` (whose SDK
-    configurator builds the resource from ``OTEL_*`` before any rank is known) would otherwise
-    export every span and series of this rank without ``fsdp.rank``/``fsdp.world_size``.
-    Attributes already there are kept. Uses the SDK providers' own resource update (what
-    they do after a fork); providers without one are left as they are.
-    """
-    current: Resource | None
-    if isinstance(provider, SdkTracerProvider):
-        current = provider.resource
-    elif isinstance(provider, SdkMeterProvider):
-        current = getattr(getattr(provider, "_sdk_config", None), "resource", None)
-    else:
-        return
-    update = getattr(provider, "_update_resource", None)
-    if current is None or update is None:
-        _warn("rank-identity", "fsdp_patch telemetry: cannot add %s to the resource of %s (this OpenTelemetry SDK "
-              "has no resource update); series are told apart by the %s metric attribute only.",
-              semconv.RESOURCE_RANK, type(provider).__name__, semconv.ATTR_RANK)  # fmt: skip
-        return
-    missing = {k: v for k, v in rank_attributes(rank_info).items() if k not in current.attributes}
-    if missing:
-        update(Resource(missing))
 
 
 def _build() -> _Embedded:
@@ -208,7 +181,6 @@ def tracer_provider() -> trace.TracerProvider:
         # Only when disabled (or after shutdown): a proxy would silently start recording if
         # someone installed a provider later; the decision was made now.
         return trace.NoOpTracerProvider()
-    add_rank_identity(provider, current_rank_info())
     return provider
 
 
@@ -220,7 +192,6 @@ def meter_provider() -> metrics.MeterProvider:
     provider = metrics.get_meter_provider()
     if _meter_provider_unset(provider):
         return metrics.NoOpMeterProvider()
-    add_rank_identity(provider, current_rank_info())
     return provider
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -38,6 +39,21 @@ def _env_int(name: str, default: int) -> int:
         return int(os.environ.get(name, ""))
     except ValueError:
         return default
+
+
+def known_rank_info() -> RankInfo | None:
+    """The rank identity where it is known without importing torch, else ``None``.
+
+    Known once ``torch.distributed`` (already imported) has a default group, or where torchrun set
+    ``RANK`` in the environment before the process started; an SDK configured at interpreter
+    start (``opentelemetry-instrument``) asks before any import of torch.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return current_rank_info()
+    if "RANK" in os.environ:
+        return current_rank_info()
+    return None
 
 
 def current_rank_info() -> RankInfo:

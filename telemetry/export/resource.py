@@ -1,4 +1,6 @@
-"""The resource of the providers the embedded default builds: the ``OTEL_*`` resource plus the rank identity.
+"""The resource of the providers the embedded default builds: the ``OTEL_*`` resource plus the rank
+identity; and the rank identity as the SDK's resource detector ``fsdp_patch``, for the providers an
+SDK configurator builds.
 
 Below both the exporters (the trace-file exporter names the resource in its files, also when the
 SDK's configurator constructs it without arguments) and the providers (which give it to the
@@ -9,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource, ResourceDetector
 
 from .. import semconv
 from . import otel_env
-from .ranks import RankInfo
+from .ranks import RankInfo, known_rank_info
 
 DEFAULT_SERVICE_NAME = "fsdp_patch"
 
@@ -44,3 +46,23 @@ def build_resource(rank_info: RankInfo) -> Resource:
     resource = detected.merge(Resource(ours))
     otel_env.check_service_name(resource.attributes.get(SERVICE_NAME))
     return resource
+
+
+class RankResourceDetector(ResourceDetector):
+    """The rank identity (docs/conventions.md) as a resource detector, the SDK's public seam for
+    resource attributes: the entry point ``fsdp_patch`` of the group
+    ``opentelemetry_resource_detector``, which ``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS`` names
+    (fsdp-patch's distro adds it there).
+
+    An SDK configured at interpreter start (``opentelemetry-instrument``) builds its resource
+    before ``init_process_group``: the rank is known then only where torchrun set ``RANK``, and
+    an empty resource is detected elsewhere (``mp.spawn``). Spans and metric points carry
+    ``fsdp.rank`` as an attribute either way.
+
+    Alternatives considered: updating the resource of the application's providers once the rank is
+    known: the SDK has no public way to change a provider's resource (only private methods).
+    """
+
+    def detect(self) -> Resource:
+        info = known_rank_info()
+        return Resource(rank_attributes(info)) if info is not None else Resource.get_empty()

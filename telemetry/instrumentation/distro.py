@@ -6,7 +6,9 @@ configurator reads the ``OTEL_*`` variables, so what it sets here is what the co
 the global providers from: with nothing set, ``trace_file`` for traces and ``summary`` for metrics
 (the defaults :mod:`~fsdp_patch.telemetry.export.selection` gives ``FSDP_PATCH_TELEMETRY=1``), no
 log exporter (fsdp_patch emits no logs through OpenTelemetry), and ``otlp`` meaning OTLP over
-http/protobuf, as it does under the embedded default. Variables the user set are kept.
+http/protobuf, as it does under the embedded default. Variables the user set are kept. It also
+adds the resource detector ``fsdp_patch`` (the rank identity, :class:`~fsdp_patch.telemetry.export.resource.RankResourceDetector`)
+to ``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``, after the detectors listed there.
 
 Where no configurator is installed (``opentelemetry-distro`` absent) no global provider is set, and
 the instrumentor builds the embedded default from the same variables: the same exporters either way.
@@ -36,6 +38,8 @@ from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr
 from ..export import selection
 
 LOGS_EXPORTER = "OTEL_LOGS_EXPORTER"
+RESOURCE_DETECTORS = "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"
+RANK_DETECTOR = "fsdp_patch"  # the entry point of RankResourceDetector (pyproject.toml)
 OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 
 
@@ -56,3 +60,6 @@ class FSDPPatchDistro(BaseDistro):
             # Empty counts as unset, as selection.listed_names reads it.
             if not os.environ.get(variable, "").strip():
                 os.environ[variable] = value
+        detectors = [name.strip() for name in os.environ.get(RESOURCE_DETECTORS, "").split(",") if name.strip()]
+        if RANK_DETECTOR not in detectors:
+            os.environ[RESOURCE_DETECTORS] = ",".join([*detectors, RANK_DETECTOR])

@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from tests.comparison import max_abs_difference
+
 IN, DIM, HIDDEN, OUT = 6, 12, 20, 5  # OUT rows split (3, 2) on 2 ranks, (2, 2, 1, 0) on 4
 BATCH = 8  # rows per step, divisible by 1, 2 and 4 ranks
 BF16 = torch.bfloat16
@@ -175,26 +177,13 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: full(p.grad) for name, p in model.named_parameters()}
 
 
-def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest absolute difference over all tensors, and where it is."""
-    assert got.keys() == want.keys(), f"names differ: got {sorted(got)}, want {sorted(want)}"
-    worst, where = 0.0, ""
-    for name in want:
-        a, b = got[name], want[name]
-        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, want {tuple(b.shape)}"
-        diff = (a.double() - b.double()).abs().max().item() if b.numel() else 0.0
-        if diff > worst or not where:
-            worst, where = diff, name
-    return worst, where
-
-
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = TOL) -> None:
-    diff, where = max_diff(got, want)
+    diff, where = max_abs_difference(got, want)
     assert diff <= tol, f"{what}: differs by {diff:.3g} (worst at {where}), tolerance {tol}"
 
 
 def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    diff, where = max_diff(got, want)
+    diff, where = max_abs_difference(got, want)
     assert diff == 0.0, f"{what}: differs by {diff:.3g} (worst at {where}); expected bitwise equal"
 
 

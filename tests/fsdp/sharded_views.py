@@ -8,6 +8,7 @@ value on rank 0 only, so that what a rank body returns pickles small.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from tests import comparison
 
 
 def world() -> tuple[int, int]:
@@ -139,18 +142,9 @@ def shard_storage_facts(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """``None`` when ``torch.equal(got, want)``; otherwise what differs, for a failure message:
-    the shapes or dtypes, or the largest absolute difference and the first differing index."""
-    if torch.equal(got, want):
-        return None
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
-    delta = (got.double() - want.double()).abs()
-    unequal = (got != want).nonzero()
-    first = tuple(unequal[0].tolist()) if len(unequal) else ()
-    at = f"first at {first}: got {got[first].item()!r}, want {want[first].item()!r}" if len(unequal) else "NaNs"
-    return f"max abs diff {delta.nan_to_num(nan=float('inf')).max().item():.3g}, {at}"
+# By value, as torch.equal compares (0.0 == -0.0): the values these tests compare come from
+# different computations of the same result, whose zeros' signs may differ.
+difference = functools.partial(comparison.difference, bitwise=False)
 
 
 def stale_compute_copies(groups: Iterable[Any], dtype: torch.dtype | None = None) -> dict[str, str]:

@@ -171,13 +171,13 @@ def test_persistent_copy_is_refreshed_and_kept(run_once: Any) -> None:
 def telemetry_run() -> dict[str, Any]:
     """Adapted AdamW with telemetry on and diagnostics every step, per lifetime:
     the refresh bytes counted and the precision gauges' values."""
-    from tests.integration.otel_training import environment, in_memory_otel, metric_points
+    from tests.integration.otel_training import environment, in_memory_otel, metric_values
 
     out: dict[str, Any] = {}
     for impl in ("persistent", "per_gather"):
         with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, reader):
             facts = train(impl, checkpointed=False, microbatches=1)
-            points = metric_points(reader)
+            points = metric_values(reader)
             out[impl] = {
                 "losses": facts["losses"],
                 "refresh_bytes": sum(

@@ -146,15 +146,6 @@ MIXED = {
 }
 
 
-def _differ(got: torch.Tensor | None, want: torch.Tensor | None) -> str | None:
-    """``None`` when both are ``None`` or bitwise equal; else what differs."""
-    if got is None and want is None:
-        return None
-    if got is None or want is None:
-        return f"got {'None' if got is None else 'a grad'}, want {'None' if want is None else 'a grad'}"
-    return difference(got, want)
-
-
 def mixed_grads_run() -> dict[str, Any]:
     """Two backwards over the root unit and two block units, the second one reaching only some
     parameters, with grads set in between as :data:`MIXED` says.
@@ -200,14 +191,14 @@ def mixed_grads_run() -> dict[str, Any]:
     for name, grad in got.items():
         before, now = had[name], added[name]
         want = before if now is None else now if before is None else before + now
-        if (diff := _differ(grad, want)) is not None:
+        if (diff := difference(grad, want)) is not None:
             wrong[name] = diff
     return {
         "unreached": sorted(n for n, g in added.items() if g is None),
         "not_views": not_views,
         "none": sorted(n for n, g in got.items() if g is None),
         "wrong": wrong,
-        "changed_by_rescale": {n: d for n in got if (d := _differ(rescaled[n], got[n])) is not None},
+        "changed_by_rescale": {n: d for n in got if (d := difference(rescaled[n], got[n])) is not None},
     }
 
 

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tests.comparison import max_abs_difference
 from tests.fsdp import pattern_models
 from tests.fsdp.sharded_views import count_collectives, full, full_params, unsharded_bytes, world
-from tests.fsdp.training_runs import Run, assert_same_training, max_param_diff
+from tests.fsdp.training_runs import Run, assert_same_training
 
 TOL = 1e-5
 VOCAB, SEQ = 13, 5  # the embedding's 13 rows split unevenly over 2 and 4 ranks
@@ -146,7 +147,7 @@ def fp32_on_ranks(pattern: str) -> None:
     if pattern == "zero_grad_between":
         # FSDP2's module.zero_grad() reaches the root's unsharded parameters only, so the
         # previous step's sharded grads of the root stay and the next backward adds onto them.
-        err, where = max_param_diff(fsdp2.params, reference.params)
+        err, where = max_abs_difference(fsdp2.params, reference.params)
         assert err > 1e-3, f"FSDP2 now trains {pattern} right ({err:.3g} off in {where}); this test's premise changed"
     else:
         assert_same_training(fsdp2, reference, TOL, f"{pattern}/FSDP2", sharded_want=False)

@@ -12,7 +12,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Run", "assert_same_training", "global_losses", "max_param_diff"]
+from tests.comparison import max_abs_difference
+
+__all__ = ["Run", "assert_same_training", "global_losses"]
 
 
 class Run(NamedTuple):
@@ -27,18 +29,6 @@ def global_losses(losses: list[float]) -> list[float]:
     return (values / dist.get_world_size()).tolist()
 
 
-def max_param_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest elementwise difference over all parameters, and the parameter it is in."""
-    assert got.keys() == want.keys(), f"parameter names: got {sorted(got)}, want {sorted(want)}"
-    worst, where = 0.0, ""
-    for name, value in want.items():
-        assert got[name].shape == value.shape, f"{name}: shape {tuple(got[name].shape)}, want {tuple(value.shape)}"
-        diff = (got[name].double() - value.double()).abs().max().item() if value.numel() else 0.0
-        if diff > worst or not where:
-            worst, where = diff, name
-    return worst, where
-
-
 def assert_same_training(got: Run, want: Run, tol: float, label: str, *, sharded_want: bool = True) -> None:
     """Asserts ``got`` trained like ``want`` to ``tol`` (``0.0``: bitwise); ``got`` is a sharded
     run, ``want`` too unless ``sharded_want`` is False (the unsharded reference, which saw all rows)."""
@@ -47,5 +37,5 @@ def assert_same_training(got: Run, want: Run, tol: float, label: str, *, sharded
     assert len(got_losses) == len(want_losses), f"{label}: {len(got_losses)} steps, want {len(want_losses)}"
     loss_err = max(abs(a - b) for a, b in zip(got_losses, want_losses, strict=True))
     assert loss_err <= tol, f"{label}: losses {got_losses}, want {want_losses} (off by {loss_err:.3g}, tolerance {tol})"
-    err, where = max_param_diff(got.params, want.params)
+    err, where = max_abs_difference(got.params, want.params)
     assert err <= tol, f"{label}: final parameters off by {err:.3g} (in {where}), tolerance {tol}"

@@ -1,8 +1,8 @@
 """In-memory OpenTelemetry and a small sharded training for the integration tests' rank bodies.
 
 ``in_memory_otel`` installs in-memory providers as the application's own (which the telemetry
-package must keep); ``environment`` sets variables for one block; ``metric_points`` reads a
-reader's points by metric name; ``adamw_training`` trains the bf16 model ``STEPS`` steps through
+package must keep); ``environment`` sets variables for one block; ``metric_values`` (re-exported
+from the telemetry tests' helpers) reads a reader's points by metric name; ``adamw_training`` trains the bf16 model ``STEPS`` steps through
 the public API.
 """
 
@@ -17,9 +17,19 @@ import torch
 import torch.distributed as dist
 
 from tests import models
-from tests.telemetry.telemetry_testing import in_memory_telemetry, reset_otel_globals
+from tests.telemetry.telemetry_testing import in_memory_telemetry, metric_values, reset_otel_globals
 
 STEPS = 3
+__all__ = [
+    "STEPS",
+    "adamw_training",
+    "bf16_model",
+    "environment",
+    "in_memory_otel",
+    "main_weights",
+    "metric_values",
+    "reset_otel",
+]
 
 
 @contextlib.contextmanager
@@ -62,19 +72,6 @@ def in_memory_otel() -> Iterator[tuple[Any, Any]]:
         otel.tracer_provider.shutdown()
         otel.meter_provider.shutdown()
         reset_otel()
-
-
-def metric_points(reader: Any) -> dict[str, list[tuple[dict[str, Any], Any]]]:
-    """(attributes, value) per data point, by metric name; histograms give their count."""
-    out: dict[str, list[tuple[dict[str, Any], Any]]] = {}
-    data = reader.get_metrics_data()
-    for resource_metrics in data.resource_metrics if data else []:
-        for scope_metrics in resource_metrics.scope_metrics:
-            for metric in scope_metrics.metrics:
-                for point in metric.data.data_points:
-                    value = point.count if hasattr(point, "bucket_counts") else point.value
-                    out.setdefault(metric.name, []).append((dict(point.attributes), value))
-    return out
 
 
 def bf16_model(seed: int = 0, compute_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fsdp_patch.telemetry import semconv
 
 from tests import models
-from tests.integration.otel_training import environment, in_memory_otel, metric_points
+from tests.integration.otel_training import environment, in_memory_otel, metric_values
 
 KINDS = ("fully_shard", "fsdp2")
 WORLDS = (2, 4)
@@ -161,7 +161,7 @@ def attributed_training(kind: str, scenario: str, settings: dict[str, str | None
             references[step] = {n: _reference(before[n], after[n], grads[n]) for n in named}
             optimizer.zero_grad()
         found = _events(list(exporter.get_finished_spans()))
-        points = metric_points(reader)
+        points = metric_values(reader)
     return {
         **found,
         "references": references,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fsdp_patch.telemetry import semconv
 
 from tests import models
-from tests.integration.otel_training import environment, in_memory_otel, metric_points
+from tests.integration.otel_training import environment, in_memory_otel, metric_values
 
 COMPUTE_DTYPE = torch.bfloat16
 PLANTED_STEP = 2
@@ -86,7 +86,7 @@ def fsdp2_training(scenario: str, telemetry_on: bool, steps: int = 3) -> dict[st
             }
             for s in spans.get_finished_spans()
         ]
-        points = metric_points(reader)
+        points = metric_values(reader)
     return {
         "spans": finished,
         "points": points,

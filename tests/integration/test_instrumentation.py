@@ -18,7 +18,7 @@ from tests.integration.otel_training import (
     environment,
     in_memory_otel,
     main_weights,
-    metric_points,
+    metric_values,
     reset_otel,
 )
 from tests.telemetry.telemetry_testing import global_state
@@ -135,7 +135,7 @@ def lbfgs_refreshes() -> dict[str, Any]:
             return backward(model, tokens)
 
         optimizer.step(closure)
-        points = metric_points(reader)
+        points = metric_values(reader)
     refresh = [v for attrs, v in points.get(semconv.METRIC_CAST_SIZE, [])
                if attrs[semconv.ATTR_CAST_KIND] == semconv.CAST_KIND_WEIGHT_REFRESH]  # fmt: skip
     per_refresh = sum(g.compute_weight.numel() * g.compute_weight.element_size() for g in parameter_groups(model))

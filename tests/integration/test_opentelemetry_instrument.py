@@ -1,8 +1,9 @@
 """``opentelemetry-instrument`` loads the instrumentor from the installed package metadata.
 
 A 2-rank training script that never calls ``fully_shard_optimizer`` nor sets
-``FSDP_PATCH_TELEMETRY`` runs under ``opentelemetry-instrument`` with the console span exporter;
-its step spans must appear, from both ranks. The entry point is found the way the command finds
+``FSDP_PATCH_TELEMETRY`` runs under ``opentelemetry-instrument`` and torchrun with the console span
+exporter; its step spans must appear, from both ranks, with the rank identity on every resource
+(the resource detector ``fsdp_patch``). The entry point is found the way the command finds
 it, through the ``opentelemetry_instrumentor`` entry points of installed distributions.
 
 Which installation: the one the job itself sees, asked of the interpreter run outside the checkout
@@ -34,27 +35,21 @@ WORLD = 2
 SCRIPT = f"""
 import os, sys
 import torch, torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, {str(REPO)!r})  # the test helpers only; fsdp_patch comes from the installation
 from tests import models
 
-
-def train(rank, init_file):
-    # Each rank's console exporter writes to its own file: spans of two ranks never interleave.
-    os.dup2(os.open(f"rank{{rank}}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size={WORLD})
-    model = models.shard_model(models.make_model(0).bfloat16())  # bf16 main grads: steps need the adapter
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no fully_shard_optimizer call
-    for tokens in models.make_batches({STEPS}):
-        models.lm_loss(model, models.rank_slice(tokens, rank, {WORLD})).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    mp.spawn(train, args=(sys.argv[1],), nprocs={WORLD})
+rank = int(os.environ["RANK"])
+# Each rank's console exporter writes to its own file: spans of two ranks never interleave.
+os.dup2(os.open(f"rank{{rank}}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+dist.init_process_group("gloo")
+model = models.shard_model(models.make_model(0).bfloat16())  # bf16 main grads: steps need the adapter
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no fully_shard_optimizer call
+for tokens in models.make_batches({STEPS}):
+    models.lm_loss(model, models.rank_slice(tokens, rank, {WORLD})).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dist.destroy_process_group()
 """
 
 
@@ -108,8 +103,8 @@ def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def instrumented_job(job_python_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The 2-rank job run once under ``opentelemetry-instrument``: its stderr, the spans and the
-    metrics (console exporters) of each rank."""
+    """The 2-rank job run once under ``opentelemetry-instrument`` and torchrun: its stderr, the spans
+    and the metrics (console exporters) of each rank."""
     python = sys.executable
     tmp_path = tmp_path_factory.mktemp("instrumented")
     script = tmp_path / "train.py"
@@ -123,13 +118,17 @@ def instrumented_job(job_python_path: str, tmp_path_factory: pytest.TempPathFact
         OTEL_METRIC_EXPORT_INTERVAL="600000",
         OTEL_LOGS_EXPORTER="none",
         OTEL_SERVICE_NAME="instrumented-job",
+        # OpenTelemetry's distro (dev installs it beside ours) with the rank identity's resource detector.
+        OTEL_PYTHON_DISTRO="distro",
+        OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="fsdp_patch",
         FSDP_PATCH_PRECISION_EVERY="0",
         FSDP_PATCH_TRACE_DIR=str(tmp_path / "traces"),
     )
-    # `opentelemetry-instrument python train.py`, the command run for this interpreter.
+    # `opentelemetry-instrument torchrun --standalone --nproc-per-node 2 train.py`, for this interpreter.
     launcher = "import sys; from opentelemetry.instrumentation.auto_instrumentation import run; run()"
+    torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
     result = subprocess.run(
-        [python, "-c", launcher, python, str(script), str(tmp_path / "init")],
+        [python, "-c", launcher, *torchrun, str(script)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-4000:]}"
@@ -267,9 +266,45 @@ def test_the_fsdp_patch_distro_sets_only_what_is_unset(monkeypatch: pytest.Monke
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", " ")
-    FSDPPatchDistro().configure()
-    got = {v: os.environ.get(v) for v in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER",
-                                          "OTEL_EXPORTER_OTLP_PROTOCOL")}  # fmt: skip
+    monkeypatch.setenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", "host, process")
+    variables = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL",
+                 "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS")  # fmt: skip
     want = {"OTEL_TRACES_EXPORTER": "trace_file", "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_LOGS_EXPORTER": "none",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}  # fmt: skip
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "host,process,fsdp_patch"}  # fmt: skip
+    for attempt in ("first", "again"):  # configuring twice adds nothing twice
+        FSDPPatchDistro().configure()
+        got = {v: os.environ.get(v) for v in variables}
+        assert got == want, f"{attempt}: want {want}, got {got}"
+
+
+@pytest.mark.parametrize(
+    ("environment", "want"),
+    [
+        (
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"},
+            {"fsdp.rank": 3, "fsdp.world_size": 4, "fsdp.local_rank": 1},
+        ),
+        ({}, {}),  # before init_process_group and without torchrun: unknown, nothing detected
+    ],
+    ids=["torchrun-environment", "rank-unknown"],
+)
+def test_the_rank_resource_detector_detects_the_rank_where_it_is_known(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], want: dict[str, int]
+) -> None:
+    from fsdp_patch.telemetry.export.resource import RankResourceDetector
+    from opentelemetry.sdk.resources import Resource
+
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "this test wants no default process group in the test process"
+    got = dict(RankResourceDetector().detect().attributes)
     assert got == want, f"want {want}, got {got}"
+    # through the SDK's own seam: the entry point named in OTEL_EXPERIMENTAL_RESOURCE_DETECTORS
+    monkeypatch.setenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", "fsdp_patch")
+    created = {k: v for k, v in Resource.create().attributes.items() if k.startswith("fsdp.")}
+    assert created == want, f"Resource.create() with the detector named: want {want}, got {created}"

@@ -22,7 +22,7 @@ from tests.integration.otel_training import (
     environment,
     in_memory_otel,
     main_weights,
-    metric_points,
+    metric_values,
     reset_otel,
 )
 
@@ -58,7 +58,7 @@ def traced_training() -> dict[str, Any]:
             }
             for s in spans.get_finished_spans()
         ]
-        points = metric_points(reader)
+        points = metric_values(reader)
     shapes = [p.shape for p in model.parameters()]
     compute_numel = sum(g.compute_weight.numel() for g in parameter_groups(model))
     return {
@@ -155,7 +155,7 @@ def precision_run(scenario: str, diagnostics: bool, steps: int = 4) -> dict[str,
             optimizer.zero_grad()
             if scenario in ("nan", "overflow") and step == 2:
                 break  # later steps would only spread the planted values
-        points = metric_points(reader)
+        points = metric_values(reader)
     return {"points": points, "main": main_weights(model)}
 
 

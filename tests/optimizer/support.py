@@ -24,6 +24,13 @@ from fsdp_patch.adapter import adapt_optimizer
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 from fsdp_patch.adapter.grad_cast import cast_in_flight
 from fsdp_patch.optimizer import fully_shard_optimizer
+
+# Comparisons live in tests.comparison; the adapter tests import them from here with the rest.
+from tests.comparison import assert_same as assert_same
+from tests.comparison import bits as bits
+from tests.comparison import difference as difference
+from tests.comparison import local as local
+from tests.comparison import same as same
 from tests.models import lm_loss, make_batches, make_model, rank_slice, shard_model
 
 O = torch.optim  # noqa: E741 - the adapter tests import this short name
@@ -280,62 +287,6 @@ class HandCast:
 
 
 # ----------------------------------------------------------------------------- comparisons
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = local(t).detach().contiguous()
-    return t.view(_INT[t.element_size()])
-
-
-def difference(got: Any, want: Any, where: str = "") -> str | None:
-    """``None`` when ``got`` and ``want`` are bitwise equal (tensors, DTensors compared by
-    local shard, nested in dicts, lists and tuples) or ``==`` otherwise; else the first place
-    they differ, with both values."""
-    at = where or "value"
-    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
-        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
-            return f"{at}: got {type(got).__name__}, want {type(want).__name__}"
-        if isinstance(got, DTensor) != isinstance(want, DTensor):
-            return f"{at}: got {type(got).__name__}, want {type(want).__name__}"
-        if got.dtype != want.dtype or got.shape != want.shape:
-            return f"{at}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
-        unequal = (bits(got) != bits(want)).flatten()
-        if not unequal.any():
-            return None
-        first = int(unequal.nonzero()[0])
-        g, w = local(got).detach().flatten()[first].item(), local(want).detach().flatten()[first].item()
-        return (
-            f"{at}: {int(unequal.sum())} of {unequal.numel()} elements differ bitwise, "
-            f"first at flat index {first}: got {g!r}, want {w!r}"
-        )
-    if isinstance(got, dict) and isinstance(want, dict):
-        if got.keys() != want.keys():
-            return f"{at}: keys {sorted(map(str, got))}, want {sorted(map(str, want))}"
-        return next((d for k in got if (d := difference(got[k], want[k], f"{where}[{k!r}]")) is not None), None)
-    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
-        if len(got) != len(want):
-            return f"{at}: {len(got)} items, want {len(want)}"
-        pairs = zip(got, want, strict=True)
-        return next((d for i, (x, y) in enumerate(pairs) if (d := difference(x, y, f"{where}[{i}]")) is not None), None)
-    return None if got == want else f"{at}: got {got!r}, want {want!r}"
-
-
-def same(a: Any, b: Any) -> bool:
-    """Bitwise equality of tensors (DTensors compared by local shard), or ``==`` otherwise."""
-    return difference(a, b) is None
-
-
-def assert_same(got: Any, want: Any, what: str) -> None:
-    """Asserts ``same(got, want)``, naming ``what`` and the first difference."""
-    found = difference(got, want)
-    assert found is None, f"{what}: {found}"
-
-
 def assert_changed(got: Any, before: Any, what: str) -> None:
     """Asserts that ``got`` is no longer ``same`` as ``before``."""
     assert not same(got, before), f"{what}: bitwise unchanged"

@@ -20,6 +20,7 @@ from tests.optimizer.support import (
     batches,
     build_model,
     compute_is_fresh,
+    difference,
     fsdp_params,
     grads_are_original,
     main_weights,
@@ -33,15 +34,6 @@ OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01),
 }
-
-
-def _difference(got: list[torch.Tensor], want: list[torch.Tensor]) -> str:
-    """Where two lists of tensors first differ, and by how much."""
-    for index, (a, b) in enumerate(zip(got, want, strict=True)):
-        if not same(a, b):
-            gap = (a.detach().float() - b.detach().float()).abs().max().item()
-            return f"tensor {index} differs (dtypes {a.dtype}/{b.dtype}, max |difference| {gap:.3g})"
-    return "no tensor differs"
 
 
 def _replace(model: nn.Module, opt: torch.optim.Optimizer, how: str) -> None:
@@ -74,7 +66,8 @@ def replacement_run(observer: str, how: str, optimizer: str) -> None:
         where = f"{optimizer}, {how}, {observer}, step {step}"
         assert seen_dtypes[-1] == {torch.float32}, f"{where}: the update saw grads of {seen_dtypes[-1]}, want fp32 only"
         got, want = main_weights(model), main_weights(ref)
-        assert same(got, want), f"{where}: main weights against the hand-cast reference: {_difference(got, want)}"
+        found = difference(got, want)
+        assert found is None, f"{where}: main weights against the hand-cast reference: {found}"
         got_state, want_state = optimizer_state(opt), optimizer_state(ref_opt)
         assert same(got_state, want_state), f"{where}: optimizer state differs from the reference's"
         assert compute_is_fresh(model), f"{where}: a compute copy was not refreshed from its main weights"

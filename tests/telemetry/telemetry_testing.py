@@ -20,22 +20,15 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.test.globals_test import reset_metrics_globals, reset_trace_globals
 
 from fsdp_patch.adapter.events import GroupCast, Mismatch, MismatchAction, Phase, StepPlanned
 
 
 def reset_otel_globals() -> None:
-    """Forget the global tracer and meter providers (as opentelemetry-test-utils does)."""
-    from opentelemetry import trace
-    from opentelemetry.metrics import _internal as metrics_internal
-    from opentelemetry.util._once import Once
-
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    trace._TRACER_PROVIDER = None
-    trace._PROXY_TRACER_PROVIDER = trace.ProxyTracerProvider()
-    metrics_internal._METER_PROVIDER_SET_ONCE = Once()
-    metrics_internal._METER_PROVIDER = None
-    metrics_internal._PROXY_METER_PROVIDER = metrics_internal._ProxyMeterProvider()
+    """Forget the global tracer and meter providers, so that the next test may install its own."""
+    reset_trace_globals()
+    reset_metrics_globals()
 
 
 @dataclass
@@ -75,6 +68,7 @@ def in_memory_telemetry() -> InMemoryTelemetry:
 
 
 def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    """The reader's data points by metric name (cumulative values since the start)."""
     data = reader.get_metrics_data()
     points: dict[str, list[Any]] = {}
     if data is None:
@@ -84,6 +78,14 @@ def metric_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
             for metric in scope_metrics.metrics:
                 points.setdefault(metric.name, []).extend(metric.data.data_points)
     return points
+
+
+def metric_values(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict[str, Any], Any]]]:
+    """(attributes, value) per data point, by metric name; histograms give their count."""
+    return {
+        name: [(dict(p.attributes), p.count if isinstance(p, HistogramDataPoint) else p.value) for p in points]
+        for name, points in metric_points(reader).items()
+    }
 
 
 def point_value(points: dict[str, list[Any]], name: str, **attributes: Any) -> Any:

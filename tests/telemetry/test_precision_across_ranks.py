@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fsdp_patch.telemetry import semconv
 
 from tests import models
-from tests.integration.otel_training import environment, in_memory_otel, metric_points
+from tests.integration.otel_training import environment, in_memory_otel, metric_values
 
 WORLD = 2
 GRAD_MAX = (1.0, 2.0)  # max |grad| per rank
@@ -58,7 +58,7 @@ def planted_step() -> dict[str, Any]:
         model, optimizer, natural = _planted_model()
         optimizer.step()
         precision_spans = [dict(s.attributes) for s in spans.get_finished_spans() if s.name == semconv.SPAN_PRECISION]
-        points = metric_points(reader)
+        points = metric_values(reader)
     rank = dist.get_rank()
     own = {
         name: [value for attrs, value in values if attrs.get(semconv.ATTR_RANK) == rank]

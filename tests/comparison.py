@@ -1,0 +1,100 @@
+"""Comparing what a test got with what it wanted, tensors included, with the difference in the message.
+
+- :func:`difference`: ``None`` when two values are equal, else the first place they differ and by
+  how much. Tensors (DTensors by their local shard) compared bitwise by default, or by value
+  (``bitwise=False``: ``0.0 == -0.0``, a NaN never equal), nested in dicts, lists and tuples;
+  ``None`` equals only ``None``; anything else by ``==``.
+- :func:`same`, :func:`assert_same`: the same, as a boolean and as an assertion naming what was compared.
+- :func:`max_abs_difference`: the largest absolute difference over tensors of the same names,
+  and the name it is at, for tests that hold two runs to a tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["assert_same", "bits", "difference", "local", "max_abs_difference", "same"]
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor: a DTensor's local shard, else the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits, as integers of its element size."""
+    t = local(t).detach().contiguous()
+    return t.view(_INT[t.element_size()])
+
+
+def _tensor_difference(got: torch.Tensor, want: torch.Tensor, at: str, bitwise: bool) -> str | None:
+    if isinstance(got, DTensor) != isinstance(want, DTensor):
+        return f"{at}: got {type(got).__name__}, want {type(want).__name__}"
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{at}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    g, w = local(got).detach(), local(want).detach()
+    unequal = (bits(g) != bits(w) if bitwise else g != w).flatten()
+    if not unequal.any():
+        return None
+    first = int(unequal.nonzero()[0])
+    gap = (g.double() - w.double()).abs().nan_to_num(nan=float("inf")).max().item()
+    return (
+        f"{at}: {int(unequal.sum())} of {unequal.numel()} elements differ{' bitwise' if bitwise else ''} "
+        f"(max |difference| {gap:.3g}), first at flat index {first}: got {g.flatten()[first].item()!r}, "
+        f"want {w.flatten()[first].item()!r}"
+    )
+
+
+def difference(got: Any, want: Any, where: str = "", *, bitwise: bool = True) -> str | None:
+    """``None`` when ``got`` equals ``want`` (see the module's docstring); else the first place they
+    differ, with both values."""
+    at = where or "value"
+    if got is None or want is None:
+        return None if got is want else f"{at}: got {type(got).__name__}, want {type(want).__name__}"
+    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
+            return f"{at}: got {type(got).__name__}, want {type(want).__name__}"
+        return _tensor_difference(got, want, at, bitwise)
+    if isinstance(got, dict) and isinstance(want, dict):
+        if got.keys() != want.keys():
+            return f"{at}: keys {sorted(map(str, got))}, want {sorted(map(str, want))}"
+        return next(
+            (d for k in got if (d := difference(got[k], want[k], f"{where}[{k!r}]", bitwise=bitwise)) is not None),
+            None,
+        )
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            return f"{at}: {len(got)} items, want {len(want)}"
+        pairs = enumerate(zip(got, want, strict=True))
+        return next(
+            (d for i, (x, y) in pairs if (d := difference(x, y, f"{where}[{i}]", bitwise=bitwise)) is not None), None
+        )
+    return None if got == want else f"{at}: got {got!r}, want {want!r}"
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equality of tensors (DTensors compared by local shard), or ``==`` otherwise."""
+    return difference(a, b) is None
+
+
+def assert_same(got: Any, want: Any, what: str) -> None:
+    """Asserts ``same(got, want)``, naming ``what`` and the first difference."""
+    found = difference(got, want)
+    assert found is None, f"{what}: {found}"
+
+
+def max_abs_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest absolute difference over all tensors of the same names, and the name it is at."""
+    assert got.keys() == want.keys(), f"names differ: got {sorted(got)}, want {sorted(want)}"
+    worst, where = 0.0, ""
+    for name, value in want.items():
+        assert got[name].shape == value.shape, f"{name}: shape {tuple(got[name].shape)}, want {tuple(value.shape)}"
+        diff = (got[name].double() - value.double()).abs().max().item() if value.numel() else 0.0
+        if diff > worst or not where:
+            worst, where = diff, name
+    return worst, where
