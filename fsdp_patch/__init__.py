@@ -6,10 +6,10 @@ main grads in their own dtype, advertised through ``Tensor.grad_dtype``.
 """
 
 from .adapter import cast_buffer_bytes, keep_cast_buffers, remove_fully_shard_optimizer
-from .forward_methods import register_fsdp_forward_method
-from .fsdp_module import FSDPModule
 from .mixed_precision import MixedPrecisionPolicy
-from .module import fully_shard, parameter_groups
+from .module.forward_methods import register_fsdp_forward_method
+from .module.fsdp_module import FSDPModule
+from .module.shard_module import fully_shard, parameter_groups
 from .sharding import ParameterGroup, contained_in_parameter_group, parameter_group_of
 
 __version__ = "0.1.0"

@@ -257,7 +257,7 @@ ATTR_ORIGIN_STAGE = "fsdp.origin.stage"
 ATTR_ORIGIN_WHERE = "fsdp.origin.where"
 """The module (forward, backward), parameter (weight_write, optimizer) or unit (reduce,
 grad_write) named, as ``model.named_modules()`` / ``named_parameters()`` name it, ``model`` the outermost
-module holding the sharded root (``fsdp_patch.model_units.holder_prefix``); ``""`` is that module."""
+module holding the sharded root (``fsdp_patch.module.model_units.holder_prefix``); ``""`` is that module."""
 ATTR_ORIGIN_DTYPE = "fsdp.origin.dtype"
 """The dtype of the tensor where it was seen (``float16``)."""
 ATTR_ORIGIN_DETAIL = "fsdp.origin.detail"

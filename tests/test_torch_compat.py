@@ -1,4 +1,4 @@
-"""fsdp_patch.torch_compat: each shape of torch's internals it papers over, and the shape this torch has.
+"""fsdp_patch.torch_interop.torch_compat: each shape of torch's internals it papers over, and the shape this torch has.
 
 The stand-in objects below have the attributes of torch FSDP2's private state on each supported
 release (one ``_fsdp_param_group`` on 2.11, the list ``_fsdp_param_groups`` from 2.12; the
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_patch import torch_compat
-from fsdp_patch.fsdp2 import fsdp2_groups
+from fsdp_patch.torch_interop import torch_compat
+from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 from tests import models
 
 WORLD = 2

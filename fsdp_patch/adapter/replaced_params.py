@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..module import replaced_by_sharding
+from ..sharding import replaced_by_sharding
 
 __all__ = ["refuse_replaced_parameters"]
 

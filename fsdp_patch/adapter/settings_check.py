@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..torch_compat import all_gather_flat
+from ..torch_interop.torch_compat import all_gather_flat
 from .observer_source import registered_source
 
 __all__ = ["CollectiveSettingsError", "check_collective_settings", "process_group_and_device"]

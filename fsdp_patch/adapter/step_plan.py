@@ -35,8 +35,8 @@ from itertools import chain, repeat
 import torch
 from torch import nn
 
-from ..fsdp2 import FSDP2Group, fsdp2_groups
 from ..sharding import ParameterGroup, parameter_group_of
+from ..torch_interop.fsdp2 import FSDP2Group, fsdp2_groups
 from .events import Mismatch, MismatchAction, StepPlanned
 from .grad_cast import GroupGradCast
 

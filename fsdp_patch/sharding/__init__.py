@@ -12,13 +12,28 @@ Each layer imports only the ones listed before it:
   the values a group takes from tensors that replaced its parameters;
 - :mod:`.parameter_group`: the policy composing them (compute-copy freshness and refresh,
   overwrite or accumulate, when to gather and free);
-- :mod:`.registry`: which group manages a sharded parameter.
+- :mod:`.registry`: which group manages a sharded parameter, and which originals sharding replaced.
 
-The unit above (:mod:`fsdp_patch.unit`) drives groups through an iteration; the optimizer
+The unit above (:mod:`fsdp_patch.module.unit`) drives groups through an iteration; the optimizer
 adapter (:mod:`fsdp_patch.adapter`) reads and lends their grads.
 """
 
 from .parameter_group import ParameterGroup
-from .registry import contained_in_parameter_group, parameter_group_of, register_group
+from .registry import (
+    contained_in_parameter_group,
+    parameter_group_of,
+    record_replaced,
+    register_group,
+    replaced_by_sharding,
+    replaced_original,
+)
 
-__all__ = ["ParameterGroup", "contained_in_parameter_group", "parameter_group_of", "register_group"]
+__all__ = [
+    "ParameterGroup",
+    "contained_in_parameter_group",
+    "parameter_group_of",
+    "record_replaced",
+    "register_group",
+    "replaced_by_sharding",
+    "replaced_original",
+]

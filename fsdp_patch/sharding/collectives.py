@@ -4,7 +4,7 @@ Each handle owns the buffers its collective reads and writes, as FSDP2's ``AllGa
 and reduce-scatter states do: issuing allocates them, waiting completes the collective, freeing
 releases them at once (a completed asynchronous work may still reference its buffers until the
 backend's thread lets go, which would make the peak depend on timing). The flat collectives
-themselves come from :mod:`fsdp_patch.torch_compat`.
+themselves come from :mod:`fsdp_patch.torch_interop.torch_compat`.
 
 Alternatives considered:
     - Work objects and buffers held in tuples by the parameter group: every consumer had to
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..torch_compat import all_gather_flat, reduce_scatter_flat
+from ..torch_interop.torch_compat import all_gather_flat, reduce_scatter_flat
 from .flat_buffer import free_now
 
 __all__ = ["AllGather", "ReduceScatter"]

@@ -45,10 +45,10 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, str]]:
     """``id(param) -> (name, unit)`` of every parameter of ``optimizer``: fully qualified names of
     ``fully_shard``'s and FSDP2's parameters, ``param_groups[g]['params'][i]`` for the others."""
-    from fsdp_patch.fsdp2 import fsdp2_groups
-    from fsdp_patch.model_units import group_prefix, user_name
-    from fsdp_patch.module import unit_name_of
+    from fsdp_patch.module.model_units import group_prefix, user_name
+    from fsdp_patch.module.shard_module import unit_name_of
     from fsdp_patch.sharding import parameter_group_of
+    from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
     names: dict[int, tuple[str, str]] = {}
     plain = []
@@ -79,8 +79,8 @@ def audit_dtypes(optimizer: torch.optim.Optimizer) -> list[ContractViolation]:
     as expected), its grad in its own dtype; every optimizer state tensor (not ``step``) in its
     parameter's dtype.
     """
-    from fsdp_patch.fsdp2 import fsdp2_groups
     from fsdp_patch.sharding import parameter_group_of
+    from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
     found: list[tuple[torch.Tensor, str, str | None, torch.dtype, torch.dtype]] = []
     plain = []

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from fsdp_patch.torch_compat import foreach_clone
+from fsdp_patch.torch_interop.torch_compat import foreach_clone
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,7 +50,7 @@ class PrecisionView(Protocol):
 
 @runtime_checkable
 class TensorListView(Protocol):
-    """A group of per-parameter shards; ``fsdp_patch.fsdp2.FSDP2Group`` (torch FSDP2) satisfies it.
+    """A group of per-parameter shards; ``fsdp_patch.torch_interop.fsdp2.FSDP2Group`` (torch FSDP2) satisfies it.
 
     Attributes:
         main_weights: This rank's shards, which the optimizer updates.

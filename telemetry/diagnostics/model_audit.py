@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fsdp_patch.model_units import user_name
+from fsdp_patch.module.model_units import user_name
 
 from .. import semconv
 
@@ -57,7 +57,7 @@ class ModelFinding:
 
 def low_precision_buffers(root: nn.Module, prefix: str = "") -> list[ModelFinding]:
     """Floating buffers of ``root`` in bfloat16/float16 (``model.bfloat16()`` casts buffers too),
-    named as the module holding ``root`` names them (``prefix``: :func:`fsdp_patch.model_units.holder_prefix`)."""
+    named as the module holding ``root`` names them (``prefix``: :func:`fsdp_patch.module.model_units.holder_prefix`)."""
     found = []
     for name, buffer in root.named_buffers(prefix=prefix[:-1]):
         if buffer is None or not buffer.is_floating_point() or buffer.dtype not in LOW_PRECISION:

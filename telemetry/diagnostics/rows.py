@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from fsdp_patch.model_units import group_prefix, user_name
-from fsdp_patch.torch_compat import all_gather_flat
+from fsdp_patch.module.model_units import group_prefix, user_name
+from fsdp_patch.torch_interop.torch_compat import all_gather_flat
 
 from .groups import weights_of
 
@@ -113,7 +113,7 @@ class StateTensor:
 
 
 def _unit_of_flat_group(group: Any) -> str:
-    from fsdp_patch.module import unit_name_of
+    from fsdp_patch.module.shard_module import unit_name_of
 
     try:
         return unit_name_of(group)

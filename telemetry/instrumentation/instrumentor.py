@@ -40,8 +40,8 @@ import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # the module opts out of mypy (a file-level ignore)
 
 from fsdp_patch.adapter import NullObserver, adapt_optimizer, adaptation_of, adaptations
-from fsdp_patch.fsdp2 import fsdp2_groups
 from fsdp_patch.sharding import parameter_group_of
+from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
 from ..export import providers
 from . import activation

@@ -28,9 +28,9 @@ import torch
 from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
-from fsdp_patch.fsdp2 import fsdp2_groups
-from fsdp_patch.model_units import group_prefix, sharded_models, user_name
+from fsdp_patch.module.model_units import group_prefix, sharded_models, user_name
 from fsdp_patch.sharding import parameter_group_of
+from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
 from .. import env, semconv
 from ..diagnostics.groups import first_process_group, weights_of
@@ -49,7 +49,7 @@ def _group_name(group: Any) -> str:
     """The group's unit as the module the user holds names it (as the model watch names units)."""
     if hasattr(group, "main_weights"):
         return user_name(group_prefix(group), str(getattr(group, "unit_name", "")))
-    from fsdp_patch.module import unit_name_of
+    from fsdp_patch.module.shard_module import unit_name_of
 
     return user_name(group_prefix(group), unit_name_of(group))
 

@@ -2,7 +2,7 @@
 reduce checked as they run, and the iterations counted (backward passes, steps a GradScaler skipped).
 
 An optimizer observer sees the optimizer boundary only. To say where a NaN/Inf began, a
-:class:`ModelWatch` checks the sharded model it steps (:mod:`fsdp_patch.model_units`): each
+:class:`ModelWatch` checks the sharded model it steps (:mod:`fsdp_patch.module.model_units`): each
 unit's output and its grad, the loss (the tensors ``torch.autograd.backward`` is called on), each
 group's grads before and after its reduce-scatter, and, from the observer, the main grads at the
 step and the main weights before and after the update (:mod:`..diagnostics.origin`). One
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import wrapt
 from torch import nn
 
-from fsdp_patch.model_units import ShardedModel, user_name
+from fsdp_patch.module.model_units import ShardedModel, user_name
 from fsdp_patch.sharding.parameter_group import REDUCE_COPIED, REDUCE_INPUT
 
 from .. import semconv
@@ -511,7 +511,7 @@ def _fsdp2_param_groups(unit: nn.Module) -> list[Any]:
         from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
     except ImportError:  # pragma: no cover - torch built without distributed
         return []
-    from fsdp_patch.torch_compat import fsdp2_state_param_groups
+    from fsdp_patch.torch_interop.torch_compat import fsdp2_state_param_groups
 
     state = _get_module_fsdp_state(unit)
     return [] if state is None else fsdp2_state_param_groups(state)

@@ -49,7 +49,7 @@ def count_collectives() -> Iterator[dict[str, int]]:
     """Counts the all-gathers and reduce-scatters ``fsdp_patch`` issues (it calls them through
     ``torch.distributed``'s module attributes)."""
     counts = {"all_gather": 0, "reduce_scatter": 0}
-    # fsdp_patch.torch_compat looks up whichever flat collective this torch has at each call.
+    # fsdp_patch.torch_interop.torch_compat looks up whichever flat collective this torch has at each call.
     names = [
         (name, kind)
         for name, kind in (

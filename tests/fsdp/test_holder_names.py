@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_patch.model_units import holder_prefix, user_name
+from fsdp_patch.module.model_units import holder_prefix, user_name
 
 
 class Holder(nn.Module):

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_patch.scoped_patch import ScopedPatch
+from fsdp_patch.torch_interop.scoped_patch import ScopedPatch
 from tests.distributed_pool import DistributedPool
 from tests.fsdp import pattern_models
 from tests.fsdp.sharded_views import world

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .fsdp2 import fsdp2_groups
+from ..sharding import parameter_group_of
+from ..torch_interop.fsdp2 import fsdp2_groups
 from .fsdp_module import FSDPModule
-from .module import all_units, unit_module_of
-from .sharding import parameter_group_of
+from .shard_module import all_units, unit_module_of
 
 __all__ = [
     "ShardedModel",
@@ -196,7 +196,7 @@ def unit_prefix(unit: nn.Module | None) -> str:
 
 def group_prefix(group: object) -> str:
     """The :func:`unit_prefix` of the unit holding ``group``: a ``fully_shard`` parameter group, or
-    an :class:`~fsdp_patch.fsdp2.FSDP2Group`; ``""`` for anything else (a stand-in in a test)."""
+    an :class:`~fsdp_patch.torch_interop.fsdp2.FSDP2Group`; ``""`` for anything else (a stand-in in a test)."""
     fsdp_group = getattr(group, "fsdp_group", None)
     if fsdp_group is not None:
         modules = getattr(fsdp_group, "modules", None) or ()

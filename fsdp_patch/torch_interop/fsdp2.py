@@ -12,7 +12,7 @@ torch keeps no link from a sharded parameter back to its group: FSDP2 registers 
 ``FSDPState`` in ``torch.distributed._composable_state._module_state_mapping`` (what
 ``_get_module_fsdp_state`` reads), and each state's parameter groups list their ``FSDPParam``
 objects, whose ``sharded_param`` is what the optimizer holds. Those are private names of torch,
-whose shape differs across the supported releases: ``fsdp_patch.torch_compat`` reads them (a
+whose shape differs across the supported releases: ``fsdp_patch.torch_interop.torch_compat`` reads them (a
 torch without them gives no groups, and the adapter then sees plain parameters).
 
 Where torch's policy sets the compute dtype per parameter (``param_dtype_override_fn``), the

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..sharding import ParameterGroup
 from .compile_boundary import outside_dynamo
-from .sharding import ParameterGroup
 from .training_state import TrainingState
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .scoped_patch import ScopedPatch
+from ..torch_interop.scoped_patch import ScopedPatch
 
 __all__ = ["track_fp16_main_grads", "ADVICE"]
 
@@ -60,7 +60,7 @@ def track_fp16_main_grads(group: object) -> None:
 
 
 def _holds_fp16_main_grads(optimizer: torch.optim.Optimizer) -> bool:
-    from .sharding import parameter_group_of
+    from ..sharding import parameter_group_of
 
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:

@@ -10,7 +10,7 @@ that its features allow.
   They are looked up at each call, so that a test (or a profiler) that wraps
   ``torch.distributed``'s attributes sees every collective fsdp_patch issues.
 - ``torch._foreach_clone`` is missing from some builds; a list of ``clone()`` is equivalent.
-- torch FSDP2's private state (read by ``fsdp_patch.fsdp2`` only): an ``FSDPState`` holds its
+- torch FSDP2's private state (read by ``fsdp_patch.torch_interop.fsdp2`` only): an ``FSDPState`` holds its
   parameter groups as the list ``_fsdp_param_groups`` where torch supports a mesh per parameter
   (2.12 on), before that as the single ``_fsdp_param_group`` (or ``None``). The mixed-precision
   policy is kept per ``FSDPParam`` (``FSDPParam.mp_policy``, resolved for that parameter on

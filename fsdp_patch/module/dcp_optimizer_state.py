@@ -10,7 +10,7 @@ fails ("attempting to assign a gradient with dtype 'float' to a tensor with grad
 'BFloat16'") where FSDP2, whose grads have the parameter's dtype, needs nothing.
 
 While a parameter group whose main grads differ in dtype from its main weights exists,
-``_init_optim_state`` is wrapped (a :class:`~fsdp_patch.scoped_patch.ScopedPatch`, restored
+``_init_optim_state`` is wrapped (a :class:`~fsdp_patch.torch_interop.scoped_patch.ScopedPatch`, restored
 exactly after the last such group): for an optimizer holding such parameters, in the cases where
 torch's would make state (none yet, no grads), the state is made by
 :func:`fsdp_patch.optimizer.init_optimizer_state`'s neutral initialization (a zero step with
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .scoped_patch import ScopedPatch
+from ..torch_interop.scoped_patch import ScopedPatch
 
 __all__ = ["track_grad_dtype_mismatch"]
 
@@ -49,7 +49,7 @@ def _grad_dtype_aware(original: Any) -> Any:
     @functools.wraps(original)
     def _init_optim_state(optim: torch.optim.Optimizer) -> None:
         if _needs_grad_dtype_matched_init(optim):
-            from .adapter.state_init import init_optimizer_state
+            from ..adapter.state_init import init_optimizer_state
 
             init_optimizer_state(optim, leave_zero_grads=False)
             return
@@ -69,7 +69,7 @@ def track_grad_dtype_mismatch(group: object) -> None:
 def _needs_grad_dtype_matched_init(optim: torch.optim.Optimizer) -> bool:
     """Whether torch's ``_init_optim_state`` would assign grads (no state, no grad yet) and one
     of them would be refused (a sharded parameter whose grad dtype is not its dtype)."""
-    from .sharding import parameter_group_of
+    from ..sharding import parameter_group_of
 
     if optim.state:
         return False

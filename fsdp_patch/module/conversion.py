@@ -1,6 +1,6 @@
 """``Module._apply`` (``.to()``, ``.float()``, ``.cpu()``, ``to_empty`` and the rest) on a sharded module.
 
-What :meth:`FSDPModule._apply <fsdp_patch.fsdp_module.FSDPModule._apply>` runs around
+What :meth:`FSDPModule._apply <fsdp_patch.module.fsdp_module.FSDPModule._apply>` runs around
 ``Module._apply``: a check that refuses, before anything is converted, a conversion that would
 change a sharded parameter's dtype or device; then the sharded parameters taken out of their
 modules while the buffers are converted, and put back.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sharding import ParameterGroup
+from ..sharding import ParameterGroup
 
 if TYPE_CHECKING:
     from .unit import UnitState

@@ -1,6 +1,6 @@
 """``fully_shard``: turns a module into an FSDP unit over a 1-D device mesh.
 
-What a unit does in forward and backward is in :mod:`fsdp_patch.unit`; at the end of each
+What a unit does in forward and backward is in :mod:`fsdp_patch.module.unit`; at the end of each
 backward the root's final callback installs DTensor views of the main grads as the sharded
 parameters' ``.grad``. Between iterations the module holds its sharded parameters, and stays
 an ordinary module for everything that reads them: ``state_dict`` (:mod:`.state_dict_hooks`),
@@ -23,12 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..mixed_precision import MixedPrecisionPolicy
+from ..sharding import ParameterGroup, parameter_group_of, record_replaced, register_group, replaced_original
+from ..sharding.placement import mesh_device, resolve_mesh
 from .dcp_optimizer_state import track_grad_dtype_mismatch
 from .fsdp_module import FSDPModule, fsdp_class, owned_modules
 from .grad_scaler_hint import track_fp16_main_grads
-from .mixed_precision import MixedPrecisionPolicy
-from .placement import mesh_device, resolve_mesh
-from .sharding import ParameterGroup, parameter_group_of, register_group
 from .state_dict_hooks import register_state_dict_hooks
 from .unit import Location, UnitState
 
@@ -63,9 +63,9 @@ def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str
                     "fully_shard bottom-up (blocks first, then the root), and keep tied parameters "
                     "within one unit"
                 )
-            if param in _CONSUMED:
+            if (replaced := replaced_original(param)) is not None:
                 raise ValueError(
-                    f"parameter '{fqn}' is tied to {_CONSUMED[param]}; tied parameters must belong "
+                    f"parameter '{fqn}' is tied to {replaced}; tied parameters must belong "
                     "to one unit (sharding them in two would silently duplicate them): apply "
                     "fully_shard to a module that contains every use of the parameter"
                 )
@@ -100,18 +100,6 @@ def all_units() -> list[nn.Module]:
     return list(_UNITS)
 
 
-def replaced_by_sharding(param: torch.Tensor) -> str | None:
-    """What ``param`` was, if it is an original parameter that ``fully_shard`` (this package's, or
-    torch FSDP2's where its version tags originals) replaced by a sharded one; else ``None``."""
-    if param in _CONSUMED:
-        return str(_CONSUMED[param])
-    # torch FSDP2 (2.12 and newer) tags each original parameter with a uid when it shards it; its
-    # sharded parameters are DTensors.
-    if getattr(param, "_fsdp_orig_uid", None) is not None and not isinstance(param, DTensor):
-        return "an original parameter of a module torch FSDP2's fully_shard sharded"
-    return None
-
-
 def unit_module_of(group: ParameterGroup) -> nn.Module | None:
     """The module ``fully_shard`` made the unit holding ``group``."""
     ref = _UNIT_MODULE.get(group)
@@ -131,11 +119,6 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buffer in owner._buffers.items():
             if buffer is not None and buffer.device != device and not buffer.is_meta:
                 owner._buffers[name] = buffer.to(device)
-
-
-# Original parameter -> FQN, for parameters that a unit replaced; a later unit that still
-# finds one of them registered somewhere has found a parameter tied across units.
-_CONSUMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def fully_shard(
@@ -214,7 +197,7 @@ def fully_shard(
         if group.grads_dtype != group.main_dtype:
             track_grad_dtype_mismatch(group)
     for param, name in zip(params, names, strict=True):
-        _CONSUMED[param] = f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}"
+        record_replaced(param, f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}")
     # Units are built bottom-up, each naming its parameters from itself; a parent prefixes its
     # children's names, so error messages name parameters from the outermost unit.
     for prefix, child in _fsdp_children(module):

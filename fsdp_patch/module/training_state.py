@@ -1,5 +1,5 @@
 """Where a unit is in an iteration: the states of FSDP2's ``TrainingState`` (the transitions
-between them are in :mod:`fsdp_patch.unit`)."""
+between them are in :mod:`fsdp_patch.module.unit`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A unit's pre-backward hook goes on the tensors its forward returned, so those mu
 any structure a model returns: tuples, dicts (``OrderedDict``-based model outputs included),
 namedtuples, dataclasses, and plain objects that keep them as attributes. Where nothing is
 found, the unit keeps its parameters gathered until the end of backward instead (see
-:mod:`fsdp_patch.unit`), so a structure this misses costs memory, never a wrong gradient.
+:mod:`fsdp_patch.module.unit`), so a structure this misses costs memory, never a wrong gradient.
 
 Alternatives considered:
     - ``torch.utils._pytree.tree_flatten``: sees only registered containers; a dataclass or a

@@ -20,9 +20,9 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from ..sharding import ParameterGroup
 from .compile_boundary import outside_dynamo
-from .module_conversion import inside_conversion, sharded_parameters_kept
-from .sharding import ParameterGroup
+from .conversion import inside_conversion, sharded_parameters_kept
 from .unit import UnitState
 
 __all__ = ["FSDPModule", "fsdp_class", "owned_modules"]

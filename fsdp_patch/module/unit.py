@@ -42,11 +42,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from ..mixed_precision import MixedPrecisionPolicy
+from ..sharding import ParameterGroup
 from .compile_boundary import outside_dynamo
-from .mixed_precision import MixedPrecisionPolicy
 from .output_tensors import grad_tensors
 from .root_context import RootContext
-from .sharding import ParameterGroup
 from .training_state import TrainingState
 
 __all__ = ["Location", "UnitState"]

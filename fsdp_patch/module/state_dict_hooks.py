@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from ..sharding import ParameterGroup
 from .fsdp_module import owned_modules
-from .sharding import ParameterGroup
 from .unit import Location, UnitState
 
 __all__ = ["register_state_dict_hooks"]
