@@ -12,9 +12,12 @@ telemetry changes; the table says which runs differ, and from which.
 
 Each job is one process per rank running its runs one after another (fresh models, a fresh
 optimizer each); several jobs per world size (fresh processes each), all compared with the first
-run of the first job. Usage::
+run of the first job. ``--nodes 1 2`` runs every world size's jobs as a local job (one process
+per rank) and as N torchrun agents, one per node, that meet on the loopback interface
+(``--nnodes N --node-rank i``): the ranks of a multi-node job, each with its node's local ranks
+and its own agent, on one machine; all compared with the first run. Usage::
 
-    python -m benchmarks.determinism_soak [--jobs 3] [--runs 10] [--world-sizes 2 4] [--steps 6] [--microbatches 3] [--json out-WORLD.json]
+    python -m benchmarks.determinism_soak [--jobs 3] [--runs 10] [--world-sizes 2 4] [--nodes 1 2] [--steps 6] [--microbatches 3] [--json out-WORLD.json]
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import argparse
 import hashlib
 import json
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 from typing import Any
 from unittest import mock
@@ -107,7 +113,12 @@ def soak_on_ranks(runs: int, steps: int, microbatches: int) -> list[dict[str, An
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The distinct final states among the runs, and which runs differ from the first."""
     first = results[0]["digests"]
-    differing = [f"job {r.get('job', 0)} run {r['run']} {r['setting']}" for r in results if r["digests"] != first]
+
+    def label(r: dict[str, Any]) -> str:
+        nodes = r.get("nodes", 1)
+        return f"{f'{nodes}-node ' if nodes > 1 else ''}job {r.get('job', 0)} run {r['run']} {r['setting']}"
+
+    differing = [label(r) for r in results if r["digests"] != first]
     return {
         "runs": len(results),
         "distinct_states": len({tuple(r["digests"]) for r in results}),
@@ -115,12 +126,50 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _job(runs: int, steps: int, microbatches: int, job: int, results_path: str) -> None:
+def _job(runs: int, steps: int, microbatches: int, job: int, results_path: str, nodes: int = 1) -> None:
     results = soak_on_ranks(runs, steps, microbatches)
     if results is not None:
         with open(results_path, "a", encoding="utf-8") as f:
             for result in results:
-                f.write(json.dumps({"job": job, **result}) + "\n")
+                f.write(json.dumps({"nodes": nodes, "job": job, **result}) + "\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _job_on_nodes(nodes: int, world: int, runs: int, steps: int, microbatches: int, job: int, path: str) -> None:
+    """One job as ``nodes`` torchrun agents on the loopback interface, ``world // nodes`` ranks each."""
+    port = _free_port()
+
+    def command(node: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+                f"--nproc-per-node={world // nodes}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                "-m", "benchmarks.determinism_soak", "--job-of", str(job), path, "--nodes", str(nodes),
+                "--runs", str(runs), "--steps", str(steps), "--microbatches", str(microbatches)]  # fmt: skip
+
+    # The intra-op threads of a local job's ranks (demo.launch: the cores shared among the ranks):
+    # another count sums a matmul in another order, and the states of the topologies would differ
+    # by that alone, telemetry on or off (seen: 2 ranks, 2 threads each under torchrun's default).
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+    with tempfile.TemporaryDirectory() as logs:
+        # Each agent's output to a file: a pipe nobody reads while another agent is waited for could fill.
+        outputs = [open(os.path.join(logs, f"node{node}.log"), "w+", encoding="utf-8") for node in range(nodes)]
+        try:
+            agents = [
+                subprocess.Popen(command(node), stdout=out, stderr=subprocess.STDOUT, env=env)
+                for node, out in enumerate(outputs)
+            ]
+            codes = [agent.wait() for agent in agents]
+            for node, (code, out) in enumerate(zip(codes, outputs, strict=True)):
+                if code != 0:
+                    out.seek(0)
+                    raise SystemExit(f"determinism_soak: job {job}'s node {node} exited {code}:\n{out.read()[-3000:]}")
+        finally:
+            for out in outputs:
+                out.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=3, help="jobs per world size (fresh processes each)")
     parser.add_argument("--runs", type=int, default=10, help="runs per setting in each job")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--nodes", type=int, nargs="+", default=[1], help="torchrun agents (nodes) per job, each; 1: one local job"
+    )
+    # One rank of a multi-node job (what each torchrun agent runs): the job's number and results file.
+    parser.add_argument("--job-of", nargs=2, metavar=("JOB", "RESULTS"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--microbatches", type=int, default=3)
     parser.add_argument(
@@ -137,25 +191,36 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("jobs", "runs", "steps", "microbatches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)} is too small; expected an integer >= 1")
-    if any(w < 1 for w in args.world_sizes):
-        parser.error(f"--world-sizes {args.world_sizes}: each must be an integer >= 1")
-    print("| ranks | runs | steps x microbatches | final weights and optimizer state | runs that differ |")
-    print("| --- | --- | --- | --- | --- |")
+    if any(n < 1 for n in args.nodes) or any(w < 1 or w % n for w in args.world_sizes for n in args.nodes):
+        parser.error(
+            f"--world-sizes {args.world_sizes}: each must be a multiple of each of --nodes {args.nodes} (>= 1)"
+        )
+    if args.job_of is not None:
+        job, path = int(args.job_of[0]), args.job_of[1]
+        run_ranks(_job, 0, args.runs, args.steps, args.microbatches, job, path, args.nodes[0])
+        return
+    print("| ranks | nodes | runs | steps x microbatches | final weights and optimizer state | runs that differ |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for world in args.world_sizes:
         with tempfile.TemporaryDirectory() as scratch:
             results_path = os.path.join(scratch, "runs.jsonl")
-            for job in range(args.jobs):
-                run_ranks(_job, world, args.runs, args.steps, args.microbatches, job, results_path)
+            for nodes in args.nodes:
+                for job in range(args.jobs):
+                    if nodes > 1:
+                        _job_on_nodes(nodes, world, args.runs, args.steps, args.microbatches, job, results_path)
+                    else:
+                        run_ranks(_job, world, args.runs, args.steps, args.microbatches, job, results_path)
             with open(results_path, encoding="utf-8") as f:
                 results = [json.loads(line) for line in f]
         summary = summarize(results)
         states = summary["distinct_states"]
         verdict = "all bitwise equal" if states == 1 else f"{states} distinct states"
-        print(f"| {world} | {summary['runs']} ({args.jobs} jobs x {args.runs} per setting) | {args.steps} x "
+        topologies = " and ".join(map(str, args.nodes))
+        print(f"| {world} | {topologies} | {summary['runs']} ({len(args.nodes)} x {args.jobs} jobs x {args.runs} per setting) | {args.steps} x "
               f"{args.microbatches} | {verdict} | {', '.join(summary['differ_from_first']) or '-'} |", flush=True)  # fmt: skip
         if args.json:
             settings = {"jobs": args.jobs, "runs_per_setting_and_job": args.runs, "steps": args.steps,
-                        "microbatches": args.microbatches}  # fmt: skip
+                        "microbatches": args.microbatches, "nodes": args.nodes}  # fmt: skip
             write_results(args.json.replace("WORLD", str(world)), "determinism_soak",
                           {**settings, "summary": summary, "results": results}, world_size=world)  # fmt: skip
 

@@ -122,8 +122,9 @@ def test_determinism_soak_names_the_runs_whose_state_differs() -> None:
 
 @pytest.mark.long
 def test_determinism_soak_runs_and_every_run_holds_one_state(tmp_path: Path) -> None:
-    """Two jobs of one run per setting on 2 ranks (overlap, 2 microbatches, telemetry on and off):
-    one digest per rank for all four, in the table and the JSON."""
+    """Two jobs of one run per setting on 2 ranks (overlap, 2 microbatches, telemetry on and off),
+    local and as two torchrun agents (nodes) on the loopback interface: one digest per rank for all
+    eight, in the table and the JSON."""
     out = tmp_path / "soak-WORLD.json"
     args = [
         "--jobs",
@@ -131,6 +132,9 @@ def test_determinism_soak_runs_and_every_run_holds_one_state(tmp_path: Path) -> 
         "--runs",
         "1",
         "--world-sizes",
+        "2",
+        "--nodes",
+        "1",
         "2",
         "--steps",
         "3",
@@ -142,6 +146,7 @@ def test_determinism_soak_runs_and_every_run_holds_one_state(tmp_path: Path) -> 
     run = subprocess.run([sys.executable, "-m", "benchmarks.determinism_soak", *args], cwd=REPO,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, f"determinism_soak exited {run.returncode}:\n{run.stderr[-3000:]}"
-    assert "| 2 | 4 (2 jobs x 1 per setting) | 3 x 2 | all bitwise equal | - |" in run.stdout, run.stdout
+    want = "| 2 | 1 and 2 | 8 (2 x 2 jobs x 1 per setting) | 3 x 2 | all bitwise equal | - |"
+    assert want in run.stdout, f"want the row {want!r} in:\n{run.stdout}"
     summary = json.loads((tmp_path / "soak-2.json").read_text())["summary"]
-    assert summary == {"runs": 4, "distinct_states": 1, "differ_from_first": []}, summary
+    assert summary == {"runs": 8, "distinct_states": 1, "differ_from_first": []}, summary

@@ -128,7 +128,8 @@ def torch_path_scope_on_ranks() -> None:
     tests' groups may still be alive in this process.)"""
     from torch.distributed.checkpoint import state_dict as torch_state_dict
 
-    from fsdp_patch import dcp_optimizer_state, parameter_groups
+    from fsdp_patch import parameter_groups
+    from fsdp_patch.module import dcp_optimizer_state
 
     gc.collect()
     patch = dcp_optimizer_state._PATCH

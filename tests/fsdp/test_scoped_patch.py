@@ -124,7 +124,7 @@ def torch_patches_restored_on_ranks() -> None:
     from torch.distributed.checkpoint import state_dict as torch_state_dict
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from fsdp_patch import dcp_optimizer_state, grad_scaler_hint
+    from fsdp_patch.module import dcp_optimizer_state, grad_scaler_hint
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     init_original = torch_state_dict.__dict__["_init_optim_state"]
