@@ -51,6 +51,12 @@ def shard_model(model: nn.Module, **kwargs) -> nn.Module:
     return model
 
 
+def sharded_model(seed: int = 0, dtype: torch.dtype = torch.bfloat16, **kwargs: int) -> nn.Module:
+    """The TinyTransformer in ``dtype``, the compute dtype (bf16: fp32 main weights, bf16 compute
+    weights and grads), sharded by ``fully_shard`` bottom-up over all ranks."""
+    return shard_model(make_model(seed, **kwargs).to(dtype))
+
+
 def fsdp2_shard_model(model: nn.Module, **kwargs) -> nn.Module:
     """Applies torch FSDP2's fully_shard the same way: each block, then the root."""
     from torch.distributed.fsdp import fully_shard

@@ -11,114 +11,56 @@ ours runs with both compute-copy lifetimes and is held to FSDP2 with the same dt
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.comparison import max_abs_difference
+from tests.fsdp import pattern_models
 
-IN, DIM, HIDDEN, OUT = 6, 12, 20, 5  # OUT rows split (3, 2) on 2 ranks, (2, 2, 1, 0) on 4
-BATCH = 8  # rows per step, divisible by 1, 2 and 4 ranks
 BF16 = torch.bfloat16
 TOL = 1e-5
 FP32_CONTENDERS = ("reference", "fsdp2", "ours")
 BF16_CONTENDERS = ("fsdp2", "ours", "ours_per_gather")
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
-
-
-class NetOptions(TypedDict, total=False):
-    """Keyword arguments of :class:`Net`."""
-
-    spare: bool
-    aux: bool
-
-
-class Net(nn.Module):
-    """Input layer, two residual blocks (each its own unit), head (in the root unit).
-
-    Args:
-        spare: Adds ``spare``, a root parameter no forward uses.
-        aux: Adds ``aux``, a second head that a forward uses only when asked to.
-    """
-
-    def __init__(self, spare: bool = False, aux: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(IN, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(DIM, OUT)
-        self.spare = nn.Parameter(torch.randn(3, DIM)) if spare else None
-        self.aux = nn.Linear(DIM, OUT) if aux else None
-
-    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        for block in self.blocks:
-            h = block(h)
-        out = self.head(h)
-        if use_aux:
-            assert self.aux is not None
-            out = out + self.aux(h)
-        return out
+batches = pattern_models.data
 
 
 def world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def make_net(**options: Any) -> pattern_models.Net:
+    """The parity tests' model: the pattern tests' :class:`~tests.fsdp.pattern_models.Net` with a
+    LayerNorm in front of each block's feed-forward."""
+    return pattern_models.Net(norm=True, **options)
+
+
 def shard(model: nn.Module, impl: str, precision: str, *, main_grads_dtype: torch.dtype | None = None) -> nn.Module:
     """Shards each block, then the root, as ``impl`` does (``reference``: left unsharded).
 
-    bf16: ours gets ``model.bfloat16()`` first (the compute dtype is the module's) with main
-    grads in ``main_grads_dtype`` (bf16 by default); FSDP2 gets ``param_dtype=bf16`` and
-    reduces in the same dtype as ours, its fp32 parameters holding the bf16 model's values.
+    bf16: ours gets the model in bf16 first (the compute dtype is the module's) with main grads
+    in ``main_grads_dtype`` (bf16 by default); FSDP2 gets ``param_dtype=bf16`` and reduces in the
+    same dtype as ours, its fp32 parameters holding the bf16 model's values.
     """
-    if impl == "reference":
-        return model
-    bf16 = precision == "bf16"
-    if impl.startswith("ours"):
-        from fsdp_patch import MixedPrecisionPolicy, fully_shard
-
-        if bf16:
-            model.bfloat16()
-        policy = MixedPrecisionPolicy(
-            main_grads_dtype=main_grads_dtype, compute_copy="per_gather" if impl == "ours_per_gather" else "persistent"
-        )
-        for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    if bf16 and not any(p.is_meta for p in model.parameters()):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(BF16))
-    policy = TorchPolicy(param_dtype=BF16, reduce_dtype=main_grads_dtype or BF16) if bf16 else TorchPolicy()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:  # type: ignore[union-attr]
-        torch_fully_shard(block, mesh=mesh, mp_policy=policy)
-    torch_fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
+    return pattern_models.shard(
+        model,  # type: ignore[arg-type]
+        "ours" if impl.startswith("ours") else impl,
+        dtype=BF16 if precision == "bf16" else None,
+        main_grads_dtype=main_grads_dtype,
+        reduce_dtype=main_grads_dtype,
+        compute_copy="per_gather" if impl == "ours_per_gather" else "persistent",
+    )
 
 
-def build(impl: str, precision: str, seed: int = 0, net: NetOptions | None = None, **shard_kwargs: Any) -> nn.Module:
+def build(
+    impl: str, precision: str, seed: int = 0, net: pattern_models.NetOptions | None = None, **shard_kwargs: Any
+) -> nn.Module:
     torch.manual_seed(seed)
-    return shard(Net(**(net or {})), impl, precision, **shard_kwargs)
+    return shard(make_net(**(net or {})), impl, precision, **shard_kwargs)
 
 
 def adapt(optimizer: torch.optim.Optimizer, impl: str, precision: str) -> torch.optim.Optimizer:
@@ -130,18 +72,9 @@ def adapt(optimizer: torch.optim.Optimizer, impl: str, precision: str) -> torch.
     return optimizer
 
 
-def batches(steps: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, IN, generator=gen), torch.randn(BATCH, OUT, generator=gen)) for _ in range(steps)]
-
-
 def my_rows(impl: str, x: torch.Tensor) -> torch.Tensor:
     """The rows ``impl`` sees on this rank: all of them for the reference."""
-    if impl == "reference":
-        return x
-    rank, world_size = world()
-    per = x.shape[0] // world_size
-    return x[rank * per : (rank + 1) * per]
+    return x if impl == "reference" else pattern_models.rows(x, *world())
 
 
 def loss_of(

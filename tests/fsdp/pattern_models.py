@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -38,17 +38,20 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """A residual block; ``inner`` checkpoints its feed-forward (a submodule the unit owns)."""
+    """A residual block, ``x + ff(norm(x))``: ``norm`` puts a LayerNorm in front (else none);
+    ``inner`` checkpoints the feed-forward (a submodule the unit owns)."""
 
-    def __init__(self, inner: str) -> None:
+    def __init__(self, inner: str = "none", norm: bool = False) -> None:
         super().__init__()
+        self.norm = nn.LayerNorm(DIM) if norm else None
         self.ff = FeedForward()
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) if self.norm is not None else x
         if self.inner == "none":
-            return x + self.ff(x)
-        return x + checkpoint(self.ff, x, use_reentrant=self.inner == "reentrant")
+            return x + self.ff(h)
+        return x + checkpoint(self.ff, h, use_reentrant=self.inner == "reentrant")
 
 
 @dataclasses.dataclass
@@ -64,21 +67,53 @@ class Holder:
         self.logits = logits
 
 
+class NetOptions(TypedDict, total=False):
+    """Keyword arguments of :class:`Net`."""
+
+    inner: str
+    outer: str
+    output: str
+    zero_size: bool
+    norm: bool
+    spare: bool
+    aux: bool
+
+
 class Net(nn.Module):
-    """Input layer, two blocks, head; ``outer`` checkpoints each block (a sharded unit)."""
+    """Input layer, two residual blocks (each its own unit), head (in the root unit).
+
+    Args:
+        inner: Checkpoints each block's feed-forward (``"none"``, ``"reentrant"``, ``"non_reentrant"``).
+        outer: Checkpoints each block, a sharded unit (the same values).
+        output: What forward returns: ``"tensor"``, ``"dataclass"``, ``"object"`` (an attribute of an
+            object the pytree does not know) or ``"nested"`` (dicts, lists and tuples).
+        zero_size: Adds ``empty``, a root parameter with no elements.
+        norm: Puts a LayerNorm in front of each block's feed-forward.
+        spare: Adds ``spare``, a root parameter no forward uses.
+        aux: Adds ``aux``, a second head that a forward uses only when asked to (``use_aux``).
+    """
 
     def __init__(
-        self, inner: str = "none", outer: str = "none", output: str = "tensor", zero_size: bool = False
+        self,
+        inner: str = "none",
+        outer: str = "none",
+        output: str = "tensor",
+        zero_size: bool = False,
+        norm: bool = False,
+        spare: bool = False,
+        aux: bool = False,
     ) -> None:
         super().__init__()
         self.inp = nn.Linear(IN, DIM)
-        self.blocks = nn.ModuleList(Block(inner) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(inner, norm) for _ in range(2))
         self.head = nn.Linear(DIM, OUT)
         self.empty = nn.Parameter(torch.randn(0, 3)) if zero_size else None
+        self.spare = nn.Parameter(torch.randn(3, DIM)) if spare else None
+        self.aux = nn.Linear(DIM, OUT) if aux else None
         self.outer = outer
         self.output = output
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor, use_aux: bool = False) -> Any:
         h = torch.tanh(self.inp(x))
         first = h
         for index, block in enumerate(self.blocks):
@@ -86,6 +121,9 @@ class Net(nn.Module):
             if index == 0:
                 first = h
         logits = self.head(h)
+        if use_aux:
+            assert self.aux is not None
+            logits = logits + self.aux(h)
         if self.empty is not None:
             logits = logits + self.empty.sum()
         if self.output == "dataclass":
@@ -105,8 +143,8 @@ def logits_of(output: Any) -> torch.Tensor:
     return output.logits
 
 
-def data(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
+def data(steps: int = STEPS, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(BATCH, IN, generator=gen), torch.randn(BATCH, OUT, generator=gen)) for _ in range(steps)]
 
 
@@ -143,7 +181,7 @@ def shard(
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    if dtype is not None:
+    if dtype is not None and not any(p.is_meta for p in model.parameters()):
         # fully_shard's main weights start as the compute-dtype model's values, upcast.
         with torch.no_grad():
             for p in model.parameters():
@@ -159,8 +197,11 @@ def shard(
     return model
 
 
-def build(impl: str, net: dict[str, Any] | None = None, frozen_head: bool = False, **shard_kwargs: Any) -> Net:
-    torch.manual_seed(0)
+def build(
+    impl: str, net: NetOptions | None = None, frozen_head: bool = False, seed: int = 0, **shard_kwargs: Any
+) -> Net:
+    """:class:`Net` with ``net``'s options, seeded with ``seed``, sharded by ``impl`` (:func:`shard`'s keywords)."""
+    torch.manual_seed(seed)
     model = Net(**(net or {}))
     if frozen_head:
         model.head.requires_grad_(False)

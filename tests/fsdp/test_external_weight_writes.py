@@ -13,6 +13,8 @@ averaged model's eval outputs are compared.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -33,16 +35,6 @@ from tests.fsdp.parity import (
 )
 
 STEPS = 4
-PATTERNS = (
-    "data_mul",
-    "data_copy",
-    "hf_init",
-    "state_dict_copy",
-    "clamp",
-    "foreach_mul",
-    "foreach_ema",
-    "unadapted_foreach",
-)
 
 
 def _hf_init(model: nn.Module) -> None:
@@ -66,40 +58,76 @@ def _fsdp2_hf_init_values(precision: str) -> dict[str, torch.Tensor]:
     return full_params(model)
 
 
-def _write(model: nn.Module, pattern: str) -> None:
-    """The pattern's write to the main weights, after an optimizer step."""
-    params = list(model.parameters())
-    with torch.no_grad():
-        if pattern == "data_mul":
-            for p in params:
-                p.data.mul_(0.9)
-        elif pattern == "data_copy":
-            for p in params:
-                p.data.copy_(p.data * 0.5 + 0.01)
-        elif pattern == "state_dict_copy":
-            for value in model.state_dict().values():
-                value.copy_(value * 0.8)
-        elif pattern == "clamp":
-            for p in params:
-                p.data.clamp_(-0.15, 0.15)
-        elif pattern == "foreach_mul":
-            torch._foreach_mul_(params, 0.9)
+def _scale_data(factor: float) -> Callable[[nn.Module], None]:
+    def write(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.data.mul_(factor)
+
+    return write
 
 
-def _train(impl: str, pattern: str, precision: str, init: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+def _copy_into_data(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data.copy_(p.data * 0.5 + 0.01)
+
+
+def _copy_into_state_dict(model: nn.Module) -> None:
+    for value in model.state_dict().values():
+        value.copy_(value * 0.8)
+
+
+def _clamp(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data.clamp_(-0.15, 0.15)
+
+
+def _foreach_mul(model: nn.Module) -> None:
+    torch._foreach_mul_(list(model.parameters()), 0.9)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """What a pattern does beside adapted SGD training.
+
+    Attributes:
+        write: Writes into the main weights, under ``no_grad``, after each optimizer step.
+        hf_init: Initializes the sharded weights as HF's ``_init_weights`` does, before training.
+        ema: Keeps an EMA model, updated with ``_foreach_lerp_`` after each step.
+        unadapted_foreach: A foreach optimizer that is not adapted (its grads are fp32 main grads).
+    """
+
+    write: Callable[[nn.Module], None] | None = None
+    hf_init: bool = False
+    ema: bool = False
+    unadapted_foreach: bool = False
+
+
+PATTERNS = {
+    "data_mul": Pattern(write=_scale_data(0.9)),
+    "data_copy": Pattern(write=_copy_into_data),
+    "hf_init": Pattern(hf_init=True),
+    "state_dict_copy": Pattern(write=_copy_into_state_dict),
+    "clamp": Pattern(write=_clamp),
+    "foreach_mul": Pattern(write=_foreach_mul),
+    "foreach_ema": Pattern(ema=True),
+    "unadapted_foreach": Pattern(unadapted_foreach=True),
+}
+
+
+def _train(impl: str, pattern: Pattern, precision: str, init: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     # The unadapted foreach optimizer needs grads of its parameters' dtype: fp32 main grads
     # (FSDP2: fp32 reduce).
-    fp32_grads = pattern == "unadapted_foreach" and precision == "bf16"
+    fp32_grads = pattern.unadapted_foreach and precision == "bf16"
     model = build(impl, precision, main_grads_dtype=torch.float32 if fp32_grads else None)
-    if pattern == "hf_init":
+    if pattern.hf_init:
         if impl == "reference":
             model.load_state_dict(init)  # type: ignore[arg-type]
         else:
             torch.manual_seed(1)
             _hf_init(model)
-    ema = build(impl, precision, seed=7) if pattern == "foreach_ema" else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=pattern == "unadapted_foreach")
-    if pattern != "unadapted_foreach":
+    ema = build(impl, precision, seed=7) if pattern.ema else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=pattern.unadapted_foreach)
+    if not pattern.unadapted_foreach:
         adapt(optimizer, impl, precision)
     facts: dict[str, Any] = {"losses": {}, "ema_outputs": {}}
     data = batches(STEPS)
@@ -108,7 +136,9 @@ def _train(impl: str, pattern: str, precision: str, init: dict[str, torch.Tensor
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _write(model, pattern)
+        if pattern.write is not None:
+            with torch.no_grad():
+                pattern.write(model)
         facts["losses"][f"step {step}"] = torch.tensor(global_loss(loss, impl))
         if ema is not None:
             with torch.no_grad():
@@ -122,10 +152,11 @@ def _train(impl: str, pattern: str, precision: str, init: dict[str, torch.Tensor
     return facts
 
 
-def writes_run(pattern: str, precision: str) -> None:
-    init = _fsdp2_hf_init_values(precision) if pattern == "hf_init" else None
+def writes_run(name: str, precision: str) -> None:
+    pattern = PATTERNS[name]
+    init = _fsdp2_hf_init_values(precision) if pattern.hf_init else None
     results = run_contenders(lambda impl: _train(impl, pattern, precision, init), precision)
-    if pattern == "hf_init":
+    if pattern.hf_init:
         for impl in results:
             if impl != "reference":
                 model = build(impl, precision)
@@ -133,7 +164,7 @@ def writes_run(pattern: str, precision: str) -> None:
                 _hf_init(model)
                 assert_equal(full_params(model), init, f"hf_init: {impl}'s initial weights against FSDP2's")  # type: ignore[arg-type]
     for key in ("losses", "params", "ema_outputs", "ema_params"):
-        assert_parity(results, precision, f"{pattern}: {key}", key=key)
+        assert_parity(results, precision, f"{name}: {key}", key=key)
 
 
 @pytest.mark.parametrize("world_size", (2, 4))

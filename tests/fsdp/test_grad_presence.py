@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from tests.fsdp.parity import (
-    NetOptions,
     adapt,
     assert_close,
     assert_parity,
@@ -33,6 +32,7 @@ from tests.fsdp.parity import (
     run_contenders,
     world,
 )
+from tests.fsdp.pattern_models import NetOptions
 from tests.fsdp.sharded_views import difference
 
 STEPS = 4
@@ -49,8 +49,8 @@ def _train(impl: str, pattern: str, precision: str) -> dict[str, Any]:
     model = build(impl, precision, net=net, main_grads_dtype=torch.float32 if precision == "bf16" else None)
     named = dict(model.named_parameters())
     if pattern == "unheld":
-        # blocks.0.fc1.bias is in no optimizer: its grad accumulates, the others' are zeroed.
-        held = [p for n, p in named.items() if n != "blocks.0.fc1.bias"]
+        # blocks.0.ff.fc1.bias is in no optimizer: its grad accumulates, the others' are zeroed.
+        held = [p for n, p in named.items() if n != "blocks.0.ff.fc1.bias"]
         optimizers = [(1, adapt(_adamw(held), impl, precision))]
     elif pattern == "two_rates":
         # Weights and biases share every unit: the biases' optimizer steps every other step.
@@ -137,9 +137,9 @@ def test_parameter_used_on_some_ranks_only_gets_every_ranks_gradient(dist_pool: 
 # tensor of the user's, "kept": the view the first backward left, "none": None), and whether
 # that backward reaches the parameter (aux and spare are left out of its forward).
 MIXED = {
-    "blocks.0.fc1.weight": ("assigned", True),
-    "blocks.0.fc2.weight": ("kept", True),
-    "blocks.1.fc1.weight": ("none", True),
+    "blocks.0.ff.fc1.weight": ("assigned", True),
+    "blocks.0.ff.fc2.weight": ("kept", True),
+    "blocks.1.ff.fc1.weight": ("none", True),
     "spare": ("assigned", False),
     "aux.weight": ("kept", False),
     "aux.bias": ("none", False),

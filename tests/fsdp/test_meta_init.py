@@ -24,13 +24,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.fsdp.parity import (
     TOL,
-    Net,
     adapt,
     assert_equal,
     assert_parity,
     batches,
     full_params,
     loss_of,
+    make_net,
     run_contenders,
     shard,
 )
@@ -60,21 +60,21 @@ def _initialize(model: nn.Module, how: str, full_values: dict[str, torch.Tensor]
 
 def _full_values() -> dict[str, torch.Tensor]:
     torch.manual_seed(11)
-    return {name: p.detach().clone() for name, p in Net().named_parameters()}
+    return {name: p.detach().clone() for name, p in make_net().named_parameters()}
 
 
 def _build(impl: str, how: str, precision: str, start: dict[str, torch.Tensor] | None) -> nn.Module:
     """``impl``'s model, built on meta and initialized ``how`` (the reference: unsharded, on the
     CPU, initialized the same way, or, for random initializations, from ``start``)."""
     if impl == "reference":
-        model = Net()
+        model = make_net()
         if how in RANDOM:
             model.load_state_dict(start)  # type: ignore[arg-type]
         else:
             _initialize(model, how, _full_values())
         return model
     with torch.device("meta"):
-        model = Net()
+        model = make_net()
     shard(model, impl, precision)
     model.to_empty(device="cpu")
     _initialize(model, how, _full_values())

@@ -23,7 +23,6 @@ STEPS = 3
 __all__ = [
     "STEPS",
     "adamw_training",
-    "bf16_model",
     "environment",
     "in_memory_otel",
     "main_weights",
@@ -74,11 +73,6 @@ def in_memory_otel() -> Iterator[tuple[Any, Any]]:
         reset_otel()
 
 
-def bf16_model(seed: int = 0, compute_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    model = models.make_model(seed).to(compute_dtype)
-    return models.shard_model(model)
-
-
 def main_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     from fsdp_patch import parameter_groups
 
@@ -90,7 +84,7 @@ def adamw_training() -> torch.nn.Module:
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = bf16_model()
+    model = models.sharded_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fully_shard_optimizer(optimizer)
     for tokens in models.make_batches(STEPS):

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from tests import models
 from tests.integration.otel_training import (
-    bf16_model,
     environment,
     in_memory_otel,
     main_weights,
@@ -54,7 +53,7 @@ def instrument_round_trip(trace_dir: str) -> dict[str, Any]:
         before = global_state()
         instrumentor = FSDPOptimizerInstrumentor()
         instrumentor.instrument()
-        model = bf16_model()
+        model = models.sharded_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # adapted by the instrumentor
         out["adapted"] = type(getattr(adaptation_of(optimizer), "observer", None)).__name__
         _train(model, optimizer, phases[0])
@@ -70,7 +69,7 @@ def instrument_round_trip(trace_dir: str) -> dict[str, Any]:
         out["left at the end"] = {k: v for k, v in global_state().items() if v != before[k]}
         reset_otel()
 
-        reference = bf16_model()
+        reference = models.sharded_model()
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         fully_shard_optimizer(reference_optimizer)  # telemetry off: a NullObserver
         _train(reference, reference_optimizer, batches)
@@ -100,7 +99,7 @@ def mismatched_settings(per_rank: list[dict[str, str | None]]) -> dict[str, Any]
                 **per_rank[rank]}  # fmt: skip
     with environment(**settings):
         reset_otel()
-        model = bf16_model()
+        model = models.sharded_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         fully_shard_optimizer(optimizer)
         models.lm_loss(model, models.rank_slice(models.make_batches(1)[0], rank, world_size)).backward()

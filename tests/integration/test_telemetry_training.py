@@ -18,7 +18,6 @@ from tests import models
 from tests.integration.otel_training import (
     STEPS,
     adamw_training,
-    bf16_model,
     environment,
     in_memory_otel,
     main_weights,
@@ -77,7 +76,7 @@ def failing_step() -> dict[str, Any]:
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="0"), in_memory_otel() as (spans, reader):
-        model = bf16_model()
+        model = models.sharded_model()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         fully_shard_optimizer(optimizer)
         tokens = models.rank_slice(models.make_batches(1)[0], rank, world_size)
@@ -140,7 +139,7 @@ def precision_run(scenario: str, diagnostics: bool, steps: int = 4) -> dict[str,
     # "too small for bf16" a property of lr alone.
     optimizer_class = torch.optim.Adam if scenario.endswith("_lr") else torch.optim.SGD
     with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY=every), in_memory_otel() as (_, reader):
-        model = bf16_model(compute_dtype=compute_dtype)
+        model = models.sharded_model(dtype=compute_dtype)
         optimizer = optimizer_class(model.parameters(), lr=lr)
         fully_shard_optimizer(optimizer)
         for step, tokens in enumerate(models.make_batches(steps), start=1):

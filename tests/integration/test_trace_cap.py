@@ -18,7 +18,7 @@ import torch.distributed as dist
 from fsdp_patch.telemetry.offline import precision_report
 
 from tests import models
-from tests.integration.otel_training import bf16_model, environment, reset_otel
+from tests.integration.otel_training import environment, reset_otel
 
 pytestmark = pytest.mark.slow
 STEPS = 120
@@ -44,7 +44,7 @@ def capped_trace_files(directory: str, steps: int, max_bytes: str) -> dict[str, 
     )
     try:
         with environment(**settings):
-            model = bf16_model()
+            model = models.sharded_model()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             fully_shard_optimizer(optimizer)
             batches = models.make_batches(4)
