@@ -9,6 +9,10 @@ optimizer adapter, both compute-copy lifetimes) bitwise equal to FSDP2 with ``pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,113 +46,197 @@ class TiedLM(nn.Module):
         return self.norm(h)
 
 
-def _build(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent") -> nn.Module:
+def _tied_batches() -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (torch.randint(0, VOCAB, (pattern_models.BATCH, SEQ + 1), generator=gen),) for _ in range(pattern_models.STEPS)
+    ]
+
+
+def _pattern_batches() -> list[tuple[torch.Tensor, ...]]:
+    return list(pattern_models.data())
+
+
+def _tied_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    (tokens,) = batch
+    hidden = model(tokens[:, :-1])
+    logits = hidden @ model.embed.weight.t()  # the root's weight, outside forward
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _mse(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    x, y = batch
+    return pattern_models.mse(model(x), y)
+
+
+def _two_forwards(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    x, y = batch
+    return _mse(model, batch) + pattern_models.mse(model(0.5 * x), y)  # the root's forward twice, one backward
+
+
+def _head_penalty(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return _mse(model, batch) + 0.01 * model.head.weight.float().pow(2).sum()  # the root's weight, outside forward
+
+
+def _forward_without_backward(model: nn.Module, impl: str, loss: Callable[..., torch.Tensor], batch: Batch) -> None:
+    loss(model, batch)  # a batch the script skips: its graph is dropped
+
+
+def _accumulate(model: nn.Module, impl: str, loss: Callable[..., torch.Tensor], batch: Batch) -> None:
+    # Gradient accumulation: a first microbatch (the whole batch, halved) reduced with the second's
+    # backward; the reference accumulates the same two backwards.
+    if impl != "reference":
+        model.set_requires_gradient_sync(False)
+    (0.5 * loss(model, batch)).backward()
+    if impl != "reference":
+        model.set_requires_gradient_sync(True)
+
+
+def _state_dict_is_the_main_weights(model: nn.Module, impl: str) -> None:
+    if impl == "reference":
+        return
+    state = model.state_dict()
+    params = dict(model.named_parameters())
+    for name in ("inp.weight", "head.bias"):
+        assert isinstance(state[name], DTensor), (
+            f"{impl}: state_dict()[{name!r}] between forward and backward is a {type(state[name]).__name__}"
+        )
+        assert torch.equal(full(state[name]), full(params[name])), (
+            f"{impl}: state_dict()[{name!r}] is not the main weight"
+        )
+
+
+def _module_zero_grad(model: nn.Module, impl: str) -> None:
+    model.zero_grad()  # instead of optimizer.zero_grad() after the step
+
+
+def _eval_forward(model: nn.Module, batch: Batch) -> None:
+    model.eval()
+    with torch.no_grad():
+        model(batch[0])
+    model.train()
+
+
+Batch = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """What a training script does around the kept root, at each point of the loop.
+
+    Attributes:
+        model: Builds the unsharded model.
+        batches: The batches.
+        loss: The loss of one batch.
+        validation: A grad-free context the first forwards run under, in eval mode, before training.
+        before_loss: Runs before the batch's loss (with the loss function).
+        before_backward: Runs between forward and backward.
+        zero_grad_after_step: Whether ``optimizer.zero_grad()`` follows each step.
+        after_step: Runs after each step (with the batch).
+        fsdp2_refuses: What FSDP2, the control, raises on the pattern (a regular expression), if it refuses it.
+        fsdp2_trains_wrong: Why FSDP2 trains the pattern unlike the unsharded model, if it does.
+    """
+
+    model: Callable[[], nn.Module] = pattern_models.Net
+    batches: Callable[[], list[Batch]] = _pattern_batches
+    loss: Callable[[nn.Module, Batch], torch.Tensor] = _mse
+    validation: Callable[[], Any] | None = None
+    before_loss: Callable[[nn.Module, str, Callable[..., torch.Tensor], Batch], None] | None = None
+    before_backward: Callable[[nn.Module, str], None] | None = None
+    zero_grad_after_step: bool = True
+    after_step: Callable[[nn.Module, Batch], None] | None = None
+    fsdp2_refuses: str | None = None
+    fsdp2_trains_wrong: str | None = None
+
+
+PATTERNS = {
+    "head_penalty": Pattern(loss=_head_penalty),
+    "tied_logits": Pattern(model=TiedLM, batches=_tied_batches, loss=_tied_loss),
+    "two_forwards": Pattern(loss=_two_forwards),
+    "state_dict_between": Pattern(before_backward=_state_dict_is_the_main_weights),
+    "eval_between": Pattern(after_step=_eval_forward),
+    "forward_without_backward": Pattern(before_loss=_forward_without_backward),
+    "accumulate": Pattern(before_loss=_accumulate),
+    "eval_first": Pattern(validation=torch.no_grad),
+    "inference_mode_first": Pattern(
+        validation=torch.inference_mode,
+        # FSDP2 keeps the tensors it makes under inference mode and then refuses to update them.
+        fsdp2_refuses="Inplace update to inference tensor",
+    ),
+    "zero_grad_between": Pattern(
+        before_backward=_module_zero_grad,
+        zero_grad_after_step=False,
+        fsdp2_trains_wrong=(
+            "FSDP2's module.zero_grad() reaches the root's unsharded parameters only, so the previous step's "
+            "sharded grads of the root stay and the next backward adds onto them"
+        ),
+    ),
+}
+
+
+def _build(impl: str, name: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent") -> nn.Module:
     torch.manual_seed(0)
-    model = TiedLM() if pattern == "tied_logits" else pattern_models.Net()
+    model = PATTERNS[name].model()
     # reshard_after_forward left at its default (None) for both implementations.
     return pattern_models.shard(model, impl, reshard_after_forward=None, dtype=dtype, compute_copy=compute_copy)  # type: ignore[arg-type]
 
 
-def _batches(pattern: str) -> list[tuple[torch.Tensor, ...]]:
-    if pattern == "tied_logits":
-        gen = torch.Generator().manual_seed(7)
-        return [
-            (torch.randint(0, VOCAB, (pattern_models.BATCH, SEQ + 1), generator=gen),)
-            for _ in range(pattern_models.STEPS)
-        ]
-    return list(pattern_models.data())
-
-
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, ...], pattern: str) -> torch.Tensor:
-    if pattern == "tied_logits":
-        (tokens,) = batch
-        hidden = model(tokens[:, :-1])
-        logits = hidden @ model.embed.weight.t()  # the root's weight, outside forward
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    x, y = batch
-    loss = pattern_models.mse(model(x), y)
-    if pattern == "two_forwards":
-        loss = loss + pattern_models.mse(model(0.5 * x), y)  # the root's forward twice, one backward
-    if pattern == "head_penalty":
-        loss = loss + 0.01 * model.head.weight.float().pow(2).sum()  # the root's weight, outside forward
-    return loss
-
-
-def train(impl: str, pattern: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent") -> Run:
-    """``pattern`` for ``pattern_models.STEPS`` SGD steps; ``dtype`` is the compute dtype."""
+def train(impl: str, name: str, dtype: torch.dtype | None = None, compute_copy: str = "persistent") -> Run:
+    """Pattern ``name`` for ``pattern_models.STEPS`` SGD steps; ``dtype`` is the compute dtype."""
+    pattern = PATTERNS[name]
     rank, world_size = (0, 1) if impl == "reference" else world()
-    model = _build(impl, pattern, dtype, compute_copy)
+    model = _build(impl, name, dtype, compute_copy)
     optimizer = pattern_models.sgd(model.parameters())
     if impl == "ours" and dtype is not None:
         from fsdp_patch.optimizer import fully_shard_optimizer
 
         fully_shard_optimizer(optimizer)
     losses = []
-    if pattern in ("eval_first", "inference_mode_first"):
+    if pattern.validation is not None:
         # Validation before training starts: the first forwards of the model are without grad.
-        first = pattern_models.rows(_batches(pattern)[0][0], rank, world_size)
+        first = pattern_models.rows(pattern.batches()[0][0], rank, world_size)
         if impl == "ours" and dtype is not None:
             first = first.to(dtype)
         model.eval()
-        with torch.no_grad() if pattern == "eval_first" else torch.inference_mode():
+        with pattern.validation():
             for _ in range(2):
                 losses.append(model(first).float().mean().item())
         model.train()
-    for batch in _batches(pattern):
+    for batch in pattern.batches():
         batch = tuple(pattern_models.rows(t, rank, world_size) for t in batch)
         if impl == "ours" and dtype is not None and batch[0].is_floating_point():
             batch = (batch[0].to(dtype), *batch[1:])  # FSDP2 casts its forward inputs itself
-        if pattern == "forward_without_backward":
-            _loss(model, batch, pattern)  # a batch the script skips: its graph is dropped
-        if pattern == "accumulate":
-            # Gradient accumulation: a first microbatch (the whole batch, halved) reduced with
-            # the second's backward; the reference accumulates the same two backwards.
-            if impl != "reference":
-                model.set_requires_gradient_sync(False)
-            (0.5 * _loss(model, batch, pattern)).backward()
-            if impl != "reference":
-                model.set_requires_gradient_sync(True)
-        loss = _loss(model, batch, pattern)
-        if pattern == "state_dict_between" and impl != "reference":
-            state = model.state_dict()
-            params = dict(model.named_parameters())
-            for name in ("inp.weight", "head.bias"):
-                assert isinstance(state[name], DTensor), (
-                    f"{impl}: state_dict()[{name!r}] between forward and backward is a {type(state[name]).__name__}"
-                )
-                assert torch.equal(full(state[name]), full(params[name])), (
-                    f"{impl}: state_dict()[{name!r}] is not the main weight"
-                )
-        if pattern == "zero_grad_between":
-            model.zero_grad()  # instead of optimizer.zero_grad() after the step
+        if pattern.before_loss is not None:
+            pattern.before_loss(model, impl, pattern.loss, batch)
+        loss = pattern.loss(model, batch)
+        if pattern.before_backward is not None:
+            pattern.before_backward(model, impl)
         loss.backward()
         optimizer.step()
-        if pattern != "zero_grad_between":
+        if pattern.zero_grad_after_step:
             optimizer.zero_grad()
-        if pattern == "eval_between":
-            model.eval()
-            with torch.no_grad():
-                model(batch[0])
-            model.train()
+        if pattern.after_step is not None:
+            pattern.after_step(model, batch)
         losses.append(loss.item())
     return Run(losses, full_params(model))
 
 
 def fp32_on_ranks(pattern: str) -> None:
-    if pattern == "inference_mode_first":
-        # FSDP2 keeps the tensors it makes under inference mode and then refuses to update them.
-        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+    control = PATTERNS[pattern]
+    if control.fsdp2_refuses is not None:
+        with pytest.raises(RuntimeError, match=control.fsdp2_refuses):
             train("fsdp2", pattern)
         assert_same_training(
             train("ours", pattern), train("reference", pattern), TOL, f"{pattern}/fully_shard", sharded_want=False
         )
         return
     reference, fsdp2, ours = (train(impl, pattern) for impl in ("reference", "fsdp2", "ours"))
-    if pattern == "zero_grad_between":
-        # FSDP2's module.zero_grad() reaches the root's unsharded parameters only, so the
-        # previous step's sharded grads of the root stay and the next backward adds onto them.
+    if control.fsdp2_trains_wrong is not None:
         err, where = max_abs_difference(fsdp2.params, reference.params)
-        assert err > 1e-3, f"FSDP2 now trains {pattern} right ({err:.3g} off in {where}); this test's premise changed"
+        assert err > 1e-3, (
+            f"FSDP2 now trains {pattern} right ({err:.3g} off in {where}), though {control.fsdp2_trains_wrong}: "
+            "this test's premise changed"
+        )
     else:
         assert_same_training(fsdp2, reference, TOL, f"{pattern}/FSDP2", sharded_want=False)
     assert_same_training(ours, reference, TOL, f"{pattern}/fully_shard", sharded_want=False)

@@ -11,13 +11,15 @@ import copy
 import re
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from tests.fsdp.pattern_models import IMPLS, STEPS, build, data, mse, rows, sgd
+from tests.comparison import max_abs_difference
+from tests.fsdp.pattern_models import IMPLS, STEPS, NetOptions, build, data, mse, rows, sgd
 from tests.fsdp.sharded_views import difference, full, full_params, param_differences, rank0, world
 
 WORLD_SIZE = 2
@@ -33,42 +35,80 @@ BF16 = torch.bfloat16
 MICROBATCHES = 4
 
 
-def train_mixed(impl: str, pattern: str) -> dict[str, Any]:
-    """bf16 compute, fp32 main weights: ``fully_shard`` + ``fully_shard_optimizer`` ("ours",
-    telemetry off; "ours_telemetry", telemetry on with diagnostics every step) against FSDP2 with ``param_dtype=bf16``, whose arithmetic is the same.
+def _sgd_all(model: nn.Module) -> list[torch.optim.Optimizer]:
+    return [sgd(model.parameters())]
 
-    Patterns: ``ckpt`` (checkpoint inside and around units) and ``two_optimizers`` with bf16
-    main grads (the default policy; FSDP2 reduces in bf16); ``multi_backward`` (two backwards
-    add their grads: in fp32 main grads, as FSDP2 adds into its fp32 sharded grads) and
-    ``fp32_accum`` (fp32 main grads, MICROBATCHES microbatches with gradient sync off but for
-    the last one) with fp32 main grads (FSDP2: ``reduce_dtype=fp32``).
+
+def _sgd_and_head_bias_apart(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Two optimizers over one group: the head's bias (in the root's group) has its own."""
+    bias = model.head.bias
+    return [sgd([p for p in model.parameters() if p is not bias]), torch.optim.SGD([bias], lr=0.1)]
+
+
+def _backward(output: Any, loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
+
+
+def _backward_twice(output: Any, loss: torch.Tensor) -> torch.Tensor:
+    """Two backwards adding their grads: the loss, then a penalty on the first block's output."""
+    aux = 0.1 * output.hidden.float().pow(2).mean()
+    loss.backward(retain_graph=True)
+    aux.backward()
+    return loss + aux.detach()
+
+
+@dataclass(frozen=True)
+class MixedPattern:
+    """A bf16 pattern of :func:`train_mixed`.
+
+    Attributes:
+        net: The model's options.
+        optimizers: Builds the optimizers over the model.
+        backward: Runs the backward of a microbatch's loss; returns the loss it reports.
+        fp32_main_grads: fp32 main grads (FSDP2: ``reduce_dtype=fp32``) and MICROBATCHES
+            microbatches with gradient sync off but for the last; else bf16 main grads, one batch.
     """
+
+    net: NetOptions | None = None
+    optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]] = _sgd_all
+    backward: Callable[[Any, torch.Tensor], torch.Tensor] = _backward
+    fp32_main_grads: bool = False
+
+
+MIXED = {
+    "ckpt": MixedPattern(net={"inner": "nonreentrant", "outer": "reentrant"}),
+    "multi_backward": MixedPattern(net={"output": "dataclass"}, backward=_backward_twice, fp32_main_grads=True),
+    "two_optimizers": MixedPattern(optimizers=_sgd_and_head_bias_apart),
+    "fp32_accum": MixedPattern(fp32_main_grads=True),
+}
+
+
+def train_mixed(impl: str, name: str) -> dict[str, Any]:
+    """bf16 compute, fp32 main weights: ``fully_shard`` + ``fully_shard_optimizer`` ("ours",
+    telemetry off; "ours_telemetry", telemetry on with diagnostics every step) against FSDP2 with
+    ``param_dtype=bf16``, whose arithmetic is the same; the patterns are :data:`MIXED`'s.
+    """
+    pattern = MIXED[name]
     rank, world_size = world()
-    net = {"ckpt": {"inner": "nonreentrant", "outer": "reentrant"}, "multi_backward": {"output": "dataclass"}}.get(
-        pattern
-    )
-    fp32_grads = pattern in ("multi_backward", "fp32_accum")
+    fp32_grads = pattern.fp32_main_grads
     if impl == "fsdp2":
-        model = build("fsdp2", net, dtype=BF16, reduce_dtype=torch.float32 if fp32_grads else BF16)
+        model = build("fsdp2", pattern.net, dtype=BF16, reduce_dtype=torch.float32 if fp32_grads else BF16)
     else:
         model = build(
             "ours",
-            net,
+            pattern.net,
             dtype=BF16,
             main_grads_dtype=torch.float32 if fp32_grads else None,
             compute_copy="per_gather" if impl == "ours_per_gather" else "persistent",
         )
-    if pattern == "two_optimizers":
-        bias = model.head.bias
-        optimizers = [sgd([p for p in model.parameters() if p is not bias]), torch.optim.SGD([bias], lr=0.1)]
-    else:
-        optimizers = [sgd(model.parameters())]
+    optimizers = pattern.optimizers(model)
     if impl != "fsdp2":
         from fsdp_patch.optimizer import fully_shard_optimizer
 
         for optimizer in optimizers:
             fully_shard_optimizer(optimizer)
-    facts: dict[str, Any] = {"losses": [], "accumulator": []}
+    facts: dict[str, Any] = {"losses": [], "accumulator": [], "optimizers": len(optimizers)}
     microbatches = MICROBATCHES if fp32_grads else 1
     for x, y in data():
         x, y = rows(x, rank, world_size), rows(y, rank, world_size)
@@ -79,12 +119,7 @@ def train_mixed(impl: str, pattern: str) -> dict[str, Any]:
                 model.set_requires_gradient_sync(k == microbatches - 1)
             output = model(xk)
             loss = mse(output, yk) / microbatches
-            if pattern == "multi_backward":
-                aux = 0.1 * output.hidden.float().pow(2).mean()
-                loss.backward(retain_graph=True)
-                aux.backward()
-            else:
-                loss.backward()
+            pattern.backward(output, loss)
             facts["losses"].append(loss.item())
             if fp32_grads and impl != "fsdp2":
                 facts["accumulator"].append(_accumulators(model))
@@ -134,86 +169,136 @@ def _fsdp2_sees_dataclass_outputs() -> bool:
 _FSDP2_FREED_PARAMETER = re.compile(r"RuntimeError: setStorage: .* out of bounds for storage of size 0")
 
 
-def train(impl: str, pattern: str, reshard_after_forward: bool = True) -> dict[str, Any]:
-    """Trains ``pattern`` STEPS steps with ``impl``; returns losses, final params and facts."""
+def _convert_without_change(model: nn.Module) -> None:
+    """Conversions that change nothing, and meta-device style initialization: empty storage, then the values loaded."""
+    model.float()
+    model.to(torch.float32)
+    model.cpu()
+    model.to("cpu")
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.to_empty(device="cpu")
+    model.load_state_dict(saved)
+
+
+def _freeze_head(model: nn.Module, facts: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+    model.head.requires_grad_(False)
+
+
+def _unfreeze_head(model: nn.Module, facts: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+    model.head.requires_grad_(True)
+
+
+def _load(assign: bool) -> Callable[[nn.Module, dict[str, Any], list[torch.optim.Optimizer]], None]:
+    def load(model: nn.Module, facts: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+        loaded = {k: v.detach() * 0.5 + 0.01 for k, v in model.state_dict().items()}
+        model.load_state_dict(loaded, assign=assign)
+        facts["loaded_values_not_in_use"] = {
+            k: diff
+            for k, v in loaded.items()
+            if (diff := difference(full(model.get_parameter(k)), full(v))) is not None
+        }
+        if assign:
+            # assign=True registers new tensors: an optimizer must be built over them.
+            optimizers[:] = [sgd(model.parameters())]
+
+    return load
+
+
+def _input_grad_first(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, facts: dict[str, Any], world_size: int
+) -> None:
+    """``torch.autograd.grad`` of the loss for the input, before the training forward."""
+    xi = x.clone().requires_grad_()
+    (input_grad,) = torch.autograd.grad(mse(model(xi), y), xi)
+    facts.setdefault("grads_after_autograd_grad", []).append(
+        [n for n, p in model.named_parameters() if p.grad is not None]
+    )
+    facts.setdefault("input_grad_norm", []).append(input_grad.norm().item() * world_size)
+
+
+def _halve_grads_by_assignment(model: nn.Module) -> None:
+    # A grad assigned by the user (a new tensor, not fully_shard's view) is what the next
+    # backward accumulates onto, as in an unsharded model.
+    for p in model.parameters():
+        p.grad = p.grad * 0.5
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """An fp32 pattern of :func:`train`: what the script does at each point of its loop.
+
+    Attributes:
+        net: The model's options.
+        frozen_head: The head is frozen before sharding.
+        prepare: Runs on the sharded model before training.
+        optimizers: Builds the optimizers over the model.
+        at_step_1: Runs before the second step's forward (may replace the optimizers, in place).
+        before_forward: Runs before each training forward (with the rank's rows and the facts).
+        backward: Runs the backward of the loss; returns the loss it reports.
+        zero_grad_after_step: Whether ``optimizer.zero_grad()`` follows each step.
+        after_step: Runs after each step.
+    """
+
+    net: NetOptions | None = None
+    frozen_head: bool = False
+    prepare: Callable[[nn.Module], None] | None = None
+    optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]] = _sgd_all
+    at_step_1: Callable[[nn.Module, dict[str, Any], list[torch.optim.Optimizer]], None] | None = None
+    before_forward: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, Any], int], None] | None = None
+    backward: Callable[[Any, torch.Tensor], torch.Tensor] = _backward
+    zero_grad_after_step: bool = True
+    after_step: Callable[[nn.Module], None] | None = None
+
+
+PATTERNS = {
+    "ckpt_inside_nonreentrant": Pattern(net={"inner": "nonreentrant"}),
+    "ckpt_inside_reentrant": Pattern(net={"inner": "reentrant"}),
+    "ckpt_around_nonreentrant": Pattern(net={"outer": "nonreentrant"}),
+    "ckpt_around_reentrant": Pattern(net={"outer": "reentrant"}),
+    "multi_backward": Pattern(net={"output": "dataclass"}, backward=_backward_twice),
+    "output_dataclass": Pattern(net={"output": "dataclass"}),
+    "output_object": Pattern(net={"output": "object"}),
+    "output_nested": Pattern(net={"output": "nested"}),
+    "zero_size": Pattern(net={"zero_size": True}),
+    "convert_noop": Pattern(prepare=_convert_without_change),
+    "two_optimizers": Pattern(optimizers=_sgd_and_head_bias_apart),
+    "late_freeze": Pattern(at_step_1=_freeze_head),
+    "late_unfreeze": Pattern(frozen_head=True, at_step_1=_unfreeze_head),
+    "load_assign": Pattern(at_step_1=_load(assign=True)),
+    "load_copy": Pattern(at_step_1=_load(assign=False)),
+    "autograd_grad": Pattern(before_forward=_input_grad_first),
+    "user_grad": Pattern(zero_grad_after_step=False, after_step=_halve_grads_by_assignment),
+}
+
+
+def train(impl: str, name: str, reshard_after_forward: bool = True) -> dict[str, Any]:
+    """Trains pattern ``name`` STEPS steps with ``impl``; returns losses, final params and facts."""
+    pattern = PATTERNS[name]
     rank, world_size = world()
     if impl == "reference":
         rank, world_size = 0, 1
-    nets = {
-        "ckpt_inside_nonreentrant": {"inner": "nonreentrant"},
-        "ckpt_inside_reentrant": {"inner": "reentrant"},
-        "ckpt_around_nonreentrant": {"outer": "nonreentrant"},
-        "ckpt_around_reentrant": {"outer": "reentrant"},
-        "multi_backward": {"output": "dataclass"},
-        "output_dataclass": {"output": "dataclass"},
-        "output_object": {"output": "object"},
-        "output_nested": {"output": "nested"},
-        "zero_size": {"zero_size": True},
-    }
-    model = build(
-        impl, nets.get(pattern), frozen_head=pattern == "late_unfreeze", reshard_after_forward=reshard_after_forward
-    )
-    if pattern == "convert_noop":
-        model.float()
-        model.to(torch.float32)
-        model.cpu()
-        model.to("cpu")
-        # Meta-device style initialization: empty storage, then the values loaded.
-        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.to_empty(device="cpu")
-        model.load_state_dict(saved)
-    if pattern == "two_optimizers":
-        bias = model.head.bias
-        optimizers = [sgd([p for p in model.parameters() if p is not bias]), torch.optim.SGD([bias], lr=0.1)]
-    else:
-        optimizers = [sgd(model.parameters())]
+    model = build(impl, pattern.net, frozen_head=pattern.frozen_head, reshard_after_forward=reshard_after_forward)
+    if pattern.prepare is not None:
+        pattern.prepare(model)
+    optimizers = pattern.optimizers(model)
     facts: dict[str, Any] = {"losses": []}
     for step, (x, y) in enumerate(data()):
         x, y = rows(x, rank, world_size), rows(y, rank, world_size)
-        if step == 1:
-            if pattern == "late_freeze":
-                model.head.requires_grad_(False)
-            elif pattern == "late_unfreeze":
-                model.head.requires_grad_(True)
-            elif pattern in ("load_assign", "load_copy"):
-                loaded = {k: v.detach() * 0.5 + 0.01 for k, v in model.state_dict().items()}
-                model.load_state_dict(loaded, assign=pattern == "load_assign")
-                facts["loaded_values_not_in_use"] = {
-                    k: diff
-                    for k, v in loaded.items()
-                    if (diff := difference(full(model.get_parameter(k)), full(v))) is not None
-                }
-                if pattern == "load_assign":
-                    # assign=True registers new tensors: an optimizer must be built over them.
-                    optimizers = [sgd(model.parameters())]
-        if pattern == "autograd_grad":
-            xi = x.clone().requires_grad_()
-            (input_grad,) = torch.autograd.grad(mse(model(xi), y), xi)
-            facts.setdefault("grads_after_autograd_grad", []).append(
-                [n for n, p in model.named_parameters() if p.grad is not None]
-            )
-            facts.setdefault("input_grad_norm", []).append(input_grad.norm().item() * world_size)
+        if step == 1 and pattern.at_step_1 is not None:
+            pattern.at_step_1(model, facts, optimizers)
+        if pattern.before_forward is not None:
+            pattern.before_forward(model, x, y, facts, world_size)
         output = model(x)
-        loss = mse(output, y)
-        if pattern == "multi_backward":
-            aux = 0.1 * output.hidden.pow(2).mean()
-            loss.backward(retain_graph=True)
-            aux.backward()
-            loss = loss + aux.detach()
-        else:
-            loss.backward()
+        loss = pattern.backward(output, mse(output, y))
         facts["losses"].append(loss.item())
         if step == STEPS - 1:
             facts["grads"] = {n: full(p.grad) for n, p in model.named_parameters()}
         for optimizer in optimizers:
             optimizer.step()
-            if pattern != "user_grad":
+            if pattern.zero_grad_after_step:
                 optimizer.zero_grad()
-        if pattern == "user_grad":
-            # A grad assigned by the user (a new tensor, not fully_shard's view) is what the next
-            # backward accumulates onto, as in an unsharded model.
-            for p in model.parameters():
-                p.grad = p.grad * 0.5
+        if pattern.after_step is not None:
+            pattern.after_step(model)
     facts["params"] = full_params(model)
     return facts
 
@@ -229,11 +314,6 @@ def fsdp2_limitation(pattern: str, results: dict[str, Any]) -> str | None:
     assert _FSDP2_FREED_PARAMETER.search(error), f"FSDP2 failed {pattern} otherwise than its known limitation: {error}"
     return (f"torch {torch.__version__}'s FSDP2 does not look inside dataclass outputs for its pre-backward hooks, "
             f"so {pattern} fails under it ({error})")  # fmt: skip
-
-
-def max_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got.keys() == want.keys(), f"parameter names: got {sorted(got)}, want {sorted(want)}"
-    return max(((got[n].double() - want[n].double()).abs().max().item() if want[n].numel() else 0.0) for n in want)
 
 
 def global_losses(run: dict[str, Any], impl: str) -> list[float]:
@@ -277,7 +357,7 @@ def assert_trains_like_reference(
         got_losses, want_losses = global_losses({"losses": [r["losses"] for r in per_rank]}, impl), want["losses"]
         loss_err = max(abs(a - b) for a, b in zip(got_losses, want_losses, strict=True))
         assert loss_err <= TOL, f"{pattern}/{impl}: losses {got_losses}, reference {want_losses}"
-        err = max_err(results[impl]["params"], want["params"])
+        err, _ = max_abs_difference(results[impl]["params"], want["params"])
         assert err <= TOL, f"{pattern}/{impl}: final params differ from the reference by {err}"
     return results
 
@@ -298,7 +378,7 @@ def test_two_backwards_per_step_both_reduced(run_once: Any) -> None:
     reaches only the first block and the input layer) are reduced and added, not left behind."""
     results = assert_trains_like_reference(run_once, "multi_backward")
     grads, want = results["ours"]["grads"], results["reference"]["grads"]
-    err = max_err(grads, want)
+    err, _ = max_abs_difference(grads, want)
     assert err <= TOL, f"last step's grads differ from the reference by {err}"
 
 
@@ -408,7 +488,7 @@ def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, patter
         differ = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
         assert not differ, f"{pattern}/{impl}: final weights differ from FSDP2's in {differ}"
     spans = results["ours_telemetry"]["step_spans"]
-    want_spans = STEPS * (2 if pattern == "two_optimizers" else 1)
+    want_spans = STEPS * results["ours_telemetry"]["optimizers"]
     assert spans == want_spans, f"telemetry on: {spans} step spans, want {want_spans}"
 
 

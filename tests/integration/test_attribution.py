@@ -245,13 +245,21 @@ SCENARIOS = {
 }
 
 
+def _nothing_planted(found: Found) -> None:
+    raise AssertionError("the healthy run plants nothing to check")
+
+
+# What attributed_training runs: the scenarios, and "normal", a run with nothing planted.
+TRAININGS = {"normal": Scenario("", _nothing_planted), **SCENARIOS}
+
+
 def attributed_training(kind: str, name: str, settings: dict[str, str | None]) -> dict[str, Any]:
     """Trains STEPS steps of Adam with ``scenario`` planted; returns the span findings, the
     reference values per step and parameter, metric points and the final local shards."""
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    scenario = SCENARIOS[name]
+    scenario = TRAININGS[name]
     env = {"FSDP_PATCH_PRECISION_EVERY": "1", **settings}
     with environment(**env), in_memory_otel() as (exporter, reader):
         model = _model(kind)
