@@ -15,6 +15,8 @@ user assigned was not reached by that backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -42,75 +44,110 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _train(impl: str, pattern: str, precision: str) -> dict[str, Any]:
-    net: NetOptions = {"spare": pattern == "unused", "aux": pattern == "rank_divergent"}
+def _one_optimizer(named: dict[str, torch.nn.Parameter]) -> list[tuple[int, Any]]:
+    return [(1, list(named.values()))]
+
+
+def _all_but_one_bias(named: dict[str, torch.nn.Parameter]) -> list[tuple[int, Any]]:
+    # blocks.0.ff.fc1.bias is in no optimizer: its grad accumulates, the others' are zeroed.
+    return [(1, [p for n, p in named.items() if n != "blocks.0.ff.fc1.bias"])]
+
+
+def _weights_every_step_biases_every_other(named: dict[str, torch.nn.Parameter]) -> list[tuple[int, Any]]:
+    # Weights and biases share every unit: the biases' optimizer steps every other step.
+    weights = [p for n, p in named.items() if n.endswith("weight")]
+    biases = [p for n, p in named.items() if not n.endswith("weight")]
+    return [(1, weights), (2, biases)]
+
+
+def _loss_of_all(model: torch.nn.Module, impl: str, precision: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return loss_of(model, impl, precision, x, y)
+
+
+def _aux_head_on_rank_0(
+    model: torch.nn.Module, impl: str, precision: str, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    # Rank 0 uses the aux head, the others do not; the reference does the same per rank's rows.
+    rank, world_size = world()
+    if impl != "reference":
+        return loss_of(model, impl, precision, x, y, use_aux=rank == 0)
+    per = x.shape[0] // world_size
+    rows = [(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]) for r in range(world_size)]
+    return sum(loss_of(model, impl, precision, xr, yr, use_aux=r == 0) for r, (xr, yr) in enumerate(rows)) / world_size
+
+
+def _weights_grads_set_to_none(named: dict[str, torch.nn.Parameter]) -> None:
+    for name, p in named.items():
+        if name.endswith("weight"):
+            p.grad = None  # biases keep accumulating
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Whose grads a script keeps, drops or never makes.
+
+    Attributes:
+        net: The model's options.
+        optimizers: The parameters of each optimizer, with the interval of its steps.
+        loss: The loss of a batch on this rank.
+        zero_grad: Whether each optimizer's step is followed by ``zero_grad(set_to_none=True)``.
+        after_step: Runs on the named parameters after each step.
+        fsdp2: Whether FSDP2 can run it (the control); else the unsharded model alone is.
+    """
+
+    net: NetOptions = field(default_factory=lambda: NetOptions())
+    optimizers: Callable[[dict[str, torch.nn.Parameter]], list[tuple[int, Any]]] = _one_optimizer
+    loss: Callable[..., torch.Tensor] = _loss_of_all
+    zero_grad: bool = True
+    after_step: Callable[[dict[str, torch.nn.Parameter]], None] | None = None
+    fsdp2: bool = True
+
+
+PATTERNS = {
+    "unheld": Pattern(optimizers=_all_but_one_bias),
+    "two_rates": Pattern(optimizers=_weights_every_step_biases_every_other),
+    "weights_none": Pattern(zero_grad=False, after_step=_weights_grads_set_to_none),
+    "unused": Pattern(net={"spare": True}),
+    # FSDP2 cannot run this one: its reduce-scatter would cover different parameters on the ranks.
+    "rank_divergent": Pattern(net={"aux": True}, loss=_aux_head_on_rank_0, fsdp2=False),
+}
+
+
+def _train(impl: str, name: str, precision: str) -> dict[str, Any]:
+    pattern = PATTERNS[name]
     # Grads accumulate across backwards here: in fp32 main grads, as FSDP2 adds into its fp32
     # sharded grads (with its reduce in fp32 too, the same dtypes throughout).
-    model = build(impl, precision, net=net, main_grads_dtype=torch.float32 if precision == "bf16" else None)
+    model = build(impl, precision, net=pattern.net, main_grads_dtype=torch.float32 if precision == "bf16" else None)
     named = dict(model.named_parameters())
-    if pattern == "unheld":
-        # blocks.0.ff.fc1.bias is in no optimizer: its grad accumulates, the others' are zeroed.
-        held = [p for n, p in named.items() if n != "blocks.0.ff.fc1.bias"]
-        optimizers = [(1, adapt(_adamw(held), impl, precision))]
-    elif pattern == "two_rates":
-        # Weights and biases share every unit: the biases' optimizer steps every other step.
-        weights = [p for n, p in named.items() if n.endswith("weight")]
-        biases = [p for n, p in named.items() if not n.endswith("weight")]
-        optimizers = [(1, adapt(_adamw(weights), impl, precision)), (2, adapt(_adamw(biases), impl, precision))]
-    else:
-        optimizers = [(1, adapt(_adamw(model.parameters()), impl, precision))]
-    rank, world_size = world()
+    optimizers = [(every, adapt(_adamw(params), impl, precision)) for every, params in pattern.optimizers(named)]
     for step, (x, y) in enumerate(batches(STEPS), start=1):
-        if pattern == "rank_divergent":
-            # Rank 0 uses the aux head, rank 1 does not; the reference does the same per rank's rows.
-            if impl == "reference":
-                per = x.shape[0] // world_size
-                loss = (
-                    sum(
-                        loss_of(
-                            model,
-                            impl,
-                            precision,
-                            x[r * per : (r + 1) * per],
-                            y[r * per : (r + 1) * per],
-                            use_aux=r == 0,
-                        )
-                        for r in range(world_size)
-                    )
-                    / world_size
-                )
-            else:
-                loss = loss_of(model, impl, precision, x, y, use_aux=rank == 0)
-        else:
-            loss = loss_of(model, impl, precision, x, y)
-        loss.backward()  # type: ignore[union-attr]
+        pattern.loss(model, impl, precision, x, y).backward()
         for every, optimizer in optimizers:
             if step % every == 0:
                 optimizer.step()
-                if pattern != "weights_none":
+                if pattern.zero_grad:
                     optimizer.zero_grad(set_to_none=True)
-        if pattern == "weights_none":
-            for name, p in named.items():
-                if name.endswith("weight"):
-                    p.grad = None  # biases keep accumulating
+        if pattern.after_step is not None:
+            pattern.after_step(named)
     grads = full_grads(model)
     return {"params": full_params(model), "grads_none": sorted(n for n, g in grads.items() if g is None)}
 
 
-def presence_run(pattern: str, precision: str) -> None:
-    impls = ("reference", "ours") if pattern == "rank_divergent" else None
-    results = run_contenders(lambda impl: _train(impl, pattern, precision), precision, impls)
-    if pattern == "rank_divergent":
+def presence_run(name: str, precision: str) -> None:
+    pattern = PATTERNS[name]
+    impls = None if pattern.fsdp2 else ("reference", "ours")
+    results = run_contenders(lambda impl: _train(impl, name, precision), precision, impls)
+    if not pattern.fsdp2:
         assert_close(
-            results["ours"]["params"], results["reference"]["params"], f"{pattern}, ours against the unsharded model"
+            results["ours"]["params"], results["reference"]["params"], f"{name}, ours against the unsharded model"
         )
         control = "reference"
     else:
-        assert_parity(results, precision, pattern)
+        assert_parity(results, precision, name)
         control = "reference" if precision == "fp32" else "fsdp2"
     want = results[control]["grads_none"]
     for impl, got in results.items():
-        assert got["grads_none"] == want, f"{pattern}/{impl}: grads left None {got['grads_none']}, {control} {want}"
+        assert got["grads_none"] == want, f"{name}/{impl}: grads left None {got['grads_none']}, {control} {want}"
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
