@@ -88,8 +88,8 @@ test-torch:
 	.venv-torch$(TORCH)/bin/python -m pytest -m "not long and not slow" -k "not ws4" $(TORCH_RANGE_TESTS)
 
 # The tests that run past the suite's budget (marked `long`: every demo scenario through the
-# command, the healthy controls diagnosed every step, the determinism soak at a small size), about
-# three and a half minutes on 2 cores.
+# command, the healthy controls diagnosed every step, the determinism soak at a small size, one
+# node and two), about two and a half minutes on 2 cores.
 test-long: setup
 	$(VENV_PYTHON) -m pytest -m long
 
