@@ -50,9 +50,9 @@ def known_rank_info() -> RankInfo | None:
     """
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return current_rank_info()
+        return _rank_info(dist.get_rank(), dist.get_world_size())
     if "RANK" in os.environ:
-        return current_rank_info()
+        return _rank_info(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
     return None
 
 
@@ -65,8 +65,9 @@ def current_rank_info() -> RankInfo:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or None
-    return RankInfo(rank, world_size, _env_int("LOCAL_RANK", 0), run_id)
+        return _rank_info(dist.get_rank(), dist.get_world_size())
+    return _rank_info(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
+
+
+def _rank_info(rank: int, world_size: int) -> RankInfo:
+    return RankInfo(rank, world_size, _env_int("LOCAL_RANK", 0), os.environ.get("TORCHELASTIC_RUN_ID") or None)
