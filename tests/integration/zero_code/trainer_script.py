@@ -68,3 +68,6 @@ rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").enviro
 trainer = FSDP2Trainer(model=common.tiny_llama(), args=args, train_dataset=Batches(rank))
 trainer.train()
 common.print_losses(dist.get_rank(), FSDP2Trainer.losses)
+# As a script should end (the Trainer leaves the process group up): a process exiting with gloo's
+# threads still running can abort in torch's teardown ("terminate called without an active exception").
+dist.destroy_process_group()
