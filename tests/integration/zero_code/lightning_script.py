@@ -50,3 +50,8 @@ trainer = L.Trainer(
 )  # fmt: skip
 trainer.fit(module)
 common.print_losses(dist.get_rank(), module.losses)
+# As a script should end: Lightning leaves the process group up. The barrier lets gloo's worker
+# threads let go of the trainer's last collectives before the interpreter shuts down, where doing
+# so can abort the process (pytorch/pytorch#179291; see test_zero_code.TEARDOWN_ABORT).
+dist.barrier()
+dist.destroy_process_group()

@@ -68,6 +68,8 @@ rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").enviro
 trainer = FSDP2Trainer(model=common.tiny_llama(), args=args, train_dataset=Batches(rank))
 trainer.train()
 common.print_losses(dist.get_rank(), FSDP2Trainer.losses)
-# As a script should end (the Trainer leaves the process group up): a process exiting with gloo's
-# threads still running can abort in torch's teardown ("terminate called without an active exception").
+# As a script should end: the Trainer leaves the process group up. The barrier lets gloo's worker
+# threads let go of the Trainer's last collectives before the interpreter shuts down, where doing
+# so can abort the process (pytorch/pytorch#179291; see test_zero_code.TEARDOWN_ABORT).
+dist.barrier()
 dist.destroy_process_group()
