@@ -8,7 +8,7 @@ main grads in their own dtype, advertised through ``Tensor.grad_dtype``.
 from .adapter import cast_buffer_bytes, keep_cast_buffers, remove_fully_shard_optimizer
 from .mixed_precision import MixedPrecisionPolicy
 from .module.forward_methods import register_fsdp_forward_method
-from .module.fsdp_module import FSDPModule
+from .module.fsdp_module import FSDPModule, UnshardHandle, share_comm_ctx
 from .module.shard_module import fully_shard, parameter_groups
 from .sharding import ParameterGroup, contained_in_parameter_group, parameter_group_of
 
@@ -18,6 +18,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "ParameterGroup",
+    "UnshardHandle",
     "cast_buffer_bytes",
     "contained_in_parameter_group",
     "fully_shard",
@@ -26,4 +27,5 @@ __all__ = [
     "parameter_groups",
     "register_fsdp_forward_method",
     "remove_fully_shard_optimizer",
+    "share_comm_ctx",
 ]

@@ -79,7 +79,7 @@ def _check_conversion(fn: Callable[[torch.Tensor], torch.Tensor], group: Paramet
         f"fully_shard: this conversion would change sharded parameter '{group.names[0]}' from "
         f"{probe.dtype} on {probe.device} to {converted.dtype} on {converted.device}; nothing was converted. "
         "The sharded parameters are the main weights, whose dtype MixedPrecisionPolicy(main_params_dtype=...) "
-        f"sets, and the compute dtype ({group.compute_dtype} here) is the module's dtype when fully_shard was "
-        "applied: convert the module (model.to(dtype), model.to(device)) before fully_shard, and shard it on the "
-        "device it trains on"
+        f"sets, and the compute dtype ({group.compute_dtype} here) is MixedPrecisionPolicy(param_dtype=...) or the "
+        "module's dtype when fully_shard was applied: set param_dtype (or convert the module with model.to(dtype) "
+        "before fully_shard), and shard the module on the device it trains on"
     )

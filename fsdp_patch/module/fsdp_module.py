@@ -14,6 +14,7 @@ Alternatives considered:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -21,11 +22,12 @@ import torch
 from torch import nn
 
 from ..sharding import ParameterGroup
+from ..sharding.placement import separate_group
 from .compile_boundary import outside_dynamo
 from .conversion import inside_conversion, sharded_parameters_kept
 from .unit import UnitState
 
-__all__ = ["FSDPModule", "fsdp_class", "owned_modules"]
+__all__ = ["FSDPModule", "UnshardHandle", "fsdp_class", "owned_modules", "share_comm_ctx"]
 
 
 class FSDPModule:
@@ -44,16 +46,32 @@ class FSDPModule:
             raise
 
     @outside_dynamo
-    def unshard(self) -> None:
-        """All-gathers this unit's parameters ahead of use (they stay sharded in the module)."""
-        for group in self._fsdp_state.groups:
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gathers this unit's parameters ahead of use (they stay sharded in the module until
+        its forward, which uses what was gathered). Not recursive, as FSDP2's.
+
+        Args:
+            async_op: ``True`` returns an :class:`UnshardHandle` at once, the all-gathers in
+                flight; its ``wait()`` completes them, and the unit's forward waits for them if
+                nobody did. ``False`` waits here and returns ``None``.
+        """
+        if not isinstance(async_op, bool):
+            raise TypeError(f"unshard expected async_op to be a bool, got {async_op!r}")
+        state = self._fsdp_state
+        for group in state.groups:
             group.invalidate_compute_copy()  # as the root's forward does: unshard may come first
-        self._fsdp_state.unshard()
+            group.start_unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     @outside_dynamo
     def reshard(self) -> None:
-        """Frees this unit's unsharded parameters."""
-        self._fsdp_state.reshard()
+        """Frees this unit's unsharded parameters and puts the sharded ones back into its
+        modules (where a forward without resharding left the unsharded ones). Not recursive."""
+        self._fsdp_state.reshard_by_hand()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Skips (``False``) or resumes the reduce-scatter of grads in backward.
@@ -65,6 +83,174 @@ class FSDPModule:
             raise TypeError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
         for module in _units(self, recurse):
             module._fsdp_state.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for the all-reduce across replicas of HSDP. On a 1-D mesh there is no
+        such all-reduce: the setting is kept and changes nothing, as in FSDP2."""
+        _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        for module in _units(self, recurse):
+            module._fsdp_state.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the unit frees its unsharded parameters after forward, from the next forward
+        on (FSDP2's method: the ``reshard_after_forward`` argument, changed at run time; the
+        root's default ``False`` included).
+
+        Raises:
+            ValueError: ``reshard_after_forward`` is not a bool (FSDP2 raises the same).
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for module in _units(self, recurse):
+            state = module._fsdp_state
+            state.reshard_after_forward_setting = reshard_after_forward
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps the unsharded parameters' storage after a backward without gradient
+        sync, so that the next microbatch's forward does not all-gather again (FSDP2's method,
+        for gradient accumulation). After a backward with sync they are freed whatever this
+        says: the optimizer step that follows changes the weights they hold, and FSDP2's next
+        forward would compute with the weights from before the step."""
+        _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        for module in _units(self, recurse):
+            module._fsdp_state.reshard_after_backward = reshard_after_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: backward needs none of this unit's parameter values (an embedding, whose
+        weight grad reads only the indices), so the unit is not all-gathered for backward; its
+        grads are reduced as usual (FSDP2's method). A unit whose backward reads its weights
+        must keep the default ``True``."""
+        _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+        self._fsdp_state.unshard_in_backward = unshard_in_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's hint that the next backward is (not) the last of an iteration. Every backward
+        here completes its reduce-scatters before it returns (what FSDP2 does on the last one),
+        so results do not depend on it; the setting is kept."""
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+        self._fsdp_state.is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Grads are summed over ranks and divided by ``factor`` instead of averaged (FSDP2's
+        method). Not recursive, as FSDP2's."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expected a positive number, got {factor!r}")
+        for group in self._fsdp_state.groups:
+            group.reduction.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor`, as in FSDP2."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """``True``: the reduce-scatter only sums, and the division by the ranks (or the divide
+        factor) is a separate step (FSDP2's method). Not recursive, as FSDP2's."""
+        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        for group in self._fsdp_state.groups:
+            group.reduction.force_sum = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Runs ``hook(reduce_output)`` on this rank's reduced grad shard (the reduce-scatter's
+        output, in the main-grad dtype, after the division) before it is added into the main
+        grads; the hook may change it in place, an all-reduce over another process group for
+        instance (FSDP2's method).
+
+        Raises:
+            ValueError: ``stream`` is given: the hook runs where the reduce-scatter is waited
+                for, on the current stream.
+        """
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expected a callable, got {hook!r}")
+        if stream is not None:
+            raise ValueError(
+                "set_all_reduce_hook: fully_shard runs the hook on the current stream, where it waits for the "
+                "reduce-scatter; stream= is not supported (leave it None)"
+            )
+        for group in self._fsdp_state.groups:
+            group.all_reduce_hook = hook
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """All-gathers go through ``comm``, FSDP2's ``AllGather`` interface: ``comm.allocate``
+        gives the output buffer (the unsharded size, flat) and ``comm(output, input, group,
+        async_op=True)`` runs the collective (FSDP2's method)."""
+        _check_comm("set_custom_all_gather", comm)
+        for group in self._fsdp_state.groups:
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatters go through ``comm``, FSDP2's ``ReduceScatter`` interface:
+        ``comm.allocate`` gives the output buffer and ``comm(output, input, group, op,
+        async_op=True)`` runs the collective with a summing ``op``; the division by the ranks
+        follows it (FSDP2's method)."""
+        _check_comm("set_custom_reduce_scatter", comm)
+        for group in self._fsdp_state.groups:
+            group.reduction.comm = comm
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """An event recorded after the optimizer step that the next forward's all-gathers wait
+        for (FSDP2's method); used once. The all-gathers here are issued on the current
+        stream, so the next forward makes the current stream wait for it."""
+        if not hasattr(event, "wait"):
+            raise TypeError(f"set_post_optim_event expected a torch.Event, got {type(event).__name__}")
+        state = self._fsdp_state
+        state.post_optim_event = event
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for reducing zeros for parameters without a grad. Here a group's
+        reduce-scatter always carries every parameter (zeros and a presence flag where a rank
+        has no grad), so ranks whose control flow differs stay in step whatever this says."""
+        _check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params", reduce_scatter_unused_params)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """``True``: reduce-scatters run on a process group of their own over the same ranks, so
+        that they can progress beside the all-gathers; ``False`` goes back to the mesh's group
+        (FSDP2's method). Creating the group is collective: call it on every rank alike."""
+        _check_bool("set_separate_reduce_scatter_group", "enable", enable)
+        for module in _units(self, recurse):
+            for group in module._fsdp_state.groups:
+                group.reduction.process_group = separate_group(group.process_group) if enable else None
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Refused when enabled: fully_shard allocates its communication buffers itself.
+
+        Raises:
+            NotImplementedError: ``enable`` is ``True`` (FSDP2 then takes staging buffers from
+                the process group's allocator, NCCL's zero-copy transfers over SHARP).
+        """
+        _check_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): fully_shard allocates its all-gather and "
+                "reduce-scatter buffers with the device's caching allocator, not the process group's; a custom "
+                "allocation goes through set_custom_all_gather / set_custom_reduce_scatter (their allocate())"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Refused: fully_shard does not allocate all-gather buffers in symmetric memory.
+
+        Raises:
+            NotImplementedError: Always; FSDP2's symmetric-memory all-gather needs NCCL and a
+                symmetric-memory allocation, which a custom all-gather can provide
+                (``set_custom_all_gather``).
+        """
+        raise NotImplementedError(
+            f"set_symm_mem_for_comm({backend!r}): fully_shard's all-gathers do not use symmetric memory; a custom "
+            "all-gather that allocates its output there can be set with set_custom_all_gather"
+        )
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatters (each holding its packed grads) may be in flight while
+        backward goes on: ``set_overlap_limits(reduce_scatters_in_flight=...)`` under FSDP2's name."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers expected an int >= 1, got {max_input_buffers!r}")
+        for module in _units(self, recurse):
+            module._fsdp_state.reduces_in_flight = max_input_buffers
 
     def set_overlap_limits(
         self,
@@ -168,6 +354,45 @@ class FSDPModule:
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise TypeError(_NO_COPY)
+
+
+class UnshardHandle:
+    """The all-gathers ``unshard(async_op=True)`` issued (FSDP2's ``UnshardHandle``)."""
+
+    def __init__(self, state: UnitState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        """Completes the all-gathers into the unsharded parameters; the unit's forward would
+        otherwise wait for them itself."""
+        for group in self._state.groups:
+            group.wait_unshard()
+
+
+def _check_bool(method: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method} expected {name} to be a bool, got {value!r}")
+
+
+def _check_comm(method: str, comm: Any) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{method} expected an object with FSDP2's Comm interface (allocate(size, *, dtype, device) and "
+            f"__call__), got {type(comm).__name__}"
+        )
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """FSDP2's function that makes several roots share their communication streams (pipeline
+    stages). fully_shard issues every collective on the current stream, so there are no
+    streams of its own to share; the modules are checked as FSDP2 checks them.
+
+    Raises:
+        ValueError: An element is not a module ``fully_shard`` was applied to.
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
 
 
 def _units(module: FSDPModule, recurse: bool) -> list[FSDPModule]:

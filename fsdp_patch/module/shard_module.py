@@ -15,15 +15,16 @@ Alternatives considered:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..mixed_precision import MixedPrecisionPolicy
+from ..mixed_precision import MixedPrecisionPolicy, as_policy
 from ..sharding import ParameterGroup, parameter_group_of, record_replaced, register_group, replaced_original
 from ..sharding.placement import mesh_device, resolve_mesh
 from .dcp_optimizer_state import track_grad_dtype_mismatch
@@ -48,13 +49,15 @@ def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 yield f"{prefix}{name}.", child
 
 
-def _collect_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]]]:
+def _collect_parameters(
+    module: nn.Module, ignored: frozenset[int] = frozenset()
+) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]]]:
     params: list[nn.Parameter] = []
     names: list[str] = []
     locations: dict[int, list[Location]] = {}
     for prefix, owner in owned_modules(module):
         for name, param in owner._parameters.items():
-            if param is None:
+            if param is None or id(param) in ignored:
                 continue
             fqn = f"{prefix}{name}"
             if isinstance(param, DTensor) or parameter_group_of(param) is not None:
@@ -112,6 +115,58 @@ def unit_name_of(group: ParameterGroup) -> str:
     return _UNIT_NAME.get(group, "")
 
 
+def _ignored_ids(ignored_params: Any) -> frozenset[int]:
+    if ignored_params is None:
+        return frozenset()
+    try:
+        ignored = list(ignored_params)
+    except TypeError:
+        raise TypeError(
+            f"fully_shard expected ignored_params to be a set of parameters or None, got {type(ignored_params)!r}"
+        ) from None
+    wrong = [type(p).__name__ for p in ignored if not isinstance(p, torch.Tensor)]
+    if wrong:
+        raise TypeError(f"fully_shard expected ignored_params to hold parameters, got {wrong}")
+    return frozenset(id(p) for p in ignored)
+
+
+def _check_offload_policy(offload_policy: Any) -> None:
+    if offload_policy is None:
+        return
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            "fully_shard: CPUOffloadPolicy is not supported: the main weights, the compute copy and the main grads "
+            "stay on the mesh's device. For CPU offloading use torch.distributed.fsdp.fully_shard "
+            "(its FSDP2 models get fsdp_patch's telemetry too)"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard expected offload_policy to be FSDP2's OffloadPolicy() or None, got {offload_policy!r}"
+        )
+
+
+def _check_placements(
+    shard_placement_fn: Callable[[nn.Parameter], Any], params: list[nn.Parameter], names: list[str]
+) -> None:
+    """Refuses, before the module is touched, any placement other than dim 0."""
+    if not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard expected shard_placement_fn to be callable or None, got {shard_placement_fn!r}")
+    for param, name in zip(params, names, strict=True):
+        placement = shard_placement_fn(param)
+        if placement is None:
+            continue
+        dim = getattr(placement, "dim", None)
+        if isinstance(placement, Shard) and dim is not None and dim % param.dim() == 0:
+            continue
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn placed parameter '{name}' as {placement!r}; fully_shard shards every "
+            "parameter along dim 0 (each rank holds a run of rows in flat buffers). Return None or Shard(0) for it, "
+            "or use torch.distributed.fsdp.fully_shard for other placements and meshes per parameter"
+        )
+
+
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     """Moves the unit's own buffers to ``device``; buffers on the meta device stay there, for
     ``to_empty`` to materialize with the rest of a meta-built model (see :func:`fully_shard`)."""
@@ -125,8 +180,12 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
     reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> nn.Module:
     """Shards ``module``'s parameters over a 1-D mesh with fp32 main weights.
 
@@ -141,13 +200,23 @@ def fully_shard(
     Args:
         module: Module to shard in place.
         mesh: 1-D device mesh; ``None`` builds one over the default process group.
-        mp_policy: Dtypes of main weights and main grads; ``None`` means the defaults.
+        mp_policy: Dtypes of main weights, compute copy and main grads, and the casts of the
+            forward's inputs and outputs; torch FSDP2's ``MixedPrecisionPolicy`` is taken as
+            the same fields of this one; ``None`` means the defaults.
         reshard_after_forward: ``True``: free the unsharded parameters after forward and
             gather again for backward. ``False``: keep them, registered in the module, until
             the end of the unit's backward (code between forward and backward sees plain
             tensors, as inside forward). ``None`` (the default, as FSDP2's): ``False`` for the
             root of the forward, whose backward starts at once, ``True`` for every other unit.
             A forward without grad (``torch.no_grad()``, evaluation) always frees them.
+        shard_placement_fn: FSDP2's per-parameter placement: ``fn(param)`` returning ``None``
+            or ``Shard(0)`` (the placement every parameter gets here); any other placement
+            is refused before anything changes.
+        offload_policy: FSDP2's ``OffloadPolicy()`` (no offloading) or ``None``;
+            ``CPUOffloadPolicy`` is refused.
+        ignored_params: Parameters left as they are: not sharded, not moved, their grads not
+            reduced (each rank keeps its own), as FSDP2 leaves them.
+        dp_mesh_dims: FSDP2's data-parallel dimensions of an SPMD mesh; only ``None``.
 
     Returns:
         ``module``, now an :class:`FSDPModule`.
@@ -155,28 +224,35 @@ def fully_shard(
     Raises:
         ValueError: ``fully_shard`` was already applied to ``module``, a parameter is tied
             across units, 0-dimensional or not floating point.
-        NotImplementedError: ``mesh`` is not 1-D.
+        NotImplementedError: ``mesh`` is not 1-D; ``shard_placement_fn`` places a parameter
+            other than on dim 0; ``offload_policy`` offloads; ``dp_mesh_dims`` is given.
         TypeError: An argument has the wrong type.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expected an nn.Module, got {type(module)!r}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
-    if mp_policy is None:
-        mp_policy = MixedPrecisionPolicy()
-    elif not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard expected mp_policy to be a MixedPrecisionPolicy or None, got {type(mp_policy)!r}")
+    mp_policy = as_policy(mp_policy)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(
             f"fully_shard expected reshard_after_forward to be a bool or None, got {reshard_after_forward!r}"
         )
+    ignored = _ignored_ids(ignored_params)
+    _check_offload_policy(offload_policy)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} (FSDP2's SPMD mesh whose parameters are DTensors already) is "
+            "not supported; pass the data-parallel mesh itself as mesh= and leave dp_mesh_dims None"
+        )
     mesh = resolve_mesh(mesh)
     device = mesh_device(mesh)
 
-    params, names, locations = _collect_parameters(module)
+    params, names, locations = _collect_parameters(module, ignored)
+    if shard_placement_fn is not None:
+        _check_placements(shard_placement_fn, params, names)
     by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
     for index, param in enumerate(params):
-        by_key.setdefault((param.dtype, param.requires_grad), []).append(index)
+        by_key.setdefault((mp_policy.compute_dtype_for(param.dtype), param.requires_grad), []).append(index)
 
     # Everything that can fail happens before the module is touched.
     groups: list[ParameterGroup] = []
@@ -208,7 +284,8 @@ def fully_shard(
     _move_buffers(module, device)
     module._fsdp_state = state  # type: ignore[assignment]
     _UNITS.add(module)
-    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    # First, as FSDP2's: hooks the user registered see the unsharded parameters and cast inputs.
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward)
     register_state_dict_hooks(module, state)
     module.__class__ = fsdp_class(type(module))

@@ -33,13 +33,14 @@ Alternatives considered:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ..mixed_precision import MixedPrecisionPolicy
@@ -98,6 +99,16 @@ class UnitState:
         self.explicit_prefetch: dict[int, list[UnitState] | None] = {1: None, -1: None}
         self.reduces_in_flight = 2
         self.prefetched = False  # gathered ahead and not yet entered
+        # FSDP2's set_reshard_after_backward: False keeps the unsharded storage after a backward
+        # without gradient sync, for the next microbatch's forward (see post_backward).
+        self.reshard_after_backward = True
+        # FSDP2's set_unshard_in_backward: False when backward needs none of the unit's values.
+        self.unshard_in_backward = True
+        # FSDP2's settings that change nothing on a 1-D mesh, kept as set.
+        self.requires_all_reduce = True
+        self.is_last_backward = True
+        # FSDP2's set_post_optim_event: what the root's next forward waits for, once.
+        self.post_optim_event: Any = None
 
     # ------------------------------------------------------------------ parameters in the module
     def swap(self, unsharded: bool, sync_requires_grad: bool = False) -> list[Replacement]:
@@ -190,6 +201,13 @@ class UnitState:
         for group in self.groups:
             group.reshard()
 
+    def reshard_by_hand(self) -> None:
+        """``FSDPModule.reshard``: the sharded parameters back into the modules (of a unit that
+        kept its unsharded ones after forward) and the unsharded storage freed."""
+        if self.training_state is TrainingState.IDLE and self.unsharded_in_module:
+            self.swap(unsharded=False)
+        self.reshard()
+
     def reset(self) -> None:
         """Forgets an iteration an exception aborted: sharded params back in the module,
         unsharded storage and grads dropped, grads the aborted backward had partly reduced
@@ -214,8 +232,20 @@ class UnitState:
                 self.context.cancel_prefetches()
 
     # ------------------------------------------------------------------ forward hooks
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The policy's ``cast_forward_inputs``: floating-point tensors to the compute dtype."""
+        dtype = self.policy.param_dtype
+        if dtype is None or not self.policy.cast_forward_inputs:
+            return args, kwargs
+        return tree_map(functools.partial(_cast_float, dtype), (args, kwargs))
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.policy.output_dtype
+        return output if dtype is None else tree_map(functools.partial(_cast_float, dtype), output)
+
     @outside_dynamo
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = self._cast_inputs(args, kwargs)
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             return args, kwargs  # a recompute: see the module docstring
         if self.context is None:
@@ -227,6 +257,9 @@ class UnitState:
             if context.interrupted():
                 context.reset()
             context.begin_forward()
+            if self.post_optim_event is not None:
+                event, self.post_optim_event = self.post_optim_event, None
+                event.wait()
         if not recompute and (context.root is self or not context.in_forward):
             # Anything may have written the main weights since the last forward, unseen: the
             # compute copies are cast again at their first all-gather of this iteration (and of
@@ -249,6 +282,11 @@ class UnitState:
 
     @outside_dynamo
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        # The pre-backward hook goes on the output as computed; its cast (the policy's
+        # output_dtype) comes after, as FSDP2's, so that its grad reaches the hook.
+        return self._cast_output(self._post_forward(output))
+
+    def _post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD and _in_backward():
             return output
         in_backward = _in_backward()
@@ -297,7 +335,8 @@ class UnitState:
         assert self.context is not None
         self.context.queue_final_callback()
         self.prefetched = False
-        self.unshard()
+        if self.unshard_in_backward:
+            self.unshard()
         self.swap(unsharded=True)
         self.training_state = TrainingState.PRE_BACKWARD
         self._prefetch(-1)
@@ -326,7 +365,11 @@ class UnitState:
             group.post_backward(self.requires_gradient_sync)
         if self.context is not None:
             self.context.reducing(self.groups, self.reduces_in_flight)
-        self.reshard()
+        # Kept only across microbatches without sync: after a synced backward the optimizer
+        # step changes the weights the kept storage holds, which the next forward would use
+        # (FSDP2 keeps it there too, and computes with the weights from before the step).
+        if self.reshard_after_backward or self.requires_gradient_sync:
+            self.reshard()
         self.training_state = TrainingState.IDLE
 
     def finish_backward(self) -> None:
@@ -337,7 +380,14 @@ class UnitState:
         elif self.training_state is TrainingState.IDLE:
             if self.unsharded_in_module:
                 self.swap(unsharded=False)  # kept after a forward this backward did not reach
-            self.reshard()
+            if self.reshard_after_backward or self.requires_gradient_sync:
+                self.reshard()
+
+
+def _cast_float(dtype: torch.dtype, x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
 
 
 class _RegisterPostBackward(torch.autograd.Function):

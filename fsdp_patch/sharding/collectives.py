@@ -21,7 +21,19 @@ import torch.distributed as dist
 from ..torch_interop.torch_compat import all_gather_flat, reduce_scatter_flat
 from .flat_buffer import free_now
 
-__all__ = ["AllGather", "ReduceScatter"]
+__all__ = ["AllGather", "ReduceScatter", "Reduction"]
+
+
+class _Completed:
+    """A work that has finished: what a custom comm called with ``async_op=True`` may return
+    instead of a work (FSDP2's interface allows ``None``)."""
+
+    @staticmethod
+    def of(work: Any) -> Any:
+        return _Completed() if work is None else work
+
+    def wait(self) -> bool:
+        return True
 
 
 class AllGather:
@@ -39,13 +51,21 @@ class AllGather:
         self.tag = tag
 
     @staticmethod
-    def allocate_output(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate_output(numel: int, dtype: torch.dtype, device: torch.device, comm: Any = None) -> torch.Tensor:
+        """The output buffer; ``comm`` (FSDP2's ``AllGather`` interface, from
+        ``set_custom_all_gather``) allocates it where one is set."""
+        if comm is not None:
+            return comm.allocate((numel,), dtype=dtype, device=device)
         return torch.empty(numel, dtype=dtype, device=device)
 
     @classmethod
-    def issue(cls, output: torch.Tensor, shard: torch.Tensor, process_group: Any, tag: int) -> AllGather:
+    def issue(
+        cls, output: torch.Tensor, shard: torch.Tensor, process_group: Any, tag: int, comm: Any = None
+    ) -> AllGather:
         """Starts gathering every rank's ``shard`` into ``output`` (``shard`` may be a slice of
-        ``output``: this rank's slot, gathered in place)."""
+        ``output``: this rank's slot, gathered in place), through ``comm`` where one is set."""
+        if comm is not None:
+            return cls(_Completed.of(comm(output, shard, process_group, async_op=True)), output, tag)
         return cls(all_gather_flat(output, shard, group=process_group, async_op=True), output, tag)
 
     @property
@@ -65,28 +85,77 @@ class AllGather:
         self.free()
 
 
+class Reduction:
+    """How a group's grads are reduced over its ranks: FSDP2's gradient-reduction settings.
+
+    Attributes:
+        divide_factor: The sum over ranks is divided by it (``set_gradient_divide_factor``);
+            ``None``: the mean over ranks.
+        force_sum: The collective itself only sums; the division is a separate step
+            (``set_force_sum_reduction_for_comms``).
+        comm: FSDP2's ``ReduceScatter`` interface (``set_custom_reduce_scatter``), or ``None``.
+        process_group: A group of the reduce-scatter's own over the same ranks
+            (``set_separate_reduce_scatter_group``), or ``None``: the group's.
+    """
+
+    __slots__ = ("divide_factor", "force_sum", "comm", "process_group")
+
+    def __init__(self) -> None:
+        self.divide_factor: float | None = None
+        self.force_sum = False
+        self.comm: Any = None
+        self.process_group: Any = None
+
+    def op_and_divisor(self, world_size: int) -> tuple[Any, float | None]:
+        """The collective's op and what its result is divided by afterwards (``None``: nothing)."""
+        if self.divide_factor is not None:
+            return dist.ReduceOp.SUM, self.divide_factor
+        if self.force_sum or self.comm is not None:
+            return dist.ReduceOp.SUM, float(world_size)
+        return dist.ReduceOp.AVG, None
+
+
 class ReduceScatter:
-    """A reduce-scatter (average over ranks) in flight; with one rank, the input is the result.
+    """A reduce-scatter (average over ranks, or as a :class:`Reduction` says) in flight; with
+    one rank, the input is the result.
 
     Attributes:
         overwrite: Whether the result replaces what it is applied to instead of adding to it
             (decided when it was issued; see :class:`~.main_grads.MainGrads`).
     """
 
-    def __init__(self, work: Any, packed: torch.Tensor, output: torch.Tensor, overwrite: bool) -> None:
+    def __init__(
+        self, work: Any, packed: torch.Tensor, output: torch.Tensor, overwrite: bool, divisor: float | None = None
+    ) -> None:
         self._work = work
         self._packed = packed
         self.output = output
         self.overwrite = overwrite
+        self._divisor = divisor
 
     @classmethod
-    def issue(cls, packed: torch.Tensor, process_group: Any, world_size: int, overwrite: bool) -> ReduceScatter:
+    def issue(
+        cls,
+        packed: torch.Tensor,
+        process_group: Any,
+        world_size: int,
+        overwrite: bool,
+        reduction: Reduction | None = None,
+    ) -> ReduceScatter:
         """Starts reducing ``packed`` (``(world_size, n)``: row ``r`` is what rank ``r`` receives)."""
+        reduction = reduction or _MEAN
+        op, divisor = reduction.op_and_divisor(world_size)
+        process_group = reduction.process_group or process_group
         if world_size == 1:
-            return cls(None, packed, packed.view(-1), overwrite)
-        output = torch.empty(packed.shape[1], dtype=packed.dtype, device=packed.device)
-        work = reduce_scatter_flat(output, packed.view(-1), op=dist.ReduceOp.AVG, group=process_group, async_op=True)
-        return cls(work, packed, output, overwrite)
+            return cls(None, packed, packed.view(-1), overwrite, None if divisor == 1.0 else divisor)
+        n = packed.shape[1]
+        if reduction.comm is not None:
+            output = reduction.comm.allocate((n,), dtype=packed.dtype, device=packed.device)
+            work = _Completed.of(reduction.comm(output, packed.view(-1), process_group, op, async_op=True))
+        else:
+            output = torch.empty(n, dtype=packed.dtype, device=packed.device)
+            work = reduce_scatter_flat(output, packed.view(-1), op=op, group=process_group, async_op=True)
+        return cls(work, packed, output, overwrite, divisor)
 
     def wait(self) -> torch.Tensor:
         """Completes the collective and frees its input; returns this rank's reduced row."""
@@ -94,6 +163,11 @@ class ReduceScatter:
             self._work.wait()
             self._work = None
             free_now(self._packed)
+        if self._divisor is not None:
+            # Presence flags (the row's tail) are divided too: only their sign is read.
+            with torch.no_grad():
+                self.output.div_(self._divisor)
+            self._divisor = None
         return self.output
 
     def free(self) -> None:
@@ -105,3 +179,6 @@ class ReduceScatter:
             self._work.wait()
             self._work = None
         self.free()
+
+
+_MEAN = Reduction()

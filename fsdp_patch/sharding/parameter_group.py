@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..mixed_precision import MixedPrecisionPolicy
-from .collectives import AllGather, ReduceScatter
+from .collectives import AllGather, ReduceScatter, Reduction
 from .compute_copy import ComputeCopy
 from .dtensors import ShardSpecs
 from .flat_buffer import ShardedBuffer, UnshardedBuffer
@@ -69,7 +69,8 @@ class ParameterGroup:
     """Sharded parameters of one compute dtype and their flat buffers.
 
     Args:
-        params: Original (unsharded) parameters, all of one dtype; those on the meta device
+        params: Original (unsharded) parameters, all of one compute dtype (their own dtype, or
+            the policy's ``param_dtype``); those on the meta device
             give zero shards, to be initialized after sharding. ``fully_shard`` also splits
             groups by ``requires_grad`` at sharding time, so that a group frozen then holds no
             main-grad buffer; toggling ``requires_grad`` later works per parameter.
@@ -92,7 +93,7 @@ class ParameterGroup:
         self.process_group = mesh.get_group()
         self.world_size = mesh.size()
         self.rank = mesh.get_local_rank()
-        self.compute_dtype = params[0].dtype
+        self.compute_dtype = policy.compute_dtype_for(params[0].dtype)
         self.main_dtype = policy.main_params_dtype
         self.grads_dtype = policy.grads_dtype_for(self.compute_dtype)
         self.compute_copy = policy.compute_copy
@@ -129,6 +130,12 @@ class ParameterGroup:
         # reduce-scatter reads them, in the main-grad dtype; only when that is wider.
         self._accumulated: torch.Tensor | None = None
         self._reduces: list[ReduceScatter] = []  # issued, not yet applied, in issue order
+        # FSDP2's communication settings (FSDPModule.set_gradient_divide_factor and the rest).
+        self.reduction = Reduction()
+        self.all_gather_comm: Any = None
+        # Runs on this rank's reduced shard before it is added into main_grad, and may change it
+        # (FSDPModule.set_all_reduce_hook: an all-reduce over another dimension, say).
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # An OrderedDict: RemovableHandle refers to it weakly, which a plain dict does not allow.
         self._reduce_hooks: OrderedDict[int, Callable[[ParameterGroup, str, torch.Tensor], None]] = OrderedDict()
 
@@ -255,9 +262,10 @@ class ParameterGroup:
             self._gathered_refresh = refresh
             return
         self._gathered_refresh = None
-        output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device)
+        comm = self.all_gather_comm
+        output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device, comm)
         shard = self._copy.gather_input(output, self.world_size, self.rank)
-        self._gather = AllGather.issue(output, shard, self.process_group, refresh)
+        self._gather = AllGather.issue(output, shard, self.process_group, refresh, comm)
 
     def _holds_current_gather(self) -> bool:
         """Whether the unsharded parameters hold, or an all-gather in flight brings, the compute
@@ -328,7 +336,9 @@ class ParameterGroup:
                 packed.add_(self._accumulated)
                 self._accumulated = None
             self._run_reduce_hooks(REDUCE_INPUT, packed)
-            self._reduces.append(ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite))
+            self._reduces.append(
+                ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite, self.reduction)
+            )
             if self.world_size == 1:
                 self.wait_reduce()
         self._drop_unsharded_grads()
@@ -342,6 +352,8 @@ class ParameterGroup:
         """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
         while self._reduces:
             reduce = self._reduces.pop(0)
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(reduce.wait()[: self.layout.shard_numel])
             if self._reduce_hooks:
                 self._run_reduce_hooks(REDUCE_OUTPUT, reduce.wait()[: self.layout.shard_numel])
             self._grads.apply(reduce)

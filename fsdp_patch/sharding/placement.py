@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["resolve_mesh", "mesh_device"]
+__all__ = ["resolve_mesh", "mesh_device", "separate_group"]
+
+# One separate group per process group, shared by every unit over it (FSDP2 makes one per distinct
+# set of ranks likewise); weak, so that it goes with its process group.
+_SEPARATE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
@@ -43,3 +49,12 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
+
+
+def separate_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A process group of its own over ``process_group``'s ranks (made once per process group;
+    collective over its ranks the first time)."""
+    if process_group not in _SEPARATE_GROUPS:
+        ranks = dist.get_process_group_ranks(process_group)
+        _SEPARATE_GROUPS[process_group] = dist.new_group(ranks, use_local_synchronization=True)
+    return _SEPARATE_GROUPS[process_group]
