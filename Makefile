@@ -31,7 +31,7 @@ OLDEST_TORCH ?= 2.11.0
 OLDEST_OPENTELEMETRY := scripts/oldest-opentelemetry.txt
 TORCH_RANGE_TESTS := tests/fsdp tests/optimizer tests/test_torch_compat.py \
 	tests/integration/test_fsdp2_telemetry.py tests/integration/test_origin.py \
-	tests/integration/test_step_accounting.py
+	tests/integration/test_step_accounting.py tests/test_fsdp2_api_coverage.py
 OPENTELEMETRY_SEAM_TESTS := tests/telemetry tests/test_sdk_exporter_entry_points.py \
 	tests/integration/test_opentelemetry_instrument.py
 OLDEST_STAMP := .venv-oldest/.fsdp_patch-setup-torch$(OLDEST_TORCH)

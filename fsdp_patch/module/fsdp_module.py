@@ -105,6 +105,7 @@ class FSDPModule:
             state = module._fsdp_state
             state.reshard_after_forward_setting = reshard_after_forward
             state.reshard_after_forward = reshard_after_forward
+            state.reshard_to_group = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters' storage after a backward without gradient
@@ -345,7 +346,8 @@ class FSDPModule:
         """
         if inside_conversion():
             return super()._apply(fn, recurse)  # type: ignore[misc]
-        units = [m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self._fsdp_state]  # type: ignore[attr-defined]
+        found = [m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self._fsdp_state]  # type: ignore[attr-defined]
+        units = list({id(unit): unit for unit in found}.values())  # a unit over several modules once
         with sharded_parameters_kept(units, fn):
             return super()._apply(fn, recurse)  # type: ignore[misc]
 

@@ -15,8 +15,8 @@ Alternatives considered:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mixed_precision import MixedPrecisionPolicy, as_policy
 from ..sharding import ParameterGroup, parameter_group_of, record_replaced, register_group, replaced_original
-from ..sharding.placement import mesh_device, resolve_mesh
+from ..sharding.placement import mesh_device, post_forward_group, resolve_mesh
 from .dcp_optimizer_state import track_grad_dtype_mismatch
 from .fsdp_module import FSDPModule, fsdp_class, owned_modules
 from .grad_scaler_hint import track_fp16_main_grads
@@ -37,8 +37,10 @@ __all__ = ["fully_shard", "parameter_groups", "unit_name_of"]
 
 
 def parameter_groups(module: nn.Module) -> list[ParameterGroup]:
-    """All parameter groups of the FSDP units in ``module``'s subtree, in module order."""
-    return [g for m in module.modules() if isinstance(m, FSDPModule) for g in m._fsdp_state.groups]
+    """All parameter groups of the FSDP units in ``module``'s subtree, in module order (a unit
+    over several modules once)."""
+    states = {id(m._fsdp_state): m._fsdp_state for m in module.modules() if isinstance(m, FSDPModule)}
+    return [g for state in states.values() for g in state.groups]
 
 
 def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -49,13 +51,49 @@ def _fsdp_children(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 yield f"{prefix}{name}.", child
 
 
+def _modules_of(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules of one ``fully_shard`` call: ``module``, or the list FSDP2 groups into one unit.
+
+    Raises:
+        TypeError: Not a module nor a non-empty list of modules.
+        ValueError: A module is listed twice, contains another listed one, or is sharded already.
+    """
+    if isinstance(module, nn.Module):
+        modules = [module]
+    elif isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        modules = list(module)
+    else:
+        got = [type(m).__name__ for m in module] if isinstance(module, (list, tuple)) else type(module).__name__
+        raise TypeError(f"fully_shard expected an nn.Module or a non-empty list of them, got {got}")
+    for index, first in enumerate(modules):
+        if isinstance(first, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(first).__name__}; apply it once per module"
+            )
+        inside = {id(m) for m in first.modules()}
+        for other in modules[index + 1 :]:
+            if other is first:
+                raise ValueError(f"fully_shard: {type(first).__name__} is listed twice; list each module once")
+            if id(other) in inside or any(m is first for m in other.modules()):
+                raise ValueError(
+                    f"fully_shard: of the listed modules, a {type(first).__name__} and a {type(other).__name__} contain "
+                    "one another; list modules side by side (apply fully_shard to the inner one first for a unit "
+                    "of its own)"
+                )
+    return modules
+
+
 def _collect_parameters(
-    module: nn.Module, ignored: frozenset[int] = frozenset()
-) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]]]:
+    modules: list[nn.Module], ignored: frozenset[int] = frozenset()
+) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]], list[int]]:
+    """The parameters the unit will own (not owned by an FSDP child), their names from their
+    module, their places in the module tree, and which of ``modules`` each came from."""
     params: list[nn.Parameter] = []
     names: list[str] = []
+    owners: list[int] = []
     locations: dict[int, list[Location]] = {}
-    for prefix, owner in owned_modules(module):
+    owned = ((index, prefix, owner) for index, top in enumerate(modules) for prefix, owner in owned_modules(top))
+    for top_index, prefix, owner in owned:
         for name, param in owner._parameters.items():
             if param is None or id(param) in ignored:
                 continue
@@ -84,13 +122,16 @@ def _collect_parameters(
                 raise ValueError(f"parameter '{fqn}' has dtype {param.dtype}; expected a floating-point dtype")
             params.append(param)
             names.append(fqn)
+            owners.append(top_index)
             locations[id(param)] = [(owner, name)]
-    return params, names, locations
+    return params, names, locations, owners
 
 
-# Group -> the fully qualified name of the unit (the fully_shard-ed module) holding it, from the
-# outermost unit as the group's parameter names are; "" for that unit. Weak: the unit owns its groups.
-_UNIT_NAME: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Unit module -> its fully qualified name from the outermost unit, as the groups' parameter names
+# are ("" for that unit); group -> which of its unit's modules each parameter came from. Weak: the
+# unit owns its groups.
+_MODULE_PATH: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PARAM_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 _UNIT_MODULE: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -112,7 +153,51 @@ def unit_module_of(group: ParameterGroup) -> nn.Module | None:
 def unit_name_of(group: ParameterGroup) -> str:
     """The fully qualified name of the unit holding ``group`` (``""`` for the root), from the
     outermost unit up the tree, as :attr:`ParameterGroup.names` are."""
-    return _UNIT_NAME.get(group, "")
+    return ", ".join(_MODULE_PATH.get(m, "") for m in _unit_modules_of(group))
+
+
+def _unit_modules_of(group: ParameterGroup) -> list[nn.Module]:
+    """The modules of the unit holding ``group`` (one, or those a list grouped)."""
+    module = unit_module_of(group)
+    state = None if module is None else getattr(module, "_fsdp_state", None)
+    return [] if state is None else list(state.modules)
+
+
+def _prefix_names(module: nn.Module) -> None:
+    """Units are built bottom-up, each naming its parameters from itself; a parent prefixes its
+    children's names, so that error messages name parameters from the outermost unit. A
+    parameter gets a child's prefix when it came from that child or a module inside it."""
+    for prefix, child in _fsdp_children(module):
+        inside = {id(m) for m in child.modules()}
+        for unit in child.modules():
+            if isinstance(unit, FSDPModule):
+                path = _MODULE_PATH.get(unit, "")
+                _MODULE_PATH[unit] = prefix + path if path else prefix[:-1]
+        for group in parameter_groups(child):
+            unit_modules = _unit_modules_of(group)
+            owners = _PARAM_OWNERS.get(group) or [0] * len(group.names)
+            group.names = [
+                prefix + name if id(unit_modules[owner]) in inside else name
+                for name, owner in zip(group.names, owners, strict=True)
+            ]
+
+
+def _post_forward_size(reshard_after_forward: bool | int | None, mesh_size: int) -> tuple[bool | None, int | None]:
+    """``reshard_after_forward`` as a bool (or ``None``), and the size of the groups an int
+    asks backward to re-gather over (``None``: the whole mesh), as FSDP2 reads it."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    size = reshard_after_forward
+    if size < 1 or size > mesh_size or mesh_size % size:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward as an int is the size of the groups of ranks backward re-gathers "
+            f"over and must divide the mesh's size {mesh_size}; got {size}"
+        )
+    if size == 1:
+        return False, None
+    if size == mesh_size:
+        return True, None
+    return True, size
 
 
 def _ignored_ids(ignored_params: Any) -> frozenset[int]:
@@ -176,17 +261,20 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
                 owner._buffers[name] = buffer.to(device)
 
 
+_Modules = TypeVar("_Modules", nn.Module, list[nn.Module])
+
+
 def fully_shard(
-    module: nn.Module,
+    module: _Modules,
     *,
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | Any | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     offload_policy: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
-) -> nn.Module:
+) -> _Modules:
     """Shards ``module``'s parameters over a 1-D mesh with fp32 main weights.
 
     Apply bottom-up: each block first, then the root. A unit owns the parameters that no FSDP
@@ -198,7 +286,11 @@ def fully_shard(
     module's class becomes a subclass of :class:`FSDPModule`.
 
     Args:
-        module: Module to shard in place.
+        module: Module to shard in place, or a list of modules to shard as one unit (their
+            parameters gathered and reduced together), as FSDP2 takes them: the first of them
+            to run in a forward gathers, the unit's post-forward follows the last; one the
+            root's forward does not run (a head called per chunk of the loss after it) keeps
+            the unit gathered until backward, and each call of its own is a forward of the unit.
         mesh: 1-D device mesh; ``None`` builds one over the default process group.
         mp_policy: Dtypes of main weights, compute copy and main grads, and the casts of the
             forward's inputs and outputs; torch FSDP2's ``MixedPrecisionPolicy`` is taken as
@@ -209,6 +301,11 @@ def fully_shard(
             tensors, as inside forward). ``None`` (the default, as FSDP2's): ``False`` for the
             root of the forward, whose backward starts at once, ``True`` for every other unit.
             A forward without grad (``torch.no_grad()``, evaluation) always frees them.
+            An ``int`` (FSDP2's): the size of the groups of consecutive ranks that backward
+            re-gathers over; after forward each rank keeps ``1/size`` of the unsharded
+            parameters (see ParameterGroup's note on resharding to a smaller group), and the
+            module holds the sharded parameters. It must divide the mesh's size; the mesh's
+            size itself is ``True``, 1 is ``False``.
         shard_placement_fn: FSDP2's per-parameter placement: ``fn(param)`` returning ``None``
             or ``Shard(0)`` (the placement every parameter gets here); any other placement
             is refused before anything changes.
@@ -219,23 +316,21 @@ def fully_shard(
         dp_mesh_dims: FSDP2's data-parallel dimensions of an SPMD mesh; only ``None``.
 
     Returns:
-        ``module``, now an :class:`FSDPModule`.
+        ``module`` (each module of it), now an :class:`FSDPModule`.
 
     Raises:
         ValueError: ``fully_shard`` was already applied to ``module``, a parameter is tied
-            across units, 0-dimensional or not floating point.
+            across units, 0-dimensional or not floating point; ``reshard_after_forward`` is an
+            int that does not divide the mesh's size.
         NotImplementedError: ``mesh`` is not 1-D; ``shard_placement_fn`` places a parameter
             other than on dim 0; ``offload_policy`` offloads; ``dp_mesh_dims`` is given.
         TypeError: An argument has the wrong type.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expected an nn.Module, got {type(module)!r}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    modules = _modules_of(module)
     mp_policy = as_policy(mp_policy)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(
-            f"fully_shard expected reshard_after_forward to be a bool or None, got {reshard_after_forward!r}"
+            f"fully_shard expected reshard_after_forward to be a bool, an int or None, got {reshard_after_forward!r}"
         )
     ignored = _ignored_ids(ignored_params)
     _check_offload_policy(offload_policy)
@@ -246,8 +341,9 @@ def fully_shard(
         )
     mesh = resolve_mesh(mesh)
     device = mesh_device(mesh)
+    reshard_after_forward, post_forward_size = _post_forward_size(reshard_after_forward, mesh.size())
 
-    params, names, locations = _collect_parameters(module, ignored)
+    params, names, locations, owners = _collect_parameters(modules, ignored)
     if shard_placement_fn is not None:
         _check_placements(shard_placement_fn, params, names)
     by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
@@ -262,31 +358,39 @@ def fully_shard(
             ParameterGroup([params[i] for i in indices], [names[i] for i in indices], mesh, mp_policy, device)
         )
         group_locations.append([locations[id(params[i])] for i in indices])
+        _PARAM_OWNERS[groups[-1]] = [owners[i] for i in indices]
 
-    state = UnitState(module, mesh, mp_policy, reshard_after_forward, groups, group_locations)
+    if post_forward_size is not None:
+        regather_group, position = post_forward_group(mesh, post_forward_size)
+        for group in groups:
+            group.post_forward_group = (regather_group, position, post_forward_size)
+
+    state = UnitState(modules[0], mesh, mp_policy, reshard_after_forward, groups, group_locations)
+    state.modules = modules
+    state.reshard_to_group = post_forward_size is not None
     state.swap(unsharded=False)
     for group in groups:
         register_group(group)
-        _UNIT_MODULE[group] = weakref.ref(module)
+        _UNIT_MODULE[group] = weakref.ref(modules[0])
         if group.grads_dtype == torch.float16:
             track_fp16_main_grads(group)
         if group.grads_dtype != group.main_dtype:
             track_grad_dtype_mismatch(group)
-    for param, name in zip(params, names, strict=True):
-        record_replaced(param, f"parameter '{name}' of an already fully_shard-ed {type(module).__name__}")
-    # Units are built bottom-up, each naming its parameters from itself; a parent prefixes its
-    # children's names, so error messages name parameters from the outermost unit.
-    for prefix, child in _fsdp_children(module):
-        for group in parameter_groups(child):
-            group.names = [prefix + name for name in group.names]
-            inner = _UNIT_NAME.get(group, "")
-            _UNIT_NAME[group] = prefix + inner if inner else prefix[:-1]
-    _move_buffers(module, device)
-    module._fsdp_state = state  # type: ignore[assignment]
-    _UNITS.add(module)
-    # First, as FSDP2's: hooks the user registered see the unsharded parameters and cast inputs.
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
-    register_state_dict_hooks(module, state)
-    module.__class__ = fsdp_class(type(module))
+    for param, name, owner in zip(params, names, owners, strict=True):
+        record_replaced(param, f"parameter '{name}' of an already fully_shard-ed {type(modules[owner]).__name__}")
+    # One unit over several modules: each module's own forward hooks (FSDP2's grouped hooks).
+    grouped = len(modules) > 1
+    pre_forward = state.group_pre_forward if grouped else state.pre_forward
+    post_forward = state.group_post_forward if grouped else state.post_forward
+    for top in modules:
+        _prefix_names(top)
+        _move_buffers(top, device)
+        top._fsdp_state = state  # type: ignore[assignment]
+        _MODULE_PATH[top] = ""
+        _UNITS.add(top)
+        # First, as FSDP2's: hooks the user registered see the unsharded parameters and cast inputs.
+        top.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+        top.register_forward_hook(post_forward)
+        register_state_dict_hooks(top, state)
+        top.__class__ = fsdp_class(type(top))
     return module

@@ -44,6 +44,7 @@ def _state_dict_aliases(
         for group, locations in zip(groups, group_locations, strict=True)
         for index, places in enumerate(locations)
         for owner, name in places
+        if id(owner) in prefixes  # a unit over several modules: this module's own parameters
     ]
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

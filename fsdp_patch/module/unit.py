@@ -73,6 +73,14 @@ class UnitState:
         locations: list[list[list[Location]]],
     ) -> None:
         self.module = module
+        # Every module of the unit: one, or those fully_shard([a, b, ...]) grouped (their
+        # parameters gathered and reduced together); see group_pre_forward.
+        self.modules: list[nn.Module] = [module]
+        self._to_run: set[int] = set()  # a grouped unit's modules not yet run in this forward
+        # Post-backwards registered on the inputs of forwards whose backward has not reached them
+        # yet: a unit called several times (per chunk of a loss, or once more on its own output)
+        # stays gathered until the backward of its last call is done, as its weights are needed.
+        self._pending_backwards = 0
         self.mesh = mesh
         self.policy = policy
         # None: decided by the unit's place, as FSDP2 decides it: the root of the forward keeps
@@ -80,6 +88,9 @@ class UnitState:
         # once), every other unit reshards.
         self.reshard_after_forward_setting = reshard_after_forward
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        # reshard_after_forward=<int>: the groups keep part of their unsharded parameters after
+        # forward (see ParameterGroup.reshard_after_forward_to_group); set by fully_shard.
+        self.reshard_to_group = False
         # Whether the modules hold the unsharded parameters (inside forward and backward, and
         # between them for a unit that keeps them after forward).
         self.unsharded_in_module = False
@@ -184,8 +195,9 @@ class UnitState:
     # ------------------------------------------------------------------ gather / free
     def lazy_init_as_root(self) -> None:
         # The units under this root: the modules fully_shard gave a state.
-        found = (getattr(m, "_fsdp_state", None) for m in self.module.modules())
-        states = [state for state in found if isinstance(state, UnitState)]
+        found = (getattr(m, "_fsdp_state", None) for top in self.modules for m in top.modules())
+        # A grouped unit is found under each of its modules: once.
+        states = list({id(state): state for state in found if isinstance(state, UnitState)}.values())
         context = RootContext(self, states)
         for state in states:
             state.context = context
@@ -214,6 +226,7 @@ class UnitState:
         discarded (see :meth:`ParameterGroup.reset_iter_state`)."""
         self.training_state = TrainingState.IDLE
         self.prefetched = False
+        self._pending_backwards = 0
         self._stop_awaiting_final()
         self.swap(unsharded=False)
         for group in self.groups:
@@ -277,8 +290,42 @@ class UnitState:
             context.entered_forward(self)
             self._prefetch(1)
         if torch.is_grad_enabled():
-            args, kwargs = _register_post_backward(self, args, kwargs)
+            args, kwargs, registered = _register_post_backward(self, args, kwargs)
+            self._pending_backwards += registered
         return args, kwargs
+
+    @outside_dynamo
+    def group_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Pre-forward of one module of a grouped unit (``fully_shard([a, b])``): the first of its
+        modules to run in a forward does the unit's pre-forward (gather, and the post-backward
+        on its inputs, whose grads come last); the others, whose parameters are in place by
+        then, cast their inputs only (FSDP2's grouped hooks)."""
+        if self.training_state is TrainingState.FORWARD:
+            return self._cast_inputs(args, kwargs)
+        self._to_run = {id(m) for m in self.modules}
+        return self.pre_forward(module, args, kwargs)
+
+    @outside_dynamo
+    def group_post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Post-forward of one module of a grouped unit: the unit's post-forward once its last
+        module ran within the root's forward, or at once for a call of its own (a module called
+        per chunk after the root's forward); otherwise the output cast only."""
+        if self.training_state is not TrainingState.FORWARD:
+            return self.post_forward(module, args, output)
+        self._to_run.discard(id(module))
+        context = self.context
+        inside_root = context is not None and context.root is not self and context.in_forward
+        if self._to_run and inside_root:
+            return self._cast_output(output)
+        self._to_run = set()
+        return self.post_forward(module, args, output)
+
+    def complete_forward(self) -> None:
+        """Ends the forward of a grouped unit whose modules did not all run in the root's
+        forward (the root's post-forward calls it, as FSDP2 completes such groups there): its
+        parameters stay gathered until the end of backward, which finishes it."""
+        self._to_run = set()
+        self._post_forward(None)
 
     @outside_dynamo
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -295,6 +342,9 @@ class UnitState:
             self.swap(unsharded=False)
         self.training_state = TrainingState.IDLE
         if self.context is not None and self.context.root is self and not in_backward:
+            for state in self.context.states:
+                if state is not self and state.training_state is TrainingState.FORWARD and state._to_run:
+                    state.complete_forward()
             self.context.end_forward()
         may_free = not in_backward and self._awaiting_final is None
         if not grad_enabled:
@@ -305,7 +355,12 @@ class UnitState:
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
             if self.reshard_after_forward and may_free:
-                self.reshard()
+                if self.reshard_to_group:
+                    self.prefetched = False
+                    for group in self.groups:
+                        group.reshard_after_forward_to_group()
+                else:
+                    self.reshard()
         elif any(group.requires_grad for group in self.groups):
             if self._awaiting_final is None:
                 trainable = [p for g in self.groups for p in g.unsharded_params if p.requires_grad]
@@ -354,10 +409,15 @@ class UnitState:
                 target.prefetched = True
 
     @outside_dynamo
-    def post_backward(self) -> None:
-        """The unit's backward is done: reduce (or keep, with sync off) its grads, free it."""
+    def post_backward(self, final: bool = False) -> None:
+        """The backward of one call of the unit is done: once it is the last call's (or at the
+        end of backward, ``final``), reduce (or keep, with sync off) its grads and free it."""
         if self.training_state is not TrainingState.PRE_BACKWARD and self._awaiting_final is None:
             return
+        if self._pending_backwards > 1 and not final:
+            self._pending_backwards -= 1
+            return
+        self._pending_backwards = 0
         self._stop_awaiting_final()
         if self.unsharded_in_module:
             self.swap(unsharded=False)
@@ -376,7 +436,7 @@ class UnitState:
         """The root's final callback: the post-backward of units whose inputs needed no grad,
         and freeing units a forward gathered that this backward did not reach."""
         if self.training_state is TrainingState.PRE_BACKWARD or self._awaiting_final is not None:
-            self.post_backward()
+            self.post_backward(final=True)
         elif self.training_state is TrainingState.IDLE:
             if self.unsharded_in_module:
                 self.swap(unsharded=False)  # kept after a forward this backward did not reach
@@ -404,14 +464,15 @@ class _RegisterPostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _register_post_backward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _register_post_backward(state: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
     # Positional tensors only (most forwards): no pytree round trip on the hot path.
     plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
     flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     indices = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not indices:
-        return args, kwargs
+        return args, kwargs, False
     outputs = _RegisterPostBackward.apply(state, *(flat[i] for i in indices))
     for i, out in zip(indices, outputs, strict=True):
         flat[i] = out
-    return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+    args, kwargs = (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
+    return args, kwargs, True

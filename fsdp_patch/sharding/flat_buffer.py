@@ -144,6 +144,11 @@ class UnshardedBuffer(FlatBuffer):
                 gathered.view(self._world_size, -1), self.layout.slot_sizes, dim=1, out=self._slots
             )
 
+    def pack_rows(self, ranks: slice) -> torch.Tensor:
+        """The slots of ranks ``ranks`` of every parameter, rank-major as an all-gather's output
+        holds them: ``(len(ranks), shard_numel)``, a copy (the buffer must be materialized)."""
+        return torch.cat([slot[ranks] for slot in self._slots], dim=1)
+
     def copy_single(self, shard: torch.Tensor) -> None:
         """With one rank the shard is the whole: copies it in (the layouts coincide)."""
         flat = self.materialize()

@@ -124,6 +124,12 @@ class ParameterGroup:
         self.unsharded_params = self._unsharded.params
         self._gathered_refresh: int | None = None  # the refresh count the unsharded params hold
         self._gather: AllGather | None = None  # issued, not yet waited
+        # reshard_after_forward=<int> (see [Note: resharding to a smaller group after forward]):
+        # the group of ranks that re-gathers in backward and this rank's position in it, and the
+        # rows this rank kept after forward with the refresh count they hold.
+        self.post_forward_group: tuple[Any, int, int] | None = None  # (process group, position, size)
+        self._post_forward_rows: torch.Tensor | None = None
+        self._post_forward_refresh: int | None = None
 
         self._reduced_since_finalize = False
         # Unsharded grads of microbatches accumulated with gradient sync off, packed as the
@@ -257,6 +263,9 @@ class ParameterGroup:
             return
         refresh = self._copy.refreshes
         self._cancel_gather()
+        if self._post_forward_rows is not None and self._post_forward_refresh == refresh:
+            self._start_post_forward_unshard(refresh)
+            return
         if self.world_size == 1:
             self._unsharded.copy_single(self._copy.single_rank_source)
             self._gathered_refresh = refresh
@@ -266,6 +275,40 @@ class ParameterGroup:
         output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device, comm)
         shard = self._copy.gather_input(output, self.world_size, self.rank)
         self._gather = AllGather.issue(output, shard, self.process_group, refresh, comm)
+
+    def _start_post_forward_unshard(self, refresh: int) -> None:
+        """Gathers the rows each rank of the post-forward group kept into a whole all-gather
+        output: the group's positions hold consecutive runs of rank-major rows."""
+        assert self.post_forward_group is not None and self._post_forward_rows is not None
+        process_group, _, _ = self.post_forward_group
+        comm = self.all_gather_comm
+        output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device, comm)
+        self._gathered_refresh = None
+        self._gather = AllGather.issue(output, self._post_forward_rows.view(-1), process_group, refresh, comm)
+
+    def reshard_after_forward_to_group(self) -> None:
+        """[Note: resharding to a smaller group after forward]
+        With ``reshard_after_forward=<int>`` (FSDP2's), a unit keeps after forward a
+        ``1/size`` part of its unsharded parameters instead of freeing them all: the rows, in the
+        all-gather's rank-major order, that its position in a group of ``size`` consecutive
+        ranks contributes when the group re-gathers in backward. That all-gather runs over
+        ``size`` ranks instead of the whole mesh (within a node, say), at the cost of the kept
+        part's memory between forward and backward. The kept rows are used only while they
+        hold the current refresh; otherwise backward gathers from the compute copy as usual."""
+        if self.post_forward_group is None:
+            self.reshard()
+            return
+        if self._gather is not None:
+            self.wait_unshard()
+        if self._gathered_refresh is None:
+            self.reshard()
+            return
+        _, position, size = self.post_forward_group
+        per_position = self.world_size // size
+        rows = self._unsharded.pack_rows(slice(position * per_position, (position + 1) * per_position))
+        refresh = self._gathered_refresh
+        self.reshard()
+        self._post_forward_rows, self._post_forward_refresh = rows, refresh
 
     def _holds_current_gather(self) -> bool:
         """Whether the unsharded parameters hold, or an all-gather in flight brings, the compute
@@ -284,6 +327,7 @@ class ParameterGroup:
         self._unsharded.copy_out(gather.wait())
         gather.free()
         self._gathered_refresh = gather.tag
+        self._post_forward_rows = self._post_forward_refresh = None  # the unsharded parameters hold them
 
     def _cancel_gather(self) -> None:
         gather, self._gather = self._gather, None
@@ -291,7 +335,9 @@ class ParameterGroup:
             gather.cancel()
 
     def reshard(self) -> None:
-        """Frees the unsharded parameters' storage (after an all-gather in flight completes)."""
+        """Frees the unsharded parameters' storage (after an all-gather in flight completes)
+        and the rows kept after forward."""
+        self._post_forward_rows = self._post_forward_refresh = None
         if self.is_unsharded:
             self._cancel_gather()
             self._unsharded.free()
@@ -301,7 +347,8 @@ class ParameterGroup:
         """Bytes held for the unsharded state: the unsharded parameters' storage and the output
         of an all-gather in flight (whose copy-out allocates the former)."""
         in_flight = 0 if self._gather is None else self._gather.nbytes
-        return self._unsharded.storage_bytes + in_flight
+        kept = 0 if self._post_forward_rows is None else self._post_forward_rows.untyped_storage().nbytes()
+        return self._unsharded.storage_bytes + in_flight + kept
 
     # ------------------------------------------------------------------ grads
     def has_unsharded_grads(self) -> bool:

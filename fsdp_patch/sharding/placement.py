@@ -8,11 +8,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["resolve_mesh", "mesh_device", "separate_group"]
+__all__ = ["resolve_mesh", "mesh_device", "separate_group", "post_forward_group"]
 
 # One separate group per process group, shared by every unit over it (FSDP2 makes one per distinct
 # set of ranks likewise); weak, so that it goes with its process group.
 _SEPARATE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per process group and size, this rank's post-forward group and its position in it.
+_POST_FORWARD_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
@@ -58,3 +60,16 @@ def separate_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
         ranks = dist.get_process_group_ranks(process_group)
         _SEPARATE_GROUPS[process_group] = dist.new_group(ranks, use_local_synchronization=True)
     return _SEPARATE_GROUPS[process_group]
+
+
+def post_forward_group(mesh: DeviceMesh, size: int) -> tuple[dist.ProcessGroup, int]:
+    """The group of ``size`` consecutive ranks of ``mesh`` holding this rank (FSDP2's
+    ``mesh.view(-1, size)`` rows) and this rank's position in it; made once per mesh group and
+    size (each rank creates its own group only)."""
+    by_size = _POST_FORWARD_GROUPS.setdefault(mesh.get_group(), {})
+    if size not in by_size:
+        ranks = mesh.mesh.flatten().tolist()
+        local = mesh.get_local_rank()
+        start = local - local % size
+        by_size[size] = (dist.new_group(ranks[start : start + size], use_local_synchronization=True), local % size)
+    return by_size[size]

@@ -29,7 +29,7 @@ EXPECTED = {
     "not_a_module": ("TypeError", ["nn.Module"]),
     "bad_mesh": ("TypeError", ["DeviceMesh"]),
     "bad_policy": ("TypeError", ["MixedPrecisionPolicy"]),
-    "bad_reshard": ("TypeError", ["reshard_after_forward", "bool"]),
+    "bad_reshard": ("TypeError", ["reshard_after_forward", "a bool, an int or None"]),
 }
 RETRIED = ["mesh_2d", "tied_across_units_parent", "tied_across_units_sibling", "zero_dim", "int_param"]
 
@@ -162,7 +162,7 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
     case(
         "bad_policy", lambda: nn.Linear(2, 2), lambda m: fully_shard(m, mp_policy={"main_params_dtype": torch.float32})
     )  # type: ignore[arg-type]
-    case("bad_reshard", lambda: nn.Linear(2, 2), lambda m: fully_shard(m, reshard_after_forward=1))  # type: ignore[arg-type]
+    case("bad_reshard", lambda: nn.Linear(2, 2), lambda m: fully_shard(m, reshard_after_forward="yes"))  # type: ignore[arg-type]
 
     # Tied within one unit is supported: one sharded parameter in both places, not duplicated.
     model = _tied_pair()

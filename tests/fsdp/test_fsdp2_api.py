@@ -242,8 +242,9 @@ def reshard_after_backward_script(impl: str) -> dict[str, Any]:
 def _block_gathered(block: nn.Module, impl: str) -> bool:
     if impl == "ours":
         return any(group.unsharded_storage_bytes() > 0 for group in block.fsdp_parameter_groups)
-    state = block._get_fsdp_state()
-    return any(group.is_unsharded for group in state._fsdp_param_groups)
+    from fsdp_patch.torch_interop.torch_compat import fsdp2_state_param_groups
+
+    return any(group.is_unsharded for group in fsdp2_state_param_groups(block._get_fsdp_state()))
 
 
 def _divide_by_4(unit: Any, impl: str, calls: list) -> None:
@@ -281,16 +282,23 @@ def _no_all_reduce(unit: Any, impl: str, calls: list) -> None:
     unit.set_requires_all_reduce(False)
 
 
+def _where_fsdp2_has_it(unit: Any, impl: str, method: str, *args: Any, **kwargs: Any) -> None:
+    """Calls a setting that leaves the arithmetic as it is; an FSDP2 control of a torch without
+    it (before 2.13) trains without it, which must come out the same."""
+    if impl == "ours" or hasattr(unit, method):
+        getattr(unit, method)(*args, **kwargs)
+
+
 def _separate_reduce_scatter_group(unit: Any, impl: str, calls: list) -> None:
-    unit.set_separate_reduce_scatter_group(True, recurse=False)
+    _where_fsdp2_has_it(unit, impl, "set_separate_reduce_scatter_group", True, recurse=False)
 
 
 def _reduce_unused(unit: Any, impl: str, calls: list) -> None:
-    unit.set_reduce_scatter_unused_params(True, recurse=False)
+    _where_fsdp2_has_it(unit, impl, "set_reduce_scatter_unused_params", True, recurse=False)
 
 
 def _one_reduce_buffer(unit: Any, impl: str, calls: list) -> None:
-    unit.set_reduce_scatter_max_input_buffers(1, recurse=False)
+    _where_fsdp2_has_it(unit, impl, "set_reduce_scatter_max_input_buffers", 1, recurse=False)
 
 
 def _default_allocation(unit: Any, impl: str, calls: list) -> None:
@@ -558,8 +566,12 @@ def test_fully_shard_arguments_train_like_fsdp2(run_once, argument) -> None:
 
 def refused_arguments_script(argument: str) -> dict[str, Any]:
     """``fully_shard`` with an argument it refuses: the error, and the module as it was."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Shard
+
+    # FSDP2's class from torch 2.13 on; before, any value stands for it.
+    mesh_dims = torch_fsdp.DataParallelMeshDims(shard="dp") if hasattr(torch_fsdp, "DataParallelMeshDims") else "dp"
 
     from fsdp_patch import fully_shard
 
@@ -567,7 +579,7 @@ def refused_arguments_script(argument: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "placement_dim_1": {"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else None},
         "cpu_offload": {"offload_policy": CPUOffloadPolicy()},
-        "dp_mesh_dims": {"dp_mesh_dims": DataParallelMeshDims(shard="dp")},
+        "dp_mesh_dims": {"dp_mesh_dims": mesh_dims},
         "ignored_not_parameters": {"ignored_params": {"blocks.0.norm.weight"}},
     }[argument]
     before = {name: (type(p).__name__, p.detach().clone()) for name, p in model.named_parameters()}
@@ -723,3 +735,205 @@ def test_torch_policy_with_a_field_fully_shard_lacks_is_refused() -> None:
     assert as_policy(LaterPolicy(param_dtype=BF16)).param_dtype == BF16
     with pytest.raises(TypeError, match="MixedPrecisionPolicy .*or None, got <class 'dict'>"):
         as_policy({"param_dtype": BF16})
+
+
+# ---------------------------------------------------------------------------- reshard_after_forward=<int>, 4 ranks
+
+
+class SizeRecordingAllGather(CountingAllGather):
+    """A custom all-gather that notes the size of each group it gathers over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        self.sizes.append(dist.get_world_size(group))
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+def reshard_to_group_script(impl: str) -> dict[str, Any]:
+    """``reshard_after_forward=2`` on 4 ranks: after forward each block keeps half of its
+    unsharded parameters, and backward re-gathers over 2 ranks."""
+    api = Api.of(impl)
+    model = api.shard(_net(), reshard_after_forward=2)
+    comm = SizeRecordingAllGather()
+    for block in model.blocks:
+        block.set_custom_all_gather(comm)
+    kept: list[float] = []
+
+    def after_forward_probe(model: Net, step: int, micro: int) -> None:
+        if impl == "ours" and step == 0:
+            out = model(torch.randn(2, pattern_models.IN))
+            group = model.blocks[0].fsdp_parameter_groups[0]
+            whole = group.layout.unsharded_numel * group.compute_weight.element_size()
+            kept.append(group.unsharded_storage_bytes() / whole)
+            kept.append(float(isinstance(model.blocks[0].ff.fc1.weight, DTensor)))
+            out.sum().backward()
+            model.zero_grad(set_to_none=True)
+
+    result = _train(api, model, before_forward=after_forward_probe)
+    result["facts"] = {"kept": kept, "sizes": sorted(set(comm.sizes))}
+    return result
+
+
+def test_reshard_after_forward_int_regathers_over_the_smaller_group(run_once) -> None:
+    ours, fsdp2 = run_once(4, reshard_to_group_script, "ours"), run_once(4, reshard_to_group_script, "fsdp2")
+    _compare(ours, fsdp2, facts=False)
+    facts = ours[0]["facts"]
+    # Half kept after forward, the sharded parameters registered; gathers over 4 (forward) and 2 (backward).
+    assert facts == {"kept": [0.5, 1.0], "sizes": [2, 4]}, f"ours: {facts}"
+
+
+def reshard_after_forward_arguments_script() -> dict[str, str]:
+    from fsdp_patch import fully_shard
+
+    got = {}
+    for value in (3, 0, 2.5, 1, 4):
+        model = _net()
+        try:
+            fully_shard(model, reshard_after_forward=value)  # type: ignore[arg-type]
+            state = model._fsdp_state
+            got[repr(value)] = f"reshard {state.reshard_after_forward_setting}, to group {state.reshard_to_group}"
+        except (ValueError, TypeError) as error:
+            got[repr(value)] = type(error).__name__
+    return got
+
+
+def test_reshard_after_forward_int_is_read_as_fsdp2_reads_it(run_once) -> None:
+    got = run_once(4, reshard_after_forward_arguments_script)[0]
+    want = {
+        "3": "ValueError",
+        "0": "ValueError",
+        "2.5": "TypeError",
+        "1": "reshard False, to group False",
+        "4": "reshard True, to group False",
+    }
+    assert got == want, f"want {want}, got {got}"
+
+
+# ---------------------------------------------------------------------------- fully_shard([a, b]): one unit over several modules
+
+
+def grouped_blocks_script(impl: str, use_aux: bool) -> dict[str, Any]:
+    """Both blocks one unit, then the head and the auxiliary head one unit that a forward runs
+    wholly (``use_aux``) or in part (the auxiliary head unused), then the root."""
+    api = Api.of(impl)
+    torch.manual_seed(0)
+    model = Net(norm=True, aux=True)
+    api.fully_shard([model.blocks[0], model.blocks[1]])
+    assert model.aux is not None
+    api.fully_shard([model.head, model.aux])
+    api.fully_shard(model)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    optimizer = api.optimizer(model)
+    losses = []
+    for x, y in data(STEPS):
+        loss = F.mse_loss(model(rows(x, rank, world_size), use_aux=use_aux), rows(y, rank, world_size))
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    facts: dict[str, Any] = {"classes": sorted({type(m).__name__ for m in (model.blocks[0], model.head, model.aux)})}
+    if impl == "ours":
+        from fsdp_patch import parameter_groups
+        from fsdp_patch.module.shard_module import unit_name_of
+
+        facts["units"] = sorted({unit_name_of(g) for g in parameter_groups(model)})
+        facts["names"] = sorted(
+            n for g in parameter_groups(model.blocks[1]) for n in g.names if n.endswith("fc1.weight")
+        )
+    return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}, "facts": facts}
+
+
+class ChunkedLoss(nn.Module):
+    """A body and a final norm; the head is called per chunk of the hidden states outside the
+    model's forward, as chunked cross-entropy does (``fully_shard([norm, head])``, FSDP2's
+    motivating case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Net(norm=True)
+        self.norm = nn.LayerNorm(pattern_models.DIM)
+        self.head = nn.Linear(pattern_models.DIM, pattern_models.OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body.inp(x))
+        for block in self.body.blocks:
+            h = block(h)
+        return self.norm(h)
+
+
+def chunked_loss_script(impl: str) -> dict[str, Any]:
+    api = Api.of(impl)
+    torch.manual_seed(0)
+    model = ChunkedLoss()
+    for block in model.body.blocks:
+        api.fully_shard(block)
+    api.fully_shard([model.norm, model.head])
+    api.fully_shard(model)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    optimizer = api.optimizer(model)
+    losses = []
+    for x, y in data(STEPS):
+        hidden = model(rows(x, rank, world_size))
+        target = rows(y, rank, world_size)
+        loss = sum(
+            F.mse_loss(model.head(h), t, reduction="sum") for h, t in zip(hidden.chunk(2), target.chunk(2), strict=True)
+        )
+        loss = loss / target.numel()
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("use_aux", [True, False])
+def test_a_unit_over_several_modules_trains_like_fsdp2(run_once, use_aux) -> None:
+    ours, fsdp2 = _both(run_once, grouped_blocks_script, use_aux)
+    _compare(ours, fsdp2, facts=False)
+    facts = ours[0]["facts"]
+    assert facts["classes"] == fsdp2[0]["facts"]["classes"] == ["FSDPBlock", "FSDPLinear"], facts
+    assert facts["units"] == ["", "blocks.0, blocks.1", "head, aux"], f"unit names: {facts['units']}"
+    want = ["blocks.0.ff.fc1.weight", "blocks.1.ff.fc1.weight"]
+    assert facts["names"] == want, f"parameter names from the root: {facts['names']}"
+
+
+def test_chunked_loss_with_the_head_grouped_with_the_norm(run_once) -> None:
+    ours, fsdp2 = _both(run_once, chunked_loss_script)
+    _compare(ours, fsdp2, facts=False)
+
+
+def grouping_refusals_script() -> dict[str, str]:
+    from fsdp_patch import fully_shard
+
+    model = _net()
+    got = {}
+    for name, modules in {
+        "empty": [],
+        "twice": [model.blocks[0], model.blocks[0]],
+        "nested": [model.blocks[0], model.blocks[0].ff],
+        "not_a_module": [model.blocks[0], "head"],
+    }.items():
+        try:
+            fully_shard(modules)  # type: ignore[arg-type]
+            got[name] = "accepted"
+        except (TypeError, ValueError) as error:
+            got[name] = f"{type(error).__name__}: {error}"
+    from fsdp_patch import FSDPModule
+
+    got["untouched"] = str(not any(isinstance(m, FSDPModule) for m in model.modules()))
+    return got
+
+
+def test_a_wrong_list_of_modules_is_refused_naming_why(run_once) -> None:
+    got = run_once(WORLD_SIZE, grouping_refusals_script)[0]
+    assert got["empty"] == "TypeError: fully_shard expected an nn.Module or a non-empty list of them, got []", got
+    assert got["twice"].startswith("ValueError: fully_shard: Block is listed twice"), got
+    assert "contain one another" in got["nested"], got
+    want = "TypeError: fully_shard expected an nn.Module or a non-empty list of them, got ['Block', 'str']"
+    assert got["not_a_module"] == want, got
+    assert got["untouched"] == "True", f"a refused call changed the modules: {got}"
