@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from . import adapter_cost, end_to_end, telemetry_cost
+from . import adapter_cost, end_to_end, hsdp, telemetry_cost
 from .common import CaseResult, Row, device_name, device_slug
 
 __all__ = ["CASES", "main", "run_cases", "table"]
@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, Callable[[str, bool], CaseResult]]] = {
     "4": ("attachments", adapter_cost.attachments),
     "5": ("telemetry", telemetry_cost.run),
     "6": ("end_to_end", end_to_end.run),
+    "7": ("hsdp", hsdp.run),
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CASES = ["1 floor", "2 step", "3 scaling", "4 attachments", "5 telemetry", "6 end_to_end"]
+CASES = ["1 floor", "2 step", "3 scaling", "4 attachments", "5 telemetry", "6 end_to_end", "7 hsdp"]
 
 
 def _suite(*args: str) -> subprocess.CompletedProcess[str]:
@@ -57,6 +57,8 @@ def test_every_case_runs_and_lands_in_the_table_and_the_json(tmp_path: Path) -> 
         "ours / FSDP2 step time, 4 microbatches",
         "peak tensor bytes",
         "between steps tensor bytes",
+        "ours / FSDP2 step time, 2 x 2 mesh, 1 mb",
+        "losses bitwise equal to FSDP2, runs x ranks",
     ):
         assert any(needle in m for m in measures), f"no row measures {needle!r}: {measures}"
     end_to_end = document["cases"]["6 end_to_end"]["raw"]

@@ -1,4 +1,4 @@
-"""``fully_shard``: turns a module into an FSDP unit over a 1-D device mesh.
+"""``fully_shard``: turns a module (or several) into an FSDP unit over a 1-D device mesh, or HSDP's 2-D one.
 
 What a unit does in forward and backward is in :mod:`fsdp_patch.module.unit`; at the end of each
 backward the root's final callback installs DTensor views of the main grads as the sharded
@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mixed_precision import MixedPrecisionPolicy, as_policy
 from ..sharding import ParameterGroup, parameter_group_of, record_replaced, register_group, replaced_original
-from ..sharding.placement import mesh_device, post_forward_group, resolve_mesh
+from ..sharding.placement import MeshDims, mesh_device, post_forward_group, resolve_mesh
 from .dcp_optimizer_state import track_grad_dtype_mismatch
 from .fsdp_module import FSDPModule, fsdp_class, owned_modules
 from .grad_scaler_hint import track_fp16_main_grads
@@ -98,6 +98,13 @@ def _collect_parameters(
             if param is None or id(param) in ignored:
                 continue
             fqn = f"{prefix}{name}"
+            if isinstance(param, DTensor) and parameter_group_of(param) is None:
+                raise NotImplementedError(
+                    f"parameter '{fqn}' is a DTensor on {param.device_mesh} with placements {tuple(param.placements)} "
+                    "already (tensor parallel, say); fully_shard shards plain parameters over a 1-D or HSDP mesh. "
+                    "For tensor parallel x FSDP use torch.distributed.fsdp.fully_shard (its models get "
+                    "fsdp_patch's telemetry too)"
+                )
             if isinstance(param, DTensor) or parameter_group_of(param) is not None:
                 raise ValueError(
                     f"parameter '{fqn}' is already sharded by fully_shard on another module; apply "
@@ -275,7 +282,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
 ) -> _Modules:
-    """Shards ``module``'s parameters over a 1-D mesh with fp32 main weights.
+    """Shards ``module``'s parameters over a mesh with fp32 main weights.
 
     Apply bottom-up: each block first, then the root. A unit owns the parameters that no FSDP
     child owns. A module built under ``torch.device("meta")`` is sharded without being
@@ -291,7 +298,9 @@ def fully_shard(
             to run in a forward gathers, the unit's post-forward follows the last; one the
             root's forward does not run (a head called per chunk of the loss after it) keeps
             the unit gathered until backward, and each call of its own is a forward of the unit.
-        mesh: 1-D device mesh; ``None`` builds one over the default process group.
+        mesh: 1-D device mesh (FSDP), or 2-D (HSDP, as FSDP2's: dim 0 replicates, dim 1
+            shards; see :mod:`fsdp_patch.sharding.placement`); ``None`` builds a 1-D one over
+            the default process group.
         mp_policy: Dtypes of main weights, compute copy and main grads, and the casts of the
             forward's inputs and outputs; torch FSDP2's ``MixedPrecisionPolicy`` is taken as
             the same fields of this one; ``None`` means the defaults.
@@ -322,8 +331,9 @@ def fully_shard(
         ValueError: ``fully_shard`` was already applied to ``module``, a parameter is tied
             across units, 0-dimensional or not floating point; ``reshard_after_forward`` is an
             int that does not divide the mesh's size.
-        NotImplementedError: ``mesh`` is not 1-D; ``shard_placement_fn`` places a parameter
-            other than on dim 0; ``offload_policy`` offloads; ``dp_mesh_dims`` is given.
+        NotImplementedError: ``mesh`` has more than 2 dimensions; a parameter is a DTensor
+            already (tensor parallel); ``shard_placement_fn`` places a parameter other than on
+            dim 0; ``offload_policy`` offloads; ``dp_mesh_dims`` is given.
         TypeError: An argument has the wrong type.
     """
     modules = _modules_of(module)
@@ -341,7 +351,8 @@ def fully_shard(
         )
     mesh = resolve_mesh(mesh)
     device = mesh_device(mesh)
-    reshard_after_forward, post_forward_size = _post_forward_size(reshard_after_forward, mesh.size())
+    dims = MeshDims.of(mesh)
+    reshard_after_forward, post_forward_size = _post_forward_size(reshard_after_forward, dims.shard_size)
 
     params, names, locations, owners = _collect_parameters(modules, ignored)
     if shard_placement_fn is not None:
@@ -361,7 +372,7 @@ def fully_shard(
         _PARAM_OWNERS[groups[-1]] = [owners[i] for i in indices]
 
     if post_forward_size is not None:
-        regather_group, position = post_forward_group(mesh, post_forward_size)
+        regather_group, position = post_forward_group(dims, post_forward_size)
         for group in groups:
             group.post_forward_group = (regather_group, position, post_forward_size)
 

@@ -422,7 +422,7 @@ class UnitState:
         if self.unsharded_in_module:
             self.swap(unsharded=False)
         for group in self.groups:
-            group.post_backward(self.requires_gradient_sync)
+            group.post_backward(self.requires_gradient_sync, self.requires_all_reduce)
         if self.context is not None:
             self.context.reducing(self.groups, self.reduces_in_flight)
         # Kept only across microbatches without sync: after a synced backward the optimizer

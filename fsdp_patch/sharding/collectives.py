@@ -107,7 +107,9 @@ class Reduction:
         self.process_group: Any = None
 
     def op_and_divisor(self, world_size: int) -> tuple[Any, float | None]:
-        """The collective's op and what its result is divided by afterwards (``None``: nothing)."""
+        """The collectives' op and what their result is divided by afterwards (``None``:
+        nothing); ``world_size`` counts every rank the grads are reduced over (shard and, for
+        HSDP, replicate dimension), the division being linear whichever collective it follows."""
         if self.divide_factor is not None:
             return dist.ReduceOp.SUM, self.divide_factor
         if self.force_sum or self.comm is not None:
@@ -132,6 +134,7 @@ class ReduceScatter:
         self.output = output
         self.overwrite = overwrite
         self._divisor = divisor
+        self._op: Any = dist.ReduceOp.AVG
 
     @classmethod
     def issue(
@@ -141,13 +144,18 @@ class ReduceScatter:
         world_size: int,
         overwrite: bool,
         reduction: Reduction | None = None,
+        replicas: int = 1,
     ) -> ReduceScatter:
-        """Starts reducing ``packed`` (``(world_size, n)``: row ``r`` is what rank ``r`` receives)."""
+        """Starts reducing ``packed`` (``(world_size, n)``: row ``r`` is what rank ``r`` receives);
+        ``replicas``: how many HSDP replicas all-reduce the result afterwards (see
+        :meth:`all_reduce`)."""
         reduction = reduction or _MEAN
-        op, divisor = reduction.op_and_divisor(world_size)
+        op, divisor = reduction.op_and_divisor(world_size * replicas)
         process_group = reduction.process_group or process_group
         if world_size == 1:
-            return cls(None, packed, packed.view(-1), overwrite, None if divisor == 1.0 else divisor)
+            single = cls(None, packed, packed.view(-1), overwrite, None if divisor == 1.0 else divisor)
+            single._op = op
+            return single
         n = packed.shape[1]
         if reduction.comm is not None:
             output = reduction.comm.allocate((n,), dtype=packed.dtype, device=packed.device)
@@ -155,7 +163,9 @@ class ReduceScatter:
         else:
             output = torch.empty(n, dtype=packed.dtype, device=packed.device)
             work = reduce_scatter_flat(output, packed.view(-1), op=op, group=process_group, async_op=True)
-        return cls(work, packed, output, overwrite, divisor)
+        reduce = cls(work, packed, output, overwrite, divisor)
+        reduce._op = op
+        return reduce
 
     def wait(self) -> torch.Tensor:
         """Completes the collective and frees its input; returns this rank's reduced row."""
@@ -169,6 +179,18 @@ class ReduceScatter:
                 self.output.div_(self._divisor)
             self._divisor = None
         return self.output
+
+    def all_reduce(self, replicate_group: Any, partial: torch.Tensor | None) -> torch.Tensor:
+        """HSDP: adds ``partial`` (grads reduce-scattered by backwards that skipped the
+        all-reduce) to this rank's reduced row and all-reduces it over the replicas, with the
+        op of the reduce-scatter (the mean of the replicas' means, or a sum divided as the
+        reduction says)."""
+        output = self.wait()
+        with torch.no_grad():
+            if partial is not None:
+                output.add_(partial)
+            dist.all_reduce(output, op=self._op, group=replicate_group)
+        return output
 
     def free(self) -> None:
         free_now(self.output)

@@ -55,6 +55,7 @@ from .dtensors import ShardSpecs
 from .flat_buffer import ShardedBuffer, UnshardedBuffer
 from .layout import GroupLayout
 from .main_grads import MainGrads
+from .placement import MeshDims
 from .replacement import adopted_shard, check_replacement
 
 # The stages of a reduce-scatter a reduce hook sees (ParameterGroup.register_reduce_hook).
@@ -75,7 +76,7 @@ class ParameterGroup:
             groups by ``requires_grad`` at sharding time, so that a group frozen then holds no
             main-grad buffer; toggling ``requires_grad`` later works per parameter.
         names: Their fully qualified names, for error messages.
-        mesh: 1-D device mesh to shard over.
+        mesh: Device mesh to shard over: 1-D, or 2-D for HSDP (see :class:`~.placement.MeshDims`).
         policy: Mixed-precision policy.
         device: Device holding this rank's shards.
     """
@@ -90,9 +91,16 @@ class ParameterGroup:
     ) -> None:
         self.names = list(names)
         self.mesh = mesh
-        self.process_group = mesh.get_group()
-        self.world_size = mesh.size()
-        self.rank = mesh.get_local_rank()
+        self.dims = MeshDims.of(mesh)
+        # Sharding and its collectives run over the shard dimension; HSDP's replicas (the
+        # other dimension) all-reduce the reduce-scattered grads (see wait_reduce).
+        self.process_group = self.dims.shard_group
+        self.world_size = self.dims.shard_size
+        self.rank = self.dims.shard_rank
+        self.replicate_group = self.dims.replicate_group
+        # HSDP with the all-reduce skipped (FSDPModule.set_requires_all_reduce(False)): the
+        # reduce-scattered grads held until a backward that all-reduces, as FSDP2 holds them.
+        self._partial: torch.Tensor | None = None
         self.compute_dtype = policy.compute_dtype_for(params[0].dtype)
         self.main_dtype = policy.main_params_dtype
         self.grads_dtype = policy.grads_dtype_for(self.compute_dtype)
@@ -102,7 +110,7 @@ class ParameterGroup:
         self._accumulate_wide = torch.finfo(self.grads_dtype).bits > torch.finfo(self.compute_dtype).bits
         self._device = device
         self.layout = GroupLayout.build([p.shape for p in params], self.world_size, self.rank)
-        self._specs = ShardSpecs(mesh, self.layout.params)
+        self._specs = ShardSpecs(mesh, self.layout.params, self.dims.placements)
 
         self._main = ShardedBuffer.allocate(self.layout, self._specs, self.main_dtype, device, zeroed=True)
         with torch.no_grad():
@@ -355,9 +363,14 @@ class ParameterGroup:
         """Whether backward left grads on the unsharded parameters (or accumulated some)."""
         return self._accumulated is not None or any(p.grad is not None for p in self.unsharded_params)
 
-    def post_backward(self, sync: bool) -> None:
+    def post_backward(self, sync: bool, all_reduce: bool = True) -> None:
         """Reduce-scatters the unsharded grads into ``main_grad`` (``sync``), or keeps them for
         the next synced backward; a no-op when backward produced no grads for this group.
+
+        HSDP: the reduce-scattered grads are then all-reduced over the replicas (at
+        :meth:`wait_reduce`); with ``all_reduce`` off they are held instead, ``main_grad`` and
+        the grads left as they are, and the next backward that all-reduces adds them in
+        (FSDP2's ``set_requires_all_reduce(False)``).
 
         Skipping when there are no grads leaves ``torch.autograd.grad`` (which fills no
         ``.grad``) alone; within a group, a parameter without a grad contributes zeros (and a
@@ -374,6 +387,19 @@ class ParameterGroup:
                     self._accumulated = packed if self._accumulated is None else self._accumulated.add_(packed)
                     self._drop_unsharded_grads()
                 return
+            replicas = self.dims.replicate_size
+            if replicas > 1 and not all_reduce:
+                packed = self._grads.pack(self.unsharded_params)
+                if self._accumulated is not None:
+                    packed.add_(self._accumulated)
+                    self._accumulated = None
+                partial = ReduceScatter.issue(
+                    packed, self.process_group, self.world_size, False, self.reduction, replicas
+                )
+                self._hold_partial(partial.wait())
+                partial.free()
+                self._drop_unsharded_grads()
+                return
             if not self._reduced_since_finalize:
                 self._grads.before_write()
                 self._grads.begin(self.params)
@@ -384,7 +410,7 @@ class ParameterGroup:
                 self._accumulated = None
             self._run_reduce_hooks(REDUCE_INPUT, packed)
             self._reduces.append(
-                ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite, self.reduction)
+                ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite, self.reduction, replicas)
             )
             if self.world_size == 1:
                 self.wait_reduce()
@@ -399,6 +425,9 @@ class ParameterGroup:
         """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
         while self._reduces:
             reduce = self._reduces.pop(0)
+            if self.replicate_group is not None:
+                reduce.all_reduce(self.replicate_group, self._partial)
+                self._partial = None
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(reduce.wait()[: self.layout.shard_numel])
             if self._reduce_hooks:
@@ -406,6 +435,10 @@ class ParameterGroup:
             self._grads.apply(reduce)
             if self._reduce_hooks and reduce.overwrite and self.main_grad is not None:
                 self._run_reduce_hooks(REDUCE_COPIED, self.main_grad)
+
+    def _hold_partial(self, reduced: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._partial = reduced.clone() if self._partial is None else self._partial.add_(reduced)
 
     def register_reduce_hook(self, hook: Callable[[ParameterGroup, str, torch.Tensor], None]) -> RemovableHandle:
         """Runs ``hook(group, stage, grads)`` around each reduce-scatter of the group's grads.
@@ -466,6 +499,7 @@ class ParameterGroup:
         self._grads.before_write()
         self._drop_unsharded_grads()
         self._accumulated = None
+        self._partial = None
         for reduce in self._reduces:
             reduce.cancel()
         self._reduces.clear()

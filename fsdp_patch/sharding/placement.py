@@ -1,14 +1,61 @@
-"""Where shards live: the device mesh and the device of a ``fully_shard`` call."""
+"""Where shards live: the device mesh of a ``fully_shard`` call, its dimensions and device.
+
+A 1-D mesh shards every parameter over its ranks (FSDP). A 2-D mesh is FSDP2's HSDP: dim 0
+replicates, dim 1 shards; parameters are DTensors placed ``(Replicate(), Shard(0))``, gathered
+over the shard dimension, their grads reduce-scattered over it and then all-reduced over the
+replicate dimension (:class:`MeshDims`).
+"""
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
-__all__ = ["resolve_mesh", "mesh_device", "separate_group", "post_forward_group"]
+__all__ = ["MeshDims", "resolve_mesh", "mesh_device", "separate_group", "post_forward_group"]
+
+
+@dataclass(frozen=True)
+class MeshDims:
+    """A unit's mesh as its collectives see it.
+
+    Attributes:
+        mesh: The mesh ``fully_shard`` was given (1-D, or 2-D for HSDP).
+        shard_group: The process group parameters are sharded over (the mesh's last dim).
+        shard_size: Its size.
+        shard_rank: This rank's index in it.
+        replicate_group: HSDP's group of this rank's replicas (the mesh's dim 0), or ``None``.
+        replicate_size: Its size (1 without one).
+        placements: The sharded parameters' DTensor placements on ``mesh``.
+    """
+
+    mesh: DeviceMesh
+    shard_group: Any
+    shard_size: int
+    shard_rank: int
+    replicate_group: Any
+    replicate_size: int
+    placements: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> MeshDims:
+        if mesh.ndim == 1:
+            return cls(mesh, mesh.get_group(), mesh.size(), mesh.get_local_rank(), None, 1, (Shard(0),))
+        return cls(
+            mesh,
+            mesh.get_group(1),
+            mesh.size(1),
+            mesh.get_local_rank(1),
+            mesh.get_group(0),
+            mesh.size(0),
+            (Replicate(), Shard(0)),
+        )
+
 
 # One separate group per process group, shared by every unit over it (FSDP2 makes one per distinct
 # set of ranks likewise); weak, so that it goes with its process group.
@@ -18,11 +65,12 @@ _POST_FORWARD_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
-    """Returns the 1-D mesh to shard over, building one over the default group if ``None``.
+    """Returns the mesh to shard over (1-D, or 2-D for HSDP), building a 1-D one over the
+    default group if ``None``.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        NotImplementedError: ``mesh`` has more than one dimension (HSDP).
+        NotImplementedError: ``mesh`` has more than two dimensions.
         TypeError: ``mesh`` is not a DeviceMesh.
     """
     if mesh is None:
@@ -37,10 +85,11 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         return init_device_mesh(device_type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard expected mesh to be a DeviceMesh or None, got {type(mesh)!r}")
-    if mesh.ndim != 1:
+    if mesh.ndim > 2:
         raise NotImplementedError(
-            f"fully_shard supports 1-D meshes only; got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)} (HSDP / 2-D meshes are not implemented)"
+            f"fully_shard supports 1-D meshes (FSDP) and 2-D meshes (HSDP: dim 0 replicates, dim 1 shards, as "
+            f"FSDP2); got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}: flatten the data-parallel dimensions "
+            "into those two"
         )
     return mesh
 
@@ -62,14 +111,14 @@ def separate_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _SEPARATE_GROUPS[process_group]
 
 
-def post_forward_group(mesh: DeviceMesh, size: int) -> tuple[dist.ProcessGroup, int]:
-    """The group of ``size`` consecutive ranks of ``mesh`` holding this rank (FSDP2's
-    ``mesh.view(-1, size)`` rows) and this rank's position in it; made once per mesh group and
-    size (each rank creates its own group only)."""
-    by_size = _POST_FORWARD_GROUPS.setdefault(mesh.get_group(), {})
+def post_forward_group(dims: MeshDims, size: int) -> tuple[dist.ProcessGroup, int]:
+    """The group of ``size`` consecutive ranks of the shard dimension holding this rank
+    (FSDP2's ``mesh.view(-1, size)`` rows) and this rank's position in it; made once per shard
+    group and size (each rank creates its own group only)."""
+    by_size = _POST_FORWARD_GROUPS.setdefault(dims.shard_group, {})
     if size not in by_size:
-        ranks = mesh.mesh.flatten().tolist()
-        local = mesh.get_local_rank()
+        ranks = dist.get_process_group_ranks(dims.shard_group)
+        local = dims.shard_rank
         start = local - local % size
         by_size[size] = (dist.new_group(ranks[start : start + size], use_local_synchronization=True), local % size)
     return by_size[size]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .layout import ParamLayout
 
@@ -47,7 +47,9 @@ def adopted_shard(layout: ParamLayout, replacement: torch.Tensor) -> torch.Tenso
     """This rank's rows of ``replacement`` (checked by :func:`check_replacement`)."""
     with torch.no_grad():
         if isinstance(replacement, DTensor):
-            if tuple(replacement.placements) == (Shard(0),):
+            # Sharded as the group shards (on the group's mesh, checked): this rank's rows are local.
+            *outer, last = tuple(replacement.placements)
+            if last == Shard(0) and all(p == Replicate() for p in outer):
                 return replacement.to_local()
             return replacement.full_tensor()[layout.local_rows_slice]
         return replacement.detach()[layout.local_rows_slice]

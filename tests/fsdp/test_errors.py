@@ -20,7 +20,7 @@ from tests.fsdp.sharded_views import world
 # case -> (exception type, words the message must contain)
 EXPECTED = {
     "applied_twice": ("ValueError", ["already applied", "once"]),
-    "mesh_2d": ("NotImplementedError", ["1-D", "2-D"]),
+    "mesh_3d": ("NotImplementedError", ["1-D", "2-D", "got a 3-D mesh"]),
     "tied_across_units_parent": ("ValueError", ["'b.weight'", "tied", "one unit", "'weight'"]),
     "tied_across_units_sibling": ("ValueError", ["tied", "one unit"]),
     "child_after_parent": ("ValueError", ["already sharded", "bottom-up"]),
@@ -31,7 +31,7 @@ EXPECTED = {
     "bad_policy": ("TypeError", ["MixedPrecisionPolicy"]),
     "bad_reshard": ("TypeError", ["reshard_after_forward", "a bool, an int or None"]),
 }
-RETRIED = ["mesh_2d", "tied_across_units_parent", "tied_across_units_sibling", "zero_dim", "int_param"]
+RETRIED = ["mesh_3d", "tied_across_units_parent", "tied_across_units_sibling", "zero_dim", "int_param"]
 
 
 class _ZeroDim(nn.Module):
@@ -106,13 +106,13 @@ def errors_run(world_size_for_2d: int) -> dict[str, Any]:
 
     case("applied_twice", lambda: fully_shard(nn.Linear(4, 4)), twice)
 
-    mesh_2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    mesh_3d = init_device_mesh("cpu", (1, 1, world_size), mesh_dim_names=("outer", "replicate", "shard"))
     case(
-        "mesh_2d",
+        "mesh_3d",
         lambda: nn.Linear(4, 4),
-        lambda m: fully_shard(m, mesh=mesh_2d),
+        lambda m: fully_shard(m, mesh=mesh_3d),
         fix=lambda m: None,
-        retry=lambda m: fully_shard(m, mesh=mesh_2d["shard"]),
+        retry=lambda m: fully_shard(m, mesh=mesh_3d["replicate", "shard"]),
     )
 
     # Tied across units: the shared weight's other use sits in an already sharded unit.

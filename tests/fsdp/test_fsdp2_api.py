@@ -576,7 +576,14 @@ def refused_arguments_script(argument: str) -> dict[str, Any]:
     from fsdp_patch import fully_shard
 
     model = _net()
+    if argument == "tensor_parallel":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        tp_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model.inp.weight = nn.Parameter(distribute_tensor(model.inp.weight.detach(), tp_mesh, [Replicate()]))
     kwargs: dict[str, Any] = {
+        "tensor_parallel": {},
         "placement_dim_1": {"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else None},
         "cpu_offload": {"offload_policy": CPUOffloadPolicy()},
         "dp_mesh_dims": {"dp_mesh_dims": mesh_dims},
@@ -600,7 +607,8 @@ def refused_arguments_script(argument: str) -> dict[str, Any]:
     [("placement_dim_1", "NotImplementedError: fully_shard: shard_placement_fn placed parameter 'inp.weight' as Shard(dim=1)"),
      ("cpu_offload", "NotImplementedError: fully_shard: CPUOffloadPolicy is not supported"),
      ("dp_mesh_dims", "NotImplementedError: fully_shard: dp_mesh_dims="),
-     ("ignored_not_parameters", "TypeError: fully_shard expected ignored_params to hold parameters, got ['str']")],
+     ("ignored_not_parameters", "TypeError: fully_shard expected ignored_params to hold parameters, got ['str']"),
+     ("tensor_parallel", "NotImplementedError: parameter 'inp.weight' is a DTensor on DeviceMesh")],
 )  # fmt: skip
 def test_refused_arguments_name_why_and_leave_the_module_as_it_was(run_once, argument, want) -> None:
     got = run_once(WORLD_SIZE, refused_arguments_script, argument)[0]

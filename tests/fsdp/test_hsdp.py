@@ -1,0 +1,193 @@
+"""HSDP: ``fully_shard(module, mesh=<2-D mesh>)`` on 4 gloo ranks, a 2 x 2 mesh (dim 0 replicates,
+dim 1 shards), against torch's FSDP2 on the same mesh and against the unsharded model.
+
+Each of the 4 ranks trains on its own rows of every batch (data parallel over all 4), so the
+grads, reduce-scattered over the shard dimension and all-reduced over the replicas, are those of
+the whole batch: the unsharded model's. Covered: fp32 and bf16 compute, microbatches without
+sync, microbatches that reduce-scatter but skip the all-reduce (``set_requires_all_reduce``),
+the optimizer adapter with telemetry on and off, DCP save and load, the parameters' placements.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from tests.comparison import max_abs_difference
+from tests.fsdp.pattern_models import BATCH, Net, data, rows
+
+WORLD_SIZE = 4
+STEPS = 3
+LR = 0.05
+BF16 = torch.bfloat16
+REFERENCE_TOL = 1e-5
+
+
+def _mesh() -> Any:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
+
+
+def _build(impl: str, precision: str) -> Net:
+    torch.manual_seed(0)
+    model = Net(norm=True)
+    if impl == "reference":
+        return model
+    if impl == "ours":
+        from fsdp_patch import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32) if precision == "bf16" else None
+    kwargs: dict[str, Any] = {"mesh": _mesh(), **({"mp_policy": policy} if policy is not None else {})}
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def hsdp_run(impl: str, precision: str, microbatches: int, skip: str, telemetry: bool = False) -> dict[str, Any]:
+    """Trains ``STEPS`` steps; ``skip`` on the microbatches before the last: ``"sync"`` (no
+    gradient sync), ``"all_reduce"`` (reduce-scatter only) or ``"none"``."""
+    from tests.integration.otel_training import environment, in_memory_otel
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"} if telemetry else {}
+    with environment(**settings), in_memory_otel():
+        model = _build(impl, precision)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        if impl == "ours":
+            from fsdp_patch.optimizer import fully_shard_optimizer
+
+            fully_shard_optimizer(optimizer)
+        losses = []
+        for x, y in data(STEPS):
+            if impl != "reference":
+                x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+            for micro, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)):
+                last = micro == microbatches - 1
+                if impl != "reference" and skip == "sync":
+                    model.set_requires_gradient_sync(last)
+                if impl != "reference" and skip == "all_reduce":
+                    model.set_requires_all_reduce(last)
+                loss = F.mse_loss(model(xm).float(), ym) / microbatches
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        placements = sorted({str(tuple(p.placements)) for p in model.parameters() if isinstance(p, DTensor)})
+        params = {n: _full(p) for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "placements": placements}
+
+
+@pytest.mark.parametrize(("microbatches", "skip"), [(1, "none"), (2, "sync"), (2, "all_reduce")])
+def test_hsdp_fp32_matches_fsdp2_bitwise_and_the_unsharded_model(run_once, microbatches, skip) -> None:
+    ours = run_once(WORLD_SIZE, hsdp_run, "ours", "fp32", microbatches, skip)
+    fsdp2 = run_once(WORLD_SIZE, hsdp_run, "fsdp2", "fp32", microbatches, skip)
+    reference = run_once(1, hsdp_run, "reference", "fp32", microbatches, "none")[0]
+    want_placements = ["(Replicate(), Shard(dim=0))"]
+    assert fsdp2[0]["placements"] == ours[0]["placements"] == want_placements, (
+        ours[0]["placements"],
+        fsdp2[0]["placements"],
+    )
+    for rank in range(WORLD_SIZE):
+        diff, where = max_abs_difference(fsdp2[rank]["params"], reference["params"])
+        assert diff <= REFERENCE_TOL, f"FSDP2 (the control) differs from the unsharded model by {diff:.3g} at {where}"
+        diff, where = max_abs_difference(ours[rank]["params"], reference["params"])
+        assert diff <= REFERENCE_TOL, f"rank {rank}: ours differs from the unsharded model by {diff:.3g} at {where}"
+        diff, where = max_abs_difference(ours[rank]["params"], fsdp2[rank]["params"])
+        assert diff == 0.0, f"rank {rank}: ours differs from FSDP2 by {diff:.3g} at {where}; expected bitwise equal"
+
+
+def test_hsdp_bf16_compute_matches_fsdp2(run_once) -> None:
+    ours = run_once(WORLD_SIZE, hsdp_run, "ours", "bf16", 1, "none")
+    fsdp2 = run_once(WORLD_SIZE, hsdp_run, "fsdp2", "bf16", 1, "none")
+    for rank in range(WORLD_SIZE):
+        diff, where = max_abs_difference(ours[rank]["params"], fsdp2[rank]["params"])
+        assert diff == 0.0, f"rank {rank}: ours (bf16) differs from FSDP2 (bf16) by {diff:.3g} at {where}"
+
+
+def test_hsdp_trains_bitwise_alike_with_telemetry_on_and_off(run_once) -> None:
+    off = run_once(WORLD_SIZE, hsdp_run, "ours", "bf16", 2, "sync", False)
+    on = run_once(WORLD_SIZE, hsdp_run, "ours", "bf16", 2, "sync", True)
+    for rank in range(WORLD_SIZE):
+        assert on[rank]["losses"] == off[rank]["losses"], (
+            f"rank {rank}: losses {on[rank]['losses']} != {off[rank]['losses']}"
+        )
+        diff, where = max_abs_difference(on[rank]["params"], off[rank]["params"])
+        assert diff == 0.0, f"rank {rank}: weights with telemetry differ by {diff:.3g} at {where}"
+
+
+def hsdp_checkpoint_run() -> dict[str, Any]:
+    """DCP: save model and optimizer state of an HSDP model after a step, train on, load, and
+    train the same step again: the reloaded run repeats the first bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from fsdp_patch.optimizer import fully_shard_optimizer, init_optimizer_state
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _build("ours", "bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fully_shard_optimizer(optimizer)
+    batches = [(rows(x, rank, world_size), rows(y, rank, world_size)) for x, y in data(3)]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    step(*batches[0])
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory[0])
+    first = [step(*batches[1]), step(*batches[2])]
+    after_first = {n: _full(p) for n, p in model.named_parameters()}
+    init_optimizer_state(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory[0])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    again = [step(*batches[1]), step(*batches[2])]
+    diff, where = max_abs_difference({n: _full(p) for n, p in model.named_parameters()}, after_first)
+    return {"first": first, "again": again, "diff": diff, "where": where}
+
+
+def test_hsdp_checkpoint_round_trip_is_bitwise(run_once) -> None:
+    for rank, got in enumerate(run_once(WORLD_SIZE, hsdp_checkpoint_run)):
+        assert got["again"] == got["first"], f"rank {rank}: losses after reloading {got['again']} != {got['first']}"
+        assert got["diff"] == 0.0, f"rank {rank}: weights after reloading differ by {got['diff']:.3g} at {got['where']}"
+
+
+def three_d_mesh_run() -> str:
+    from fsdp_patch import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 2, 2))
+    try:
+        fully_shard(nn.Linear(4, 4), mesh=mesh)
+    except NotImplementedError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_3d_mesh_is_refused_naming_what_is_supported(run_once) -> None:
+    got = run_once(WORLD_SIZE, three_d_mesh_run)[0]
+    assert got.startswith("fully_shard supports 1-D meshes (FSDP) and 2-D meshes (HSDP"), got
+    assert "got a 3-D mesh of shape (1, 2, 2)" in got, got
+
+
+def test_batch_splits_over_four_ranks() -> None:
+    assert BATCH % WORLD_SIZE == 0, f"the pattern batch of {BATCH} rows does not split over {WORLD_SIZE} ranks"
