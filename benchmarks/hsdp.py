@@ -153,7 +153,9 @@ def run(device: str, quick: bool) -> CaseResult:
                 note=f"{steps['ours'] * 1e3:.0f} vs {steps['fsdp2'] * 1e3:.0f} ms",
             )
         )
-    equal = [_bitwise(r["timing"][k]["losses"]["ours"], r["timing"][k]["losses"]["fsdp2"]) for r in ranks for k in timing]
+    equal = [
+        _bitwise(r["timing"][k]["losses"]["ours"], r["timing"][k]["losses"]["fsdp2"]) for r in ranks for k in timing
+    ]
     rows.append(
         target_row(
             "7 hsdp",
@@ -163,7 +165,9 @@ def run(device: str, quick: bool) -> CaseResult:
             unit="share",
         )
     )
-    memory = {key: {m: max(r["memory"][key][m] for r in ranks) for m in ranks[0]["memory"][key]} for key in ranks[0]["memory"]}
+    memory = {
+        key: {m: max(r["memory"][key][m] for r in ranks) for m in ranks[0]["memory"][key]} for key in ranks[0]["memory"]
+    }
     for microbatches in MICROBATCHES:
         ours, theirs = memory[f"ours_mb{microbatches}"], memory[f"fsdp2_mb{microbatches}"]
         for measure in ("peak_bytes", "between_steps_bytes"):
