@@ -58,7 +58,7 @@ def test_every_case_runs_and_lands_in_the_table_and_the_json(tmp_path: Path) -> 
         "peak tensor bytes",
         "between steps tensor bytes",
         "ours / FSDP2 step time, 2 x 2 mesh, 1 mb",
-        "losses bitwise equal to FSDP2, runs x ranks",
+        "losses bitwise equal to FSDP2, runs x ranks (both lifetimes)",
     ):
         assert any(needle in m for m in measures), f"no row measures {needle!r}: {measures}"
     end_to_end = document["cases"]["6 end_to_end"]["raw"]
