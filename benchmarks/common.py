@@ -202,3 +202,14 @@ def write_results(json_path: str, benchmark: str, results: dict[str, Any], world
         json.dump(document, f, indent=1)
         f.write("\n")
     print(f"wrote {json_path}")
+
+
+def write_rank_result(out_dir: str, result: dict[str, Any]) -> None:
+    """This rank's figures as ``out_dir/rank{R}.json``, which the case's ``run`` gathers."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)

@@ -25,9 +25,8 @@ from typing import Any
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 
-from .common import CaseResult, Clock, median, paired, paired_ratio, target_row
+from .common import CaseResult, Clock, median, paired, paired_ratio, target_row, write_rank_result
 from .end_to_end import _batches, _bitwise, _CudaMeter, _device, _train_step
 
 __all__ = ["run", "rank_main"]
@@ -132,9 +131,7 @@ def rank_main(spec: dict[str, Any], out_dir: str) -> None:
     from fsdp_patch.app.demo.model import GPTConfig
 
     config = GPTConfig(**spec["model"])
-    result = {"memory": _memory(config, spec), "timing": _timings(config, spec)}
-    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f)
+    write_rank_result(out_dir, {"memory": _memory(config, spec), "timing": _timings(config, spec)})
 
 
 def run(device: str, quick: bool) -> CaseResult:

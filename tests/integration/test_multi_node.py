@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.report_json import report_json
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent / "multi_node" / "hsdp_script.py"
@@ -81,10 +83,5 @@ def test_the_shared_trace_directory_holds_every_node_s_ranks(runs: dict) -> None
     files = sorted(p.name for p in traces.glob("rank*.trace.json"))
     want = [f"rank{rank}.trace.json" for rank in range(4)]
     assert files == want, f"want {want} in the shared trace directory, got {files}"
-    result = subprocess.run(
-        [sys.executable, "-m", "fsdp_patch", "report", "--json", str(traces)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, f"report exited {result.returncode}:\n{result.stderr[-2000:]}"
-    report = json.loads(result.stdout)
+    report = report_json(traces)
     assert report["ranks"] == [0, 1, 2, 3], f"want the report over ranks 0-3, got {report.get('ranks')}"

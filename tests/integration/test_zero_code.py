@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.report_json import report_json
 from tests.integration.zero_code import common
 
 pytestmark = pytest.mark.slow
@@ -129,12 +130,7 @@ def test_the_launcher_prints_no_summary_of_its_own(runs: dict) -> None:
 
 def test_the_report_names_the_planted_parameter_as_the_script_names_it(runs: dict) -> None:
     traces = runs["on"]["cwd"] / "fsdp_patch_traces"
-    result = subprocess.run(
-        [sys.executable, "-m", "fsdp_patch", "report", "--json", str(traces)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, f"report exited {result.returncode}:\n{result.stderr[-2000:]}"
-    report = json.loads(result.stdout)
+    report = report_json(traces)
     stuck = [f for f in report["findings"] if f["check"] == "stuck_weights"]
     named = sorted({p["param"] for f in stuck for p in f["parameters"]})
     want = _planted(runs["client"])
