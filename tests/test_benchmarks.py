@@ -66,9 +66,9 @@ def test_every_case_runs_and_lands_in_the_table_and_the_json(tmp_path: Path) -> 
 
 
 def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
-    run = _suite("--case", "7")
+    run = _suite("--case", "8")
     assert run.returncode == 2, f"unknown case: exit {run.returncode}"
-    assert "unknown case '7'" in run.stderr and "6 (end_to_end)" in run.stderr, run.stderr
+    assert "unknown case '8'" in run.stderr and "7 (hsdp)" in run.stderr, run.stderr
     if not torch.cuda.is_available():
         run = _suite("--device", "cuda", "--case", "1")
         assert run.returncode == 2, f"--device cuda without CUDA: exit {run.returncode}"
