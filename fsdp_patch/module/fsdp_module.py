@@ -105,7 +105,8 @@ class FSDPModule:
             state = module._fsdp_state
             state.reshard_after_forward_setting = reshard_after_forward
             state.reshard_after_forward = reshard_after_forward
-            state.reshard_to_group = False
+            for group in state.groups:
+                group.post_forward_group = None  # an int given to fully_shard no longer applies
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters' storage after a backward without gradient
@@ -126,11 +127,10 @@ class FSDPModule:
         self._fsdp_state.unshard_in_backward = unshard_in_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """FSDP2's hint that the next backward is (not) the last of an iteration. Every backward
-        here completes its reduce-scatters before it returns (what FSDP2 does on the last one),
-        so results do not depend on it; the setting is kept."""
+        """FSDP2's hint that the next backward is (not) the last of an iteration, accepted and
+        checked: every backward here completes its reduce-scatters before it returns (what
+        FSDP2 does on the last one), so there is nothing for it to change."""
         _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
-        self._fsdp_state.is_last_backward = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Grads are summed over ranks and divided by ``factor`` instead of averaged (FSDP2's

@@ -249,8 +249,7 @@ def _check_placements(
         placement = shard_placement_fn(param)
         if placement is None:
             continue
-        dim = getattr(placement, "dim", None)
-        if isinstance(placement, Shard) and dim is not None and dim % param.dim() == 0:
+        if isinstance(placement, Shard) and placement.dim % param.dim() == 0:
             continue
         raise NotImplementedError(
             f"fully_shard: shard_placement_fn placed parameter '{name}' as {placement!r}; fully_shard shards every "
@@ -378,7 +377,6 @@ def fully_shard(
 
     state = UnitState(modules[0], mesh, mp_policy, reshard_after_forward, groups, group_locations)
     state.modules = modules
-    state.reshard_to_group = post_forward_size is not None
     state.swap(unsharded=False)
     for group in groups:
         register_group(group)

@@ -88,9 +88,6 @@ class UnitState:
         # once), every other unit reshards.
         self.reshard_after_forward_setting = reshard_after_forward
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
-        # reshard_after_forward=<int>: the groups keep part of their unsharded parameters after
-        # forward (see ParameterGroup.reshard_after_forward_to_group); set by fully_shard.
-        self.reshard_to_group = False
         # Whether the modules hold the unsharded parameters (inside forward and backward, and
         # between them for a unit that keeps them after forward).
         self.unsharded_in_module = False
@@ -115,9 +112,8 @@ class UnitState:
         self.reshard_after_backward = True
         # FSDP2's set_unshard_in_backward: False when backward needs none of the unit's values.
         self.unshard_in_backward = True
-        # FSDP2's settings that change nothing on a 1-D mesh, kept as set.
+        # FSDP2's set_requires_all_reduce: HSDP's all-reduce skipped while False.
         self.requires_all_reduce = True
-        self.is_last_backward = True
         # FSDP2's set_post_optim_event: what the root's next forward waits for, once.
         self.post_optim_event: Any = None
 
@@ -355,12 +351,10 @@ class UnitState:
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
             if self.reshard_after_forward and may_free:
-                if self.reshard_to_group:
-                    self.prefetched = False
-                    for group in self.groups:
-                        group.reshard_after_forward_to_group()
-                else:
-                    self.reshard()
+                # reshard_after_forward=<int> keeps a part (ParameterGroup.reshard_after_forward).
+                self.prefetched = False
+                for group in self.groups:
+                    group.reshard_after_forward()
         elif any(group.requires_grad for group in self.groups):
             if self._awaiting_final is None:
                 trainable = [p for g in self.groups for p in g.unsharded_params if p.requires_grad]

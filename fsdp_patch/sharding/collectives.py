@@ -127,14 +127,20 @@ class ReduceScatter:
     """
 
     def __init__(
-        self, work: Any, packed: torch.Tensor, output: torch.Tensor, overwrite: bool, divisor: float | None = None
+        self,
+        work: Any,
+        packed: torch.Tensor,
+        output: torch.Tensor,
+        overwrite: bool,
+        op: Any = dist.ReduceOp.AVG,
+        divisor: float | None = None,
     ) -> None:
         self._work = work
         self._packed = packed
         self.output = output
         self.overwrite = overwrite
+        self._op = op  # the reduce-scatter's, which an HSDP all-reduce repeats
         self._divisor = divisor
-        self._op: Any = dist.ReduceOp.AVG
 
     @classmethod
     def issue(
@@ -153,9 +159,7 @@ class ReduceScatter:
         op, divisor = reduction.op_and_divisor(world_size * replicas)
         process_group = reduction.process_group or process_group
         if world_size == 1:
-            single = cls(None, packed, packed.view(-1), overwrite, None if divisor == 1.0 else divisor)
-            single._op = op
-            return single
+            return cls(None, packed, packed.view(-1), overwrite, op, None if divisor == 1.0 else divisor)
         n = packed.shape[1]
         if reduction.comm is not None:
             output = reduction.comm.allocate((n,), dtype=packed.dtype, device=packed.device)
@@ -163,9 +167,7 @@ class ReduceScatter:
         else:
             output = torch.empty(n, dtype=packed.dtype, device=packed.device)
             work = reduce_scatter_flat(output, packed.view(-1), op=op, group=process_group, async_op=True)
-        reduce = cls(work, packed, output, overwrite, divisor)
-        reduce._op = op
-        return reduce
+        return cls(work, packed, output, overwrite, op, divisor)
 
     def wait(self) -> torch.Tensor:
         """Completes the collective and frees its input; returns this rank's reduced row."""

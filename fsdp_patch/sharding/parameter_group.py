@@ -97,7 +97,6 @@ class ParameterGroup:
         self.process_group = self.dims.shard_group
         self.world_size = self.dims.shard_size
         self.rank = self.dims.shard_rank
-        self.replicate_group = self.dims.replicate_group
         # HSDP with the all-reduce skipped (FSDPModule.set_requires_all_reduce(False)): the
         # reduce-scattered grads held until a backward that all-reduces, as FSDP2 holds them.
         self._partial: torch.Tensor | None = None
@@ -294,8 +293,11 @@ class ParameterGroup:
         self._gathered_refresh = None
         self._gather = AllGather.issue(output, self._post_forward_rows.view(-1), process_group, refresh, comm)
 
-    def reshard_after_forward_to_group(self) -> None:
-        """[Note: resharding to a smaller group after forward]
+    def reshard_after_forward(self) -> None:
+        """Frees the unsharded parameters after forward: all of them, or with a post-forward
+        group, all but the part this rank keeps for backward's re-gather.
+
+        [Note: resharding to a smaller group after forward]
         With ``reshard_after_forward=<int>`` (FSDP2's), a unit keeps after forward a
         ``1/size`` part of its unsharded parameters instead of freeing them all: the rows, in the
         all-gather's rank-major order, that its position in a group of ``size`` consecutive
@@ -389,12 +391,8 @@ class ParameterGroup:
                 return
             replicas = self.dims.replicate_size
             if replicas > 1 and not all_reduce:
-                packed = self._grads.pack(self.unsharded_params)
-                if self._accumulated is not None:
-                    packed.add_(self._accumulated)
-                    self._accumulated = None
                 partial = ReduceScatter.issue(
-                    packed, self.process_group, self.world_size, False, self.reduction, replicas
+                    self._packed_grads(), self.process_group, self.world_size, False, self.reduction, replicas
                 )
                 self._hold_partial(partial.wait())
                 partial.free()
@@ -404,10 +402,7 @@ class ParameterGroup:
                 self._grads.before_write()
                 self._grads.begin(self.params)
             overwrite = self._grads.next_reduce_overwrites()
-            packed = self._grads.pack(self.unsharded_params)
-            if self._accumulated is not None:
-                packed.add_(self._accumulated)
-                self._accumulated = None
+            packed = self._packed_grads()
             self._run_reduce_hooks(REDUCE_INPUT, packed)
             self._reduces.append(
                 ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite, self.reduction, replicas)
@@ -417,6 +412,15 @@ class ParameterGroup:
         self._drop_unsharded_grads()
         self._reduced_since_finalize = True
 
+    def _packed_grads(self) -> torch.Tensor:
+        """This backward's unsharded grads packed as the reduce-scatter reads them, plus what
+        microbatches without sync accumulated (then dropped)."""
+        packed = self._grads.pack(self.unsharded_params)
+        if self._accumulated is not None:
+            packed.add_(self._accumulated)
+            self._accumulated = None
+        return packed
+
     @property
     def reduce_in_flight(self) -> bool:
         return bool(self._reduces)
@@ -425,8 +429,8 @@ class ParameterGroup:
         """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
         while self._reduces:
             reduce = self._reduces.pop(0)
-            if self.replicate_group is not None:
-                reduce.all_reduce(self.replicate_group, self._partial)
+            if self.dims.replicate_group is not None:
+                reduce.all_reduce(self.dims.replicate_group, self._partial)
                 self._partial = None
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(reduce.wait()[: self.layout.shard_numel])
