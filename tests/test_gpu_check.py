@@ -51,8 +51,11 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH")}
     run = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--out", str(out), "--python", sys.executable, "--wheels", str(wheels)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+        # The parts' limits are a GPU machine's; here the script is checked, not timed (beside other
+        # work a CPU demo part took over 45 s): ten times the limits, and a budget to match.
+        ["bash", "scripts/gpu_check.sh", "--out", str(out), "--python", sys.executable, "--wheels", str(wheels),
+         "--limit-scale", "10", "--budget", "2850"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=3000, check=False,
     )  # fmt: skip
     log = run.stdout + run.stderr
     assert run.returncode == 0, f"gpu_check.sh exited {run.returncode}:\n{log[-4000:]}"
@@ -119,6 +122,7 @@ def test_a_spent_budget_skips_the_parts_saying_so(tmp_path: Path) -> None:
     [
         ([], "gpu_check: --out DIR is required (where the summary and logs go)"),
         (["--out", "x", "--budget", "soon"], "gpu_check: --budget wants whole seconds, got 'soon'"),
+        (["--out", "x", "--limit-scale", "0"], "gpu_check: --limit-scale wants a whole number >= 1, got '0'"),
         (["--out", "x", "--wheels", "WHEELS"], "holds no .whl files (scripts/gpu_wheels.sh --dest"),
         (
             ["--out", "x", "--python", "no-such-python"],
