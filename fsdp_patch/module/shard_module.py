@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..mixed_precision import MixedPrecisionPolicy, as_policy
 from ..sharding import ParameterGroup, parameter_group_of, record_replaced, register_group, replaced_original
 from ..sharding.placement import MeshDims, mesh_device, post_forward_group, resolve_mesh
+from ..sharding.tensor_parallel import TensorParallel, tensor_parallel_of
 from .dcp_optimizer_state import track_grad_dtype_mismatch
 from .fsdp_module import FSDPModule, fsdp_class, owned_modules
 from .grad_scaler_hint import track_fp16_main_grads
@@ -84,13 +85,15 @@ def _modules_of(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
 
 
 def _collect_parameters(
-    modules: list[nn.Module], ignored: frozenset[int] = frozenset()
-) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]], list[int]]:
+    modules: list[nn.Module], dims: MeshDims, ignored: frozenset[int] = frozenset()
+) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]], list[int], list[TensorParallel | None]]:
     """The parameters the unit will own (not owned by an FSDP child), their names from their
-    module, their places in the module tree, and which of ``modules`` each came from."""
+    module, their places in the module tree, which of ``modules`` each came from, and how tensor
+    parallelism placed each (``None``: a plain parameter)."""
     params: list[nn.Parameter] = []
     names: list[str] = []
     owners: list[int] = []
+    placed: list[TensorParallel | None] = []
     locations: dict[int, list[Location]] = {}
     owned = ((index, prefix, owner) for index, top in enumerate(modules) for prefix, owner in owned_modules(top))
     for top_index, prefix, owner in owned:
@@ -98,14 +101,7 @@ def _collect_parameters(
             if param is None or id(param) in ignored:
                 continue
             fqn = f"{prefix}{name}"
-            if isinstance(param, DTensor) and parameter_group_of(param) is None:
-                raise NotImplementedError(
-                    f"parameter '{fqn}' is a DTensor on {param.device_mesh} with placements {tuple(param.placements)} "
-                    "already (tensor parallel, say); fully_shard shards plain parameters over a 1-D or HSDP mesh. "
-                    "For tensor parallel x FSDP use torch.distributed.fsdp.fully_shard (its models get "
-                    "fsdp_patch's telemetry too)"
-                )
-            if isinstance(param, DTensor) or parameter_group_of(param) is not None:
+            if parameter_group_of(param) is not None:
                 raise ValueError(
                     f"parameter '{fqn}' is already sharded by fully_shard on another module; apply "
                     "fully_shard bottom-up (blocks first, then the root), and keep tied parameters "
@@ -120,6 +116,8 @@ def _collect_parameters(
             if id(param) in locations:
                 locations[id(param)].append((owner, name))
                 continue
+            # A DTensor already: placed by tensor parallelism (refused, naming why, if not as supported).
+            tensor_parallel = tensor_parallel_of(fqn, param, dims) if isinstance(param, DTensor) else None
             if param.dim() == 0:
                 raise ValueError(
                     f"parameter '{fqn}' is 0-dimensional; fully_shard shards along dim 0 and expects "
@@ -130,8 +128,9 @@ def _collect_parameters(
             params.append(param)
             names.append(fqn)
             owners.append(top_index)
+            placed.append(tensor_parallel)
             locations[id(param)] = [(owner, name)]
-    return params, names, locations, owners
+    return params, names, locations, owners, placed
 
 
 # Unit module -> its fully qualified name from the outermost unit, as the groups' parameter names
@@ -353,7 +352,7 @@ def fully_shard(
     dims = MeshDims.of(mesh)
     reshard_after_forward, post_forward_size = _post_forward_size(reshard_after_forward, dims.shard_size)
 
-    params, names, locations, owners = _collect_parameters(modules, ignored)
+    params, names, locations, owners, placed = _collect_parameters(modules, dims, ignored)
     if shard_placement_fn is not None:
         _check_placements(shard_placement_fn, params, names)
     by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
@@ -365,7 +364,14 @@ def fully_shard(
     group_locations: list[list[list[Location]]] = []
     for indices in by_key.values():
         groups.append(
-            ParameterGroup([params[i] for i in indices], [names[i] for i in indices], mesh, mp_policy, device)
+            ParameterGroup(
+                [params[i] for i in indices],
+                [names[i] for i in indices],
+                mesh,
+                mp_policy,
+                device,
+                [placed[i] for i in indices],
+            )
         )
         group_locations.append([locations[id(params[i])] for i in indices])
         _PARAM_OWNERS[groups[-1]] = [owners[i] for i in indices]

@@ -12,7 +12,8 @@ ops, so torch saves, pickles and deep-copies it through its local tensor, which 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,6 +21,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .layout import ParamLayout
+
+if TYPE_CHECKING:
+    from .tensor_parallel import TensorParallel
 
 __all__ = ["ShardSpecs", "shard_dtensor"]
 
@@ -51,12 +55,22 @@ class ShardSpecs:
     views, the optimizer adapter's cast views) takes its spec from here, so a parameter and the
     fp32 grad the optimizer sees carry the very same spec object: DTensor's sharding-propagation
     cache compares specs by identity first and by a field-by-field ``__eq__`` (~0.6 µs) otherwise.
+
+    Parameters that tensor parallelism placed (``tensor_parallel[i]`` not ``None``) take theirs
+    from it: the global shape and the placements on the data- and tensor-parallel mesh.
     """
 
-    def __init__(self, mesh: DeviceMesh, layouts: tuple[ParamLayout, ...], placements: tuple[Any, ...] = ()) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        layouts: tuple[ParamLayout, ...],
+        placements: tuple[Any, ...] = (),
+        tensor_parallel: Sequence[TensorParallel | None] = (),
+    ) -> None:
         self._mesh = mesh
         self._layouts = layouts
         self._placements = placements or (Shard(0),)
+        self._tensor_parallel = tuple(tensor_parallel) or (None,) * len(layouts)
         self._specs: dict[torch.dtype, list[DTensorSpec]] = {}
 
     def specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
@@ -68,7 +82,9 @@ class ShardSpecs:
                     self._placements,
                     tensor_meta=TensorMeta(layout.global_shape, layout.global_stride, dtype),
                 )
-                for layout in self._layouts
+                if tp is None
+                else tp.sharded_spec(dtype)
+                for layout, tp in zip(self._layouts, self._tensor_parallel, strict=True)
             ]
             self._specs[dtype] = specs
         return specs

@@ -24,6 +24,7 @@ Alternatives considered:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from torch.distributed.tensor import DTensor
 
 from .dtensors import ShardSpecs, shard_dtensor
 from .layout import GroupLayout
+
+if TYPE_CHECKING:
+    from .tensor_parallel import TensorParallel
 
 __all__ = ["FlatBuffer", "ShardedBuffer", "UnshardedBuffer", "free_now"]
 
@@ -115,18 +119,31 @@ class UnshardedBuffer(FlatBuffer):
         dtype: The compute dtype.
         device: This rank's device.
         requires_grad: Per parameter, whether its unsharded parameter starts out trainable.
+        tensor_parallel: Per parameter, how tensor parallelism placed it (``None``: a plain
+            parameter); such an unsharded parameter is the DTensor on the TP mesh over its view.
     """
 
     def __init__(
-        self, layout: GroupLayout, dtype: torch.dtype, device: torch.device, requires_grad: Sequence[bool]
+        self,
+        layout: GroupLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        requires_grad: Sequence[bool],
+        tensor_parallel: Sequence[TensorParallel | None] = (),
     ) -> None:
         super().__init__(torch.empty(layout.unsharded_numel, dtype=dtype, device=device))
         self.layout = layout
         flat = self.tensor
         world_size = layout.params[0].world_size if layout.params else 1
+        placed = tuple(tensor_parallel) or (None,) * len(layout.params)
         self.params: list[nn.Parameter] = [
-            nn.Parameter(param.unsharded_view(flat), requires_grad=trains)
-            for param, trains in zip(layout.params, requires_grad, strict=True)
+            nn.Parameter(
+                param.unsharded_view(flat)
+                if tp is None
+                else shard_dtensor(param.unsharded_view(flat), tp.spec_in(dtype)),
+                requires_grad=trains,
+            )
+            for param, trains, tp in zip(layout.params, requires_grad, placed, strict=True)
         ]
         # Per parameter, its slots of every rank as (world_size, slot_numel): the copy-out's targets.
         self._slots = [

@@ -51,12 +51,13 @@ from .collectives import ReduceScatter
 from .dtensors import ShardSpecs
 from .flat_buffer import ShardedBuffer
 from .layout import GroupLayout
+from .tensor_parallel import local_grad
 
 __all__ = ["MainGrads"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class MainGrads:
@@ -202,7 +203,7 @@ class MainGrads:
         packed = torch.empty(world_size, self.layout.shard_numel + self._count, dtype=self.dtype, device=self._device)
         # Zero-size parameters own no slot (torch._chunk_cat refuses empty inputs).
         grads = [
-            param.grad if param.grad is not None else torch.zeros_like(param)
+            local_grad(param.grad, param) if param.grad is not None else torch.zeros_like(_local(param))
             for param, layout in zip(unsharded_params, self.layout.params, strict=True)
             if layout.slot_numel
         ]

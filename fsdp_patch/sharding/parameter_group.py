@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -57,6 +57,7 @@ from .layout import GroupLayout
 from .main_grads import MainGrads
 from .placement import MeshDims
 from .replacement import adopted_shard, check_replacement
+from .tensor_parallel import TensorParallel
 
 # The stages of a reduce-scatter a reduce hook sees (ParameterGroup.register_reduce_hook).
 REDUCE_INPUT = "input"
@@ -79,6 +80,9 @@ class ParameterGroup:
         mesh: Device mesh to shard over: 1-D, or 2-D for HSDP (see :class:`~.placement.MeshDims`).
         policy: Mixed-precision policy.
         device: Device holding this rank's shards.
+        tensor_parallel: Per parameter, how tensor parallelism placed it, or ``None`` (all
+            plain): such a parameter's TP-local tensor is what the group shards (see
+            :mod:`.tensor_parallel`).
     """
 
     def __init__(
@@ -88,8 +92,12 @@ class ParameterGroup:
         mesh: DeviceMesh,
         policy: MixedPrecisionPolicy,
         device: torch.device,
+        tensor_parallel: Sequence[TensorParallel | None] | None = None,
     ) -> None:
         self.names = list(names)
+        self.tensor_parallel: tuple[TensorParallel | None, ...] = tuple(tensor_parallel or (None,) * len(params))
+        # What the group shards: each parameter's TP-local tensor, or the parameter itself.
+        data = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
         self.mesh = mesh
         self.dims = MeshDims.of(mesh)
         # Sharding and its collectives run over the shard dimension; HSDP's replicas (the
@@ -108,14 +116,14 @@ class ParameterGroup:
         # is wider than the compute dtype (FSDP2 accumulates in its reduce dtype likewise).
         self._accumulate_wide = torch.finfo(self.grads_dtype).bits > torch.finfo(self.compute_dtype).bits
         self._device = device
-        self.layout = GroupLayout.build([p.shape for p in params], self.world_size, self.rank)
-        self._specs = ShardSpecs(mesh, self.layout.params, self.dims.placements)
+        self.layout = GroupLayout.build([d.shape for d in data], self.world_size, self.rank)
+        self._specs = ShardSpecs(mesh, self.layout.params, self.dims.placements, self.tensor_parallel)
 
         self._main = ShardedBuffer.allocate(self.layout, self._specs, self.main_dtype, device, zeroed=True)
         with torch.no_grad():
-            for index, param in enumerate(params):
-                if not param.is_meta:  # a meta-built model is initialized after fully_shard
-                    self._main.local(index).copy_(param.detach()[self.layout.params[index].local_rows_slice])
+            for index, tensor in enumerate(data):
+                if not tensor.is_meta:  # a meta-built model is initialized after fully_shard
+                    self._main.local(index).copy_(tensor.detach()[self.layout.params[index].local_rows_slice])
         self._copy = ComputeCopy(self._main, self.compute_dtype, self.compute_copy)
         self.params: list[nn.Parameter] = [
             self._main.dtensor(index, requires_grad=param.requires_grad)  # type: ignore[misc]
@@ -127,7 +135,9 @@ class ParameterGroup:
         self._index_of = {id(param): index for index, param in enumerate(self.params)}
         self._grads = MainGrads(self.layout, self._specs, self.grads_dtype, device)
 
-        self._unsharded = UnshardedBuffer(self.layout, self.compute_dtype, device, [p.requires_grad for p in params])
+        self._unsharded = UnshardedBuffer(
+            self.layout, self.compute_dtype, device, [p.requires_grad for p in params], self.tensor_parallel
+        )
         self.unsharded_params = self._unsharded.params
         self._gathered_refresh: int | None = None  # the refresh count the unsharded params hold
         self._gather: AllGather | None = None  # issued, not yet waited
@@ -235,14 +245,21 @@ class ParameterGroup:
     def check_replacement(self, index: int, replacement: object) -> None:
         """Raises if ``replacement`` cannot stand in for ``params[index]`` (see
         :func:`~.replacement.check_replacement`)."""
-        check_replacement(self.names[index], self.layout.params[index], self.mesh, replacement)
+        check_replacement(self.names[index], self.layout.params[index], cast(DTensor, self.params[index]), replacement)
 
     def adopt(self, index: int, replacement: torch.Tensor) -> None:
         """Copies the values of a tensor that replaced ``params[index]`` in its module into the
         main weights (see :func:`~.replacement.adopted_shard`); ``requires_grad`` follows the
         replacement. Call :meth:`check_replacement` first."""
         with torch.no_grad():
-            self._main.local(index).copy_(adopted_shard(self.layout.params[index], replacement))
+            self._main.local(index).copy_(
+                adopted_shard(
+                    self.layout.params[index],
+                    cast(DTensor, self.params[index]),
+                    self.tensor_parallel[index],
+                    replacement,
+                )
+            )
         self._copy.stale = True
         self.params[index].requires_grad_(replacement.requires_grad)
 

@@ -2,24 +2,25 @@
 
 ``load_state_dict(assign=True)`` and attribute assignment put new tensors where the sharded
 parameters were. The group's own sharded parameter stays the module's parameter (optimizers
-built earlier keep stepping it) and takes over the replacement's values: a ``Shard(0)`` DTensor
-gives its local shard; another DTensor is gathered first (a collective: every rank adopts at
-the same forward); a plain tensor is the full value.
+built earlier keep stepping it) and takes over the replacement's values: a DTensor placed as the
+sharded parameter gives its local shard; another DTensor is gathered first (a collective: every
+rank adopts at the same forward); a plain tensor is the full value, of which a parameter that
+tensor parallelism placed takes its TP rank's part.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from .layout import ParamLayout
+from .tensor_parallel import TensorParallel
 
 __all__ = ["adopted_shard", "check_replacement"]
 
 
-def check_replacement(name: str, layout: ParamLayout, mesh: DeviceMesh, replacement: object) -> None:
-    """Raises if ``replacement`` cannot stand in for the sharded parameter ``name``.
+def check_replacement(name: str, layout: ParamLayout, sharded: DTensor, replacement: object) -> None:
+    """Raises if ``replacement`` cannot stand in for the sharded parameter ``sharded`` (``name``).
 
     Raises:
         TypeError: ``replacement`` is not a floating-point tensor.
@@ -31,25 +32,30 @@ def check_replacement(name: str, layout: ParamLayout, mesh: DeviceMesh, replacem
             f"{'' if not isinstance(replacement, torch.Tensor) else f' of dtype {replacement.dtype}'}; "
             "expected a floating-point tensor"
         )
-    if tuple(replacement.shape) != tuple(layout.global_shape):
+    if tuple(replacement.shape) != tuple(sharded.shape):
         raise ValueError(
             f"fully_shard: parameter '{name}' was replaced by a tensor of shape {tuple(replacement.shape)}; "
-            f"expected its global shape {tuple(layout.global_shape)}"
+            f"expected its global shape {tuple(sharded.shape)}"
         )
-    if isinstance(replacement, DTensor) and replacement.device_mesh != mesh:
+    if isinstance(replacement, DTensor) and replacement.device_mesh != sharded.device_mesh:
         raise ValueError(
             f"fully_shard: parameter '{name}' was replaced by a DTensor on {replacement.device_mesh}; "
-            f"expected one on the unit's mesh {mesh}"
+            f"expected one on the unit's mesh {sharded.device_mesh}"
         )
 
 
-def adopted_shard(layout: ParamLayout, replacement: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of ``replacement`` (checked by :func:`check_replacement`)."""
+def adopted_shard(
+    layout: ParamLayout, sharded: DTensor, tensor_parallel: TensorParallel | None, replacement: torch.Tensor
+) -> torch.Tensor:
+    """This rank's rows of ``replacement`` (checked by :func:`check_replacement`), as the
+    sharded parameter ``sharded`` holds them."""
     with torch.no_grad():
         if isinstance(replacement, DTensor):
-            # Sharded as the group shards (on the group's mesh, checked): this rank's rows are local.
-            *outer, last = tuple(replacement.placements)
-            if last == Shard(0) and all(p == Replicate() for p in outer):
+            # Placed as the group places (on the group's mesh, checked): this rank's rows are local.
+            if tuple(replacement.placements) == tuple(sharded.placements):
                 return replacement.to_local()
-            return replacement.full_tensor()[layout.local_rows_slice]
-        return replacement.detach()[layout.local_rows_slice]
+            replacement = replacement.full_tensor()
+        whole = replacement.detach()
+        if tensor_parallel is not None:
+            whole = tensor_parallel.local_of(whole)
+        return whole[layout.local_rows_slice]

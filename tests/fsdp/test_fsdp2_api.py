@@ -608,7 +608,7 @@ def refused_arguments_script(argument: str) -> dict[str, Any]:
      ("cpu_offload", "NotImplementedError: fully_shard: CPUOffloadPolicy is not supported"),
      ("dp_mesh_dims", "NotImplementedError: fully_shard: dp_mesh_dims="),
      ("ignored_not_parameters", "TypeError: fully_shard expected ignored_params to hold parameters, got ['str']"),
-     ("tensor_parallel", "NotImplementedError: parameter 'inp.weight' is a DTensor on DeviceMesh")],
+     ("tensor_parallel", "NotImplementedError: fully_shard: parameter 'inp.weight' is a DTensor on DeviceMesh")],
 )  # fmt: skip
 def test_refused_arguments_name_why_and_leave_the_module_as_it_was(run_once, argument, want) -> None:
     got = run_once(WORLD_SIZE, refused_arguments_script, argument)[0]
