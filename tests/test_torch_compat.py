@@ -95,6 +95,21 @@ def test_param_dtype_prefers_the_parameters_own_policy() -> None:
     assert unknown is None, f"want no cast assumed where no policy is found, got {unknown}"
 
 
+def test_tensor_parallel_spec_of_each_fsdp_param_shape() -> None:
+    spec = object()
+    cases = {
+        "torch >= 2.13: _unsharded_dtensor_spec": (
+            SimpleNamespace(is_dtensor=True, _unsharded_dtensor_spec=spec),
+            spec,
+        ),
+        "torch 2.11-2.12: _tp_spec": (SimpleNamespace(is_dtensor=True, _tp_spec=spec), spec),
+        "plain parameter": (SimpleNamespace(is_dtensor=False, _tp_spec=spec), None),
+    }
+    got = {name: torch_compat.fsdp2_tensor_parallel_spec(param) for name, (param, _) in cases.items()}
+    want = {name: found for name, (_, found) in cases.items()}
+    assert got == want, f"want {want}, got {got}"
+
+
 def test_foreach_clone_copies_into_new_storage() -> None:
     tensors = [torch.arange(4.0), torch.ones(2, 3, dtype=torch.bfloat16)]
     clones = torch_compat.foreach_clone(tensors)
@@ -182,3 +197,34 @@ def fsdp2_override_on_ranks() -> None:
 )
 def test_fsdp2_per_parameter_dtype_splits_the_group(dist_pool) -> None:
     dist_pool(WORLD).run(fsdp2_override_on_ranks)
+
+
+def fsdp2_tensor_parallel_on_ranks() -> None:
+    """A 1 x 2 ("dp", "tp") mesh: colwise fc1 and rowwise fc2 split their weights (and fc1 its
+    bias) over the TP ranks; fc2's bias is replicated on them; FSDP2 shards over "dp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    [group] = fsdp2_groups(model.parameters())
+    names = {id(p): name for name, p in model.named_parameters()}
+    got = {names[id(p)]: split for p, split in zip(group.members, group.tensor_parallel_split)}
+    want = {"0.weight": True, "0.bias": True, "2.weight": True, "2.bias": False}
+    assert got == want, f"rank {rank}, torch {torch.__version__}: want TP splits {want}, got {got}"
+    got_ranks = dist.get_process_group_ranks(group.tensor_parallel_group)
+    assert got_ranks == [0, 1], f"rank {rank}: want the TP group's ranks [0, 1], got {got_ranks}"
+
+    plain = torch.nn.Linear(4, 4)
+    fully_shard(plain, mesh=init_device_mesh("cpu", (WORLD,)))
+    [plain_group] = fsdp2_groups(plain.parameters())
+    got_plain = (plain_group.tensor_parallel_split, plain_group.tensor_parallel_group)
+    assert got_plain == ([False, False], None), f"rank {rank}: want no TP split nor group, got {got_plain}"
+
+
+def test_fsdp2_tensor_parallel_spec_of_this_torch(dist_pool) -> None:
+    dist_pool(WORLD).run(fsdp2_tensor_parallel_on_ranks)

@@ -355,9 +355,13 @@ def fully_shard(
     params, names, locations, owners, placed = _collect_parameters(modules, dims, ignored)
     if shard_placement_fn is not None:
         _check_placements(shard_placement_fn, params, names)
-    by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
+    # A group per compute dtype, trainability and TP split: a group's flat buffers then hold
+    # either elements tensor parallelism splits over its ranks or elements every TP rank holds
+    # alike, which the precision diagnostics count differently (summed over TP ranks, or once).
+    by_key: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
     for index, param in enumerate(params):
-        by_key.setdefault((mp_policy.compute_dtype_for(param.dtype), param.requires_grad), []).append(index)
+        split = placed[index] is not None and placed[index].splits  # type: ignore[union-attr]
+        by_key.setdefault((mp_policy.compute_dtype_for(param.dtype), param.requires_grad, split), []).append(index)
 
     # Everything that can fail happens before the module is touched.
     groups: list[ParameterGroup] = []

@@ -184,6 +184,18 @@ class ParameterGroup:
         """Whether any parameter of the group trains (its sharded parameter requires grad)."""
         return any(param.requires_grad for param in self.params)
 
+    @property
+    def tensor_parallel_split(self) -> list[bool]:
+        """Per parameter, whether tensor parallelism splits it (each TP rank holds other elements)
+        rather than copying it on every TP rank (a plain or ``Replicate`` parameter)."""
+        return [tp is not None and tp.splits for tp in self.tensor_parallel]
+
+    @property
+    def tensor_parallel_group(self) -> Any:
+        """The process group of the TP mesh of the group's parameters that tensor parallelism
+        placed (``None``: none did)."""
+        return next((tp.spec.mesh.get_group() for tp in self.tensor_parallel if tp is not None), None)
+
     def index_of(self, param: torch.Tensor) -> int:
         """Position of one of this group's sharded parameters in :attr:`params`."""
         return self._index_of[id(param)]

@@ -58,6 +58,11 @@ class TensorParallel:
         assert self.spec.tensor_meta is not None
         return self.spec.tensor_meta.shape
 
+    @property
+    def splits(self) -> bool:
+        """Whether each TP rank holds other elements of the parameter (``Shard``), not a copy."""
+        return isinstance(self.spec.placements[0], Shard)
+
     @cached_property
     def local_slices(self) -> tuple[slice, ...]:
         """Where this TP rank's local tensor lies in the global parameter."""

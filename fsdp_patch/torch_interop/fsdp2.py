@@ -28,9 +28,9 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from .torch_compat import fsdp2_param_dtype, fsdp2_state_param_groups
+from .torch_compat import fsdp2_param_dtype, fsdp2_state_param_groups, fsdp2_tensor_parallel_spec
 
 __all__ = ["FSDP2Group", "fsdp2_groups"]
 
@@ -61,6 +61,19 @@ class FSDP2Group:
     def members(self) -> list[nn.Parameter]:
         """Every sharded parameter of the group: the optimizer's, then :attr:`others`."""
         return [*self.params, *self.others]
+
+    @property
+    def tensor_parallel_split(self) -> list[bool]:
+        """Per member, whether tensor parallelism splits it over its ranks (``Shard``) rather than
+        copying it on each."""
+        specs = [fsdp2_tensor_parallel_spec(p) for p in self.fsdp_params]
+        return [spec is not None and isinstance(spec.placements[0], Shard) for spec in specs]
+
+    @property
+    def tensor_parallel_group(self) -> Any:
+        """The process group of the TP mesh of the members tensor parallelism placed, or ``None``."""
+        specs = (fsdp2_tensor_parallel_spec(p) for p in self.fsdp_params)
+        return next((spec.mesh.get_group() for spec in specs if spec is not None), None)
 
     @property
     def main_weights(self) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ __all__ = [
     "foreach_clone",
     "fsdp2_param_dtype",
     "fsdp2_state_param_groups",
+    "fsdp2_tensor_parallel_spec",
     "reduce_scatter_flat",
 ]
 
@@ -97,3 +98,13 @@ def fsdp2_param_dtype(group: Any, fsdp_param: Any) -> torch.dtype | None:
         )
         return None
     return policy.param_dtype
+
+
+def fsdp2_tensor_parallel_spec(fsdp_param: Any) -> Any:
+    """The DTensor spec tensor parallelism gave an FSDP2 parameter before FSDP2 sharded it
+    (``FSDPParam._unsharded_dtensor_spec`` from torch 2.13 on, ``_tp_spec`` before), or ``None``
+    for a plain parameter."""
+    if not getattr(fsdp_param, "is_dtensor", False):
+        return None
+    spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    return spec if spec is not None else getattr(fsdp_param, "_tp_spec", None)

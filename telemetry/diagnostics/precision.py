@@ -125,11 +125,13 @@ def local_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> torch.Ten
 
 
 def compute_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> PrecisionStats:
-    """Local diagnostics, reduced across the first group's process group.
+    """Local diagnostics, reduced across the first group's process group (and the TP ranks).
 
     Every rank of that group must call this on the same steps (it runs a collective).
     """
     table = rows.param_table(groups, snapshot.default_compute_dtype, per_parameter=False)
-    local = param_stats.local_rows(snapshot, groups, table, detail=False)
-    gathered = rows.gather_rows(local, first_process_group(groups))
-    return stats_from_vector(rows.totals(rows.reduce_gathered(gathered)))
+    local = rows.payload(param_stats.local_rows(snapshot, groups, table, detail=False))
+    reduced = rows.reduce_gathered(rows.gather_rows(local, first_process_group(groups)))
+    return stats_from_vector(
+        rows.totals(rows.split_status(rows.combine_over_tensor_parallel(reduced, table, groups))[0])
+    )

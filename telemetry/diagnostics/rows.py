@@ -75,6 +75,8 @@ class ParamSlot:
         length: Elements of the segment on this rank (0 where this rank's shard is empty).
         compute_dtype: Dtype of its compute weight; ``None`` when that is the main weight.
         main_dtype: Dtype of its main weight.
+        tp_split: Whether tensor parallelism splits it over the TP ranks (each holds other
+            elements: its rows are summed over them) rather than copying it on each (counted once).
     """
 
     name: str
@@ -86,6 +88,7 @@ class ParamSlot:
     length: int
     compute_dtype: torch.dtype | None
     main_dtype: torch.dtype
+    tp_split: bool = False
 
     @property
     def lossy(self) -> bool:
@@ -137,6 +140,7 @@ def param_table(
         prefix = group_prefix(group)  # names as the module the user holds gives them
         w = weights_of(group, default_compute_dtype)
         dtype: torch.dtype | None = w.computes[0].dtype if w.computes is not None else w.compute_dtype
+        splits: list[bool] = list(getattr(group, "tensor_parallel_split", None) or ())
         if hasattr(group, "main_weights"):
             names = list(getattr(group, "names", None) or [f"group{g}.{i}" for i in range(len(w.mains))])
             unit = getattr(group, "unit_name", "")
@@ -144,20 +148,27 @@ def param_table(
             unit = user_name(prefix, unit)
             for i, main in enumerate(w.mains):
                 name = user_name(prefix, names[i])
-                table.append(ParamSlot(name, unit, params[i], g, i, 0, main.numel(), dtype, main.dtype))
+                split = bool(splits) and splits[i]
+                table.append(ParamSlot(name, unit, params[i], g, i, 0, main.numel(), dtype, main.dtype, split))
             continue
         main = w.mains[0]
         layout = getattr(group, "layout", None)
         if layout is None or not per_parameter:
             names = getattr(group, "names", None) or [f"group{g}"]
             unit = "" if layout is None else user_name(prefix, _unit_of_flat_group(group))
-            table.append(ParamSlot(user_name(prefix, names[0]), unit, None, g, 0, 0, main.numel(), dtype, main.dtype))
+            # fully_shard's groups hold parameters of one TP split each.
+            table.append(
+                ParamSlot(
+                    user_name(prefix, names[0]), unit, None, g, 0, 0, main.numel(), dtype, main.dtype, any(splits)
+                )
+            )
             continue
         unit = user_name(prefix, _unit_of_flat_group(group))
         params = getattr(group, "params", None) or [None] * len(layout.params)
         for i, p in enumerate(layout.params):
             name = user_name(prefix, group.names[i])
-            table.append(ParamSlot(name, unit, params[i], g, 0, p.offset, p.local_numel, dtype, main.dtype))
+            split = bool(splits) and splits[i]
+            table.append(ParamSlot(name, unit, params[i], g, 0, p.offset, p.local_numel, dtype, main.dtype, split))
     return table
 
 
@@ -244,3 +255,36 @@ def reduce_gathered(gathered: torch.Tensor) -> torch.Tensor:
     if gathered.shape[1]:
         reduced[:, GRAD_AMAX] = gathered[:, :, GRAD_AMAX].amax(dim=0)
     return reduced
+
+
+def tensor_parallel_group(groups: Sequence[Any]) -> Any:
+    """The process group of the TP mesh of the first group that tensor parallelism placed
+    parameters of, else ``None``."""
+    for group in groups:
+        found = getattr(group, "tensor_parallel_group", None)
+        if found is not None:
+            return found
+    return None
+
+
+def combine_over_tensor_parallel(reduced: Any, table: Sequence[ParamSlot] | None, groups: Sequence[Any]) -> Any:
+    """The rows of a payload reduced over the data-parallel ranks, combined over the tensor-
+    parallel ranks too (an all-gather over the TP group; the rows as they are without one).
+
+    Reducing over the ranks that shard a parameter covers this TP rank's elements only. A
+    parameter tensor parallelism splits holds other elements on each TP rank: its rows are
+    summed over them; one that every TP rank holds alike (plain, ``Replicate``) is counted once,
+    from the first TP rank; ``GRAD_AMAX`` is the largest over them. The status row is summed, so
+    that a rank whose part failed (NaN) marks the whole as failed. Without a table (this rank's
+    failed) every row is summed: the result is marked failed anyway.
+    """
+    process_group = tensor_parallel_group(groups)
+    if process_group is None:
+        return reduced
+    gathered = gather_rows(reduced, process_group)
+    split = [True] * reduced.shape[0] if table is None else [slot.tp_split for slot in table] + [True]
+    summed = torch.tensor(split, dtype=torch.bool, device=reduced.device).unsqueeze(1)
+    combined = torch.where(summed, gathered.sum(dim=0), gathered[0])
+    if reduced.shape[0] > 1:
+        combined[:-1, GRAD_AMAX] = gathered[:, :-1, GRAD_AMAX].amax(dim=0)
+    return combined

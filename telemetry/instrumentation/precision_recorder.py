@@ -162,7 +162,9 @@ class PrecisionRecorder:
             local = row_spec.failed_payload(count, self._device())
         process_group = first_process_group(groups)
         gathered = row_spec.gather_rows(local, process_group)
-        reduced, complete = row_spec.split_status(row_spec.reduce_gathered(gathered))
+        reduced, complete = row_spec.split_status(
+            row_spec.combine_over_tensor_parallel(row_spec.reduce_gathered(gathered), table, groups)
+        )
         stats = precision.stats_from_vector(row_spec.totals(reduced))
         if not (complete and stats.complete) or table is None:
             return

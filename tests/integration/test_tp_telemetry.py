@@ -1,0 +1,116 @@
+"""Telemetry on tensor parallel x FSDP, on 4 gloo ranks: a 2 x 2 ("dp", "tp") mesh against
+``fully_shard`` over a 1-D mesh of 4 without tensor parallelism, the same model and policy.
+
+The precision diagnostics reduce over the ranks that shard a parameter, then over the TP
+ranks: a parameter tensor parallelism splits is summed over them, one each TP rank holds alike
+(the norms, the input layer, the head, a rowwise bias) counted once. So every count of a step
+equals the 1-D mesh's on every rank, whichever TP rank holds a planted NaN. Both ``fully_shard``
+and torch's FSDP2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.fsdp.test_tensor_parallel import BF16, Net, _dp_rows, _mesh, data
+from tests.integration.otel_training import environment, in_memory_otel, metric_values
+
+WORLD_SIZE = 4
+PLANTED_STEP = 2
+# The global rank whose shard of blocks.0.ff.fc1.weight (split by tensor parallelism) gets a NaN:
+# on TP rank 1, which rank 0's data-parallel group does not include.
+SPLIT_NAN_RANK = 3
+
+
+def _build(impl: str, layout: str) -> Net:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if impl == "ours":
+        from fsdp_patch import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = Net()
+    if layout == "tp":
+        mesh = _mesh()
+        for block in model.blocks:
+            parallelize_module(block.ff, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        dp_mesh = mesh["dp"]
+    else:
+        dp_mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    return model
+
+
+def _plant_nans(model: Net) -> None:
+    """Two NaNs in main weights: one in the first element of ``SPLIT_NAN_RANK``'s shard of a
+    parameter tensor parallelism splits (on a 1-D mesh the same rank's shard), one in the head's
+    element [0, 0], which the ranks of data-parallel coordinate 0 hold (on every TP rank alike)."""
+    rank = dist.get_rank()
+    split, head = model.blocks[0].ff.fc1.weight, model.head.weight
+    with torch.no_grad():
+        if rank == SPLIT_NAN_RANK:
+            split.to_local().view(-1)[0] = float("nan")
+        if head.device_mesh.get_local_rank(0) == 0:
+            head.to_local()[0, 0] = float("nan")
+
+
+def tp_telemetry_run(impl: str, layout: str) -> list[dict[str, Any]]:
+    """Adapted AdamW, bf16 compute, diagnostics every step, the NaNs planted before the step of
+    ``PLANTED_STEP`` (the run ends there): each rank's precision metric points, by name."""
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank = dist.get_rank()
+    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (_, reader):
+        model = _build(impl, layout)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fully_shard_optimizer(optimizer)
+        mesh = _mesh()
+        for step, (x, y) in enumerate(data(PLANTED_STEP), start=1):
+            if layout == "tp":
+                x, y = _dp_rows(x, mesh), _dp_rows(y, mesh)
+            else:
+                x, y = x.chunk(WORLD_SIZE)[rank], y.chunk(WORLD_SIZE)[rank]
+            F.mse_loss(model(x).float(), y).backward()
+            if step == PLANTED_STEP:
+                _plant_nans(model)
+            optimizer.step()
+            optimizer.zero_grad()
+        points = metric_values(reader)
+    return {
+        name: sorted(
+            (tuple(sorted((k, v) for k, v in attrs.items() if k != "fsdp.rank")), value) for attrs, value in values
+        )
+        for name, values in points.items()
+        if name.startswith("fsdp.precision")
+    }
+
+
+@pytest.mark.parametrize("impl", ["ours", "fsdp2"])
+def test_tp_counts_each_model_element_once_on_every_rank(dist_pool, impl) -> None:
+    pool = dist_pool(WORLD_SIZE)
+    tp = pool.run(tp_telemetry_run, impl, "tp")
+    flat = pool.run(tp_telemetry_run, impl, "1d")[0]
+    counts = ("fsdp.precision.nonfinite", "fsdp.precision.steps", "fsdp.precision.nonfinite.steps",
+              "fsdp.precision.refresh.overflow", "fsdp.precision.refresh.underflow")  # fmt: skip
+    key = (("fsdp.nonfinite.kind", "nan"), ("fsdp.tensor", "main_weight"))
+    assert dict(flat["fsdp.precision.nonfinite"])[key] == 2, f"the 1-D control: {flat['fsdp.precision.nonfinite']}"
+    for rank, got in enumerate(tp):
+        assert sorted(got) == sorted(flat), f"{impl} rank {rank}: metrics with TP {sorted(got)}, 1-D {sorted(flat)}"
+        for name in counts:
+            assert got[name] == flat[name], (
+                f"{impl} rank {rank}: {name} with TP {got[name]}, on a 1-D mesh {flat[name]}"
+            )
+        for name in ("fsdp.precision.grad.amax", "fsdp.precision.refresh.error"):
+            (_, value), (_, want) = got[name][0], flat[name][0]
+            # Tensor parallelism splits the bf16 matmuls: grads and roundings differ a little.
+            assert abs(value - want) <= 0.05 * abs(want), f"{impl} rank {rank}: {name} with TP {value}, 1-D {want}"
