@@ -277,6 +277,21 @@ NAN_ORIGIN = Threshold(
     finding="NaN/Inf began",
     advice="see the origin: the stage of the iteration it began in says what to change.",
 )
+REPLICA_DIVERGENCE = Threshold(
+    check="replica_divergence",
+    metric=semconv.EVENT_REPLICA_DIVERGENCE,
+    above=0,
+    severity=PROBLEM,
+    finding="HSDP replicas diverged: weights or NaN/Inf counts that every replica holds alike differ between them",
+    advice=(
+        "every replica holds the same weights (the grads are all-reduced over the replicas and each steps alike), so "
+        "a difference comes from outside the training step or from a faulty node: a write on some ranks only (a "
+        "checkpoint load, an EMA or an edit on some ranks, an initialization after sharding seeded per rank: load and "
+        "edit on every rank, or broadcast from one replica), or a node that computes wrongly (silent data corruption: "
+        "the replica named holds one node's ranks; rerun a step there and check its GPUs' error counters). From "
+        "here on each replica trains its own model."
+    ),
+)
 SCALER_SKIPPED = Threshold(
     check="scaler_skipped",
     metric=semconv.SPAN_SKIPPED_STEP,
@@ -340,6 +355,7 @@ BY_CHECK = {
     for threshold in (
         LR_JUMP,
         NAN_ORIGIN,
+        REPLICA_DIVERGENCE,
         GRADS_ZEROED,
         *THRESHOLDS,
         FAILED_STEPS,
@@ -383,6 +399,7 @@ def markdown_table() -> str:
         NO_OPTIMIZER_STEPS.check: "backward passes of a rank that ran no step and skipped none",
         LR_JUMP.check: f"lr-jump events followed by an origin event within {LR_JUMP_WINDOW} iterations",
         GRADS_ZEROED.check: "grads-zeroed events",
+        REPLICA_DIVERGENCE.check: "replica-divergence events (HSDP)",
     }
     for threshold in (
         *THRESHOLDS,
@@ -390,6 +407,7 @@ def markdown_table() -> str:
         DTYPE_CONTRACT,
         NAN_ORIGIN,
         LR_JUMP,
+        REPLICA_DIVERGENCE,
         GRADS_ZEROED,
         SCALER_SKIPPED,
         NO_OPTIMIZER_STEPS,

@@ -38,6 +38,10 @@ STEP_PHASE_SPANS = (SPAN_CAST_GRADS, SPAN_INNER_STEP, SPAN_RESTORE_GRADS, SPAN_R
 ATTR_STEP = "fsdp.step"
 ATTR_RANK = "fsdp.rank"
 ATTR_WORLD_SIZE = "fsdp.world_size"
+ATTR_MESH_COORDINATE = "fsdp.mesh.coordinate"
+"""On SPAN_STEP of diagnosed steps: this rank's place on a mesh of 2 or more dimensions (HSDP,
+tensor parallel x FSDP), ``name=index`` per dimension (``replicate=1,shard=0``). A span
+attribute, not a resource attribute: the resource is fixed before any mesh exists."""
 ATTR_OPTIMIZER_CLASS = "fsdp.optimizer.class"
 ATTR_PARAMS_COUNT = "fsdp.params.count"
 ATTR_GROUPS_COUNT = "fsdp.groups.count"
@@ -171,6 +175,17 @@ EVENT_OFFENDER = "fsdp.precision.offender"
 """On SPAN_PRECISION: one per (diagnostic, parameter) among the top K of that step, with the value."""
 EVENT_DTYPE_CONTRACT = "fsdp.precision.dtype_contract"
 """On SPAN_STEP: a dtype the contract does not expect, with what was expected (once per violation)."""
+EVENT_REPLICA_DIVERGENCE = "fsdp.precision.replica_divergence"
+"""On SPAN_PRECISION, every diagnosed step at which HSDP's replicas differ: NaN/Inf counts or main
+weights that replicas should hold alike (ATTR_PRECISION_PARAMS: where; ATTR_RANKS: one rank per
+replica, this rank's peers; ATTR_REPLICA_NONFINITE: each replica's NaN/Inf elements there)."""
+ATTR_REPLICA_DIFF = "fsdp.replica.diff"
+"""On EVENT_REPLICA_DIVERGENCE: what differs, REPLICA_DIFF_NONFINITE or REPLICA_DIFF_MAIN_WEIGHT."""
+REPLICA_DIFF_NONFINITE = "nonfinite"
+REPLICA_DIFF_MAIN_WEIGHT = "main_weight"
+ATTR_REPLICA_NONFINITE = "fsdp.replica.nonfinite"
+"""On EVENT_REPLICA_DIVERGENCE: per replica, in the order of ATTR_RANKS, the NaN/Inf elements of
+the parameters that differ (main grads, main and compute weights, optimizer state)."""
 
 # Values of ATTR_DIAGNOSTIC. The whole-model diagnostics keep their metric's name; the others:
 DIAGNOSTIC_UPDATE_RESOLUTION = "fsdp.precision.update.resolution"

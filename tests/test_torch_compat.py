@@ -213,7 +213,7 @@ def fsdp2_tensor_parallel_on_ranks() -> None:
     fully_shard(model, mesh=mesh["dp"])
     [group] = fsdp2_groups(model.parameters())
     names = {id(p): name for name, p in model.named_parameters()}
-    got = {names[id(p)]: split for p, split in zip(group.members, group.tensor_parallel_split)}
+    got = {names[id(p)]: split for p, split in zip(group.members, group.tensor_parallel_split, strict=True)}
     want = {"0.weight": True, "0.bias": True, "2.weight": True, "2.bias": False}
     assert got == want, f"rank {rank}, torch {torch.__version__}: want TP splits {want}, got {got}"
     got_ranks = dist.get_process_group_ranks(group.tensor_parallel_group)
@@ -228,3 +228,26 @@ def fsdp2_tensor_parallel_on_ranks() -> None:
 
 def test_fsdp2_tensor_parallel_spec_of_this_torch(dist_pool) -> None:
     dist_pool(WORLD).run(fsdp2_tensor_parallel_on_ranks)
+
+
+def fsdp2_replicate_group_on_ranks() -> None:
+    """A 2 x 1 (replicate, shard) mesh: FSDP2's HSDP group reads its replicas' process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")))
+    [group] = fsdp2_groups(model.parameters())
+    got = dist.get_process_group_ranks(group.replicate_group)
+    assert got == [0, 1], f"rank {rank}, torch {torch.__version__}: want the replicate group's ranks [0, 1], got {got}"
+    plain = torch.nn.Linear(4, 4)
+    fully_shard(plain, mesh=init_device_mesh("cpu", (WORLD,)))
+    [plain_group] = fsdp2_groups(plain.parameters())
+    assert plain_group.replicate_group is None, (
+        f"rank {rank}: a 1-D mesh has no replicas, got {plain_group.replicate_group}"
+    )
+
+
+def test_fsdp2_replicate_group_of_this_torch(dist_pool) -> None:
+    dist_pool(WORLD).run(fsdp2_replicate_group_on_ranks)

@@ -191,6 +191,11 @@ class ParameterGroup:
         return [tp is not None and tp.splits for tp in self.tensor_parallel]
 
     @property
+    def replicate_group(self) -> Any:
+        """HSDP's group of this rank's replicas (ranks that hold the same shard), or ``None``."""
+        return self.dims.replicate_group
+
+    @property
     def tensor_parallel_group(self) -> Any:
         """The process group of the TP mesh of the group's parameters that tensor parallelism
         placed (``None``: none did)."""

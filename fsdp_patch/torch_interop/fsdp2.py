@@ -70,6 +70,12 @@ class FSDP2Group:
         return [spec is not None and isinstance(spec.placements[0], Shard) for spec in specs]
 
     @property
+    def replicate_group(self) -> Any:
+        """HSDP's group of this rank's replicas (ranks that hold the same shard), or ``None``."""
+        mesh_info = getattr(self.fsdp_group, "mesh_info", None)
+        return getattr(mesh_info, "replicate_process_group", None)
+
+    @property
     def tensor_parallel_group(self) -> Any:
         """The process group of the TP mesh of the members tensor parallelism placed, or ``None``."""
         specs = (fsdp2_tensor_parallel_spec(p) for p in self.fsdp_params)

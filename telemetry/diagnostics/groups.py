@@ -208,3 +208,24 @@ def first_process_group(groups: Sequence[Any]) -> ProcessGroup | None:
         if pg is not None:
             return pg
     return None
+
+
+def mesh_coordinate(groups: Sequence[Any]) -> str | None:
+    """This rank's place on the device mesh of the groups' sharded parameters, where it has 2 or
+    more dimensions (HSDP, tensor parallel x FSDP): ``name=index`` per dimension, in the mesh's
+    order (``replicate=1,shard=0``; ``dim0=1,dim1=0`` where the mesh names none); ``None`` on a
+    1-D mesh, whose coordinate is the rank itself, or where no parameter is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    widest = None
+    for group in groups:
+        for param in getattr(group, "params", None) or ():
+            if isinstance(param, DTensor) and (widest is None or param.device_mesh.ndim > widest.ndim):
+                widest = param.device_mesh
+    if widest is None or widest.ndim < 2:
+        return None
+    coordinate = widest.get_coordinate()
+    if coordinate is None:
+        return None
+    names = widest.mesh_dim_names or tuple(f"dim{i}" for i in range(widest.ndim))
+    return ",".join(f"{name}={index}" for name, index in zip(names, coordinate, strict=True))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .. import semconv
-from . import param_stats, rows
+from . import param_stats, replicas, rows
 from .groups import PrecisionSnapshot, first_process_group
 
 
@@ -125,13 +125,15 @@ def local_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> torch.Ten
 
 
 def compute_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> PrecisionStats:
-    """Local diagnostics, reduced across the first group's process group (and the TP ranks).
+    """Local diagnostics, reduced across the first group's process group (and the TP ranks, and
+    the largest over HSDP's replicas).
 
     Every rank of that group must call this on the same steps (it runs a collective).
     """
     table = rows.param_table(groups, snapshot.default_compute_dtype, per_parameter=False)
     local = rows.payload(param_stats.local_rows(snapshot, groups, table, detail=False))
-    reduced = rows.reduce_gathered(rows.gather_rows(local, first_process_group(groups)))
-    return stats_from_vector(
-        rows.totals(rows.split_status(rows.combine_over_tensor_parallel(reduced, table, groups))[0])
-    )
+    process_group = first_process_group(groups)
+    gathered = rows.gather_rows(local, process_group)
+    reduced = rows.combine_over_tensor_parallel(rows.reduce_gathered(gathered), table, groups)
+    combined = replicas.over_replicas(reduced, gathered, rows.gathered_ranks(process_group), groups)
+    return stats_from_vector(rows.totals(rows.split_status(combined.reduced)[0]))

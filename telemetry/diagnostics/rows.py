@@ -188,10 +188,19 @@ def slot_count(groups: Sequence[Any], per_parameter: bool = True) -> int:
 # -- across ranks ------------------------------------------------------------------------------
 
 
+STATUS_RANK = 1
+"""The column of a payload's status row that holds the global rank whose payload it is (summed,
+and so meaningless, in a reduced payload)."""
+
+
 def payload(rows: torch.Tensor) -> torch.Tensor:
-    """What a rank contributes to the collective: its rows and a status row (1: computed)."""
+    """What a rank contributes to the collective: its rows and a status row (column 0: 1,
+    computed; :data:`STATUS_RANK`: this rank)."""
+    import torch.distributed as dist
+
     status = torch.zeros((1, ROW), dtype=torch.float64, device=rows.device)
     status[0, 0] = 1.0
+    status[0, STATUS_RANK] = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return torch.cat([rows, status])
 
 

@@ -23,7 +23,7 @@ from opentelemetry.util.types import AttributeValue
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 
 from .. import env, semconv
-from ..diagnostics.groups import PrecisionSnapshot
+from ..diagnostics.groups import PrecisionSnapshot, mesh_coordinate
 from ..export import providers
 from ..export.isolation import WarnOnce
 from ..export.ranks import distributed_rank
@@ -363,7 +363,14 @@ class OptimizerObserver:
         return self._precision.due(step_number) or self._iterations.escalated
 
     def precision_begin(self, groups: Sequence[Any]) -> PrecisionSnapshot:
-        """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``."""
+        """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``.
+        Names this rank's mesh coordinate on the step span (meshes of 2 or more dimensions)."""
+        self._ensure_ready()
+        scope = self._scope
+        if scope is not None:
+            coordinate = mesh_coordinate(groups)
+            if coordinate is not None:
+                scope.set_attribute(semconv.ATTR_MESH_COORDINATE, coordinate)
         return self._precision.begin(groups)
 
     def precision_end(self, snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> None:

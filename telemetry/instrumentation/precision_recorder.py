@@ -22,7 +22,7 @@ from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
 from .. import env, semconv
-from ..diagnostics import attribution, dtype_contract, optimizer_state, param_stats, precision
+from ..diagnostics import attribution, dtype_contract, optimizer_state, param_stats, precision, replicas
 from ..diagnostics import rows as row_spec
 from ..diagnostics.groups import PrecisionSnapshot, first_process_group, take_snapshot
 from ..export.isolation import WarnOnce
@@ -60,6 +60,7 @@ class PrecisionRecorder:
         top_k = env.precision_top_k()
         window = env.precision_window()
         self._attribution = attribution.Attribution(top_k, window) if top_k else None
+        self._named_per_finding = max(top_k, 1)
         self._early_steps = window
         self._state_tensors = optimizer_state.StateTensors()
         self._unit_detail = env.precision_detail() == semconv.DETAIL_UNIT
@@ -162,14 +163,18 @@ class PrecisionRecorder:
             local = row_spec.failed_payload(count, self._device())
         process_group = first_process_group(groups)
         gathered = row_spec.gather_rows(local, process_group)
-        reduced, complete = row_spec.split_status(
-            row_spec.combine_over_tensor_parallel(row_spec.reduce_gathered(gathered), table, groups)
-        )
+        combined = replicas.over_replicas(
+            row_spec.combine_over_tensor_parallel(row_spec.reduce_gathered(gathered), table, groups),
+            gathered, row_spec.gathered_ranks(process_group), groups,
+        )  # fmt: skip
+        reduced, complete = row_spec.split_status(combined.reduced)
         stats = precision.stats_from_vector(row_spec.totals(reduced))
         if not (complete and stats.complete) or table is None:
             return
         rows = reduced.tolist()
         self._record_stats(stats, table, rows)
+        if combined.divergence is not None:
+            self._record_divergence(step, table, combined.divergence)
         if self._attribution is None or optimizer is None:
             return
         if not keys:
@@ -177,9 +182,8 @@ class PrecisionRecorder:
         contexts = optimizer_state.contexts_for(optimizer, table, keys)
 
         def ranks_of(slot: int, slots: Sequence[int]) -> tuple[int, ...]:
-            counts = gathered[:, slot, list(slots)].sum(dim=1).tolist()
-            ranks = row_spec.gathered_ranks(process_group)
-            return tuple(rank for rank, count in zip(ranks, counts, strict=True) if count)
+            counts = combined.blocks[:, slot, list(slots)].sum(dim=1).tolist()
+            return tuple(sorted(rank for rank, count in zip(combined.ranks, counts, strict=True) if count))
 
         findings = self._attribution.analyze(
             step, table, rows, contexts, ranks_of, underflow_measured=self._underflow_below(table) is not None
@@ -241,6 +245,20 @@ class PrecisionRecorder:
             if offender.cause is not None:
                 attrs[semconv.ATTR_CAUSE] = offender.cause
             span.add_event(semconv.EVENT_OFFENDER, attrs)
+
+    def _record_divergence(self, step: int, table: Sequence[row_spec.ParamSlot], found: replicas.Divergence) -> None:
+        """Replicas that differ, as an event on the precision span (every diagnosed step they do)."""
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        span.add_event(semconv.EVENT_REPLICA_DIVERGENCE, {
+            semconv.ATTR_STEP: step,
+            semconv.ATTR_REPLICA_DIFF: found.diff,
+            semconv.ATTR_REPLICA_NONFINITE: found.nonfinite,
+            semconv.ATTR_RANKS: found.peers,
+            semconv.ATTR_PRECISION_PARAMS: [table[i].name for i in found.slots[: self._named_per_finding]],
+            semconv.ATTR_PRECISION_PARAMS_COUNT: len(found.slots),
+        })  # fmt: skip
 
     def _record_stats(self, stats: precision.PrecisionStats, table: Sequence[row_spec.ParamSlot],
                       rows: Sequence[Sequence[float]]) -> None:  # fmt: skip

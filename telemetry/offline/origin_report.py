@@ -6,6 +6,7 @@ what the per-iteration checks recorded (``semconv``'s origin names):
 - ``fsdp.precision.origin`` events of every rank, merged: the earliest step wins, then the
   earliest stage of an iteration, and every rank that saw that origin is named;
 - ``fsdp.precision.grads_zeroed`` events: grads non-zero after the reduce, all 0 at the step;
+- ``fsdp.precision.replica_divergence`` events: HSDP replicas that differ, with each one's ranks;
 - ``fsdp.optimizer.lr_jump`` events, which a NaN/Inf beginning soon after is tied to;
 - ``fsdp.optimizer.skipped_step`` spans (a GradScaler skipped the iteration), with the scale;
 - ``fsdp.backward.count`` on the step spans, against the optimizer steps that ran.
@@ -63,6 +64,26 @@ class ZeroedSeen:
     ranks: set[int] = field(default_factory=set)
 
 
+@dataclass
+class DivergenceSeen:
+    """A diagnosed step at which HSDP's replicas differed.
+
+    Attributes:
+        step: The step.
+        diff: What differed (``semconv.REPLICA_DIFF_*``).
+        params: The parameters named (at most the events' top K), and how many differed.
+        nonfinite: Per replica, the NaN/Inf elements of those parameters.
+        replicas: Per replica, the ranks whose events named it (each event names one per replica).
+    """
+
+    step: int
+    diff: str
+    params: list[str]
+    params_count: int
+    nonfinite: list[int]
+    replicas: list[set[int]] = field(default_factory=list)
+
+
 # Stages an lr cannot cause: writes from outside the optimizer, and grads changed before it ran
 # (nor can a batch that held NaN/Inf before any module ran).
 _NOT_FROM_LR = (semconv.ORIGIN_WEIGHT_WRITE, semconv.ORIGIN_GRAD_WRITE)
@@ -94,6 +115,8 @@ class OriginTrace:
     ranks: dict[int, RankSteps] = field(default_factory=dict)
     lr_jumps: dict[tuple[int, int], LrJump] = field(default_factory=dict)
     zeroed: dict[int, ZeroedSeen] = field(default_factory=dict)
+    divergence: dict[int, DivergenceSeen] = field(default_factory=dict)
+    coordinates: dict[int, str] = field(default_factory=dict)
 
     def feed_instant(self, args: Mapping[str, Any], name: str) -> None:
         """Take an instant event of a trace file (``name`` its event name)."""
@@ -111,6 +134,9 @@ class OriginTrace:
                 rank = _int(args.get(semconv.ATTR_RANK))
                 if rank is not None:
                     zeroed.ranks.add(rank)
+            return
+        if name == semconv.EVENT_REPLICA_DIVERGENCE:
+            self._feed_divergence(args)
             return
         if name == semconv.EVENT_ESCALATION:
             step = _int(args.get(semconv.ATTR_STEP))
@@ -134,10 +160,30 @@ class OriginTrace:
         if rank is not None:
             held.ranks.add(rank)
 
+    def _feed_divergence(self, args: Mapping[str, Any]) -> None:
+        step = _int(args.get(semconv.ATTR_STEP))
+        peers = [_int(r) for r in _list(args.get(semconv.ATTR_RANKS))]
+        if step is None:
+            return
+        seen = self.divergence.setdefault(step, DivergenceSeen(
+            step, str(args.get(semconv.ATTR_REPLICA_DIFF, "")),
+            [str(p) for p in _list(args.get(semconv.ATTR_PRECISION_PARAMS))],
+            _int(args.get(semconv.ATTR_PRECISION_PARAMS_COUNT)) or 0,
+            [_int(n) or 0 for n in _list(args.get(semconv.ATTR_REPLICA_NONFINITE))],
+        ))  # fmt: skip
+        while len(seen.replicas) < len(peers):
+            seen.replicas.append(set())
+        for ranks, peer in zip(seen.replicas, peers, strict=False):
+            if peer is not None:
+                ranks.add(peer)
+
     def feed_span(self, name: str, args: Mapping[str, Any], rank: int, start: float) -> None:
         """Take a complete ("X") event: step spans and skipped-step spans."""
         steps = self.ranks.setdefault(rank, RankSteps())
         if name == semconv.SPAN_STEP:
+            coordinate = args.get(semconv.ATTR_MESH_COORDINATE)
+            if coordinate:
+                self.coordinates[rank] = str(coordinate)
             step = _int(args.get(semconv.ATTR_STEP))
             if step is not None:
                 steps.steps.add(step)
@@ -188,6 +234,10 @@ class OriginTrace:
         """The iterations whose grads were zeroed between backward and step, in order."""
         return [self.zeroed[step] for step in sorted(self.zeroed)]
 
+    def divergence_steps(self) -> list[DivergenceSeen]:
+        """The diagnosed steps at which replicas differed, in order."""
+        return [self.divergence[step] for step in sorted(self.divergence)]
+
     def backward_without_steps(self) -> int:
         """Backward passes on a rank that ran no optimizer step and skipped none (0 otherwise)."""
         return max((r.backward for r in self.ranks.values() if not r.steps and not r.skipped), default=0)
@@ -198,6 +248,11 @@ def _float(value: object) -> float | None:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
+
+
+def _list(value: object) -> list[Any]:
+    # A trace file writes an array attribute as a JSON list.
+    return list(value) if isinstance(value, list | tuple) else []
 
 
 def _int(value: object) -> int | None:
@@ -277,10 +332,16 @@ def _place(origin: OriginSeen) -> str:
     return f"{what} '{origin.where}'" if origin.where else "the root"
 
 
-def origin_text(origin: OriginSeen, step_offset: int = 0) -> str:
-    """One line: where and when it began, on which ranks."""
+def rank_names(ranks: set[int], coordinates: Mapping[int, str] | None = None) -> str:
+    """``ranks`` in order, each with its mesh coordinate where the trace gave one."""
+    where = coordinates or {}
+    return ", ".join(f"{r} ({where[r]})" if r in where else str(r) for r in sorted(ranks)) or "?"
+
+
+def origin_text(origin: OriginSeen, step_offset: int = 0, coordinates: Mapping[int, str] | None = None) -> str:
+    """One line: where and when it began, on which ranks (with their mesh coordinates)."""
     kind = {"nan": "NaN", "inf": "Inf"}.get(origin.kind, "NaN/Inf")
-    ranks = ", ".join(str(r) for r in sorted(origin.ranks)) or "?"
+    ranks = rank_names(origin.ranks, coordinates)
     micro = f", microbatch {origin.microbatch}" if origin.microbatch and origin.stage not in (
         semconv.ORIGIN_WEIGHT_WRITE, semconv.ORIGIN_GRAD_WRITE, semconv.ORIGIN_OPTIMIZER) else ""  # fmt: skip
     detail = f" ({origin.detail})" if origin.detail and not _is_model_input(origin) else ""
@@ -299,6 +360,30 @@ def advice(origin: OriginSeen) -> str:
             "the data pipeline and that code, not the model"
         )
     return _ADVICE.get(origin.stage, "")
+
+
+def divergence_text(seen: list[DivergenceSeen], step_offset: int = 0) -> str:
+    """One line: when replicas first differed, where, and each replica's ranks and NaN/Inf count."""
+    first = seen[0]
+    what = "NaN/Inf counts" if first.diff == semconv.REPLICA_DIFF_NONFINITE else "main weights"
+    more = f" (and {first.params_count - len(first.params)} more)" if first.params_count > len(first.params) else ""
+    replicas = "; ".join(
+        f"replica {i} (rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in sorted(ranks)) or '?'})"
+        + (f": {first.nonfinite[i]} NaN/Inf" if first.diff == semconv.REPLICA_DIFF_NONFINITE and i < len(first.nonfinite) else "")
+        for i, ranks in enumerate(first.replicas)
+    )  # fmt: skip
+    return (f"{what} differ at step {first.step + step_offset} ({len(seen)} diagnosed step{'s' if len(seen) != 1 else ''}"
+            f" in all): {', '.join(first.params)}{more}; {replicas}")  # fmt: skip
+
+
+def divergence_json(seen: list[DivergenceSeen], step_offset: int = 0) -> dict[str, Any]:
+    first = seen[0]
+    return {
+        "step": first.step + step_offset, "diff": first.diff, "params": first.params,
+        "params_count": first.params_count, "steps": [s.step + step_offset for s in seen],
+        "replicas": [{"ranks": sorted(ranks), "nonfinite": first.nonfinite[i] if i < len(first.nonfinite) else None}
+                     for i, ranks in enumerate(first.replicas)],
+    }  # fmt: skip
 
 
 def origin_json(origin: OriginSeen, step_offset: int = 0) -> dict[str, Any]:

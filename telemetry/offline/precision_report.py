@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from .. import precision_thresholds as thresholds
 from .. import semconv, trace_limits
 from .attribution_report import AttributionTrace, details, details_json
-from .origin_report import OriginSeen, OriginTrace, advice, origin_json, origin_text
+from .origin_report import OriginSeen, OriginTrace, advice, divergence_json, divergence_text, origin_json, origin_text
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
@@ -262,8 +262,8 @@ def _missing_steps(run: RunTrace, step_offset: int) -> str | None:
 
 
 def iteration_findings(run: RunTrace) -> list[Finding]:
-    """What the per-iteration checks found: where the first NaN/Inf began, a GradScaler skipping
-    many iterations, backward passes with no optimizer step."""
+    """What the per-iteration checks found: where the first NaN/Inf began, HSDP replicas that
+    differ, a GradScaler skipping many iterations, backward passes with no optimizer step."""
     found: list[Finding] = []
     first = run.iterations.first()
     if first is not None:
@@ -274,6 +274,9 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
     zeroed = run.iterations.zeroed_steps()
     if zeroed:
         found.append(Finding(thresholds.GRADS_ZEROED, zeroed[0].step))
+    diverged = run.iterations.divergence_steps()
+    if diverged:
+        found.append(Finding(thresholds.REPLICA_DIVERGENCE, diverged[0].step))
     skipped, iterations, _, _ = run.iterations.skipped()
     if skipped >= thresholds.SCALER_SKIPS_AT_LEAST and skipped > thresholds.SCALER_SKIPS_WARN_SHARE * iterations:
         threshold = thresholds.SCALER_SKIPPED
@@ -287,19 +290,22 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
 
 def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
     first = run.iterations.first()
+    at = run.iterations.coordinates
     lines: list[str] = []
     if check == thresholds.NAN_ORIGIN.check and first is not None:
-        lines.append(origin_text(first, step_offset))
-        lines.extend(f"refined: {origin_text(o, step_offset)}" for o in run.iterations.refinements(first)[:3])
+        lines.append(origin_text(first, step_offset, at))
+        lines.extend(f"refined: {origin_text(o, step_offset, at)}" for o in run.iterations.refinements(first)[:3])
     elif check == thresholds.SCALER_SKIPPED.check:
         skipped, iterations, scale_first, scale_last = run.iterations.skipped()
-        where = f"; the first overflow: {origin_text(first, step_offset)}" if first is not None else ""
+        where = f"; the first overflow: {origin_text(first, step_offset, at)}" if first is not None else ""
         lines.append(f"skipped {skipped} of {iterations} iterations; scale {scale_first:g} at the first skip, "
                      f"{scale_last:g} at the last{where}")  # fmt: skip
     elif check == thresholds.NO_OPTIMIZER_STEPS.check:
         lines.append(f"{run.iterations.backward_without_steps()} backward passes, 0 optimizer steps, 0 skipped")
     elif check == thresholds.LR_JUMP.check and first is not None:
-        lines.append(f"then: {origin_text(first, step_offset)}")
+        lines.append(f"then: {origin_text(first, step_offset, at)}")
+    elif check == thresholds.REPLICA_DIVERGENCE.check and run.iterations.divergence:
+        lines.append(divergence_text(run.iterations.divergence_steps(), step_offset))
     elif check == thresholds.GRADS_ZEROED.check:
         zeroed = run.iterations.zeroed_steps()
         steps = ", ".join(str(z.step + step_offset) for z in zeroed[:10]) + (", ..." if len(zeroed) > 10 else "")
@@ -476,6 +482,7 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
     lines = range_lines(run, max_lines)
     ordered = _all_findings(run, lines)
     first = run.iterations.first()
+    diverged = run.iterations.divergence_steps()
     skipped, iterations, scale_first, scale_last = run.iterations.skipped()
 
     def clean(value: float) -> float | str:
@@ -498,6 +505,8 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
             **origin_json(first, step_offset),
             "refined": [origin_json(o, step_offset) for o in run.iterations.refinements(first)],
         },
+        "mesh_coordinates": {str(rank): c for rank, c in sorted(run.iterations.coordinates.items())},
+        "replica_divergence": divergence_json(diverged, step_offset) if diverged else None,
         "iterations": {"optimizer_steps": iterations - skipped, "skipped": skipped,
                        "scale_first": clean(scale_first), "scale_last": clean(scale_last),
                        "backward_without_steps": run.iterations.backward_without_steps()},

@@ -66,11 +66,12 @@ def _plant_nans(model: Net) -> None:
 
 def tp_telemetry_run(impl: str, layout: str) -> list[dict[str, Any]]:
     """Adapted AdamW, bf16 compute, diagnostics every step, the NaNs planted before the step of
-    ``PLANTED_STEP`` (the run ends there): each rank's precision metric points, by name."""
+    ``PLANTED_STEP`` (the run ends there): this rank's precision metric points, by name, and
+    the mesh coordinates its step spans name."""
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank = dist.get_rank()
-    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (_, reader):
+    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, reader):
         model = _build(impl, layout)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fully_shard_optimizer(optimizer)
@@ -86,20 +87,28 @@ def tp_telemetry_run(impl: str, layout: str) -> list[dict[str, Any]]:
             optimizer.step()
             optimizer.zero_grad()
         points = metric_values(reader)
-    return {
+        steps = [s for s in spans.get_finished_spans() if s.name == "fsdp.optimizer.step"]
+        coordinates = sorted({str(s.attributes.get("fsdp.mesh.coordinate")) for s in steps})
+    metrics = {
         name: sorted(
             (tuple(sorted((k, v) for k, v in attrs.items() if k != "fsdp.rank")), value) for attrs, value in values
         )
         for name, values in points.items()
         if name.startswith("fsdp.precision")
     }
+    return {"metrics": metrics, "coordinates": coordinates}
 
 
 @pytest.mark.parametrize("impl", ["ours", "fsdp2"])
 def test_tp_counts_each_model_element_once_on_every_rank(dist_pool, impl) -> None:
     pool = dist_pool(WORLD_SIZE)
-    tp = pool.run(tp_telemetry_run, impl, "tp")
-    flat = pool.run(tp_telemetry_run, impl, "1d")[0]
+    tp_runs = pool.run(tp_telemetry_run, impl, "tp")
+    flat_run = pool.run(tp_telemetry_run, impl, "1d")[0]
+    tp, flat = [run["metrics"] for run in tp_runs], flat_run["metrics"]
+    got_coordinates = [run["coordinates"] for run in tp_runs]
+    want_coordinates = [[f"dp={rank // 2},tp={rank % 2}"] for rank in range(WORLD_SIZE)]
+    assert got_coordinates == want_coordinates, f"{impl}: step spans' mesh coordinates {got_coordinates}"
+    assert flat_run["coordinates"] == ["None"], f"{impl}: a 1-D mesh names no coordinate: {flat_run['coordinates']}"
     counts = ("fsdp.precision.nonfinite", "fsdp.precision.steps", "fsdp.precision.nonfinite.steps",
               "fsdp.precision.refresh.overflow", "fsdp.precision.refresh.underflow")  # fmt: skip
     key = (("fsdp.nonfinite.kind", "nan"), ("fsdp.tensor", "main_weight"))
