@@ -210,11 +210,10 @@ def first_process_group(groups: Sequence[Any]) -> ProcessGroup | None:
     return None
 
 
-def mesh_coordinate(groups: Sequence[Any]) -> str | None:
-    """This rank's place on the device mesh of the groups' sharded parameters, where it has 2 or
-    more dimensions (HSDP, tensor parallel x FSDP): ``name=index`` per dimension, in the mesh's
-    order (``replicate=1,shard=0``; ``dim0=1,dim1=0`` where the mesh names none); ``None`` on a
-    1-D mesh, whose coordinate is the rank itself, or where no parameter is a DTensor."""
+def widest_mesh(groups: Sequence[Any]) -> Any:
+    """The device mesh of most dimensions among the groups' sharded parameters (HSDP's
+    ``(replicate, shard)``, tensor parallel x FSDP's ``(dp, tp)``), or ``None`` where no
+    parameter is a DTensor. Its ranks are every rank the diagnostics' collectives join."""
     from torch.distributed.tensor import DTensor
 
     widest = None
@@ -222,6 +221,15 @@ def mesh_coordinate(groups: Sequence[Any]) -> str | None:
         for param in getattr(group, "params", None) or ():
             if isinstance(param, DTensor) and (widest is None or param.device_mesh.ndim > widest.ndim):
                 widest = param.device_mesh
+    return widest
+
+
+def mesh_coordinate(groups: Sequence[Any]) -> str | None:
+    """This rank's place on :func:`widest_mesh`, where it has 2 or more dimensions (HSDP, tensor
+    parallel x FSDP): ``name=index`` per dimension, in the mesh's order (``replicate=1,shard=0``;
+    ``dim0=1,dim1=0`` where the mesh names none); ``None`` on a 1-D mesh, whose coordinate is the
+    rank itself, or where no parameter is a DTensor."""
+    widest = widest_mesh(groups)
     if widest is None or widest.ndim < 2:
         return None
     coordinate = widest.get_coordinate()

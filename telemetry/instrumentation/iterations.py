@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
@@ -33,7 +34,7 @@ from fsdp_patch.sharding import parameter_group_of
 from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
 from .. import env, semconv
-from ..diagnostics.groups import first_process_group, weights_of
+from ..diagnostics.groups import first_process_group, weights_of, widest_mesh
 from ..diagnostics.model_audit import (
     ModelFinding,
     low_precision_accumulation,
@@ -90,7 +91,7 @@ class IterationWatch:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         groups = self._optimizer_groups()
-        process_group = first_process_group(groups)
+        process_group = _agreement_group(groups) if self.checking else None
         if self.checking:
             self.watches = [ModelWatch(model, process_group) for model in sharded_models(params)]
             for watch in self.watches:
@@ -434,3 +435,19 @@ def _release(watches: Sequence[ModelWatch], unregister: Any) -> None:
         watch.remove()
     if unregister is not None:
         unregister()
+
+
+def _agreement_group(groups: Sequence[Any]) -> Any:
+    """Where the ranks agree on each iteration's flag (and so on escalating): every rank whose
+    diagnostics run a collective with this one's. On a 1-D mesh the ranks that shard the groups;
+    on HSDP and tensor parallel x FSDP every rank of the mesh, since the diagnostics also gather
+    over the replicas and the TP ranks, and a rank escalating alone would leave those collectives
+    unmatched. A mesh of the whole world agrees over the default group; a smaller one (other
+    ranks train something else) over a group of its own ranks, made by them alone."""
+    mesh = widest_mesh(groups)
+    if mesh is None or mesh.ndim < 2 or not (dist.is_available() and dist.is_initialized()):
+        return first_process_group(groups)
+    ranks = sorted(int(rank) for rank in mesh.mesh.flatten().tolist())
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)

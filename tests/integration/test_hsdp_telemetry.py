@@ -43,16 +43,19 @@ def _events(spans: Any, name: str) -> list[dict[str, Any]]:
     return [dict(e.attributes) for s in spans.get_finished_spans() for e in s.events if e.name == name]
 
 
-def hsdp_telemetry_run(impl: str, shape: tuple[int, ...], plant: str = "both") -> dict[str, Any]:
-    """Adapted AdamW, bf16 compute, diagnostics every step, the head's main weight written as
-    ``plant`` says (:func:`_plant`) before the step of ``PLANTED_STEP`` (the run ends there): this
-    rank's precision metric points, and its replica-divergence and first-NaN/Inf events."""
+def hsdp_telemetry_run(
+    impl: str, shape: tuple[int, ...], plant: str = "both", every: str = "1", steps: int = PLANTED_STEP
+) -> dict[str, Any]:
+    """Adapted AdamW, bf16 compute, diagnostics every ``every`` steps, the head's main weight
+    written as ``plant`` says (:func:`_plant`) before the step of ``PLANTED_STEP``, ``steps``
+    steps: this rank's precision metric points, its replica-divergence and first-NaN/Inf events,
+    and the steps its diagnostics ran on."""
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, reader):
+    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY=every), in_memory_otel() as (spans, reader):
         model = models.make_model(0)
         if impl == "ours":
             from fsdp_patch import MixedPrecisionPolicy
@@ -65,7 +68,7 @@ def hsdp_telemetry_run(impl: str, shape: tuple[int, ...], plant: str = "both") -
             model = models.fsdp2_shard_model(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fully_shard_optimizer(optimizer)
-        for step, tokens in enumerate(models.make_batches(PLANTED_STEP), start=1):
+        for step, tokens in enumerate(models.make_batches(steps), start=1):
             models.lm_loss(model, models.rank_slice(tokens, rank, world_size)).backward()
             if step == PLANTED_STEP:
                 _plant(model, plant)
@@ -74,6 +77,9 @@ def hsdp_telemetry_run(impl: str, shape: tuple[int, ...], plant: str = "both") -
         points = metric_values(reader)
         divergence = _events(spans, "fsdp.precision.replica_divergence")
         first = _events(spans, "fsdp.precision.first_nonfinite")
+        finished = spans.get_finished_spans()
+        step_of = {s.context.span_id: s.attributes["fsdp.step"] for s in finished if s.name == "fsdp.optimizer.step"}
+        diagnosed = sorted(step_of[s.parent.span_id] for s in finished if s.name == "fsdp.optimizer.precision")
     metrics = {
         name: sorted(
             (tuple(sorted((k, v) for k, v in attrs.items() if k != "fsdp.rank")), value) for attrs, value in values
@@ -81,7 +87,7 @@ def hsdp_telemetry_run(impl: str, shape: tuple[int, ...], plant: str = "both") -
         for name, values in points.items()
         if name.startswith("fsdp.precision")
     }
-    return {"metrics": metrics, "divergence": divergence, "first_nonfinite": first}
+    return {"metrics": metrics, "divergence": divergence, "first_nonfinite": first, "diagnosed": diagnosed}
 
 
 @pytest.mark.parametrize("impl", ["ours", "fsdp2"])
@@ -131,6 +137,18 @@ def test_a_nan_on_one_replica_is_named_on_every_rank(dist_pool, impl) -> None:
         assert firsts == [("head.weight", [2])], (
             f"{impl} rank {rank}: want the first NaN named where it is (rank 2, replica 1), got {firsts}"
         )
+
+
+@pytest.mark.parametrize("impl", ["ours", "fsdp2"])
+def test_every_rank_escalates_together_when_one_replica_sees_a_nan(dist_pool, impl) -> None:
+    """At the default interval: the NaN written on replica 1 before step 2's update is seen by
+    that replica's checks alone, and read at step 3. Every rank must escalate there (the
+    escalated steps' diagnostics gather over the replicas): each runs them on the same steps."""
+    runs = dist_pool(WORLD_SIZE).run(hsdp_telemetry_run, impl, (2, 2), "one", "100", 7)
+    got = [run["diagnosed"] for run in runs]
+    # Steps 1-3 (the window), 5 (the 1-2-5 series); escalation: steps 3-5 after the NaN of step 2.
+    want = [[1, 2, 3, 4, 5]] * WORLD_SIZE
+    assert got == want, f"{impl}: want every rank diagnosed on {want[0]}, got per rank {got}"
 
 
 @pytest.mark.parametrize("impl", ["ours", "fsdp2"])

@@ -51,44 +51,50 @@ def _build(impl: str, layout: str) -> Net:
     return model
 
 
-def _plant_nans(model: Net) -> None:
-    """Two NaNs in main weights: one in the first element of ``SPLIT_NAN_RANK``'s shard of a
-    parameter tensor parallelism splits (on a 1-D mesh the same rank's shard), one in the head's
-    element [0, 0], which the ranks of data-parallel coordinate 0 hold (on every TP rank alike)."""
+def _plant_nans(model: Net, head_too: bool) -> None:
+    """NaNs in main weights: one in the first element of ``SPLIT_NAN_RANK``'s shard of a
+    parameter tensor parallelism splits (on a 1-D mesh the same rank's shard), and with
+    ``head_too`` one in the head's element [0, 0], which the ranks of data-parallel coordinate 0
+    hold (on every TP rank alike)."""
     rank = dist.get_rank()
     split, head = model.blocks[0].ff.fc1.weight, model.head.weight
     with torch.no_grad():
         if rank == SPLIT_NAN_RANK:
             split.to_local().view(-1)[0] = float("nan")
-        if head.device_mesh.get_local_rank(0) == 0:
+        if head_too and head.device_mesh.get_local_rank(0) == 0:
             head.to_local()[0, 0] = float("nan")
 
 
-def tp_telemetry_run(impl: str, layout: str) -> list[dict[str, Any]]:
+def tp_telemetry_run(
+    impl: str, layout: str, every: str = "1", steps: int = PLANTED_STEP, head_too: bool = True
+) -> dict[str, Any]:
     """Adapted AdamW, bf16 compute, diagnostics every step, the NaNs planted before the step of
-    ``PLANTED_STEP`` (the run ends there): this rank's precision metric points, by name, and
-    the mesh coordinates its step spans name."""
+    ``PLANTED_STEP``, ``steps`` steps, diagnostics every ``every``: this rank's precision metric
+    points, by name, the mesh coordinates its step spans name, and the steps it diagnosed."""
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank = dist.get_rank()
-    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="1"), in_memory_otel() as (spans, reader):
+    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY=every), in_memory_otel() as (spans, reader):
         model = _build(impl, layout)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fully_shard_optimizer(optimizer)
         mesh = _mesh()
-        for step, (x, y) in enumerate(data(PLANTED_STEP), start=1):
+        for step, (x, y) in enumerate(data(steps), start=1):
             if layout == "tp":
                 x, y = _dp_rows(x, mesh), _dp_rows(y, mesh)
             else:
                 x, y = x.chunk(WORLD_SIZE)[rank], y.chunk(WORLD_SIZE)[rank]
             F.mse_loss(model(x).float(), y).backward()
             if step == PLANTED_STEP:
-                _plant_nans(model)
+                _plant_nans(model, head_too)
             optimizer.step()
             optimizer.zero_grad()
         points = metric_values(reader)
-        steps = [s for s in spans.get_finished_spans() if s.name == "fsdp.optimizer.step"]
-        coordinates = sorted({str(s.attributes.get("fsdp.mesh.coordinate")) for s in steps})
+        step_spans = [s for s in spans.get_finished_spans() if s.name == "fsdp.optimizer.step"]
+        coordinates = sorted({str(s.attributes.get("fsdp.mesh.coordinate")) for s in step_spans})
+        step_of = {s.context.span_id: s.attributes["fsdp.step"] for s in step_spans}
+        diagnosed = sorted(step_of[s.parent.span_id] for s in spans.get_finished_spans()
+                           if s.name == "fsdp.optimizer.precision")  # fmt: skip
     metrics = {
         name: sorted(
             (tuple(sorted((k, v) for k, v in attrs.items() if k != "fsdp.rank")), value) for attrs, value in values
@@ -96,7 +102,7 @@ def tp_telemetry_run(impl: str, layout: str) -> list[dict[str, Any]]:
         for name, values in points.items()
         if name.startswith("fsdp.precision")
     }
-    return {"metrics": metrics, "coordinates": coordinates}
+    return {"metrics": metrics, "coordinates": coordinates, "diagnosed": diagnosed}
 
 
 @pytest.mark.parametrize("impl", ["ours", "fsdp2"])
@@ -123,3 +129,14 @@ def test_tp_counts_each_model_element_once_on_every_rank(dist_pool, impl) -> Non
             (_, value), (_, want) = got[name][0], flat[name][0]
             # Tensor parallelism splits the bf16 matmuls: grads and roundings differ a little.
             assert abs(value - want) <= 0.05 * abs(want), f"{impl} rank {rank}: {name} with TP {value}, 1-D {want}"
+
+
+@pytest.mark.parametrize("impl", ["ours", "fsdp2"])
+def test_every_rank_escalates_together_when_one_tp_rank_sees_a_nan(dist_pool, impl) -> None:
+    """At the default interval: the NaN written on rank 3's shard before step 2's update (alone)
+    is seen by the checks of the ranks of its data-parallel group alone. Every rank must escalate
+    at step 3 (the diagnostics gather over the TP ranks too): each diagnoses the same steps."""
+    runs = dist_pool(WORLD_SIZE).run(tp_telemetry_run, impl, "tp", "100", 7, False)
+    got = [run["diagnosed"] for run in runs]
+    want = [[1, 2, 3, 4, 5]] * WORLD_SIZE  # the window 1-3, step 5; escalation: steps 3-5
+    assert got == want, f"{impl}: want every rank diagnosed on {want[0]}, got per rank {got}"
