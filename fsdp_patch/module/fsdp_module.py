@@ -268,7 +268,8 @@ class FSDPModule:
         ``backward_prefetch`` units before it. At most that many units are gathered ahead of the
         one computing. ``reduce_scatters_in_flight`` bounds the reduce-scatters left running
         while backward goes on (each holds its unit's packed grads until it completes); all
-        complete before backward ends. 0 turns each off: collectives then block as they run.
+        complete before backward ends. 0 turns each off: collectives then block as they run,
+        except HSDP's all-reduces over the replicas, which run until backward ends.
 
         Raises:
             TypeError: A limit is not a non-negative int (bool is refused).

@@ -99,10 +99,12 @@ class RootContext:
         return self.order[max(0, index - count) : index][::-1]
 
     def reducing(self, groups: list[ParameterGroup], limit: int) -> None:
-        """Notes groups that issued reduce-scatters; completes the oldest beyond ``limit``."""
+        """Notes groups that issued reduce-scatters; moves the oldest beyond ``limit`` on
+        (:meth:`~..sharding.parameter_group.ParameterGroup.advance_reduce`: completed, or
+        under HSDP all-reducing over the replicas until the grads are finalized)."""
         self._reducing.extend(g for g in groups if g.reduce_in_flight)
         while len(self._reducing) > limit:
-            self._reducing.pop(0).wait_reduce()
+            self._reducing.pop(0).advance_reduce()
 
     def interrupted(self) -> bool:
         """Whether an exception aborted a forward or backward of this root's units.

@@ -141,6 +141,8 @@ class ReduceScatter:
         self.overwrite = overwrite
         self._op = op  # the reduce-scatter's, which an HSDP all-reduce repeats
         self._divisor = divisor
+        self._all_reduce_work: Any = None
+        self.all_reducing = False
 
     @classmethod
     def issue(
@@ -170,7 +172,15 @@ class ReduceScatter:
         return cls(work, packed, output, overwrite, op, divisor)
 
     def wait(self) -> torch.Tensor:
-        """Completes the collective and frees its input; returns this rank's reduced row."""
+        """Completes the collective (and the HSDP all-reduce :meth:`all_reduce` started) and
+        frees its input; returns this rank's reduced row."""
+        self._wait_reduce_scatter()
+        if self._all_reduce_work is not None:
+            self._all_reduce_work.wait()
+            self._all_reduce_work = None
+        return self.output
+
+    def _wait_reduce_scatter(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -180,28 +190,29 @@ class ReduceScatter:
             with torch.no_grad():
                 self.output.div_(self._divisor)
             self._divisor = None
-        return self.output
 
-    def all_reduce(self, replicate_group: Any, partial: torch.Tensor | None) -> torch.Tensor:
-        """HSDP: adds ``partial`` (grads reduce-scattered by backwards that skipped the
-        all-reduce) to this rank's reduced row and all-reduces it over the replicas, with the
-        op of the reduce-scatter (the mean of the replicas' means, or a sum divided as the
-        reduction says)."""
-        output = self.wait()
+    def all_reduce(self, replicate_group: Any, partial: torch.Tensor | None) -> None:
+        """HSDP: completes the reduce-scatter, adds ``partial`` (grads reduce-scattered by
+        backwards that skipped the all-reduce) to this rank's reduced row and starts
+        all-reducing it over the replicas, with the op of the reduce-scatter (the mean of the
+        replicas' means, or a sum divided as the reduction says); :meth:`wait` completes it, so
+        that the all-reduce runs while backward goes on, as the reduce-scatter did."""
+        self._wait_reduce_scatter()
         with torch.no_grad():
             if partial is not None:
-                output.add_(partial)
-            dist.all_reduce(output, op=self._op, group=replicate_group)
-        return output
+                self.output.add_(partial)
+            self._all_reduce_work = dist.all_reduce(self.output, op=self._op, group=replicate_group, async_op=True)
+        self.all_reducing = True
 
     def free(self) -> None:
         free_now(self.output)
         free_now(self._packed)
 
     def cancel(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        for work in (self._work, self._all_reduce_work):
+            if work is not None:
+                work.wait()
+        self._work = self._all_reduce_work = None
         self.free()
 
 

@@ -442,7 +442,7 @@ class ParameterGroup:
                 ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite, self.reduction, replicas)
             )
             if self.world_size == 1:
-                self.wait_reduce()
+                self.advance_reduce()
         self._drop_unsharded_grads()
         self._reduced_since_finalize = True
 
@@ -459,13 +459,29 @@ class ParameterGroup:
     def reduce_in_flight(self) -> bool:
         return bool(self._reduces)
 
+    def advance_reduce(self) -> None:
+        """Moves the reduces :meth:`post_backward` issued on: completes them into ``main_grad``;
+        under HSDP completes their reduce-scatters and starts their all-reduces over the
+        replicas instead, which :meth:`wait_reduce` (at the latest :meth:`finalize_grads`)
+        completes, so that they overlap the rest of backward."""
+        if self.dims.replicate_group is None:
+            self.wait_reduce()
+            return
+        for reduce in self._reduces:
+            self._start_all_reduce(reduce)
+
+    def _start_all_reduce(self, reduce: ReduceScatter) -> None:
+        if not reduce.all_reducing:
+            reduce.all_reduce(self.dims.replicate_group, self._partial)
+            self._partial = None
+
     def wait_reduce(self) -> None:
-        """Completes the reduce-scatters :meth:`post_backward` issued, in order, into ``main_grad``."""
+        """Completes the reduce-scatters :meth:`post_backward` issued (and HSDP's all-reduces),
+        in order, into ``main_grad``."""
         while self._reduces:
             reduce = self._reduces.pop(0)
             if self.dims.replicate_group is not None:
-                reduce.all_reduce(self.dims.replicate_group, self._partial)
-                self._partial = None
+                self._start_all_reduce(reduce)
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(reduce.wait()[: self.layout.shard_numel])
             if self._reduce_hooks:

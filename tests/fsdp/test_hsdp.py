@@ -264,3 +264,63 @@ def test_a_3d_mesh_is_refused_naming_what_is_supported(run_once) -> None:
 
 def test_batch_splits_over_four_ranks() -> None:
     assert BATCH % WORLD_SIZE == 0, f"the pattern batch of {BATCH} rows does not split over {WORLD_SIZE} ranks"
+
+
+class _RecordedAllReduces:
+    """``torch.distributed`` as ``fsdp_patch.sharding.collectives`` sees it, with each
+    ``all_reduce`` it starts and each wait on it recorded in ``log``."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self._log = log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        index = sum(1 for event, _ in self._log if event == "issue")
+        self._log.append(("issue", index))
+        work = dist.all_reduce(tensor, *args, **kwargs)
+        log = self._log
+
+        class Recorded:
+            def wait(self) -> Any:
+                log.append(("wait", index))
+                return work.wait() if work is not None else True
+
+        return Recorded() if kwargs.get("async_op") else work
+
+
+def all_reduce_overlap_run() -> list[tuple[str, Any]]:
+    """One backward of the 2 x 2 HSDP model with no reduce-scatter left in flight: the order in
+    which the all-reduces over the replicas start and complete, and blocks.0's backward begins."""
+    from fsdp_patch.sharding import collectives
+
+    model = _build("ours", "fp32")
+    model.set_overlap_limits(reduce_scatters_in_flight=0)
+    log: list[tuple[str, Any]] = []
+    model.blocks[0].register_full_backward_pre_hook(lambda module, grad: log.append(("backward", "blocks.0")))
+    x, y = data(1)[0]
+    x, y = rows(x, dist.get_rank(), WORLD_SIZE), rows(y, dist.get_rank(), WORLD_SIZE)
+    original = collectives.dist
+    collectives.dist = _RecordedAllReduces(log)  # type: ignore[assignment]
+    try:
+        F.mse_loss(model(x), y).backward()
+    finally:
+        collectives.dist = original
+    return log
+
+
+def test_the_all_reduce_over_replicas_overlaps_the_rest_of_backward(run_once) -> None:
+    """blocks.1's grads, reduce-scattered as its backward ends, start their all-reduce over the
+    replicas before blocks.0's backward begins and complete after it: the all-reduce runs while
+    backward goes on, as the reduce-scatter does (here none is left in flight, so only the
+    all-reduce can overlap)."""
+    for rank, log in enumerate(run_once(WORLD_SIZE, all_reduce_overlap_run)):
+        got = [log.index(("issue", 0)), log.index(("backward", "blocks.0")), log.index(("wait", 0))]
+        assert got == sorted(got), (
+            f"rank {rank}: want blocks.1's all-reduce started, blocks.0's backward, then the all-reduce "
+            f"completed; got the log {log}"
+        )
+        issued = sum(1 for event, _ in log if event == "issue")
+        waited = sum(1 for event, _ in log if event == "wait")
+        assert issued == waited == 3, f"rank {rank}: want 3 units' all-reduces started and completed, got {log}"
