@@ -415,15 +415,17 @@ class UnitState:
         self._stop_awaiting_final()
         if self.unsharded_in_module:
             self.swap(unsharded=False)
+        # Kept only across microbatches without sync: after a synced backward the optimizer
+        # step changes the weights the kept storage holds, which the next forward would use
+        # (FSDP2 keeps it there too, and computes with the weights from before the step).
+        # Freed before the grads are packed for the reduce, as FSDP2 does: the unsharded
+        # weights and the packed grads are then never held at once.
+        if self.reshard_after_backward or self.requires_gradient_sync:
+            self.reshard()
         for group in self.groups:
             group.post_backward(self.requires_gradient_sync, self.requires_all_reduce)
         if self.context is not None:
             self.context.reducing(self.groups, self.reduces_in_flight)
-        # Kept only across microbatches without sync: after a synced backward the optimizer
-        # step changes the weights the kept storage holds, which the next forward would use
-        # (FSDP2 keeps it there too, and computes with the weights from before the step).
-        if self.reshard_after_backward or self.requires_gradient_sync:
-            self.reshard()
         self.training_state = TrainingState.IDLE
 
     def finish_backward(self) -> None:

@@ -215,16 +215,18 @@ class MainGrads:
 
     def next_reduce_overwrites(self) -> bool:
         """Whether the reduce about to be issued overwrites the buffer (the first one after a
-        :meth:`begin` that found no grad); allocates the buffer, uninitialized if so."""
+        :meth:`begin` that found no grad)."""
         overwrite, self._overwrite = self._overwrite, False
-        self._ensure(overwritten=overwrite)
         return overwrite
 
     def apply(self, reduce: ReduceScatter) -> None:
-        """Completes ``reduce`` into the buffer (overwriting or adding) and notes its flags."""
+        """Completes ``reduce`` into the buffer (overwriting or adding) and notes its flags.
+
+        A freed buffer is allocated here, once the reduce completed (uninitialized where the
+        reduce overwrites it), not when it was issued: while the reduce runs its input and
+        output are held, as FSDP2 holds them, and the buffer not yet."""
         reduced = reduce.wait()
-        buffer = self._owned
-        assert buffer is not None, "a reduce completed outside an accumulation"
+        buffer = self._ensure(overwritten=reduce.overwrite).tensor
         numel = self.layout.shard_numel
         with torch.no_grad():
             if reduce.overwrite:
