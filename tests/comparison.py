@@ -7,6 +7,8 @@
 - :func:`same`, :func:`assert_same`: the same, as a boolean and as an assertion naming what was compared.
 - :func:`max_abs_difference`: the largest absolute difference over tensors of the same names,
   and the name it is at, for tests that hold two runs to a tolerance.
+- :func:`assert_as_fsdp2_and_reference`: per rank, ours bitwise FSDP2's and both within a
+  tolerance of the unsharded model.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["assert_same", "bits", "difference", "local", "max_abs_difference", "same"]
+__all__ = ["assert_as_fsdp2_and_reference", "assert_same", "bits", "difference", "local", "max_abs_difference", "same"]
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -98,3 +100,20 @@ def max_abs_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         if diff > worst or not where:
             worst, where = diff, name
     return worst, where
+
+
+def assert_as_fsdp2_and_reference(
+    ours: list[dict[str, torch.Tensor]], fsdp2: list[dict[str, torch.Tensor]], reference: dict[str, torch.Tensor],
+    tolerance: float,
+) -> None:  # fmt: skip
+    """Each rank's parameters (full tensors by name): FSDP2's (the control) and ours within
+    ``tolerance`` of the unsharded model's, and ours bitwise FSDP2's."""
+    for rank, (got, control) in enumerate(zip(ours, fsdp2, strict=True)):
+        diff, where = max_abs_difference(control, reference)
+        assert diff <= tolerance, (
+            f"rank {rank}: FSDP2 (the control) differs from the unsharded model by {diff:.3g} at {where}"
+        )
+        diff, where = max_abs_difference(got, reference)
+        assert diff <= tolerance, f"rank {rank}: ours differs from the unsharded model by {diff:.3g} at {where}"
+        diff, where = max_abs_difference(got, control)
+        assert diff == 0.0, f"rank {rank}: ours differs from FSDP2 by {diff:.3g} at {where}; expected bitwise equal"

@@ -246,8 +246,9 @@ class FSDPModule:
         )
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """How many reduce-scatters (each holding its packed grads) may be in flight while
-        backward goes on: ``set_overlap_limits(reduce_scatters_in_flight=...)`` under FSDP2's name."""
+        """How many reduce-scatters (each holding its packed grads) may be in flight, the one a
+        unit issues included: ``set_overlap_limits(reduce_scatters_in_flight=...)`` under
+        FSDP2's name (its default, 1, is ours)."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
             raise ValueError(f"set_reduce_scatter_max_input_buffers expected an int >= 1, got {max_input_buffers!r}")
         for module in _units(self, recurse):
@@ -258,7 +259,7 @@ class FSDPModule:
         *,
         forward_prefetch: int = 1,
         backward_prefetch: int = 1,
-        reduce_scatters_in_flight: int = 2,
+        reduce_scatters_in_flight: int = 1,
         recurse: bool = True,
     ) -> None:
         """Bounds the communication that overlaps computation.
@@ -266,10 +267,13 @@ class FSDPModule:
         In forward, each unit issues the all-gathers of the next ``forward_prefetch`` units (in
         the order the last forward entered them) before it computes; in backward, of the
         ``backward_prefetch`` units before it. At most that many units are gathered ahead of the
-        one computing. ``reduce_scatters_in_flight`` bounds the reduce-scatters left running
-        while backward goes on (each holds its unit's packed grads until it completes); all
-        complete before backward ends. 0 turns each off: collectives then block as they run,
-        except HSDP's all-reduces over the replicas, which run until backward ends.
+        one computing. ``reduce_scatters_in_flight`` bounds the reduce-scatters running while
+        backward goes on, the one a unit issues included (each holds its unit's packed grads
+        until it completes): before a unit packs its grads, the oldest complete until fewer
+        remain, as FSDP2's ``set_reduce_scatter_max_input_buffers`` (default 1: each runs while
+        the next unit's backward computes); all complete before backward ends. 0 turns each off:
+        collectives then block as they run, except HSDP's all-reduces over the replicas, which
+        run until backward ends.
 
         Raises:
             TypeError: A limit is not a non-negative int (bool is refused).

@@ -98,10 +98,19 @@ class RootContext:
             return self.order[index + 1 : index + 1 + count]
         return self.order[max(0, index - count) : index][::-1]
 
+    def make_room(self, limit: int) -> None:
+        """Before a unit packs its grads for the reduce: moves reduce-scatters in flight on,
+        oldest first, until fewer than ``limit`` remain (as FSDP2 reclaims its reduce-scatter
+        input buffers before the next), so that with the one about to be issued at most
+        ``limit`` hold their packed grads. Moved on: completed, or under HSDP all-reducing over
+        the replicas until the grads are finalized
+        (:meth:`~..sharding.parameter_group.ParameterGroup.advance_reduce`)."""
+        while self._reducing and len(self._reducing) >= limit:
+            self._reducing.pop(0).advance_reduce()
+
     def reducing(self, groups: list[ParameterGroup], limit: int) -> None:
-        """Notes groups that issued reduce-scatters; moves the oldest beyond ``limit`` on
-        (:meth:`~..sharding.parameter_group.ParameterGroup.advance_reduce`: completed, or
-        under HSDP all-reducing over the replicas until the grads are finalized)."""
+        """Notes groups that issued reduce-scatters; moves the oldest beyond ``limit`` on (a
+        unit of several groups, or ``limit`` 0: each completes where it is issued)."""
         self._reducing.extend(g for g in groups if g.reduce_in_flight)
         while len(self._reducing) > limit:
             self._reducing.pop(0).advance_reduce()

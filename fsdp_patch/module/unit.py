@@ -105,7 +105,7 @@ class UnitState:
         # reduce-scatters left in flight while backward goes on.
         self.prefetch_depth = {1: 1, -1: 1}
         self.explicit_prefetch: dict[int, list[UnitState] | None] = {1: None, -1: None}
-        self.reduces_in_flight = 2
+        self.reduces_in_flight = 1  # FSDP2's default reduce_scatter_max_input_buffers
         self.prefetched = False  # gathered ahead and not yet entered
         # FSDP2's set_reshard_after_backward: False keeps the unsharded storage after a backward
         # without gradient sync, for the next microbatch's forward (see post_backward).
@@ -422,6 +422,8 @@ class UnitState:
         # weights and the packed grads are then never held at once.
         if self.reshard_after_backward or self.requires_gradient_sync:
             self.reshard()
+        if self.context is not None and self.requires_gradient_sync:
+            self.context.make_room(self.reduces_in_flight)
         for group in self.groups:
             group.post_backward(self.requires_gradient_sync, self.requires_all_reduce)
         if self.context is not None:

@@ -195,12 +195,15 @@ class MainGrads:
             source = self.layout.params[index].local_view(old) if grad is view and old is not None else _local(grad)
             shards.local(index).copy_(source)
 
-    def pack(self, unsharded_params: Sequence[nn.Parameter]) -> torch.Tensor:
+    def pack(self, unsharded_params: Sequence[nn.Parameter], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A reduce-scatter's input: the unsharded grads (zeros for missing ones), then one
         presence flag per parameter, as ``(world_size, shard_numel + len(params))`` rows in the
-        main-grad dtype; row ``r`` is what rank ``r`` receives (read back by :meth:`apply`)."""
+        main-grad dtype (or ``dtype``); row ``r`` is what rank ``r`` receives (read back by
+        :meth:`apply`)."""
         world_size = self.layout.params[0].world_size
-        packed = torch.empty(world_size, self.layout.shard_numel + self._count, dtype=self.dtype, device=self._device)
+        packed = torch.empty(
+            world_size, self.layout.shard_numel + self._count, dtype=dtype or self.dtype, device=self._device
+        )
         # Zero-size parameters own no slot (torch._chunk_cat refuses empty inputs).
         grads = [
             local_grad(param.grad, param) if param.grad is not None else torch.zeros_like(_local(param))

@@ -419,8 +419,12 @@ class ParameterGroup:
             if not sync:
                 if self._accumulate_wide:
                     # Autograd would accumulate the next microbatch into the compute-dtype grads.
-                    packed = self._grads.pack(self.unsharded_params)
-                    self._accumulated = packed if self._accumulated is None else self._accumulated.add_(packed)
+                    # Added in the compute dtype (widened exactly by the add): a packed copy in
+                    # the main-grad dtype beside the accumulated one would double the peak.
+                    if self._accumulated is None:
+                        self._accumulated = self._grads.pack(self.unsharded_params)
+                    else:
+                        self._accumulated.add_(self._grads.pack(self.unsharded_params, self.compute_dtype))
                     self._drop_unsharded_grads()
                 return
             replicas = self.dims.replicate_size
@@ -449,11 +453,10 @@ class ParameterGroup:
     def _packed_grads(self) -> torch.Tensor:
         """This backward's unsharded grads packed as the reduce-scatter reads them, plus what
         microbatches without sync accumulated (then dropped)."""
-        packed = self._grads.pack(self.unsharded_params)
-        if self._accumulated is not None:
-            packed.add_(self._accumulated)
-            self._accumulated = None
-        return packed
+        if self._accumulated is None:
+            return self._grads.pack(self.unsharded_params)
+        packed, self._accumulated = self._accumulated, None
+        return packed.add_(self._grads.pack(self.unsharded_params, self.compute_dtype))
 
     @property
     def reduce_in_flight(self) -> bool:

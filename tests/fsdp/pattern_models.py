@@ -28,10 +28,10 @@ IMPLS = ("ours", "fsdp2", "reference")
 
 
 class FeedForward(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(x)))

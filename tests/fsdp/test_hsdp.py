@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.comparison import max_abs_difference
+from tests.comparison import assert_as_fsdp2_and_reference, max_abs_difference
 from tests.fsdp.pattern_models import BATCH, Net, data, rows
 
 WORLD_SIZE = 4
@@ -101,13 +101,9 @@ def test_hsdp_fp32_matches_fsdp2_bitwise_and_the_unsharded_model(run_once, micro
         ours[0]["placements"],
         fsdp2[0]["placements"],
     )
-    for rank in range(WORLD_SIZE):
-        diff, where = max_abs_difference(fsdp2[rank]["params"], reference["params"])
-        assert diff <= REFERENCE_TOL, f"FSDP2 (the control) differs from the unsharded model by {diff:.3g} at {where}"
-        diff, where = max_abs_difference(ours[rank]["params"], reference["params"])
-        assert diff <= REFERENCE_TOL, f"rank {rank}: ours differs from the unsharded model by {diff:.3g} at {where}"
-        diff, where = max_abs_difference(ours[rank]["params"], fsdp2[rank]["params"])
-        assert diff == 0.0, f"rank {rank}: ours differs from FSDP2 by {diff:.3g} at {where}; expected bitwise equal"
+    assert_as_fsdp2_and_reference(
+        [run["params"] for run in ours], [run["params"] for run in fsdp2], reference["params"], REFERENCE_TOL
+    )
 
 
 def test_hsdp_bf16_compute_matches_fsdp2(run_once) -> None:

@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.comparison import max_abs_difference
+from tests.comparison import assert_as_fsdp2_and_reference, max_abs_difference
+from tests.fsdp.pattern_models import FeedForward
 
 WORLD_SIZE = 4
 IN, DIM, HIDDEN, OUT = 6, 8, 14, 5
@@ -34,21 +35,11 @@ BF16 = torch.bfloat16
 REFERENCE_TOL = 1e-5
 
 
-class FeedForward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
-        self.ff = FeedForward()
+        self.ff = FeedForward(DIM, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ff(self.norm(x))
@@ -148,13 +139,9 @@ def test_tp_fsdp_fp32_matches_fsdp2_bitwise_and_the_unsharded_model(run_once, mi
     assert ours[0]["placements"] == fsdp2[0]["placements"], (
         f"placements: ours {ours[0]['placements']}, FSDP2 {fsdp2[0]['placements']}"
     )
-    for rank in range(WORLD_SIZE):
-        diff, where = max_abs_difference(fsdp2[rank]["params"], reference["params"])
-        assert diff <= REFERENCE_TOL, f"FSDP2 (the control) differs from the unsharded model by {diff:.3g} at {where}"
-        diff, where = max_abs_difference(ours[rank]["params"], reference["params"])
-        assert diff <= REFERENCE_TOL, f"rank {rank}: ours differs from the unsharded model by {diff:.3g} at {where}"
-        diff, where = max_abs_difference(ours[rank]["params"], fsdp2[rank]["params"])
-        assert diff == 0.0, f"rank {rank}: ours differs from FSDP2 by {diff:.3g} at {where}; expected bitwise equal"
+    assert_as_fsdp2_and_reference(
+        [run["params"] for run in ours], [run["params"] for run in fsdp2], reference["params"], REFERENCE_TOL
+    )
 
 
 def test_tp_fsdp_bf16_compute_matches_fsdp2(run_once) -> None:
