@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_patch.sharding.parameter_group import REDUCE_INPUT
 from tests.fsdp.sharded_views import full_params, rank0, unsharded_bytes, world
 from tests.models import TinyTransformer, lm_loss, make_batches, rank_slice, shard_model
 
@@ -26,6 +27,7 @@ LIMITS = {"off": 0, "default": 1, "deep": 2}
 
 
 LAYERS = 4
+REDUCES_DEEP = 4
 
 
 STEPS = 3
@@ -70,9 +72,12 @@ def train(checkpointed: bool, limits: tuple[int, int, int], microbatches: int, s
     model = build(checkpointed, limits)
     units = _units(model)
     ahead: dict[str, list[int]] = {"forward": [], "backward": []}
+    reducing: list[int] = []
 
     def note(direction: str, current: str) -> None:
         ahead[direction].append(len(_gathered(units) - {current, "<root>"}))
+        if direction == "backward":
+            reducing.append(sum(g.reduce_in_flight for m in units.values() for g in m.fsdp_parameter_groups))
 
     def forward_hook(current: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -81,6 +86,15 @@ def train(checkpointed: bool, limits: tuple[int, int, int], microbatches: int, s
 
         return hook
 
+    packing: list[int] = []
+
+    def at_pack(group: Any, stage: str, grads: torch.Tensor) -> None:
+        if stage == REDUCE_INPUT:
+            packing.append(sum(g.reduce_in_flight for m in units.values() for g in m.fsdp_parameter_groups))
+
+    for unit in units.values():
+        for group in unit.fsdp_parameter_groups:
+            group.register_reduce_hook(at_pack)
     for name, unit in units.items():
         if name == "<root>":
             continue
@@ -110,6 +124,8 @@ def train(checkpointed: bool, limits: tuple[int, int, int], microbatches: int, s
         "losses": losses,
         "params": rank0(full_params(model)),
         "ahead": ahead,
+        "reducing": reducing,
+        "packing": packing,
         "storage_after_zero_grad": storage_after_zero_grad,
         "gathered_at_end": sorted(_gathered(units)),
     }
@@ -118,7 +134,7 @@ def train(checkpointed: bool, limits: tuple[int, int, int], microbatches: int, s
 def overlap_run(checkpointed: bool, microbatches: int, sync: str) -> dict[str, Any]:
     """The same training with overlap off (every collective blocking), the defaults, and deeper
     prefetch with more reduce-scatters in flight."""
-    settings = {"off": (0, 0, 0), "default": (1, 1, 2), "deep": (2, 2, 4)}
+    settings = {"off": (0, 0, 0), "default": (1, 1, 1), "deep": (2, 2, REDUCES_DEEP)}
     return {name: train(checkpointed, limits, microbatches, sync) for name, limits in settings.items()}
 
 
@@ -157,6 +173,23 @@ def test_units_gathered_ahead_never_exceed_the_limit(run_once: Any, case: tuple[
             assert facts[name]["gathered_at_end"] == [], (
                 f"rank {rank}: still gathered after training: {facts[name]['gathered_at_end']}"
             )
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: f"ws{c[0]}-{'ckpt' if c[1] else 'plain'}")
+def test_reduce_scatters_in_flight_never_exceed_the_limit(run_once: Any, case: tuple[int, bool, int, str]) -> None:
+    """Counted at each unit's backward: reduce-scatters issued and not completed. As FSDP2's
+    reduce_scatter_max_input_buffers: at most the limit, the last one issued included, so with
+    the default 1 the previous unit's runs while this one computes; off, none."""
+    limits = {"off": 0, "default": 1, "deep": min(REDUCES_DEEP, LAYERS - 1)}  # LAYERS - 1 blocks before block 0
+    # When a unit packs its grads, fewer than the limit run: with its own, at most the limit.
+    at_pack = {"off": 0, "default": 0, "deep": min(REDUCES_DEEP - 1, LAYERS)}
+    for rank, facts in enumerate(_run(run_once, case)):
+        got = {name: max(facts[name]["reducing"]) for name in limits}
+        assert got == limits, f"rank {rank}: most reduce-scatters in flight at a unit's backward {got}, want {limits}"
+        got_pack = {name: max(facts[name]["packing"]) for name in at_pack}
+        assert got_pack == at_pack, (
+            f"rank {rank}: most reduce-scatters in flight as a unit packs its grads {got_pack}, want {at_pack}"
+        )
 
 
 def test_main_grad_memory_is_free_after_zero_grad_set_to_none(run_once: Any) -> None:
