@@ -222,3 +222,48 @@ def test_the_report_names_the_replica_that_diverged(dist_pool, tmp_path, impl) -
     assert "head.weight, float32" in text and "rank 2 (replicate=1,shard=0)" in text, (
         f"{impl}: want the origin's rank named with its mesh coordinate:\n{text}"
     )
+
+
+def stage_run(impl: str) -> list[int]:
+    """Two pipeline stages of 2 ranks each (a (pp, replicate, shard) = (2, 1, 2) mesh), each
+    training a model of its own on its 2-D (replicate, shard) submesh, diagnostics at the default
+    interval; stage 1's head gets a NaN before step 2's update. The steps this rank diagnosed."""
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank = dist.get_rank()
+    world = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "replicate", "shard"))
+    mesh = world["replicate", "shard"]
+    stage = world.get_local_rank("pp")
+    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="100"), in_memory_otel() as (spans, _):
+        model = models.make_model(stage)
+        if impl == "ours":
+            from fsdp_patch import MixedPrecisionPolicy
+
+            model = models.shard_model(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+            model = models.fsdp2_shard_model(model, mesh=mesh, mp_policy=TorchPolicy(param_dtype=torch.bfloat16))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fully_shard_optimizer(optimizer)
+        for step, tokens in enumerate(models.make_batches(7), start=1):
+            models.lm_loss(model, models.rank_slice(tokens, mesh.get_local_rank("shard"), 2)).backward()
+            if step == PLANTED_STEP and stage == 1 and mesh.get_local_rank("shard") == 0:
+                with torch.no_grad():
+                    model.head.weight.to_local()[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+        finished = spans.get_finished_spans()
+        step_of = {s.context.span_id: s.attributes["fsdp.step"] for s in finished if s.name == "fsdp.optimizer.step"}
+        diagnosed = sorted(step_of[s.parent.span_id] for s in finished if s.name == "fsdp.optimizer.precision")
+    assert rank // 2 == stage, f"rank {rank}: stage {stage}"
+    return diagnosed
+
+
+@pytest.mark.parametrize("impl", ["ours", "fsdp2"])
+def test_ranks_of_a_mesh_smaller_than_the_world_agree_among_themselves(dist_pool, impl) -> None:
+    """Each stage's ranks agree on escalating (over a group of the stage's ranks): stage 1, whose
+    rank 2 wrote the NaN, escalates at step 3 on both its ranks; stage 0 keeps the schedule."""
+    got = dist_pool(WORLD_SIZE).run(stage_run, impl)
+    want = [[1, 2, 3, 5]] * 2 + [[1, 2, 3, 4, 5]] * 2
+    assert got == want, f"{impl}: want stage 0 on the schedule, stage 1 escalated: per rank {want}, got {got}"
