@@ -63,6 +63,9 @@ RESOURCE_RANK = "fsdp.rank"
 RESOURCE_WORLD_SIZE = "fsdp.world_size"
 RESOURCE_LOCAL_RANK = "fsdp.local_rank"
 RESOURCE_RUN_ID = "fsdp.run_id"
+RESOURCE_MESH_COORDINATE = ATTR_MESH_COORDINATE
+"""Where the providers are built after a model on a mesh of 2 or more dimensions was sharded (the
+embedded default, at the first step): the rank's mesh coordinate, as on the step spans."""
 
 # -- metrics -------------------------------------------------------------------------------------
 

@@ -73,7 +73,9 @@ def test_resource_attributes_are_the_pages():
     from fsdp_patch.telemetry.export.resource import rank_attributes
 
     listed = {code_spans(r[0])[0] for r in table_rows(section("Resource attributes"), "attribute")}
-    emitted = set(rank_attributes(RankInfo(rank=1, world_size=2, local_rank=1, run_id="job-7")))
+    emitted = set(
+        rank_attributes(RankInfo(rank=1, world_size=2, local_rank=1, run_id="job-7", mesh_coordinate="dp=0,tp=1"))
+    )
     assert listed == emitted, f"conventions.md resource attributes {sorted(listed)}, emitted {sorted(emitted)}"
 
 

@@ -40,7 +40,7 @@ from . import exit_hooks, isolation, otel_env, selection
 from .exporters import MetricSetup, build_metric_readers, build_span_exporters
 from .isolation import BoundedCall, OwnBatchSpanProcessor, WarnOnce
 from .prometheus_endpoint import wait_for_final_scrapes
-from .ranks import RankInfo, current_rank_info
+from .ranks import RankInfo, current_rank_info, note_mesh_coordinate
 from .resource import build_resource
 from .trace_files import TraceFileExporter
 
@@ -401,6 +401,7 @@ def uninstall() -> None:
         _shut_down = False
         _exit_waited = None
         _observers.clear()
+        note_mesh_coordinate(None)
 
 
 reset = uninstall

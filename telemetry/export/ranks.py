@@ -16,12 +16,26 @@ class RankInfo:
         world_size: Number of ranks in the default process group.
         local_rank: Rank on this host; offsets per-process ports.
         run_id: ``TORCHELASTIC_RUN_ID`` when torchrun started the job.
+        mesh_coordinate: This rank's place on a device mesh of 2 or more dimensions
+            (``replicate=1,shard=0``), once :func:`note_mesh_coordinate` was told it.
     """
 
     rank: int
     world_size: int
     local_rank: int
     run_id: str | None
+    mesh_coordinate: str | None = None
+
+
+_mesh_coordinate: str | None = None
+
+
+def note_mesh_coordinate(coordinate: str | None) -> None:
+    """This process's mesh coordinate, for the rank identity of providers built from now on
+    (``None`` forgets it: the telemetry's uninstall). A provider's resource is fixed when it is
+    built: providers built before a model was sharded do not carry it."""
+    global _mesh_coordinate
+    _mesh_coordinate = coordinate
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -70,4 +84,5 @@ def current_rank_info() -> RankInfo:
 
 
 def _rank_info(rank: int, world_size: int) -> RankInfo:
-    return RankInfo(rank, world_size, _env_int("LOCAL_RANK", 0), os.environ.get("TORCHELASTIC_RUN_ID") or None)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or None
+    return RankInfo(rank, world_size, _env_int("LOCAL_RANK", 0), run_id, _mesh_coordinate)

@@ -21,7 +21,8 @@ DEFAULT_SERVICE_NAME = "fsdp_patch"
 
 
 def rank_attributes(rank_info: RankInfo) -> dict[str, Any]:
-    """The resource attributes of the rank identity (docs/conventions.md): rank, world size, local rank, run id."""
+    """The resource attributes of the rank identity (docs/conventions.md): rank, world size, local
+    rank, run id, mesh coordinate."""
     ours: dict[str, Any] = {
         semconv.RESOURCE_RANK: rank_info.rank,
         semconv.RESOURCE_WORLD_SIZE: rank_info.world_size,
@@ -29,6 +30,8 @@ def rank_attributes(rank_info: RankInfo) -> dict[str, Any]:
     }
     if rank_info.run_id:
         ours[semconv.RESOURCE_RUN_ID] = rank_info.run_id
+    if rank_info.mesh_coordinate:
+        ours[semconv.RESOURCE_MESH_COORDINATE] = rank_info.mesh_coordinate
     return ours
 
 

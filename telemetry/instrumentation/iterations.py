@@ -34,7 +34,7 @@ from fsdp_patch.sharding import parameter_group_of
 from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
 from .. import env, semconv
-from ..diagnostics.groups import first_process_group, weights_of, widest_mesh
+from ..diagnostics.groups import first_process_group, mesh_coordinate, weights_of, widest_mesh
 from ..diagnostics.model_audit import (
     ModelFinding,
     low_precision_accumulation,
@@ -107,6 +107,11 @@ class IterationWatch:
         return 0 < self._step <= self.escalated_until
 
     # -- the groups the optimizer steps -----------------------------------------------------
+
+    def mesh_coordinate(self) -> str | None:
+        """This rank's place on the mesh of the optimizer's sharded parameters, where it has 2
+        or more dimensions (:func:`~..diagnostics.groups.mesh_coordinate`)."""
+        return mesh_coordinate(self._optimizer_groups())
 
     def _optimizer_groups(self) -> list[Any]:
         optimizer = self._optimizer_ref()

@@ -26,7 +26,7 @@ from .. import env, semconv
 from ..diagnostics.groups import PrecisionSnapshot, mesh_coordinate
 from ..export import providers
 from ..export.isolation import WarnOnce
-from ..export.ranks import distributed_rank
+from ..export.ranks import distributed_rank, note_mesh_coordinate
 from . import instruments
 from .instruments import AttributeCache, dtype_name
 from .iterations import IterationWatch
@@ -146,6 +146,11 @@ class OptimizerObserver:
             if self._ready:
                 return
             self.rank, self.world_size = distributed_rank()
+            # Before the providers are resolved: the embedded default builds them now, and puts
+            # the mesh coordinate of the model it finds sharded into their resource.
+            coordinate = self._iterations.mesh_coordinate()
+            if coordinate is not None:
+                note_mesh_coordinate(coordinate)
             traced = self._trace_ranks is None or self.rank in self._trace_ranks
             tracer_provider = self._given_tracer_provider or providers.tracer_provider()
             meter_provider = self._given_meter_provider or providers.meter_provider()

@@ -122,6 +122,9 @@ def read_run(directory: str) -> RunTrace:
             if event.get("ph") == "M" and event.get("name") == "process_name":
                 resource = args.get(RESOURCE) or {}
                 run.world_size = resource.get(semconv.RESOURCE_WORLD_SIZE, run.world_size)
+                coordinate = resource.get(semconv.RESOURCE_MESH_COORDINATE)
+                if coordinate:
+                    run.iterations.coordinates.setdefault(segment.rank, str(coordinate))
                 run.service = resource.get(RESOURCE_SERVICE, run.service)
             elif event.get("ph") == "X" and event.get("name") in (semconv.SPAN_SKIPPED_STEP, semconv.SPAN_CHECKS):
                 run.iterations.feed_span(str(event["name"]), args, segment.rank, float(event.get("ts") or 0))

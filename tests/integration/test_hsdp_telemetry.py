@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp_patch.telemetry.offline import precision_report
+from fsdp_patch.telemetry.offline.trace_reading import iter_events, rank_segments
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests import models
@@ -218,6 +219,15 @@ def test_the_report_names_the_replica_that_diverged(dist_pool, tmp_path, impl) -
     ), f"{impl}: want replica 1 (ranks 2, 3) named with the NaN, got {divergence}"
     want_coordinates = {str(r): f"replicate={r // 2},shard={r % 2}" for r in range(WORLD_SIZE)}
     assert report["mesh_coordinates"] == want_coordinates, f"{impl}: got {report['mesh_coordinates']}"
+    # The embedded default's providers were built at the first step, the model sharded: their
+    # resource carries the coordinate too.
+    resources = {
+        str(segment.rank): event["args"]["otel.resource"].get("fsdp.mesh.coordinate")
+        for segment in rank_segments(str(tmp_path))
+        for event in iter_events(segment.path)
+        if event.get("ph") == "M" and event.get("name") == "process_name"
+    }
+    assert resources == want_coordinates, f"{impl}: trace files' resource mesh coordinates {resources}"
     text = precision_report.report(str(tmp_path))
     assert "head.weight, float32" in text and "rank 2 (replicate=1,shard=0)" in text, (
         f"{impl}: want the origin's rank named with its mesh coordinate:\n{text}"

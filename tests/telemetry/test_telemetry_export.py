@@ -565,3 +565,16 @@ def test_queue_full_warnings_fold_for_our_processors_only(monkeypatch, caplog):
         provider.shutdown()
     assert counts["ours"] == 1, f"our processor: want the warning once, got {counts['ours']} times"
     assert counts["application's"] >= 2, f"application's processor: want the SDK's repeats, got {counts}"
+
+
+def test_the_mesh_coordinate_joins_the_resource_until_uninstalled() -> None:
+    from fsdp_patch.telemetry.export.ranks import current_rank_info, note_mesh_coordinate
+
+    note_mesh_coordinate("replicate=1,shard=0")
+    try:
+        got = build_resource(current_rank_info()).attributes.get("fsdp.mesh.coordinate")
+        assert got == "replicate=1,shard=0", f"want the noted coordinate in the resource, got {got!r}"
+    finally:
+        providers.uninstall()
+    after = build_resource(current_rank_info()).attributes.get("fsdp.mesh.coordinate")
+    assert after is None, f"want no coordinate after uninstall, got {after!r}"
