@@ -40,9 +40,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
 
 
-def _build(impl: str, precision: str, shape: tuple[int, ...] = (2, 2), seed: int = 0) -> Net:
+def _build(impl: str, precision: str, shape: tuple[int, ...] = (2, 2), seed: int = 0, outer: str = "none") -> Net:
     torch.manual_seed(seed)
-    model = Net(norm=True)
+    model = Net(norm=True, outer=outer)
     if impl == "reference":
         return model
     if impl == "ours":
@@ -57,15 +57,18 @@ def _build(impl: str, precision: str, shape: tuple[int, ...] = (2, 2), seed: int
     return model
 
 
-def hsdp_run(impl: str, precision: str, microbatches: int, skip: str, telemetry: bool = False) -> dict[str, Any]:
+def hsdp_run(
+    impl: str, precision: str, microbatches: int, skip: str, telemetry: bool = False, outer: str = "none"
+) -> dict[str, Any]:
     """Trains ``STEPS`` steps; ``skip`` on the microbatches before the last: ``"sync"`` (no
-    gradient sync), ``"all_reduce"`` (reduce-scatter only) or ``"none"``."""
+    gradient sync), ``"all_reduce"`` (reduce-scatter only) or ``"none"``; ``outer``: activation
+    checkpointing of each block (``"none"``, ``"non_reentrant"``, ``"reentrant"``)."""
     from tests.integration.otel_training import environment, in_memory_otel
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"} if telemetry else {}
     with environment(**settings), in_memory_otel():
-        model = _build(impl, precision)
+        model = _build(impl, precision, outer=outer)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         if impl == "ours":
             from fsdp_patch.optimizer import fully_shard_optimizer
@@ -91,11 +94,14 @@ def hsdp_run(impl: str, precision: str, microbatches: int, skip: str, telemetry:
     return {"losses": losses, "params": params, "placements": placements}
 
 
-@pytest.mark.parametrize(("microbatches", "skip"), [(1, "none"), (2, "sync"), (2, "all_reduce")])
-def test_hsdp_fp32_matches_fsdp2_bitwise_and_the_unsharded_model(run_once, microbatches, skip) -> None:
-    ours = run_once(WORLD_SIZE, hsdp_run, "ours", "fp32", microbatches, skip)
-    fsdp2 = run_once(WORLD_SIZE, hsdp_run, "fsdp2", "fp32", microbatches, skip)
-    reference = run_once(1, hsdp_run, "reference", "fp32", microbatches, "none")[0]
+@pytest.mark.parametrize(
+    ("microbatches", "skip", "outer"),
+    [(1, "none", "none"), (2, "sync", "none"), (2, "all_reduce", "none"), (1, "none", "non_reentrant")],
+)
+def test_hsdp_fp32_matches_fsdp2_bitwise_and_the_unsharded_model(run_once, microbatches, skip, outer) -> None:
+    ours = run_once(WORLD_SIZE, hsdp_run, "ours", "fp32", microbatches, skip, False, outer)
+    fsdp2 = run_once(WORLD_SIZE, hsdp_run, "fsdp2", "fp32", microbatches, skip, False, outer)
+    reference = run_once(1, hsdp_run, "reference", "fp32", microbatches, "none", False, outer)[0]
     want_placements = ["(Replicate(), Shard(dim=0))"]
     assert fsdp2[0]["placements"] == ours[0]["placements"] == want_placements, (
         ours[0]["placements"],

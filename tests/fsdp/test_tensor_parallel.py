@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from tests.comparison import assert_as_fsdp2_and_reference, max_abs_difference
 from tests.fsdp.pattern_models import FeedForward
@@ -46,16 +47,19 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """Input layer, two blocks, head; ``checkpointed``: each block under activation checkpointing."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(IN, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.head = nn.Linear(DIM, OUT)
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         for block in self.blocks:
-            h = block(h)
+            h = checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
         return self.head(h)
 
 
@@ -80,9 +84,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
 
 
-def _build(impl: str, precision: str, mesh: DeviceMesh | None, seed: int = 0) -> Net:
+def _build(impl: str, precision: str, mesh: DeviceMesh | None, seed: int = 0, checkpointed: bool = False) -> Net:
     torch.manual_seed(seed)
-    model = Net()
+    model = Net(checkpointed)
     if impl == "reference":
         return model
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -101,14 +105,17 @@ def _build(impl: str, precision: str, mesh: DeviceMesh | None, seed: int = 0) ->
     return model
 
 
-def tp_run(impl: str, precision: str, microbatches: int, telemetry: bool = False) -> dict[str, Any]:
-    """Trains ``STEPS`` SGD steps, ``microbatches`` per step (gradient sync off on all but the last)."""
+def tp_run(
+    impl: str, precision: str, microbatches: int, telemetry: bool = False, checkpointed: bool = False
+) -> dict[str, Any]:
+    """Trains ``STEPS`` SGD steps, ``microbatches`` per step (gradient sync off on all but the
+    last), the blocks under activation checkpointing if ``checkpointed``."""
     from tests.integration.otel_training import environment, in_memory_otel
 
     settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"} if telemetry else {}
     with environment(**settings), in_memory_otel():
         mesh = None if impl == "reference" else _mesh()
-        model = _build(impl, precision, mesh)
+        model = _build(impl, precision, mesh, checkpointed=checkpointed)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         if impl == "ours":
             from fsdp_patch.optimizer import fully_shard_optimizer
@@ -131,11 +138,11 @@ def tp_run(impl: str, precision: str, microbatches: int, telemetry: bool = False
     return {"losses": losses, "params": params, "placements": placements}
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_tp_fsdp_fp32_matches_fsdp2_bitwise_and_the_unsharded_model(run_once, microbatches) -> None:
-    ours = run_once(WORLD_SIZE, tp_run, "ours", "fp32", microbatches)
-    fsdp2 = run_once(WORLD_SIZE, tp_run, "fsdp2", "fp32", microbatches)
-    reference = run_once(1, tp_run, "reference", "fp32", microbatches)[0]
+@pytest.mark.parametrize(("microbatches", "checkpointed"), [(1, False), (2, False), (1, True)])
+def test_tp_fsdp_fp32_matches_fsdp2_bitwise_and_the_unsharded_model(run_once, microbatches, checkpointed) -> None:
+    ours = run_once(WORLD_SIZE, tp_run, "ours", "fp32", microbatches, False, checkpointed)
+    fsdp2 = run_once(WORLD_SIZE, tp_run, "fsdp2", "fp32", microbatches, False, checkpointed)
+    reference = run_once(1, tp_run, "reference", "fp32", microbatches, False, checkpointed)[0]
     assert ours[0]["placements"] == fsdp2[0]["placements"], (
         f"placements: ours {ours[0]['placements']}, FSDP2 {fsdp2[0]['placements']}"
     )
