@@ -42,6 +42,11 @@ def _build(impl: str, layout: str) -> Net:
         for block in model.blocks:
             parallelize_module(block.ff, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         dp_mesh = mesh["dp"]
+    elif layout == "hsdp-tp":  # FSDP2 only: fully_shard refuses HSDP x TP
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        for block in model.blocks:
+            parallelize_module(block.ff, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        dp_mesh = mesh["replicate", "shard"]
     else:
         dp_mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
@@ -80,7 +85,7 @@ def tp_telemetry_run(
         fully_shard_optimizer(optimizer)
         mesh = _mesh()
         for step, (x, y) in enumerate(data(steps), start=1):
-            if layout == "tp":
+            if layout != "1d":  # the data-parallel coordinate is rank // 2 on either mesh
                 x, y = _dp_rows(x, mesh), _dp_rows(y, mesh)
             else:
                 x, y = x.chunk(WORLD_SIZE)[rank], y.chunk(WORLD_SIZE)[rank]
@@ -140,3 +145,22 @@ def test_every_rank_escalates_together_when_one_tp_rank_sees_a_nan(dist_pool, im
     got = [run["diagnosed"] for run in runs]
     want = [[1, 2, 3, 4, 5]] * WORLD_SIZE  # the window 1-3, step 5; escalation: steps 3-5
     assert got == want, f"{impl}: want every rank diagnosed on {want[0]}, got per rank {got}"
+
+
+def test_fsdp2_hsdp_x_tp_counts_once_and_escalates_together(dist_pool) -> None:
+    """FSDP2 on a 3-D (replicate, shard, tp) = (2, 1, 2) mesh: the rows combined over the TP
+    ranks, then over the replicas (the two NaNs lie on different replicas: each is counted once,
+    and the replicas differ). Every count equals the 1-D mesh's on every rank; at the default
+    interval, a NaN on one rank alone escalates every rank together."""
+    pool = dist_pool(WORLD_SIZE)
+    runs = pool.run(tp_telemetry_run, "fsdp2", "hsdp-tp")
+    flat = pool.run(tp_telemetry_run, "fsdp2", "1d")[0]["metrics"]
+    counts = ("fsdp.precision.nonfinite", "fsdp.precision.steps", "fsdp.precision.nonfinite.steps")
+    for rank, run in enumerate(runs):
+        for name in counts:
+            got = run["metrics"][name]
+            assert got == flat[name], f"rank {rank}: {name} on (2, 1, 2) {got}, on a 1-D mesh {flat[name]}"
+        want = [f"replicate={rank // 2},shard=0,tp={rank % 2}"]
+        assert run["coordinates"] == want, f"rank {rank}: mesh coordinate {run['coordinates']}, want {want}"
+    diagnosed = [run["diagnosed"] for run in pool.run(tp_telemetry_run, "fsdp2", "hsdp-tp", "100", 7, False)]
+    assert diagnosed == [[1, 2, 3, 4, 5]] * WORLD_SIZE, f"per rank, steps diagnosed {diagnosed}"
