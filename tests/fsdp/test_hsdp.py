@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.comparison import assert_as_fsdp2_and_reference, max_abs_difference
+from tests.comparison import assert_as_fsdp2_and_reference, full_state, max_abs_difference
 from tests.fsdp.pattern_models import BATCH, Net, data, rows
 
 WORLD_SIZE = 4
@@ -175,17 +175,6 @@ def test_hsdp_checkpoint_round_trip_is_bitwise(run_once) -> None:
         assert got["diff"] == 0.0, f"rank {rank}: weights after reloading differ by {got['diff']:.3g} at {got['where']}"
 
 
-def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer-state tensor, whole, by name."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {f"param {n}": _full(p) for n, p in model.named_parameters()}
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                out[f"{key} {names[id(param)]}"] = _full(value)
-    return out
-
-
 def reshard_checkpoint_run(saved_on: tuple[int, ...], loaded_on: tuple[int, ...]) -> dict[str, Any]:
     """DCP: a model and its AdamW state saved after two steps on one mesh shape, loaded into a
     model of another seed on another shape: every tensor, whole, as saved; one more step on each
@@ -213,7 +202,7 @@ def reshard_checkpoint_run(saved_on: tuple[int, ...], loaded_on: tuple[int, ...]
     model, optimizer = trained(saved_on, 0, 2)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory[0])
-    saved = _full_state(model, optimizer)
+    saved = full_state(model, optimizer)
 
     other, other_optimizer = trained(loaded_on, 1, 0)
     init_optimizer_state(other_optimizer)
@@ -221,7 +210,7 @@ def reshard_checkpoint_run(saved_on: tuple[int, ...], loaded_on: tuple[int, ...]
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=directory[0])
     set_state_dict(other, other_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loaded = _full_state(other, other_optimizer)
+    loaded = full_state(other, other_optimizer)
     placements = sorted({str(tuple(p.placements)) for p in other.parameters()})
     losses = []
     for net, opt in ((model, optimizer), (other, other_optimizer)):

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from tests.comparison import assert_as_fsdp2_and_reference, max_abs_difference
+from tests.comparison import assert_as_fsdp2_and_reference, full_state, max_abs_difference
 from tests.fsdp.pattern_models import FeedForward
 
 WORLD_SIZE = 4
@@ -173,17 +173,6 @@ def test_tp_fsdp_trains_bitwise_alike_with_telemetry_on_and_off(run_once) -> Non
         assert diff == 0.0, f"rank {rank}: weights with telemetry differ by {diff:.3g} at {where}"
 
 
-def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer-state tensor, whole, by name."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {f"param {n}": _full(p) for n, p in model.named_parameters()}
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                out[f"{key} {names[id(param)]}"] = _full(value)
-    return out
-
-
 def _build_layout(layout: str, seed: int) -> Net:
     """``"ours-tp"``, ``"fsdp2-tp"``: TP x FSDP on 2 x 2; ``"ours-1d"``: fully_shard over all 4 ranks, no TP."""
     if layout == "ours-1d":
@@ -226,7 +215,7 @@ def checkpoint_run(saved_by: str, loaded_by: str) -> dict[str, Any]:
     model, optimizer = trained(saved_by, 0, 2)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory[0])
-    saved = _full_state(model, optimizer)
+    saved = full_state(model, optimizer)
 
     other, other_optimizer = trained(loaded_by, 1, 0)
     if loaded_by.startswith("ours"):
@@ -240,7 +229,7 @@ def checkpoint_run(saved_by: str, loaded_by: str) -> dict[str, Any]:
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=directory[0])
     set_state_dict(other, other_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loaded = _full_state(other, other_optimizer)
+    loaded = full_state(other, other_optimizer)
     x, y = batches[2]
     losses = [F.mse_loss(net(x).float(), y).item() for net in (model, other)]
     diff, where = max_abs_difference(loaded, saved)

@@ -40,6 +40,20 @@ def _plant(model: torch.nn.Module, plant: str) -> None:
         local[0, 0] = float("nan") if plant in ("both", "one") else local[0, 0] + 1.0
 
 
+def _shard(model: torch.nn.Module, impl: str, mesh: Any) -> torch.nn.Module:
+    """``model`` sharded on ``mesh`` by ``fully_shard`` (``"ours"``) or torch's FSDP2, bf16 compute
+    (FSDP2 reduces in bf16, its default for it)."""
+    if impl == "ours":
+        from fsdp_patch import MixedPrecisionPolicy
+
+        return models.shard_model(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    return models.fsdp2_shard_model(
+        model, mesh=mesh, mp_policy=TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    )
+
+
 def _events(spans: Any, name: str) -> list[dict[str, Any]]:
     return [dict(e.attributes) for s in spans.get_finished_spans() for e in s.events if e.name == name]
 
@@ -58,15 +72,7 @@ def hsdp_telemetry_run(
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY=every), in_memory_otel() as (spans, reader):
         model = models.make_model(0)
-        if impl == "ours":
-            from fsdp_patch import MixedPrecisionPolicy
-
-            model = models.shard_model(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-
-            policy = TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-            model = models.fsdp2_shard_model(model, mesh=mesh, mp_policy=policy)
+        model = _shard(model, impl, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fully_shard_optimizer(optimizer)
         for step, tokens in enumerate(models.make_batches(steps), start=1):
@@ -177,14 +183,7 @@ def hsdp_traced_run(impl: str, plant: str, trace_dir: str) -> None:
     with environment(**settings):
         reset_otel()
         model = models.make_model(0)
-        if impl == "ours":
-            from fsdp_patch import MixedPrecisionPolicy
-
-            model = models.shard_model(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-
-            model = models.fsdp2_shard_model(model, mesh=mesh, mp_policy=TorchPolicy(param_dtype=torch.bfloat16))
+        model = _shard(model, impl, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fully_shard_optimizer(optimizer)
         for step, tokens in enumerate(models.make_batches(PLANTED_STEP + 1), start=1):
@@ -246,14 +245,7 @@ def stage_run(impl: str) -> list[int]:
     stage = world.get_local_rank("pp")
     with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_PRECISION_EVERY="100"), in_memory_otel() as (spans, _):
         model = models.make_model(stage)
-        if impl == "ours":
-            from fsdp_patch import MixedPrecisionPolicy
-
-            model = models.shard_model(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-
-            model = models.fsdp2_shard_model(model, mesh=mesh, mp_policy=TorchPolicy(param_dtype=torch.bfloat16))
+        model = _shard(model, impl, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fully_shard_optimizer(optimizer)
         for step, tokens in enumerate(models.make_batches(7), start=1):
