@@ -37,7 +37,7 @@ import torch
 
 from .. import semconv
 from . import param_stats, replicas, rows
-from .groups import PrecisionSnapshot, first_process_group
+from .groups import PrecisionSnapshot
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,5 @@ def compute_stats(snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> Precisi
     """
     table = rows.param_table(groups, snapshot.default_compute_dtype, per_parameter=False)
     local = rows.payload(param_stats.local_rows(snapshot, groups, table, detail=False))
-    process_group = first_process_group(groups)
-    gathered = rows.gather_rows(local, process_group)
-    reduced = rows.combine_over_tensor_parallel(rows.reduce_gathered(gathered), table, groups)
-    combined = replicas.over_replicas(reduced, gathered, rows.gathered_ranks(process_group), groups)
+    combined = replicas.reduce_payload(local, table, groups)
     return stats_from_vector(rows.totals(rows.split_status(combined.reduced)[0]))

@@ -31,6 +31,7 @@ import torch
 
 from .. import semconv
 from . import rows as row_spec
+from .groups import first_process_group
 
 NONFINITE_COLUMNS = (
     row_spec.GRAD_NAN, row_spec.GRAD_INF, row_spec.MAIN_NAN, row_spec.MAIN_INF,
@@ -88,6 +89,17 @@ def replicate_group(groups: Sequence[Any]) -> Any:
         if found is not None:
             return found
     return None
+
+
+def reduce_payload(local: torch.Tensor, table: Sequence[Any] | None, groups: Sequence[Any]) -> ReplicaRows:
+    """This rank's payload (:func:`~.rows.payload`) reduced over the whole mesh: over the ranks
+    that shard the groups (:func:`~.rows.reduce_gathered`), combined over the TP ranks
+    (:func:`~.rows.combine_over_tensor_parallel`, by ``table``'s split slots) and over HSDP's
+    replicas (:func:`over_replicas`). Every rank of the mesh must call this on the same steps."""
+    process_group = first_process_group(groups)
+    gathered = row_spec.gather_rows(local, process_group)
+    reduced = row_spec.combine_over_tensor_parallel(row_spec.reduce_gathered(gathered), table, groups)
+    return over_replicas(reduced, gathered, row_spec.gathered_ranks(process_group), groups)
 
 
 def over_replicas(

@@ -23,7 +23,7 @@ from opentelemetry.util.types import AttributeValue
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
 
 from .. import env, semconv
-from ..diagnostics.groups import PrecisionSnapshot, mesh_coordinate
+from ..diagnostics.groups import PrecisionSnapshot
 from ..export import providers
 from ..export.isolation import WarnOnce
 from ..export.ranks import distributed_rank, note_mesh_coordinate
@@ -147,7 +147,8 @@ class OptimizerObserver:
                 return
             self.rank, self.world_size = distributed_rank()
             # Before the providers are resolved: the embedded default builds them now, and puts
-            # the mesh coordinate of the model it finds sharded into their resource.
+            # the mesh coordinate of the model it finds sharded into their resource (the step
+            # spans carry it too, for an application's providers built before any mesh).
             coordinate = self._iterations.mesh_coordinate()
             if coordinate is not None:
                 note_mesh_coordinate(coordinate)
@@ -176,6 +177,8 @@ class OptimizerObserver:
                 semconv.ATTR_PRECISION_AWARE: self._precision_aware,
                 semconv.ATTR_CAST_BYTES: 0,
             }
+            if coordinate is not None:
+                self._base_step_attrs[semconv.ATTR_MESH_COORDINATE] = coordinate
             device = self._parameter_device()
             step_hist = created[semconv.METRIC_STEP_DURATION]
             refresh_hist = created[semconv.METRIC_REFRESH_DURATION]
@@ -368,14 +371,7 @@ class OptimizerObserver:
         return self._precision.due(step_number) or self._iterations.escalated
 
     def precision_begin(self, groups: Sequence[Any]) -> PrecisionSnapshot:
-        """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``.
-        Names this rank's mesh coordinate on the step span (meshes of 2 or more dimensions)."""
-        self._ensure_ready()
-        scope = self._scope
-        if scope is not None:
-            coordinate = mesh_coordinate(groups)
-            if coordinate is not None:
-                scope.set_attribute(semconv.ATTR_MESH_COORDINATE, coordinate)
+        """Copy the weights before the inner step; call after the grad cast, before ``INNER_STEP``."""
         return self._precision.begin(groups)
 
     def precision_end(self, snapshot: PrecisionSnapshot, groups: Sequence[Any]) -> None:

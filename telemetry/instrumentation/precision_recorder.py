@@ -24,7 +24,7 @@ from opentelemetry.util.types import AttributeValue
 from .. import env, semconv
 from ..diagnostics import attribution, dtype_contract, optimizer_state, param_stats, precision, replicas
 from ..diagnostics import rows as row_spec
-from ..diagnostics.groups import PrecisionSnapshot, first_process_group, take_snapshot
+from ..diagnostics.groups import PrecisionSnapshot, take_snapshot
 from ..export.isolation import WarnOnce
 from .instruments import AttributeCache, dtype_name
 
@@ -161,12 +161,7 @@ class PrecisionRecorder:
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
             count = len(table) if table is not None else row_spec.slot_count(groups, per_parameter=detail)
             local = row_spec.failed_payload(count, self._device())
-        process_group = first_process_group(groups)
-        gathered = row_spec.gather_rows(local, process_group)
-        combined = replicas.over_replicas(
-            row_spec.combine_over_tensor_parallel(row_spec.reduce_gathered(gathered), table, groups),
-            gathered, row_spec.gathered_ranks(process_group), groups,
-        )  # fmt: skip
+        combined = replicas.reduce_payload(local, table, groups)
         reduced, complete = row_spec.split_status(combined.reduced)
         stats = precision.stats_from_vector(row_spec.totals(reduced))
         if not (complete and stats.complete) or table is None:
