@@ -4,9 +4,10 @@ Gloo on the CPU by default; ``backend="nccl"`` gives each rank the GPU of its in
 
 ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank (``fn`` must be importable at module
 level) and returns the per-rank results. An exception on any rank is re-raised here with the
-rank's traceback; a rank that hangs makes the pool restart and the call fail, and so does a
-rank whose process dies (a crash in native code), as soon as it is gone, with its exit status;
-its Python traceback at a fatal signal is on its stderr (``faulthandler``).
+rank's traceback; a rank that hangs makes the pool restart and the call fail, after printing its
+stacks (every thread) on stderr and naming the ranks that answered and what the others raised;
+so does a rank whose process dies (a crash in native code), as soon as it is gone, with its exit
+status; its Python traceback at a fatal signal is on its stderr (``faulthandler``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ from typing import Any
 
 _TIMEOUT_S = float(os.environ.get("FSDP_PATCH_TEST_TIMEOUT", "240"))
 _POLL_S = 1.0  # how often a wait for results checks that every rank is still alive
+_STACKS_SIGNAL = signal.SIGUSR1
 
 
 def _worker(rank: int, world_size: int, backend: str, init_file: str, inbox: mp.Queue, outbox: mp.Queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     faulthandler.enable()  # a crash in native code prints where Python was, on every thread
+    # A rank that hangs is asked for its stacks (every thread) before the pool kills it.
+    faulthandler.register(_STACKS_SIGNAL, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -76,6 +80,7 @@ class DistributedPool:
     def __init__(self, world_size: int, backend: str = "gloo") -> None:
         self.world_size = world_size
         self.backend = backend
+        self.timeout_s = _TIMEOUT_S  # how long a call waits for every rank's answer
         self._procs: list[mp.Process] = []
         self._start()
 
@@ -102,7 +107,8 @@ class DistributedPool:
         ``starting``, it is only closed (rebuilding a pool whose ranks cannot start would recurse)."""
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        deadline = time.monotonic() + _TIMEOUT_S
+        timeout_s = _TIMEOUT_S if starting else self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(results) + len(errors) < self.world_size:
             try:
                 rank, status, payload = self._outbox.get(timeout=_POLL_S)
@@ -116,8 +122,14 @@ class DistributedPool:
                         + ", see its stderr"
                     ) from None
                 if time.monotonic() > deadline:
+                    self._dump_stacks(waiting)
                     self._after_failure(starting)
-                    raise RankError(f"ranks {waiting} timed out") from None
+                    raised = "".join(f"\nrank {r} raised:\n{errors[r]}" for r in sorted(errors))
+                    raise RankError(
+                        f"ranks {waiting} timed out after {timeout_s:.0f} s (their stacks are on stderr)"
+                        + (f"; ranks {sorted(results)} answered" if results else "")
+                        + raised
+                    ) from None
                 continue
             if status == "error":
                 errors[rank] = payload
@@ -132,6 +144,13 @@ class DistributedPool:
             first = min(errors)
             raise RankError(f"rank {first} raised:\n{errors[first]}")
         return [results[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        for r in ranks:
+            pid = self._procs[r].pid
+            if pid is not None and self._procs[r].is_alive():
+                os.kill(pid, _STACKS_SIGNAL)
+        time.sleep(1.0)  # faulthandler writes from the signal handler; give it a moment
 
     def _after_failure(self, starting: bool) -> None:
         if starting:

@@ -1,10 +1,12 @@
-"""The distributed test harness reports a rank's failure to load a test body, and a rank whose
-process dies, instead of hanging; the pool goes on after either."""
+"""The distributed test harness reports a rank's failure to load a test body, a rank whose
+process dies and a rank that hangs (with its stacks), instead of hanging; the pool goes on
+after each."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -52,3 +54,25 @@ def test_ranks_that_cannot_start_fail_the_pool_once() -> None:
         RankError, match=r"^rank [01] died \(exit code 1\)(; rank 1 died \(exit code 1\))?, see its stderr$"
     ):
         DistributedPool(2, backend="no-such-backend")
+
+
+def hang_on_rank_1() -> int:
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(3600)
+    return 0
+
+
+def test_rank_that_hangs_is_reported_with_its_stacks_and_the_pool_goes_on(capfd: pytest.CaptureFixture[str]) -> None:
+    pool = DistributedPool(2)
+    try:
+        pool.timeout_s = 3.0
+        with pytest.raises(
+            RankError, match=r"^ranks \[1\] timed out after 3 s \(their stacks are on stderr\); ranks \[0\] answered$"
+        ):
+            pool.run(hang_on_rank_1)
+        stderr = capfd.readouterr().err
+        assert "in hang_on_rank_1" in stderr, f"the hung rank's stacks on stderr: got {stderr[-2000:]!r}"
+        got = pool.run(len, [1, 2])
+        assert got == [2, 2], f"the pool after a rank hung: got {got}, want [2, 2]"
+    finally:
+        pool.close()
