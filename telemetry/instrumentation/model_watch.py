@@ -531,7 +531,10 @@ def _fsdp2_unsharded_grad(fsdp_param: Any) -> torch.Tensor | None:
 _watches: weakref.WeakSet[ModelWatch] = weakref.WeakSet()
 _observers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 _installed: dict[str, tuple[Any, str, Any]] = {}
-_install_lock = threading.Lock()
+# Re-entrant: a registration allocates while holding it, and any allocation may run the garbage
+# collector, whose finalizers (an optimizer collected in a reference cycle) unregister on this
+# thread; a plain lock deadlocks the process there.
+_install_lock = threading.RLock()
 # Called before each backward, ahead of the watches (the late adaptation's pending optimizers).
 _backward_listeners: list[Callable[[], None]] = []
 
@@ -600,14 +603,24 @@ def _registration(add: Callable[[], None], remove: Callable[[], None]) -> Callab
     that runs ``remove`` once and takes the registration back (the wrappers go with the last)."""
     global _registrations
     with _install_lock:
-        if _registrations == 0:
-            _install("backward", torch.autograd, "backward", _on_backward)
-            _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
-            # Callers reach it through either module at call time (torch.nn.utils re-exports it).
-            _install("clip", torch.nn.utils, "clip_grad_norm_", _on_clip)
-            _install("clip_module", torch.nn.utils.clip_grad, "clip_grad_norm_", _on_clip)
+        # Counted before anything allocates: a finalizer's unregister run from in here (see
+        # _install_lock) then never brings the count to 0 and takes the wrappers away.
         _registrations += 1
-        add()
+        try:
+            if _registrations == 1:
+                _install("backward", torch.autograd, "backward", _on_backward)
+                _install("scaler", torch.amp.GradScaler, "step", _on_scaler_step)
+                # Callers reach it through either module at call time (torch.nn.utils re-exports it).
+                _install("clip", torch.nn.utils, "clip_grad_norm_", _on_clip)
+                _install("clip_module", torch.nn.utils.clip_grad, "clip_grad_norm_", _on_clip)
+            add()
+        except BaseException:
+            remove()  # whatever add() did before it raised (removing is safe where nothing was added)
+            _registrations -= 1
+            if _registrations == 0:
+                for key in list(_installed):
+                    _uninstall(key)
+            raise
     done = False
 
     def unregister() -> None:
