@@ -39,9 +39,10 @@ ATTR_STEP = "fsdp.step"
 ATTR_RANK = "fsdp.rank"
 ATTR_WORLD_SIZE = "fsdp.world_size"
 ATTR_MESH_COORDINATE = "fsdp.mesh.coordinate"
-"""On SPAN_STEP: this rank's place on a mesh of 2 or more dimensions (HSDP,
-tensor parallel x FSDP), ``name=index`` per dimension (``replicate=1,shard=0``). A span
-attribute, not a resource attribute: the resource is fixed before any mesh exists."""
+"""On SPAN_STEP: this rank's place on a mesh of 2 or more dimensions (HSDP, tensor parallel x
+FSDP), ``name=index`` per dimension (``replicate=1,shard=0``). A span attribute because an
+application's resource is fixed before any mesh exists; providers built after sharding also carry
+it on their resource (RESOURCE_MESH_COORDINATE)."""
 ATTR_OPTIMIZER_CLASS = "fsdp.optimizer.class"
 ATTR_PARAMS_COUNT = "fsdp.params.count"
 ATTR_GROUPS_COUNT = "fsdp.groups.count"

@@ -7,7 +7,8 @@
 - :func:`same`, :func:`assert_same`: the same, as a boolean and as an assertion naming what was compared.
 - :func:`max_abs_difference`: the largest absolute difference over tensors of the same names,
   and the name it is at, for tests that hold two runs to a tolerance.
-- :func:`full_state`: a model's parameters and optimizer state, whole (DTensors gathered), by name.
+- :func:`whole`, :func:`full_state`: a tensor whole (a DTensor gathered) in float32; a model's
+  parameters and optimizer state so, by name.
 - :func:`assert_as_fsdp2_and_reference`: per rank, ours bitwise FSDP2's and both within a
   tolerance of the unsharded model.
 """
@@ -21,13 +22,14 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "assert_as_fsdp2_and_reference",
-    "full_state",
     "assert_same",
     "bits",
     "difference",
+    "full_state",
     "local",
     "max_abs_difference",
     "same",
+    "whole",
 ]
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -129,13 +131,14 @@ def assert_as_fsdp2_and_reference(
         assert diff == 0.0, f"rank {rank}: ours differs from FSDP2 by {diff:.3g} at {where}; expected bitwise equal"
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole (a DTensor gathered: a collective), detached, as a float32 copy."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
+
+
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer-state tensor of ``model``, whole (a DTensor gathered) in
-    float32, by name (``param NAME``, ``KEY NAME``)."""
-
-    def whole(tensor: torch.Tensor) -> torch.Tensor:
-        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
-
+    """Every parameter and optimizer-state tensor of ``model``, :func:`whole`, by name
+    (``param NAME``, ``KEY NAME``)."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = {f"param {n}": whole(p) for n, p in model.named_parameters()}
     for param, state in optimizer.state.items():

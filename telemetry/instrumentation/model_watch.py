@@ -616,27 +616,29 @@ def _registration(add: Callable[[], None], remove: Callable[[], None]) -> Callab
             add()
         except BaseException:
             remove()  # whatever add() did before it raised (removing is safe where nothing was added)
-            _registrations -= 1
-            if _registrations == 0:
-                for key in list(_installed):
-                    _uninstall(key)
+            _release_one()
             raise
     done = False
 
     def unregister() -> None:
-        global _registrations
         nonlocal done
         with _install_lock:
             if done:
                 return
             done = True
             remove()
-            _registrations -= 1
-            if _registrations == 0:
-                for key in list(_installed):
-                    _uninstall(key)
+            _release_one()
 
     return unregister
+
+
+def _release_one() -> None:
+    """One registration taken back (under ``_install_lock``); the wrappers go with the last."""
+    global _registrations
+    _registrations -= 1
+    if _registrations == 0:
+        for key in list(_installed):
+            _uninstall(key)
 
 
 def watch_optimizer_steps(

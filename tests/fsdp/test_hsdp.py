@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.comparison import assert_as_fsdp2_and_reference, full_state, max_abs_difference
+from tests.comparison import assert_as_fsdp2_and_reference, full_state, max_abs_difference, whole
 from tests.fsdp.pattern_models import BATCH, Net, data, rows
 
 WORLD_SIZE = 4
@@ -34,10 +34,6 @@ REFERENCE_TOL = 1e-5
 def _mesh(shape: tuple[int, ...] = (2, 2)) -> Any:
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().clone()
 
 
 def _build(impl: str, precision: str, shape: tuple[int, ...] = (2, 2), seed: int = 0, outer: str = "none") -> Net:
@@ -90,7 +86,7 @@ def hsdp_run(
             optimizer.step()
             optimizer.zero_grad()
         placements = sorted({str(tuple(p.placements)) for p in model.parameters() if isinstance(p, DTensor)})
-        params = {n: _full(p) for n, p in model.named_parameters()}
+        params = {n: whole(p) for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "placements": placements}
 
 
@@ -158,14 +154,14 @@ def hsdp_checkpoint_run() -> dict[str, Any]:
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory[0])
     first = [step(*batches[1]), step(*batches[2])]
-    after_first = {n: _full(p) for n, p in model.named_parameters()}
+    after_first = {n: whole(p) for n, p in model.named_parameters()}
     init_optimizer_state(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=directory[0])
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     again = [step(*batches[1]), step(*batches[2])]
-    diff, where = max_abs_difference({n: _full(p) for n, p in model.named_parameters()}, after_first)
+    diff, where = max_abs_difference({n: whole(p) for n, p in model.named_parameters()}, after_first)
     return {"first": first, "again": again, "diff": diff, "where": where}
 
 
