@@ -108,6 +108,38 @@ def test_origin_checks_own_time_counts_outermost_calls_once_and_restores_exactly
     assert all(restored.values()), f"entry points not restored: {[k[1] for k, ok in restored.items() if not ok]}"
 
 
+def test_origin_checks_host_bound_runs_escalated_to_the_end_and_writes_its_figures(tmp_path: Path) -> None:
+    """``benchmarks.origin_checks --host-bound`` on 1 rank: both kinds measured (finite ratios, the
+    checks' own time), the escalated model still escalated after its last measured step (an
+    escalation no NaN/Inf began is not ended by the next report), the width-16 shape recorded."""
+    out = tmp_path / "origin.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.origin_checks", "--host-bound", "--world-size", "1", "--steps", "3",
+         "--warmup", "1", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, f"exit {run.returncode}:\n{run.stderr[-3000:]}"
+    document = json.loads(out.read_text())
+    got = {
+        kind: (math.isfinite(r["ratio_checks_off"]), math.isfinite(r["ratio_escalated_off"]), r["own_s"] > 0.0,
+               r["escalated_to_the_end"])
+        for kind in ("fully_shard", "fsdp2") if (r := document[kind])
+    }  # fmt: skip
+    want = {kind: (True, True, True, True) for kind in ("fully_shard", "fsdp2")}
+    assert got == want, f"(finite ratio, finite escalated ratio, own time > 0, escalated to the end): {got}"
+    shape = (document["host_bound"], document["config"]["dim"], document["config"]["layers"])
+    assert shape == (True, 16, 6), f"(host_bound, dim, layers): {shape}"
+
+
+def test_origin_checks_host_bound_is_refused_on_a_gpu() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.origin_checks", "--host-bound", "--device", "cuda"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, f"--host-bound --device cuda: exit {run.returncode}\n{run.stderr[-2000:]}"
+    assert "--host-bound measures on the CPU: leave --device out" in run.stderr, run.stderr
+
+
 def test_determinism_soak_names_the_runs_whose_state_differs() -> None:
     """``benchmarks.determinism_soak``'s summary: one state when every run's digests agree; a run
     whose digest differs on any rank is named."""

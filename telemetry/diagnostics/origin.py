@@ -49,6 +49,11 @@ CLIP = semconv.ORIGIN_WHERE_CLIP
 WIDE_REDUCE_DTYPES = frozenset({torch.float32, torch.float64})
 
 
+# The device types whose checks are bound by the host (each a launch): a list of tensors on one
+# such device is checked by one fused reduction ([Note: one fused reduction per list on a GPU]).
+FUSED_DEVICE_TYPES = frozenset({"cuda"})
+
+
 @dataclass(frozen=True)
 class Probe:
     """One checked tensor.
@@ -171,7 +176,7 @@ class ProbeLog:
                 probes.append(Probe(stage, where, dtype_name(tensor.dtype), when, self.microbatch, group))
         if not data:
             return
-        if data[0].device.type != "cuda" or any(d.device != data[0].device for d in data):
+        if data[0].device.type not in FUSED_DEVICE_TYPES or any(d.device != data[0].device for d in data):
             for probe, checked in zip(probes, data, strict=True):
                 self._add_extremes(probe, checked)
             return

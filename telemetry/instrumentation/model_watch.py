@@ -291,12 +291,7 @@ class ModelWatch:
         def post_backward(*args: Any, **kwargs: Any) -> Any:
             watch = watch_ref()
             if watch is not None:
-                dtype = getattr(group, "_reduce_dtype", None)
-                grads = [g for p in group.fsdp_params if (g := _fsdp2_unsharded_grad(p)) is not None]
-                watch.log.check_all(semconv.ORIGIN_REDUCE, [
-                    (name, grad if dtype is None else grad.to(dtype), BEFORE, "")
-                    for grad in grads if (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES
-                ])  # fmt: skip
+                watch._before_fsdp2_reduce(group, name)
             return original(group, *args, **kwargs)
 
         group.post_backward = post_backward
@@ -320,15 +315,26 @@ class ModelWatch:
             result = original(state, *args, **kwargs)
             watch = watch_ref()
             if watch is not None:
-                reduced = [(name, grad) for name, group in units for fsdp_param in group.fsdp_params
-                           if (grad := getattr(fsdp_param.sharded_param, "grad", None)) is not None]  # fmt: skip
-                watch.log.check_all(semconv.ORIGIN_REDUCE, [(name, grad, AFTER, "") for name, grad in reduced])
-                for _, grad in reduced:
-                    watch._seen(grad, grad=True)
+                watch._after_fsdp2_reduce(units)
             return result
 
         state.__dict__["_root_post_backward_final_callback"] = final_callback
         self._patched_states.append(state)
+
+    def _before_fsdp2_reduce(self, group: Any, name: str) -> None:
+        dtype = getattr(group, "_reduce_dtype", None)
+        grads = [g for p in group.fsdp_params if (g := _fsdp2_unsharded_grad(p)) is not None]
+        self.log.check_all(semconv.ORIGIN_REDUCE, [
+            (name, grad if dtype is None else grad.to(dtype), BEFORE, "")
+            for grad in grads if (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES
+        ])  # fmt: skip
+
+    def _after_fsdp2_reduce(self, units: Sequence[tuple[str, Any]]) -> None:
+        reduced = [(name, grad) for name, group in units for fsdp_param in group.fsdp_params
+                   if (grad := getattr(fsdp_param.sharded_param, "grad", None)) is not None]  # fmt: skip
+        self.log.check_all(semconv.ORIGIN_REDUCE, [(name, grad, AFTER, "") for name, grad in reduced])
+        for _, grad in reduced:
+            self._seen(grad, grad=True)
 
     def before_backward(self, tensors: Any) -> None:
         """``torch.autograd.backward(tensors)`` is about to run: the loss, checked."""
