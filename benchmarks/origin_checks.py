@@ -38,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -57,6 +58,7 @@ from fsdp_patch.telemetry.diagnostics import origin
 from fsdp_patch.telemetry.diagnostics.origin import ProbeLog
 from fsdp_patch.telemetry.instrumentation.iterations import IterationWatch
 from fsdp_patch.telemetry.instrumentation.model_watch import ModelWatch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common import Clock, median, paired, paired_ratio, write_results
 from .telemetry_overhead import LARGE, _device, _quiet_telemetry
@@ -167,6 +169,8 @@ class _OwnTime:
         self.seconds = 0.0
         self._depth = 0
         self._originals: list[tuple[type, str, Any]] = []
+        # When set, the operators the checks dispatch are counted here (not timed: counting costs).
+        self.ops: collections.Counter[str] | None = None
 
     def __enter__(self) -> _OwnTime:
         for owner, name in self.ENTRY_POINTS:
@@ -183,16 +187,35 @@ class _OwnTime:
     def _timed(self, fn: Any) -> Any:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self._depth += 1
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self.seconds += time.perf_counter() - start
+            if self.ops is not None and self._depth == 0:
+                with _CountOps(self.ops):
+                    return self._timed_call(fn, args, kwargs)
+            return self._timed_call(fn, args, kwargs)
 
         return timed
+
+    def _timed_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - start
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the operators dispatched under it, by name: what a GPU would launch (and its host
+    pay for), on any device."""
+
+    def __init__(self, counts: collections.Counter[str]) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _own_share(kind: str, config: GPTConfig, steps: int, warmup: int) -> dict[str, float]:
@@ -210,10 +233,17 @@ def _own_share(kind: str, config: GPTConfig, steps: int, warmup: int) -> dict[st
             optimizer.zero_grad()
             if index >= warmup:
                 shares.append((own.seconds, time.perf_counter() - start))
+        own.ops = collections.Counter()
+        counted = batches[:4]
+        for tokens in counted:
+            lm_loss(model, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
     # Each rank's share, then the larger: a step waits for its slowest rank.
     share = torch.tensor([median([o / s for o, s in shares]), median([o for o, _ in shares])], dtype=torch.float64)
     dist.all_reduce(share, op=dist.ReduceOp.MAX)
-    return {"own_share": float(share[0]), "own_s": float(share[1])}
+    ops = {name: count / len(counted) for name, count in sorted(own.ops.items())}
+    return {"own_share": float(share[0]), "own_s": float(share[1]), "ops_per_step": sum(ops.values()), "ops": ops}
 
 
 @contextlib.contextmanager
@@ -261,7 +291,8 @@ def _print(results: dict[str, Any], steps: int) -> None:
         if "own_share" in r:
             target = "" if results["host_bound"] else " (target <= 3%)"
             print(f"  {'':11} the checks' own time {r['own_s'] * 1e3:.2f} ms per step: "
-                  f"{r['own_share']:.2%} of a step{target}")  # fmt: skip
+                  f"{r['own_share']:.2%} of a step{target}; {r['ops_per_step']:.0f} operators dispatched per step "
+                  f"({', '.join(f'{name} {count:g}' for name, count in r['ops'].items())})")  # fmt: skip
 
 
 def bench(steps: int, warmup: int, json_path: str | None, host_bound: bool = False) -> None:

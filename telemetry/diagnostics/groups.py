@@ -107,6 +107,21 @@ def _aligned_grads(group: Any, mains: Sequence[torch.Tensor]) -> tuple[torch.Ten
     return tuple(out)
 
 
+def main_tensors(group: Any) -> list[torch.Tensor]:
+    """A group's main weights as it holds them (no views made): whether they are the same tensors
+    over the same memory tells that the group keeps its buffers."""
+    if hasattr(group, "main_weights"):
+        return list(group.main_weights)
+    return [group.main_weight]
+
+
+def present_grads(group: Any) -> list[torch.Tensor]:
+    """A group's main grads as it holds them (no views made), where it has them."""
+    if hasattr(group, "main_weights"):
+        return list(group.main_grads)
+    return [] if group.main_grad is None else [group.main_grad]
+
+
 def weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> GroupWeights:
     """The tensors the diagnostics read of ``group`` (a :class:`PrecisionView` or
     :class:`TensorListView`); ``default_compute_dtype`` stands for a tensor-list group's

@@ -34,16 +34,23 @@ from fsdp_patch.sharding import parameter_group_of
 from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
 from .. import env, semconv
-from ..diagnostics.groups import first_process_group, mesh_coordinate, weights_of, widest_mesh
+from ..diagnostics.groups import (
+    first_process_group,
+    main_tensors,
+    mesh_coordinate,
+    present_grads,
+    weights_of,
+    widest_mesh,
+)
 from ..diagnostics.model_audit import (
     ModelFinding,
     low_precision_accumulation,
     low_precision_buffers,
     rebuilt_from_compute,
 )
-from ..diagnostics.origin import Checked, Origin
-from ..diagnostics.rows import param_table
-from .model_watch import CheckedGroup, IterationCheck, ModelWatch, watch_optimizer_steps
+from ..diagnostics.origin import AFTER, BEFORE, Checked, Origin, PreparedChecks
+from ..diagnostics.rows import ParamSlot, param_table
+from .model_watch import IterationCheck, ModelWatch, watch_optimizer_steps
 
 
 def _group_name(group: Any) -> str:
@@ -53,6 +60,61 @@ def _group_name(group: Any) -> str:
     from fsdp_patch.module.shard_module import unit_name_of
 
     return user_name(group_prefix(group), unit_name_of(group))
+
+
+class _StepTensors:
+    """What the step's checks read of the optimizer's groups, made once for as long as the groups
+    keep their buffers (:attr:`key`: a load into new tensors, a re-sharding, makes new ones).
+
+    Attributes:
+        key: Each main weight's identity and address, group by group.
+        mains: Each group's main weights as it holds them (their version counters tell writes).
+        before: Each parameter's main weight, checked before the update.
+        after: Each group's main weights, checked after it.
+        accumulation: Per group, its name and the dtype its grads sum microbatches in.
+        after_versions: Per group, its main weights' versions after the last update checked
+            (``None``: none checked yet).
+    """
+
+    def __init__(self, key: tuple[tuple[int, int], ...], groups: Sequence[Any], names: Sequence[str],
+                 table: Sequence[ParamSlot]) -> None:  # fmt: skip
+        self.key = key
+        self.mains = [main_tensors(group) for group in groups]
+        before: list[tuple[str, torch.Tensor, str, str]] = []
+        after: list[tuple[str, torch.Tensor, str, str]] = []
+        for index, group in enumerate(groups):
+            mains = weights_of(group, None).mains
+            before.extend((slot.name, mains[slot.tensor][slot.start : slot.start + slot.length], BEFORE, names[index])
+                          for slot in table if slot.group == index)  # fmt: skip
+            after.extend((names[index], main, AFTER, "") for main in mains)
+        self.before = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, before)
+        self.after = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, after)
+        self.accumulation = [(names[index], _accumulation_dtype(group)) for index, group in enumerate(groups)]
+        self.after_versions: list[list[int]] | None = None
+
+    def record_versions(self) -> None:
+        """The main weights as the update left them (after their check)."""
+        self.after_versions = [[t._version for t in mains] for mains in self.mains]
+
+    def written(self) -> list[int]:
+        """The groups whose main weights were written in place since the update checked last."""
+        if self.after_versions is None:
+            return []
+        return [index for index, (mains, versions) in enumerate(zip(self.mains, self.after_versions, strict=True))
+                if any(t._version != v for t, v in zip(mains, versions, strict=True))]  # fmt: skip
+
+
+def _tensors_key(groups: Sequence[Any]) -> tuple[tuple[int, int], ...]:
+    return tuple((id(t), t.data_ptr()) for group in groups for t in main_tensors(group))
+
+
+def _accumulation_dtype(group: Any) -> torch.dtype | None:
+    """The dtype a group's grads sum microbatches in: ``fully_shard``'s main-grad dtype, torch
+    FSDP2's reduce dtype."""
+    if hasattr(group, "fsdp_group"):
+        # FSDP2 keeps no reduce dtype where it equals the parameters' compute dtype.
+        return getattr(group.fsdp_group, "_reduce_dtype", None) or group.compute_dtype
+    return getattr(group, "grads_dtype", None)
 
 
 class IterationWatch:
@@ -84,7 +146,8 @@ class IterationWatch:
         self._buffers_audited = False
         self._audited_state: Any = None
         self._rates: list[float | None] = []
-        self._step_groups: list[CheckedGroup] = []  # the running step's, from begin_step to end_step
+        self._tensors: _StepTensors | None = None
+        self._step_tensors: _StepTensors | None = None  # the running step's, from begin_step to end_step
         self.watches: list[ModelWatch] = []
         if sdk_disabled:
             self._unregister = None
@@ -128,23 +191,24 @@ class IterationWatch:
             self._groups = [*flat.values(), *fsdp2_groups(params)]
             self._groups_key = key
             self._named = False
+            self._tensors = None
         if not self._named and self._step:
             # torch FSDP2 names its parameters and units at its lazy initialization, in the first
             # forward: read the names at the first step.
             self._named = True
             self._table = [slot for slot in param_table(self._groups) if slot.length]
             self._names = [_group_name(group) for group in self._groups]
+            self._tensors = None
         return self._groups
 
-    def _checked_groups(self) -> list[CheckedGroup]:
-        """Each group's tensors as they are now: its buffers may have been re-made since the last step."""
-        checked: list[CheckedGroup] = []
-        for index, group in enumerate(self._optimizer_groups()):
-            w = weights_of(group, None)
-            params = [(slot.name, w.mains[slot.tensor][slot.start : slot.start + slot.length])
-                      for slot in self._table if slot.group == index]  # fmt: skip
-            checked.append((self._names[index], [g for g in w.grads if g is not None], list(w.mains), params))
-        return checked
+    def _step_tensors_now(self) -> _StepTensors:
+        """The step's tensors as the groups hold them now: their buffers may have been re-made
+        since the last step."""
+        groups = self._optimizer_groups()
+        key = _tensors_key(groups)
+        if self._tensors is None or self._tensors.key != key:
+            self._tensors = _StepTensors(key, groups, self._names, self._table)
+        return self._tensors
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -156,10 +220,12 @@ class IterationWatch:
         self._watch_learning_rates(step, span, rank)
         if not self.watches:
             return
-        checked = self._step_groups = self._checked_groups()
-        self._audit_model(step, span)
+        tensors = self._step_tensors = self._step_tensors_now()
+        self._audit_model(step, span, tensors)
+        grads = [(name, grad) for name, group in zip(self._names, self._groups, strict=True)
+                 for grad in present_grads(group)]  # fmt: skip
         for watch in self.watches:
-            watch.check_step_begin(checked)
+            watch.check_step_begin(grads, tensors.before)
 
     def _watch_learning_rates(self, step: int, span: Span | None, rank: int) -> None:
         """Event ``fsdp.optimizer.lr_jump`` where a param group's lr rose by LR_JUMP_FACTOR or more
@@ -184,13 +250,14 @@ class IterationWatch:
         """At the end of the step: the main weights after the update; the iteration closed."""
         if not self.watches:
             return
-        checked, self._step_groups = self._step_groups, []
-        if completed:
+        tensors, self._step_tensors = self._step_tensors, None
+        if completed and tensors is not None:
             # The tensors begin_step found: the update writes into them and re-makes none.
             for watch in self.watches:
-                watch.check_step_end(checked)
+                watch.check_step_end(tensors.after)
+            tensors.record_versions()
             microbatches = max(w.backward_count for w in self.watches)
-            for finding in low_precision_accumulation(self._accumulation_dtypes(), microbatches):
+            for finding in low_precision_accumulation(tensors.accumulation, microbatches):
                 self._name(finding, self._step, span)
         # A step that raised (a settings error on every rank, a rejected dtype) closes the
         # iteration on this rank alone: its peers may not have reached this point.
@@ -234,7 +301,7 @@ class IterationWatch:
             finding.actual, step, span, detail=finding.detail,
         )  # fmt: skip
 
-    def _audit_model(self, step: int, span: Span | None) -> None:
+    def _audit_model(self, step: int, span: Span | None, tensors: _StepTensors) -> None:
         """Buffers at the first step; the loss and the normalization statistics once checked;
         main weights rebuilt from their compute copy at the first step and after each load of the
         optimizer's state (``load_state_dict`` replaces ``optimizer.state``)."""
@@ -255,18 +322,13 @@ class IterationWatch:
             resumed_at = _resumed_at(optimizer)
             if resumed_at:
                 rebuilt = rebuilt_from_compute(self._lossy_params(), f"a resume from step {resumed_at}")
-        written = [i for i, group in enumerate(self._groups) if self._written_since_update(group)]
+        written = tensors.written()
         if rebuilt is None and written:
             rebuilt = rebuilt_from_compute(self._lossy_params(written), f"a write between steps {step - 1} and {step}")
         if rebuilt is not None:
             findings.append(rebuilt)
         for finding in findings:
             self._name(finding, step, span)
-
-    def _written_since_update(self, group: Any) -> bool:
-        """Whether a group's main weights were written since the update that last checked them."""
-        mains = weights_of(group, None).mains
-        return any(w.was_checked(main) and not w.unchanged(main) for w in self.watches for main in mains)
 
     def _lossy_params(self, groups_of: Sequence[int] | None = None) -> list[tuple[str, torch.Tensor, torch.dtype]]:
         groups = self._groups
@@ -277,19 +339,6 @@ class IterationWatch:
             if slot.lossy and slot.length and slot.compute_dtype is not None:
                 main = weights_of(groups[slot.group], None).mains[slot.tensor]
                 out.append((slot.name, main[slot.start : slot.start + slot.length], slot.compute_dtype))
-        return out
-
-    def _accumulation_dtypes(self) -> list[tuple[str, torch.dtype | None]]:
-        """Per group, the dtype its grads sum microbatches in: ``fully_shard``'s main-grad dtype,
-        torch FSDP2's reduce dtype."""
-        out: list[tuple[str, torch.dtype | None]] = []
-        for group in self._groups:
-            if hasattr(group, "fsdp_group"):
-                # FSDP2 keeps no reduce dtype where it equals the parameters' compute dtype.
-                reduce_dtype = getattr(group.fsdp_group, "_reduce_dtype", None) or group.compute_dtype
-                out.append((_group_name(group), reduce_dtype))
-            else:
-                out.append((_group_name(group), getattr(group, "grads_dtype", None)))
         return out
 
     # -- what an iteration found ----------------------------------------------------------------

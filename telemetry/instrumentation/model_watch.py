@@ -33,7 +33,6 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +53,7 @@ from ..diagnostics.origin import (
     WIDE_REDUCE_DTYPES,
     Checked,
     Origin,
+    PreparedChecks,
     ProbeLog,
     dtype_name,
     find_origin,
@@ -61,11 +61,7 @@ from ..diagnostics.origin import (
     zeroed_groups,
 )
 
-__all__ = ["CheckedGroup", "IterationCheck", "ModelWatch", "ModuleChecks", "watch_optimizer_steps"]
-
-CheckedGroup = tuple[str, Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[tuple[str, torch.Tensor]]]
-"""``(name, main grads, main weights, (parameter name, its main weight) each)`` of one group the
-optimizer steps."""
+__all__ = ["IterationCheck", "ModelWatch", "ModuleChecks", "watch_optimizer_steps"]
 
 
 # -- module-level checks while escalated ---------------------------------------------------------
@@ -158,7 +154,10 @@ class ModuleChecks:
 # -- the watch of one model ----------------------------------------------------------------------
 
 
-@dataclass
+# What :func:`zeroed_groups` reads: the reduced grads and the grads at the step.
+_ZEROED_STAGES = frozenset({semconv.ORIGIN_REDUCE, semconv.ORIGIN_GRAD_WRITE})
+
+
 class IterationCheck:
     """What one iteration's checks found, read a step later.
 
@@ -167,38 +166,49 @@ class IterationCheck:
         refined: Module-level origins of an escalated iteration (forward, backward), where found.
         anywhere: Whether any rank saw a NaN/Inf in the iteration (agreed by all ranks).
         backward_count: Backward passes the iteration ran.
-        checks: Everything checked, in order (for tests and the findings that read values).
         zeroed: The groups whose non-zero grads were all 0 at the step (:func:`zeroed_groups`).
     """
 
-    origin: Origin | None
-    refined: list[Origin]
-    anywhere: bool
-    backward_count: int
-    checks: list[Checked]
-    zeroed: list[str]
+    def __init__(self, origin: Origin | None, refined: list[Origin], anywhere: bool, backward_count: int,
+                 zeroed: list[str], read: Callable[[], list[Checked]]) -> None:  # fmt: skip
+        self.origin = origin
+        self.refined = refined
+        self.anywhere = anywhere
+        self.backward_count = backward_count
+        self.zeroed = zeroed
+        self._read = read
+        self._checks: list[Checked] | None = None
+
+    @property
+    def checks(self) -> list[Checked]:
+        """Everything checked, in order (read from the host's values when first asked: an
+        iteration with nothing to report is never read probe by probe)."""
+        if self._checks is None:
+            self._checks = self._read()
+        return self._checks
 
 
 class _Pending:
     """An iteration's log on its way to the host, and the ranks' flag on its way back."""
 
-    def __init__(self, checks: Callable[[], list[Checked]], flag: torch.Tensor | None, work: Any,
+    def __init__(self, log: ProbeLog, values: torch.Tensor | None, flag: torch.Tensor | None, work: Any,
                  event: Any, refined: list[Origin], backward_count: int) -> None:  # fmt: skip
-        self._checks = checks
+        self.log = log
+        self._values = values
         self._flag = flag
         self._work = work
         self._event = event
         self.refined = refined
         self.backward_count = backward_count
 
-    def result(self) -> tuple[list[Checked], bool | None]:
+    def result(self) -> tuple[list[float], bool | None]:
+        """The values on the host, and whether any rank held a NaN/Inf (``None``: no other rank agreed)."""
         if self._work is not None:
             self._work.wait()
         if self._event is not None:
             self._event.synchronize()
-        checks = self._checks()
-        agreed = None if self._flag is None else bool(self._flag.item())
-        return checks, agreed
+        values = [] if self._values is None else self._values.tolist()
+        return values, None if self._flag is None else not math.isfinite(self._flag.item())
 
 
 class ModelWatch:
@@ -213,6 +223,7 @@ class ModelWatch:
         self._root_ref = weakref.ref(model.root)
         self.prefix = model.prefix
         self._process_group = process_group
+        self._peers: bool | None = None
         self.log = ProbeLog()
         self.backward_count = 0
         # Told after each backward pass (the observer readies its providers: a run that never steps
@@ -229,13 +240,16 @@ class ModelWatch:
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._patched_groups: list[Any] = []
+        # FSDP2 groups whose grads are reduced in a wide dtype ([Note: the reduce's input in a wide dtype]).
+        self._wide_reduces: weakref.WeakSet[Any] = weakref.WeakSet()
         self._patched_states: list[Any] = []
-        self._versions: dict[tuple[int, int, int], int] = {}
-        self._grad_versions: dict[tuple[int, int, int], int] = {}
+        self._grad_versions: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handles.append(model.root.register_forward_pre_hook(self._model_input))
         fsdp2_units: list[tuple[str, Any]] = []
+        self._output_grad_hooks: dict[str, Callable[[torch.Tensor], None]] = {}
         for name, unit in model.units:
             name = user_name(model.prefix, name)
+            self._output_grad_hooks[name] = functools.partial(self._unit_output_grad, name)
             self._handles.append(unit.register_forward_hook(functools.partial(self._unit_output, name)))
             state = getattr(unit, "_fsdp_state", None)
             for group in getattr(state, "groups", ()) or ():
@@ -268,14 +282,14 @@ class ModelWatch:
         for t in floating_tensors(output):
             self.log.check(semconv.ORIGIN_FORWARD, name, t)
             if t.requires_grad:
-                t.register_hook(functools.partial(self._unit_output_grad, name))
+                t.register_hook(self._output_grad_hooks[name])
 
     def _unit_output_grad(self, name: str, grad: torch.Tensor) -> None:
         self.log.check(semconv.ORIGIN_BACKWARD, name, grad)
 
     def _reduced(self, name: str, group: Any, stage: str, grads: torch.Tensor) -> None:
         if stage == REDUCE_COPIED:  # main_grad now holds the shard just checked: not checked again at the step
-            self._seen(grads.reshape(-1), grad=True)
+            self._seen_grad(grads)
             return
         when = BEFORE if stage == REDUCE_INPUT else AFTER
         self.log.check(semconv.ORIGIN_REDUCE, name, grads, when)
@@ -322,19 +336,26 @@ class ModelWatch:
         self._patched_states.append(state)
 
     def _before_fsdp2_reduce(self, group: Any, name: str) -> None:
+        if group in self._wide_reduces:
+            return
         dtype = getattr(group, "_reduce_dtype", None)
         grads = [g for p in group.fsdp_params if (g := _fsdp2_unsharded_grad(p)) is not None]
-        self.log.check_all(semconv.ORIGIN_REDUCE, [
-            (name, grad if dtype is None else grad.to(dtype), BEFORE, "")
-            for grad in grads if (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES
-        ])  # fmt: skip
+        narrow = [grad if dtype is None else grad.to(dtype) for grad in grads
+                  if (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES]  # fmt: skip
+        if grads and not narrow:
+            # Its dtypes are fixed at FSDP2's lazy initialization: never checked here.
+            self._wide_reduces.add(group)
+        self.log.check_all(semconv.ORIGIN_REDUCE, [(name, grad, BEFORE, "") for grad in narrow])
 
     def _after_fsdp2_reduce(self, units: Sequence[tuple[str, Any]]) -> None:
-        reduced = [(name, grad) for name, group in units for fsdp_param in group.fsdp_params
-                   if (grad := getattr(fsdp_param.sharded_param, "grad", None)) is not None]  # fmt: skip
-        self.log.check_all(semconv.ORIGIN_REDUCE, [(name, grad, AFTER, "") for name, grad in reduced])
-        for _, grad in reduced:
-            self._seen(grad, grad=True)
+        items: list[tuple[str, torch.Tensor, str, str]] = []
+        for name, group in units:
+            for fsdp_param in group.fsdp_params:
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    items.append((name, grad, AFTER, ""))
+                    self._seen_grad(grad)
+        self.log.check_all(semconv.ORIGIN_REDUCE, items)
 
     def before_backward(self, tensors: Any) -> None:
         """``torch.autograd.backward(tensors)`` is about to run: the loss, checked."""
@@ -353,55 +374,41 @@ class ModelWatch:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def check_step_begin(self, groups: Sequence[CheckedGroup]) -> None:
-        """At the step, before the update: each group's main grads and main weights.
+    def check_step_begin(self, grads: Sequence[tuple[str, torch.Tensor]], weights: PreparedChecks) -> None:
+        """At the step, before the update: the main grads written since their reduce, and the
+        main weights.
 
         Args:
-            groups: ``(name, main grads, main weights)`` per group the optimizer steps.
+            grads: ``(group name, main grad)`` of every group the optimizer steps.
+            weights: Each parameter's main weight (a write between steps spreads through this
+                step's update, so the parameter written is known only now). Checked every step:
+                writes through ``.data`` (a load, an EMA, a manual edit) move no version counter.
         """
-        self.log.check_all(semconv.ORIGIN_GRAD_WRITE, [
-            (name, grad, "", "") for name, grads, _, _ in groups for grad in grads
-            if not self.unchanged(grad, grad=True)
-        ])  # fmt: skip
-        # Per parameter: a write between steps spreads through this step's update, so the
-        # parameter written is known only now. Checked every step: writes through ``.data`` (a
-        # load, an EMA, a manual edit) leave the version counter where it was.
-        self.log.check_all(semconv.ORIGIN_WEIGHT_WRITE, [
-            (param_name, weight, BEFORE, name) for name, _, _, params in groups for param_name, weight in params
-        ])  # fmt: skip
+        changed = [(name, grad, "", "") for name, grad in grads if not self._unchanged_grad(grad)]
+        if changed:
+            self.log.check_all(semconv.ORIGIN_GRAD_WRITE, changed)
+        self.log.check_prepared(weights)
 
-    def check_step_end(self, groups: Sequence[CheckedGroup]) -> None:
+    def check_step_end(self, weights: PreparedChecks) -> None:
         """After the update: each group's main weights."""
-        self.log.check_all(semconv.ORIGIN_WEIGHT_WRITE, [
-            (name, weight, AFTER, "") for name, _, weights, _ in groups for weight in weights
-        ])  # fmt: skip
-        for _, _, weights, _ in groups:
-            for weight in weights:
-                self._seen(weight)
+        self.log.check_prepared(weights)
 
     # A grad checked already and not written since holds what that check saw: torch FSDP2's from
     # its reduce to the step, fully_shard's main grads copied from the reduce. Not checking it
-    # again saves a pass over the grads in every iteration that writes nothing between. The tensors
-    # handed over are fresh views (``detach``), so they are known by their memory, and "not
-    # written" is their version counter (shared by every view of the storage) unmoved: a clip or
-    # an unscale writes in place and moves it. Grads are known for one iteration only, since their
-    # memory is handed to the next ones. Main weights are written through ``.data`` too (loads,
-    # EMAs), which moves no counter: they are not skipped, only known (for the model audit).
+    # again saves a pass over the grads in every iteration that writes nothing between. A grad
+    # is known by its tensor (a weak reference: holding it would keep alive a main-grad buffer
+    # that its group frees) and "not written" by its version counter unmoved: a clip or an
+    # unscale writes in place and moves it. Grads are known for one iteration only.
 
-    def _seen(self, tensor: torch.Tensor, grad: bool = False) -> None:
+    def _seen_grad(self, tensor: torch.Tensor) -> None:
         local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
-        (self._grad_versions if grad else self._versions)[_memory(local)] = local._version
+        self._grad_versions[id(local)] = (weakref.ref(local), local._version)
 
-    def was_checked(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s memory was checked after the last update (main weights)."""
+    def _unchanged_grad(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` was checked and not written since."""
         local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
-        return _memory(local) in self._versions
-
-    def unchanged(self, tensor: torch.Tensor, grad: bool = False) -> bool:
-        """Whether ``tensor``'s memory was checked and not written since."""
-        local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
-        held = (self._grad_versions if grad else self._versions).get(_memory(local))
-        return held is not None and held == local._version
+        held = self._grad_versions.get(id(local))
+        return held is not None and held[0]() is local and held[1] == local._version
 
     def close_iteration(self, agree: bool = True) -> IterationCheck | None:
         """End the iteration: its log goes on its way (with the ranks' flag when ``agree``, a
@@ -424,52 +431,61 @@ class ModelWatch:
         log, self.log = self.log, ProbeLog()
         self._grad_versions.clear()
         values = log.stacked()
-        flag: torch.Tensor | None = None
-        work = event = None
-        distributed = agree and self._process_group is not None and dist.is_available() and dist.is_initialized()
+        work = event = flag = None
         device = values.device if values is not None else torch.device("cpu")
-        if values is not None:
-            bad = (~torch.isfinite(values)).any().to(torch.int32).reshape(1)
-        else:
-            bad = torch.zeros(1, dtype=torch.int32, device=device)
-        if distributed:
+        if agree and self._has_peers():
+            # 0 where every value is finite, NaN where any is not (0 x Inf is NaN); summed over
+            # the ranks it stays NaN. A sum of the values themselves could overflow float64.
+            if values is not None:
+                flag = (values * 0.0).sum(0, keepdim=True)
+            else:
+                flag = torch.zeros(1, dtype=torch.float64, device=device)
             if device.type == "cpu" and _backend(self._process_group) == "nccl":
-                bad = bad.cuda()
-            work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._process_group, async_op=True)
-        if bad.device.type == "cuda" or (values is not None and values.device.type == "cuda"):
+                flag = flag.cuda()
+            work = dist.all_reduce(flag, group=self._process_group, async_op=True)
+        if (flag is not None and flag.device.type == "cuda") or device.type == "cuda":
             if work is not None:
                 work.wait()  # on the stream: the copy below is ordered after the collective
                 work = None
-            host_values = None if values is None else values.to("cpu", non_blocking=True)
-            flag = bad.to("cpu", non_blocking=True)
+            values = None if values is None else values.to("cpu", non_blocking=True)
+            flag = None if flag is None else flag.to("cpu", non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            host_values, flag = values, bad
+        return _Pending(log, values, flag, work, event, refined, count)
 
-        def checks() -> list[Checked]:
-            return log.read(host_values)
-
-        return _Pending(checks, flag, work, event, refined, count)
+    def _has_peers(self) -> bool:
+        """Whether other ranks agree on each iteration's flag (a group of this rank alone needs no collective)."""
+        if self._peers is None:
+            group = self._process_group
+            self._peers = (
+                group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+            )
+        return self._peers
 
     def _resolve(self) -> IterationCheck | None:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        checks, agreed = pending.result()
-        origin = find_origin(checks, self._after_finite)
-        after: dict[str, bool] = {}
-        for c in checks:
-            if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE and c.probe.when == AFTER:
-                after[c.probe.where] = after.get(c.probe.where, True) and c.finite
-        self._after_finite.update(after)
+        values, agreed = pending.result()
+        log = pending.log
+        here = all(map(math.isfinite, values))
+        anywhere = not here if agreed is None else agreed
+        if here and all(self._after_finite.values()):
+            # Nothing to report from this rank (and no earlier NaN/Inf to follow): the probes are
+            # read only where the zeroed-grads finding needs them.
+            origin = None
+            zeroed = zeroed_groups(log.read(values, _ZEROED_STAGES)) if log.grads_at_step else []
+        else:
+            checks = log.read(values)
+            origin = find_origin(checks, self._after_finite)
+            after: dict[str, bool] = {}
+            for c in checks:
+                if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE and c.probe.when == AFTER:
+                    after[c.probe.where] = after.get(c.probe.where, True) and c.finite
+            self._after_finite.update(after)
+            zeroed = zeroed_groups(checks)
         return IterationCheck(
-            origin=origin,
-            refined=pending.refined,
-            anywhere=any(not c.finite for c in checks) if agreed is None else agreed,
-            backward_count=pending.backward_count,
-            checks=checks,
-            zeroed=zeroed_groups(checks),
+            origin, pending.refined, anywhere, pending.backward_count, zeroed, functools.partial(log.read, values)
         )
 
     # -- escalation ---------------------------------------------------------------------------
@@ -498,11 +514,6 @@ class ModelWatch:
         for state in self._patched_states:
             state.__dict__.pop("_root_post_backward_final_callback", None)
         self._patched_states.clear()
-
-
-def _memory(t: torch.Tensor) -> tuple[int, int, int]:
-    """Where a tensor's elements are: its first element's address, its numel, its element size."""
-    return (t.data_ptr(), t.numel(), t.element_size())
 
 
 def _backend(group: Any) -> str:

@@ -207,4 +207,4 @@ def test_fused_checks_read_as_one_check_per_tensor_on_cuda(on_cuda: Any) -> None
     got = on_cuda(check_all_against_check, "cuda")
     assert got["many"] == got["one"], f"fused {got['many']} != one check per tensor {got['one']}"
     assert got["mixed"] == got["one"] + got["one"][-1:], f"fused among single checks: {got['mixed']}"
-    assert len(got["one"]) == 5, f"want 5 checked tensors (empty and integer skipped), got {got['one']}"
+    assert len(got["one"]) == 6, f"want 6 checked tensors (empty and integer skipped), got {got['one']}"

@@ -88,6 +88,9 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
                 grad = model.blocks[0].fc1.weight.grad
                 with torch.no_grad():
                     _local(grad).view(-1)[0] = math.nan
+            if planted and fault == "grad_replaced":  # a new grad tensor, not a write into the reduced one
+                weight = model.blocks[0].fc1.weight
+                weight.grad = weight.grad * math.nan
             if planted and fault == "optimizer":
                 optimizer.param_groups[1]["lr"] = math.nan
             optimizer.step()
@@ -166,6 +169,50 @@ def test_a_planted_fault_is_reported_where_and_when_it_began(dist_pool, tmp_path
         # grads held NaN and its update spread it over the parameter: the count says so.
         want = "which spread it"
         assert want in origin["detail"], f"{kind}: want the elements counted ({want!r}): {origin['detail']!r}"
+
+
+def test_a_grad_replaced_after_the_reduce_is_checked_at_the_step(dist_pool, tmp_path) -> None:
+    """Torch FSDP2's grads checked after its reduce are not checked again at the step unless
+    written since; a grad replaced by a new tensor (``p.grad = p.grad * nan``, no write into the
+    one checked) is a grad the reduce never made, and is checked there."""
+    report = _run(dist_pool, 2, "fsdp2", "grad_replaced", tmp_path, "100")
+    origin = report["origin"]
+    got = None if origin is None else (origin["step"], origin["stage"], origin["where"])
+    assert got == (PLANT, *WANT["grad_write"]), f"want the origin {(PLANT, *WANT['grad_write'])}, got {got}"
+
+
+def main_grads_freed_by_zero_grad() -> dict[str, Any]:
+    """``fully_shard`` frees a group's main-grad buffer once no grad holds it: after a backward
+    and ``zero_grad()`` with no step between, with the checks on, every group's ``main_grad`` is
+    ``None`` (the checks know a grad they saw by a weak reference)."""
+    from fsdp_patch.optimizer import fully_shard_optimizer
+    from fsdp_patch.sharding import parameter_group_of
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_TRACE_DIR=None, FSDP_PATCH_SUMMARY="none",
+                     OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none"):  # fmt: skip
+        reset_otel()
+        model = _shard(models.make_model(0), "fully_shard", main_grads_dtype=torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fully_shard_optimizer(optimizer)
+        groups = {id(g): g for p in model.parameters() if (g := parameter_group_of(p)) is not None}
+        tokens = next(iter(models.make_batches(1)))
+        models.lm_loss(model, models.rank_slice(tokens, rank, world)).backward()
+        held_after_backward = sum(g.main_grad is not None for g in groups.values())
+        optimizer.zero_grad()
+        gc.collect()
+        held_after_zero_grad = sum(g.main_grad is not None for g in groups.values())
+        from fsdp_patch import telemetry
+
+        telemetry.shutdown()
+        reset_otel()
+    return {"groups": len(groups), "after backward": held_after_backward, "after zero_grad": held_after_zero_grad}
+
+
+def test_the_checks_keep_no_main_grad_buffer_alive(dist_pool) -> None:
+    got = dist_pool(2).run(main_grads_freed_by_zero_grad)[0]
+    want = {"groups": got["groups"], "after backward": got["groups"], "after zero_grad": 0}
+    assert got == want, f"groups holding a main-grad buffer: want {want}, got {got}"
 
 
 @pytest.mark.parametrize("kind", KINDS)

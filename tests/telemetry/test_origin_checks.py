@@ -167,9 +167,13 @@ def test_the_log_reads_back_each_check_in_order() -> None:
     log.check(FWD, "b", torch.tensor([NAN, 1.0], dtype=torch.bfloat16))
     log.microbatch = 1
     log.check(LOSS, "loss", torch.tensor(INF))
-    got = [(x.probe.where, x.probe.dtype, x.probe.microbatch, x.finite, x.nan) for x in log.read(log.stacked())]
+    stacked = log.stacked()
+    got = [(x.probe.where, x.probe.dtype, x.probe.microbatch, x.finite, x.nan) for x in log.read(stacked)]
     want = [("a", "float32", 0, True, False), ("b", "bfloat16", 0, False, True), ("loss", "float32", 1, False, False)]
     assert got == want, f"want {want}, got {got}"
+    assert stacked is not None
+    only = [(x.probe.where, x.low, x.high) for x in log.read(stacked.tolist(), {LOSS, "no such stage"})]
+    assert only == [("loss", INF, INF)], f"the loss's check alone: {only}"
 
 
 def check_all_against_check(device: str) -> dict[str, Any]:
@@ -177,6 +181,7 @@ def check_all_against_check(device: str) -> dict[str, Any]:
     tensors on ``device`` (a CUDA device takes the fused path): finite, NaN, magnitude, all zero."""
     tensors = {
         "finite": torch.tensor([-3.0, 2.0, 0.5]),
+        "half": torch.tensor([-60000.0, 2.0]).to(torch.float16),
         "nan": torch.tensor([1.0, math.nan, -2.0]),
         "inf": torch.tensor([1.0, -math.inf]),
         "zeros": torch.zeros(4),
@@ -208,4 +213,25 @@ def test_check_all_reads_as_one_check_per_tensor() -> None:
     assert got["many"] == got["one"], f"check_all {got['many']} != check per tensor {got['one']}"
     assert got["mixed"] == got["one"] + got["one"][-1:], f"mixed {got['mixed']} != {got['one']} then bf16 again"
     wheres = [row[0] for row in got["one"]]
-    assert wheres == ["finite", "nan", "inf", "zeros", "bf16"], f"checked (empty and integer skipped): {wheres}"
+    want = ["finite", "half", "nan", "inf", "zeros", "bf16"]
+    assert wheres == want, f"checked (empty and integer skipped): got {wheres}, want {want}"
+
+
+def test_fused_lists_read_as_one_check_per_tensor() -> None:
+    """Lists fused as on a GPU, here on the CPU ([Note: one fused reduction per list on a GPU]): one
+    reduction per dtype of the list (float32, float16, bfloat16), read back in the list's order
+    among the single checks around it ([Note: the values kept per dtype])."""
+    from unittest import mock
+
+    from fsdp_patch.telemetry.diagnostics import origin
+
+    unfused = check_all_against_check("cpu")
+    with (
+        mock.patch.object(origin, "FUSED_DEVICE_TYPES", origin.FUSED_DEVICE_TYPES | {"cpu"}),
+        mock.patch.object(torch, "_foreach_norm", wraps=torch._foreach_norm) as fused,
+    ):
+        got = check_all_against_check("cpu")
+    assert got == unfused, f"fused {got} != unfused {unfused}"
+    sizes = sorted(len(call.args[0]) for call in fused.call_args_list)
+    # many: 4 float32, 1 float16, 1 bfloat16; mixed: 3 float32, 1 float16, 1 bfloat16 (its middle five)
+    assert sizes == [1, 1, 1, 1, 3, 4], f"tensors per fused reduction: got {sizes}"
