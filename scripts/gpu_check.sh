@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: what only a CUDA machine can show, in under 5 minutes on one GPU.
+# The GPU check: what only a CUDA machine can show, in under 6 minutes on one GPU.
 #
 #   scripts/gpu_check.sh --out DIR [--python PY] [--wheels DIR] [--budget SECONDS] [--limit-scale K]
 #
@@ -7,8 +7,9 @@
 #      adapter bitwise against the hand-cast reference on CUDA, CUDA-event step timings;
 #   2. `fsdp-patch demo` under `torchrun --nproc-per-node 1` on NCCL: 20 steps with a DCP
 #      checkpoint, then --resume to step 30, telemetry on (or off, saying why, without OpenTelemetry);
-#   3. the benchmark suite's cases on the GPU (BENCH_CASES below, one line each), timed with CUDA
-#      events, each writing its JSON, named after the GPU, into DIR.
+#   3. the per-iteration origin checks' cost (benchmarks.origin_checks) and the benchmark suite's
+#      cases on the GPU (BENCH_CASES below, one line each), timed with CUDA events, each writing its
+#      JSON, named after the GPU, into DIR.
 #
 # What it needs: the checkout, an interpreter (--python, else python3) with torch >= 2.11, numpy,
 # wrapt, pytest and pytest-timeout, and pip. It never installs torch nor anything into that
@@ -22,7 +23,7 @@
 # on gloo for 2+1 steps, the benchmarks are skipped, and the summary says so. The test suite runs
 # it that way (tests/test_gpu_check.py), so it keeps working between GPU runs.
 #
-# Every part has a time limit (and the whole run a budget, --budget, 285 s by default); a part that
+# Every part has a time limit (and the whole run a budget, --budget, 345 s by default); a part that
 # fails or runs out of time is recorded and the next one runs. The limits are sized for a GPU
 # machine's few minutes; --limit-scale K multiplies them (a loaded CPU machine running the script
 # to check it, not to time it: the test suite passes a large K and budget). Results, in DIR:
@@ -42,7 +43,7 @@ usage() {
 OUT_DIR=""
 PY="${PYTHON:-python3}"
 WHEELS=""
-BUDGET=285
+BUDGET=345
 LIMIT_SCALE=1
 while [ $# -gt 0 ]; do
     [ $# -ge 2 ] || usage
@@ -78,6 +79,7 @@ DEMO_LIMIT=45
 # to spare (case 6 runs three models on two microbatch counts: 47 s there). The script appends
 # `--json FILE`; add a case with a line.
 BENCH_CASES=(
+    "origin-checks|60|-m benchmarks.origin_checks --device cuda --world-size 1 --steps 24"
     "suite-1-floor|40|-m benchmarks --device cuda --case 1"
     "suite-2-step|40|-m benchmarks --device cuda --case 2"
     "suite-3-scaling|40|-m benchmarks --device cuda --case 3"

@@ -71,6 +71,8 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         jsons = sorted(out.glob("suite-*.json"))
         assert len(jsons) == 6, f"want one benchmark JSON per suite case in {out}, got {jsons}: {log[-2000:]}"
+        jsons += sorted(out.glob("origin-checks-*.json"))
+        assert len(jsons) == 7, f"want the origin checks' JSON too in {out}, got {jsons}"
         for path in jsons:
             assert json.loads(path.read_text())["timer"] == "cuda_events", f"{path.name}: not timed with CUDA events"
         return
@@ -85,7 +87,7 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
         assert status == "PASS" and "telemetry on, overall: healthy, last step" in detail, f"{part}: {status} {detail}"
     assert parts["3 GPU benchmarks"] == ("SKIP", "no CUDA device"), parts
     assert "resuming from" in (out / "logs" / "2-demo-torchrun-resume.log").read_text()
-    assert not list(out.glob("suite-*.json")), f"a CPU run wrote GPU results: {list(out.iterdir())}"
+    assert not list(out.glob("*.json")), f"a CPU run wrote GPU results: {list(out.iterdir())}"
     # Every part is in the summary, each line saying how it went.
     want = [
         "0 wheels",
