@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from .torch_compat import fsdp2_param_dtype, fsdp2_state_param_groups, fsdp2_tensor_parallel_spec
 
@@ -84,12 +84,13 @@ class FSDP2Group:
     @property
     def main_weights(self) -> list[torch.Tensor]:
         """This rank's shards of :attr:`members`, without padding."""
-        return [cast(DTensor, p)._local_tensor for p in self.members]
+        # Read every step by the per-iteration checks: one attribute per member, no call.
+        return [p._local_tensor for p in (*self.params, *self.others)]  # type: ignore[attr-defined]
 
     @property
     def main_grads(self) -> list[torch.Tensor]:
         """This rank's grad shards of the members that have a grad."""
-        return [g for g in self.local_grads if g is not None]
+        return [getattr(g, "_local_tensor", g) for p in (*self.params, *self.others) if (g := p.grad) is not None]
 
     @property
     def local_grads(self) -> list[torch.Tensor | None]:

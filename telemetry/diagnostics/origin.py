@@ -26,6 +26,7 @@ import functools
 import math
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -139,10 +140,12 @@ class PreparedChecks:
         self.stage = stage
         self.tensors: list[torch.Tensor] = []
         self._keys: list[tuple[str, str, str, str]] = []
-        for where, tensor, when, group in items:
+        self._kept: list[int] = []  # the items checked, by index
+        for item_index, (where, tensor, when, group) in enumerate(items):
             data = _checkable(tensor)
             if data is not None:
                 self.tensors.append(data)
+                self._kept.append(item_index)
                 self._keys.append((where, dtype_name(tensor.dtype), when, group))
         # The tensors of each dtype and device (and their places in :attr:`tensors`): one fused
         # reduction each, whose values join the log's list of that dtype ([Note: the values kept per dtype]).
@@ -153,6 +156,12 @@ class PreparedChecks:
         self.part_indices = list(parts.values())
         self.grads_at_step = stage == semconv.ORIGIN_GRAD_WRITE and any(k[0] != CLIP for k in self._keys)
         self._probes: dict[int, list[Probe]] = {}
+
+    def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Check ``tensors`` from now on: new tensors standing for the same items (the same
+        places, dtypes and sizes: the caller knows), each a plain tensor as :attr:`tensors` holds."""
+        self.tensors = [tensors[i] for i in self._kept]
+        self.parts = [[self.tensors[i] for i in indices] for indices in self.part_indices]
 
     def probes(self, microbatch: int) -> list[Probe]:
         """The probes of a check made after ``microbatch`` backward passes."""
@@ -238,6 +247,11 @@ class ProbeLog:
         probes = prepared.probes(self.microbatch)
         self._probes.extend(probes)
         self.grads_at_step = self.grads_at_step or prepared.grads_at_step
+        if len(prepared.parts) == 1 and tensors[0].device.type in FUSED_DEVICE_TYPES:  # one dtype: in order
+            index, values = self._list(tensors[0])
+            self._places.extend(zip(repeat(index), range(len(values), len(values) + len(tensors)), repeat(True)))
+            values.extend(torch._foreach_norm(tensors, math.inf))
+            return
         places: list[tuple[int, int, bool]] = [(0, 0, False)] * len(tensors)
         for part, indices in zip(prepared.parts, prepared.part_indices, strict=True):
             index, values = self._list(part[0])

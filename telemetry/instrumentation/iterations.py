@@ -20,6 +20,7 @@ rose ``LR_JUMP_FACTOR``-fold since the previous step (read from the param groups
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -76,7 +77,7 @@ class _StepTensors:
             (``None``: none checked yet).
     """
 
-    def __init__(self, key: tuple[tuple[int, int], ...], groups: Sequence[Any], names: Sequence[str],
+    def __init__(self, key: tuple[int, ...], groups: Sequence[Any], names: Sequence[str],
                  table: Sequence[ParamSlot]) -> None:  # fmt: skip
         self.key = key
         self.mains = [main_tensors(group) for group in groups]
@@ -94,18 +95,23 @@ class _StepTensors:
 
     def record_versions(self) -> None:
         """The main weights as the update left them (after their check)."""
-        self.after_versions = [[t._version for t in mains] for mains in self.mains]
+        self.after_versions = [list(map(_VERSION, mains)) for mains in self.mains]
 
     def written(self) -> list[int]:
         """The groups whose main weights were written in place since the update checked last."""
         if self.after_versions is None:
             return []
         return [index for index, (mains, versions) in enumerate(zip(self.mains, self.after_versions, strict=True))
-                if any(t._version != v for t, v in zip(mains, versions, strict=True))]  # fmt: skip
+                if list(map(_VERSION, mains)) != versions]  # fmt: skip
 
 
-def _tensors_key(groups: Sequence[Any]) -> tuple[tuple[int, int], ...]:
-    return tuple((id(t), t.data_ptr()) for group in groups for t in main_tensors(group))
+# Read of every main weight at every step (torch FSDP2 holds one per parameter): C-level calls.
+_VERSION = operator.attrgetter("_version")
+
+
+def _tensors_key(groups: Sequence[Any]) -> tuple[int, ...]:
+    mains = [t for group in groups for t in main_tensors(group)]
+    return (*map(id, mains), *map(torch.Tensor.data_ptr, mains))
 
 
 def _accumulation_dtype(group: Any) -> torch.dtype | None:

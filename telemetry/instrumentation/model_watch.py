@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -211,6 +212,30 @@ class _Pending:
         return values, None if self._flag is None else not math.isfinite(self._flag.item())
 
 
+class _ReducedGrads:
+    """Torch FSDP2's grads after its reduce, one list an iteration: new tensors each time for the
+    same parameters, so their probes are made again only when which parameters have grads, or
+    their dtypes or sizes, change."""
+
+    def __init__(self) -> None:
+        self._key: tuple[list[str], list[torch.dtype], list[int]] | None = None
+        self._prepared: PreparedChecks | None = None
+
+    def prepared(self, wheres: list[str], grads: list[torch.Tensor]) -> PreparedChecks:
+        key = (wheres, list(map(_DTYPE, grads)), list(map(torch.Tensor.numel, grads)))
+        if self._prepared is not None and key == self._key:
+            self._prepared.retarget(grads)
+            return self._prepared
+        self._key = key
+        self._prepared = PreparedChecks(
+            semconv.ORIGIN_REDUCE, [(where, grad, AFTER, "") for where, grad in zip(wheres, grads, strict=True)]
+        )
+        return self._prepared
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
 class ModelWatch:
     """The checks of one sharded model, and its count of backward passes.
 
@@ -240,6 +265,7 @@ class ModelWatch:
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._patched_groups: list[Any] = []
+        self._fsdp2_reduced = _ReducedGrads()
         # FSDP2 groups whose grads are reduced in a wide dtype ([Note: the reduce's input in a wide dtype]).
         self._wide_reduces: weakref.WeakSet[Any] = weakref.WeakSet()
         self._patched_states: list[Any] = []
@@ -348,14 +374,17 @@ class ModelWatch:
         self.log.check_all(semconv.ORIGIN_REDUCE, [(name, grad, BEFORE, "") for grad in narrow])
 
     def _after_fsdp2_reduce(self, units: Sequence[tuple[str, Any]]) -> None:
-        items: list[tuple[str, torch.Tensor, str, str]] = []
+        wheres: list[str] = []
+        grads: list[torch.Tensor] = []
         for name, group in units:
             for fsdp_param in group.fsdp_params:
                 grad = fsdp_param.sharded_param.grad
                 if grad is not None:
-                    items.append((name, grad, AFTER, ""))
-                    self._seen_grad(grad)
-        self.log.check_all(semconv.ORIGIN_REDUCE, items)
+                    local = getattr(grad, "_local_tensor", grad)
+                    wheres.append(name)
+                    grads.append(local.detach() if local.requires_grad else local)
+                    self._seen_grad(local)
+        self.log.check_prepared(self._fsdp2_reduced.prepared(wheres, grads))
 
     def before_backward(self, tensors: Any) -> None:
         """``torch.autograd.backward(tensors)`` is about to run: the loss, checked."""

@@ -21,6 +21,7 @@ from fsdp_patch.telemetry.diagnostics.origin import (
     INPUT,
     Checked,
     Origin,
+    PreparedChecks,
     Probe,
     ProbeLog,
     find_origin,
@@ -235,3 +236,19 @@ def test_fused_lists_read_as_one_check_per_tensor() -> None:
     sizes = sorted(len(call.args[0]) for call in fused.call_args_list)
     # many: 4 float32, 1 float16, 1 bfloat16; mixed: 3 float32, 1 float16, 1 bfloat16 (its middle five)
     assert sizes == [1, 1, 1, 1, 3, 4], f"tensors per fused reduction: got {sizes}"
+
+
+def test_prepared_checks_retargeted_read_the_new_tensors() -> None:
+    """A prepared list given new tensors for the same items (torch FSDP2's grads of the next
+    iteration) checks those, with the probes it made first; the items it left out (empty) stay out."""
+    first = [torch.ones(2), torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)]
+    prepared = PreparedChecks(RED, [(f"blocks.{i}", t, AFTER, "") for i, t in enumerate(first)])
+    probes = prepared.probes(1)
+    prepared.retarget([torch.tensor([1.0, NAN]), torch.zeros(0), torch.full((3,), -4.0, dtype=torch.bfloat16)])
+    log = ProbeLog()
+    log.microbatch = 1
+    log.check_prepared(prepared)
+    got = [(x.probe.where, x.probe.dtype, x.nan, x.magnitude if x.finite else None) for x in log.read(log.stacked())]
+    want = [("blocks.0", "float32", True, None), ("blocks.2", "bfloat16", False, 4.0)]
+    assert got == want, f"want {want}, got {got}"
+    assert prepared.probes(1) is probes, "the probes were made again"
