@@ -20,7 +20,8 @@ with the checks on. On a CPU every check runs synchronously inside those calls, 
 what the checks add to a step, apart from the CPU they take from other threads of the rank (the
 collectives' worker); on a GPU it is the checks' host time, their kernels being asynchronous.
 A few more steps count the operators the checks dispatch (each a launch on a GPU, whose host pays
-for it), a figure that is the same on any device.
+for it) and the Python and builtin calls they make: figures that are the same on any device and
+from run to run, where a time on a shared machine is not.
 
 On a GPU a step of this model is bound by the host (28 ms on an H200, telemetry on, for a few
 milliseconds of kernels), so there the checks cost what their Python and launches take on the host.
@@ -46,6 +47,7 @@ import dataclasses
 import functools
 import os
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -173,6 +175,8 @@ class _OwnTime:
         self._originals: list[tuple[type, str, Any]] = []
         # When set, the operators the checks dispatch are counted here (not timed: counting costs).
         self.ops: collections.Counter[str] | None = None
+        # When set, the Python and builtin function calls made inside the checks are counted here.
+        self.calls: list[int] | None = None
 
     def __enter__(self) -> _OwnTime:
         for owner, name in self.ENTRY_POINTS:
@@ -192,6 +196,8 @@ class _OwnTime:
             if self.ops is not None and self._depth == 0:
                 with _CountOps(self.ops):
                     return self._timed_call(fn, args, kwargs)
+            if self.calls is not None and self._depth == 0:
+                return self._counted_call(fn, args, kwargs, self.calls)
             return self._timed_call(fn, args, kwargs)
 
         return timed
@@ -205,6 +211,19 @@ class _OwnTime:
             self._depth -= 1
             if self._depth == 0:
                 self.seconds += time.perf_counter() - start
+
+    def _counted_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: list[int]) -> Any:
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event in ("call", "c_call"):
+                calls[0] += 1
+
+        self._depth += 1
+        sys.setprofile(profile)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+            self._depth -= 1
 
 
 class _CountOps(TorchDispatchMode):
@@ -236,8 +255,13 @@ def _own_share(kind: str, config: GPTConfig, steps: int, warmup: int) -> dict[st
             optimizer.zero_grad()
             if index >= warmup:
                 shares.append((own.seconds, time.perf_counter() - start))
-        own.ops = collections.Counter()
         counted = batches[:4]
+        counts = own.ops = collections.Counter()
+        for tokens in counted:
+            lm_loss(model, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        own.ops, own.calls = None, [0]
         for tokens in counted:
             lm_loss(model, tokens).backward()
             optimizer.step()
@@ -245,8 +269,10 @@ def _own_share(kind: str, config: GPTConfig, steps: int, warmup: int) -> dict[st
     # Each rank's share, then the larger: a step waits for its slowest rank.
     share = torch.tensor([median([o / s for o, s in shares]), median([o for o, _ in shares])], dtype=torch.float64)
     dist.all_reduce(share, op=dist.ReduceOp.MAX)
-    ops = {name: count / len(counted) for name, count in sorted(own.ops.items())}
-    return {"own_share": float(share[0]), "own_s": float(share[1]), "ops_per_step": sum(ops.values()), "ops": ops}
+    ops = {name: count / len(counted) for name, count in sorted(counts.items())}
+    calls = own.calls[0] / len(counted)
+    return {"own_share": float(share[0]), "own_s": float(share[1]), "ops_per_step": sum(ops.values()), "ops": ops,
+            "calls_per_step": calls}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -288,14 +314,15 @@ def _print(results: dict[str, Any], steps: int) -> None:
           "target: checks / off <= 1.03")  # fmt: skip
     print()
     print("| sharding | step, checks off | step, checks on | checks / off (each build order) | escalated / off "
-          "| checks' own time | operators per step |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| checks' own time | operators per step | Python calls per step |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for kind in KINDS:
         r = results[kind]
         low, high = r["ratio_checks_off_by_order"]
         print(f"| {kind} | {r['step_s_off'] * 1e3:.2f} ms | {r['step_s_checks'] * 1e3:.2f} ms "
               f"| {r['ratio_checks_off']:.3f} ({low:.3f}, {high:.3f}) | {r['ratio_escalated_off']:.3f} "
-              f"| {r['own_s'] * 1e3:.2f} ms, {r['own_share']:.1%} of a step | {r['ops_per_step']:.0f} |")  # fmt: skip
+              f"| {r['own_s'] * 1e3:.2f} ms, {r['own_share']:.1%} of a step | {r['ops_per_step']:.0f} "
+              f"| {r['calls_per_step']:.0f} |")  # fmt: skip
     print()
     for kind in KINDS:
         ops = ", ".join(f"{name} {count:g}" for name, count in results[kind]["ops"].items())

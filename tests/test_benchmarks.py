@@ -122,13 +122,13 @@ def test_origin_checks_host_bound_runs_escalated_to_the_end_and_writes_its_figur
     document = json.loads(out.read_text())
     got = {
         kind: (math.isfinite(r["ratio_checks_off"]), math.isfinite(r["ratio_escalated_off"]), r["own_s"] > 0.0,
-               r["escalated_to_the_end"], r["ops"].get("aminmax", 0) > 0, r["ops_per_step"] == sum(r["ops"].values()))
+               r["escalated_to_the_end"], r["ops"].get("aminmax", 0) > 0, r["ops_per_step"] == sum(r["ops"].values()), r["calls_per_step"] > r["ops_per_step"])
         for kind in ("fully_shard", "fsdp2") if (r := document[kind])
     }  # fmt: skip
-    want = {kind: (True, True, True, True, True, True) for kind in ("fully_shard", "fsdp2")}
+    want = {kind: (True,) * 7 for kind in ("fully_shard", "fsdp2")}
     assert got == want, (
         "(finite ratio, finite escalated ratio, own time > 0, escalated to the end, aminmax counted, operators "
-        f"summed): {got}"
+        f"summed, more Python calls than operators): {got}"
     )
     rows = [
         line for line in run.stdout.splitlines() if line.startswith("| fully_shard |") or line.startswith("| fsdp2 |")
