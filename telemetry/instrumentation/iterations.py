@@ -187,7 +187,7 @@ class IterationWatch:
         if optimizer is None:
             return []
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        key = tuple(id(p) for p in params)
+        key = tuple(map(id, params))
         if key != self._groups_key:
             flat: dict[int, Any] = {}
             for p in params:
