@@ -66,6 +66,9 @@ def _group_name(group: Any) -> str:
 class _StepTensors:
     """What the step's checks read of the optimizer's groups, made once for as long as the groups
     keep their buffers (:attr:`key`: a load into new tensors, a re-sharding, makes new ones).
+    Tensors a group replaced stay referenced here until the next step makes these again:
+    ``fully_shard`` never replaces its main weights (loads copy into them), torch FSDP2 only where
+    it resets a parameter's local shard (a load with ``assign=True``, ``to_empty``).
 
     Attributes:
         key: Each main weight's identity and address, group by group.
