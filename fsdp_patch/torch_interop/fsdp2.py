@@ -84,13 +84,12 @@ class FSDP2Group:
     @property
     def main_weights(self) -> list[torch.Tensor]:
         """This rank's shards of :attr:`members`, without padding."""
-        # Read every step by the per-iteration checks: one attribute per member, no call.
-        return [p._local_tensor for p in (*self.params, *self.others)]  # type: ignore[attr-defined]
+        return [p._local_tensor for p in self.members]  # type: ignore[attr-defined]
 
     @property
     def main_grads(self) -> list[torch.Tensor]:
         """This rank's grad shards of the members that have a grad."""
-        return [getattr(g, "_local_tensor", g) for p in (*self.params, *self.others) if (g := p.grad) is not None]
+        return [g for g in self.local_grads if g is not None]
 
     @property
     def local_grads(self) -> list[torch.Tensor | None]:

@@ -26,7 +26,6 @@ import functools
 import math
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, replace
-from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -154,7 +153,7 @@ class PreparedChecks:
             parts.setdefault((data.dtype, data.device), []).append(index)
         self.parts = [[self.tensors[i] for i in indices] for indices in parts.values()]
         self.part_indices = list(parts.values())
-        self.grads_at_step = stage == semconv.ORIGIN_GRAD_WRITE and any(k[0] != CLIP for k in self._keys)
+        self.grads_at_step = any(_grads_at_step(stage, where) for where, _, _, _ in self._keys)
         self._probes: dict[int, list[Probe]] = {}
 
     def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -231,8 +230,7 @@ class ProbeLog:
         self._places.append((index, len(values), False))
         values.extend(torch.aminmax(data))
         self._probes.append(Probe(stage, where, dtype_name(tensor.dtype), when, self.microbatch, group))
-        if stage == semconv.ORIGIN_GRAD_WRITE and where != CLIP:
-            self.grads_at_step = True
+        self.grads_at_step = self.grads_at_step or _grads_at_step(stage, where)
 
     def check_all(self, stage: str, items: Sequence[tuple[str, torch.Tensor, str, str]]) -> None:
         """Add the checks of ``(where, tensor, when, group)`` each, in order, as :meth:`check`
@@ -247,11 +245,6 @@ class ProbeLog:
         probes = prepared.probes(self.microbatch)
         self._probes.extend(probes)
         self.grads_at_step = self.grads_at_step or prepared.grads_at_step
-        if len(prepared.parts) == 1 and tensors[0].device.type in FUSED_DEVICE_TYPES:  # one dtype: in order
-            index, values = self._list(tensors[0])
-            self._places.extend(zip(repeat(index), range(len(values), len(values) + len(tensors)), repeat(True)))
-            values.extend(torch._foreach_norm(tensors, math.inf))
-            return
         places: list[tuple[int, int, bool]] = [(0, 0, False)] * len(tensors)
         for part, indices in zip(prepared.parts, prepared.part_indices, strict=True):
             index, values = self._list(part[0])
@@ -294,6 +287,11 @@ class ProbeLog:
             at = offsets[index] + place
             checked.append(Checked(probe, -host[at], host[at]) if peak else Checked(probe, host[at], host[at + 1]))
         return checked
+
+
+def _grads_at_step(stage: str, where: str) -> bool:
+    """Whether a probe checks main grads at the step (a clip's total norm does not)."""
+    return stage == semconv.ORIGIN_GRAD_WRITE and where != CLIP
 
 
 def _checkable(tensor: torch.Tensor) -> torch.Tensor | None:

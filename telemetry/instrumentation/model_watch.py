@@ -171,14 +171,14 @@ class IterationCheck:
     """
 
     def __init__(self, origin: Origin | None, refined: list[Origin], anywhere: bool, backward_count: int,
-                 zeroed: list[str], read: Callable[[], list[Checked]]) -> None:  # fmt: skip
+                 zeroed: list[str], read: Callable[[], list[Checked]], checks: list[Checked] | None = None) -> None:  # fmt: skip
         self.origin = origin
         self.refined = refined
         self.anywhere = anywhere
         self.backward_count = backward_count
         self.zeroed = zeroed
         self._read = read
-        self._checks: list[Checked] | None = None
+        self._checks = checks  # already read, where the iteration was read probe by probe
 
     @property
     def checks(self) -> list[Checked]:
@@ -499,6 +499,7 @@ class ModelWatch:
         log = pending.log
         here = all(map(math.isfinite, values))
         anywhere = not here if agreed is None else agreed
+        checks: list[Checked] | None = None
         if here and all(self._after_finite.values()):
             # Nothing to report from this rank (and no earlier NaN/Inf to follow): the probes are
             # read only where the zeroed-grads finding needs them.
@@ -514,7 +515,13 @@ class ModelWatch:
             self._after_finite.update(after)
             zeroed = zeroed_groups(checks)
         return IterationCheck(
-            origin, pending.refined, anywhere, pending.backward_count, zeroed, functools.partial(log.read, values)
+            origin,
+            pending.refined,
+            anywhere,
+            pending.backward_count,
+            zeroed,
+            functools.partial(log.read, values),
+            checks,
         )
 
     # -- escalation ---------------------------------------------------------------------------
