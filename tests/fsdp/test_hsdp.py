@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.comparison import assert_as_fsdp2_and_reference, full_state, max_abs_difference, whole
 from tests.fsdp.pattern_models import BATCH, Net, data, rows
+from tests.fsdp.reduction_settings import assert_hook_inputs_alike
 
 WORLD_SIZE = 4
 STEPS = 3
@@ -125,6 +126,108 @@ def test_hsdp_trains_bitwise_alike_with_telemetry_on_and_off(run_once) -> None:
         )
         diff, where = max_abs_difference(on[rank]["params"], off[rank]["params"])
         assert diff == 0.0, f"rank {rank}: weights with telemetry differ by {diff:.3g} at {where}"
+
+
+def hsdp_reduction_run(impl: str, setting: str, shape: tuple[int, ...], skip: str = "none") -> dict[str, Any]:
+    """Trains ``STEPS`` steps of 2 microbatches with one of FSDP2's reduction settings
+    (``reduction_settings.REDUCTIONS``) on every unit; ``skip`` on the first microbatch:
+    ``"all_reduce"`` (reduce-scatter only) or ``"none"``. Returns each step's grads (before the
+    step) and the final weights, whole; the reference trains on its loss times the setting's
+    scale of the mean grads."""
+    from tests.fsdp.reduction_settings import REDUCTIONS, Seen, apply_reduction
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _build("reference" if impl == "reference" else impl, "fp32", shape)
+    seen = Seen()
+    if impl != "reference":
+        apply_reduction([model, *model.blocks], impl, setting, seen)
+    scale = REDUCTIONS[setting].scale(WORLD_SIZE) if impl == "reference" else 1.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    if impl == "ours":
+        from fsdp_patch.optimizer import fully_shard_optimizer
+
+        fully_shard_optimizer(optimizer)
+    grads: dict[str, torch.Tensor] = {}
+    for step, (x, y) in enumerate(data(STEPS)):
+        if impl != "reference":
+            x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+        for micro, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+            if impl != "reference" and skip == "all_reduce":
+                model.set_requires_all_reduce(micro == 1)
+            seen.backward()
+            (F.mse_loss(model(xm), ym) * scale / 2).backward()
+        grads.update({f"step {step} {n}": whole(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: whole(p) for n, p in model.named_parameters()}
+    return {"grads": grads, "params": params, "facts": seen.facts()}
+
+
+# (setting, mesh shape, skip): each reduction setting on the 2 x 2 mesh; force-sum also with the
+# all-reduce skipped on the first microbatch (the held reduce-scatter output is divided as the
+# all-reduced one is) and on a 4 x 1 mesh (no reduce-scatter: the all-reduce over 4 replicas alone).
+HSDP_REDUCTIONS = [
+    ("force_sum", (2, 2), "none"),
+    ("force_sum", (2, 2), "all_reduce"),
+    ("force_sum", (4, 1), "none"),
+    ("custom_reduce_scatter", (2, 2), "none"),
+    ("custom_reduce_scatter", (2, 2), "all_reduce"),
+    ("divide_factor", (2, 2), "none"),
+    ("divide_factor_force_sum", (2, 2), "none"),
+    ("all_reduce_hook", (2, 2), "none"),
+]
+
+
+@pytest.mark.parametrize(
+    ("setting", "shape", "skip"), HSDP_REDUCTIONS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v
+)
+def test_hsdp_reduction_settings_match_fsdp2_and_the_unsharded_model(run_once, setting, shape, skip) -> None:
+    """HSDP with a summed reduction, a custom reduce-scatter, a divide factor or an all-reduce
+    hook: each step's grads and the final weights as FSDP2's on the same mesh and as the unsharded
+    model's (its loss scaled as the setting scales the mean grads). The root unit's head (5 rows
+    over a shard dimension of 2) is sharded unevenly, 3 + 2 rows.
+
+    Bitwise FSDP2's where 2 replicas sum (exact in either order); over 4 replicas gloo adds in an
+    order that follows the buffer's layout, which differs, so to float32 rounding."""
+    ours = run_once(WORLD_SIZE, hsdp_reduction_run, "ours", setting, shape, skip)
+    fsdp2 = run_once(WORLD_SIZE, hsdp_reduction_run, "fsdp2", setting, shape, skip)
+    reference = run_once(1, hsdp_reduction_run, "reference", setting, shape)[0]
+    for what in ("grads", "params"):
+        if shape[0] == 2:
+            assert_as_fsdp2_and_reference(
+                [run[what] for run in ours], [run[what] for run in fsdp2], reference[what], REFERENCE_TOL
+            )
+            continue
+        for rank, (got, control) in enumerate(zip(ours, fsdp2, strict=True)):
+            for name, want, tolerance in (
+                ("FSDP2", control[what], 1e-6),
+                ("the unsharded model", reference[what], REFERENCE_TOL),
+            ):
+                diff, where = max_abs_difference(got[what], want)
+                assert diff <= tolerance, f"rank {rank}: ours ({what}) differs from {name} by {diff:.3g} at {where}"
+    for rank, (got, want) in enumerate(zip(ours, fsdp2, strict=True)):
+        # FSDP2 calls the hook as each unit's reduce completes in backward (blocks.1, blocks.0,
+        # the root); fully_shard as it completes the unit's all-reduce over the replicas, at the
+        # end of backward, in forward order: the calls are compared in order of size.
+        assert_hook_inputs_alike(got["facts"]["hook_inputs"], want["facts"]["hook_inputs"], f"rank {rank}", True)
+        mine, theirs = ({k: v for k, v in run["facts"].items() if k != "hook_inputs"} for run in (got, want))
+        assert mine == theirs, f"rank {rank}, {setting}: ours saw {mine}, FSDP2 {theirs}"
+    if setting == "custom_reduce_scatter":
+        want_sizes = [shape[1]]
+        got_facts = ours[0]["facts"]
+        assert got_facts["reduce_scatters"] > 0 and got_facts["reduce_scatter_group_sizes"] == want_sizes, (
+            f"want the custom reduce-scatter called over the shard dimension ({want_sizes}), got {got_facts}"
+        )
+    if setting == "all_reduce_hook":
+        got_calls = [len(calls) for calls in ours[0]["facts"]["hook_inputs"]]
+        assert got_calls == [3] * 2 * STEPS, f"hook calls per backward: want one per unit, got {got_calls}"
+
+
+def test_the_hsdp_model_shards_the_root_unevenly() -> None:
+    """The HSDP tests' model has a parameter whose rows a shard dimension of 2 splits unevenly."""
+    model = Net(norm=True)
+    uneven = sorted(n for n, p in model.named_parameters() if p.shape[0] % 2)
+    assert uneven == ["head.bias", "head.weight"], f"parameters with an odd number of rows: {uneven}"
 
 
 def hsdp_checkpoint_run() -> dict[str, Any]:

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.comparison import assert_as_fsdp2_and_reference, full_state, max_abs_difference
 from tests.fsdp.pattern_models import FeedForward
+from tests.fsdp.reduction_settings import assert_hook_inputs_alike
 
 WORLD_SIZE = 4
 IN, DIM, HIDDEN, OUT = 6, 8, 14, 5
@@ -171,6 +172,68 @@ def test_tp_fsdp_trains_bitwise_alike_with_telemetry_on_and_off(run_once) -> Non
         )
         diff, where = max_abs_difference(on[rank]["params"], off[rank]["params"])
         assert diff == 0.0, f"rank {rank}: weights with telemetry differ by {diff:.3g} at {where}"
+
+
+def tp_reduction_run(impl: str, setting: str) -> dict[str, Any]:
+    """Trains ``STEPS`` SGD steps with one of FSDP2's reduction settings
+    (``reduction_settings.REDUCTIONS``) on every unit: each step's grads (before the step) and the
+    final weights, whole; the reference trains on its loss times the setting's scale of the mean
+    grads over the 2 data-parallel ranks."""
+    from tests.fsdp.reduction_settings import REDUCTIONS, Seen, apply_reduction
+
+    mesh = None if impl == "reference" else _mesh()
+    model = _build(impl, "fp32", mesh)
+    seen = Seen()
+    if impl != "reference":
+        apply_reduction([model, *model.blocks], impl, setting, seen)
+    scale = REDUCTIONS[setting].scale(2) if impl == "reference" else 1.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    if impl == "ours":
+        from fsdp_patch.optimizer import fully_shard_optimizer
+
+        fully_shard_optimizer(optimizer)
+    grads: dict[str, torch.Tensor] = {}
+    for step, (x, y) in enumerate(data(STEPS)):
+        if mesh is not None:
+            x, y = _dp_rows(x, mesh), _dp_rows(y, mesh)
+        seen.backward()
+        (F.mse_loss(model(x), y) * scale).backward()
+        grads.update({f"step {step} {n}": _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: _full(p) for n, p in model.named_parameters()}
+    return {"grads": grads, "params": params, "facts": seen.facts()}
+
+
+@pytest.mark.parametrize("setting", ["force_sum", "custom_reduce_scatter", "divide_factor", "all_reduce_hook"])
+def test_tp_fsdp_reduction_settings_match_fsdp2_and_the_unsharded_model(run_once, setting) -> None:
+    """A summed reduction, a custom reduce-scatter, a divide factor or an all-reduce hook under
+    TP x FSDP: the grads are reduced over the 2 "dp" ranks only (not the 4 of the world), each step's
+    grads and the final weights bitwise FSDP2's and as the unsharded model's (its loss scaled as the
+    setting scales the mean grads)."""
+    ours = run_once(WORLD_SIZE, tp_reduction_run, "ours", setting)
+    fsdp2 = run_once(WORLD_SIZE, tp_reduction_run, "fsdp2", setting)
+    reference = run_once(1, tp_reduction_run, "reference", setting)[0]
+    for what in ("grads", "params"):
+        assert_as_fsdp2_and_reference(
+            [run[what] for run in ours], [run[what] for run in fsdp2], reference[what], REFERENCE_TOL
+        )
+    for rank, (got, want) in enumerate(zip(ours, fsdp2, strict=True)):
+        # fully_shard keeps a block's TP-split parameters and its others in two parameter groups,
+        # each reduced (and hooked) apart: 5 reduce-scatters per backward where FSDP2 runs one per
+        # unit, 3. The hook's inputs are compared per backward, whole.
+        assert_hook_inputs_alike(got["facts"]["hook_inputs"], want["facts"]["hook_inputs"], f"rank {rank}", False)
+        got_sizes, want_sizes = got["facts"]["reduce_scatter_group_sizes"], want["facts"]["reduce_scatter_group_sizes"]
+        assert got_sizes == want_sizes, f"rank {rank}: reduce-scatters over groups of {got_sizes}, FSDP2's {want_sizes}"
+    if setting == "custom_reduce_scatter":
+        got_facts = ours[0]["facts"]
+        got = (got_facts["reduce_scatters"], got_facts["reduce_scatter_group_sizes"])
+        assert got == (5 * STEPS, [2]), (
+            f"want the custom reduce-scatter called 5 times a step over the 2 dp ranks, got {got}"
+        )
+    if setting == "all_reduce_hook":
+        got_calls = [len(calls) for calls in ours[0]["facts"]["hook_inputs"]]
+        assert got_calls == [5] * STEPS, f"hook calls per backward: want one per parameter group, got {got_calls}"
 
 
 def _build_layout(layout: str, seed: int) -> Net:
