@@ -101,6 +101,14 @@ def _halving_all_reduce_hook(unit: Any, impl: str, seen: Seen) -> None:
     unit.set_all_reduce_hook(hook)
 
 
+def _separate_reduce_scatter_group_force_sum(unit: Any, impl: str, seen: Seen) -> None:
+    unit.set_force_sum_reduction_for_comms(True)
+    # FSDP2 has the method from torch 2.13; without it the control reduces on the mesh's group,
+    # which must come out the same.
+    if impl == "ours" or hasattr(unit, "set_separate_reduce_scatter_group"):
+        unit.set_separate_reduce_scatter_group(True, recurse=False)
+
+
 @dataclass(frozen=True)
 class Reduction:
     """A setting: how it is applied to a unit, and the factor it scales the mean grads by on
@@ -117,6 +125,9 @@ REDUCTIONS: dict[str, Reduction] = {
     "divide_factor": Reduction(_divide_factor, lambda data_parallel: data_parallel / DIVIDE_FACTOR),
     "divide_factor_force_sum": Reduction(_divide_factor_force_sum, lambda data_parallel: data_parallel / DIVIDE_FACTOR),
     "all_reduce_hook": Reduction(_halving_all_reduce_hook, lambda data_parallel: 0.5),
+    "separate_reduce_scatter_group_force_sum": Reduction(
+        _separate_reduce_scatter_group_force_sum, lambda data_parallel: 1.0
+    ),
 }
 
 

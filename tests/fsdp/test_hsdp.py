@@ -175,6 +175,7 @@ HSDP_REDUCTIONS = [
     ("divide_factor", (2, 2), "none"),
     ("divide_factor_force_sum", (2, 2), "none"),
     ("all_reduce_hook", (2, 2), "none"),
+    ("separate_reduce_scatter_group_force_sum", (2, 2), "none"),
 ]
 
 
