@@ -57,7 +57,8 @@ class LrJump:
 
 @dataclass
 class ZeroedSeen:
-    """An iteration whose grads something zeroed between backward and step, with the ranks."""
+    """An iteration whose grads something zeroed between backward and step, with the units every
+    rank named and the ranks."""
 
     step: int
     units: str
@@ -131,6 +132,8 @@ class OriginTrace:
             if step is not None:
                 units = str(args.get(semconv.ATTR_GRADS_ZEROED_UNITS, ""))
                 zeroed = self.zeroed.setdefault(step, ZeroedSeen(step, units))
+                if units != zeroed.units:  # each rank names the units whose shards it saw zeroed
+                    zeroed.units = _merged_units(zeroed.units, units)
                 rank = _int(args.get(semconv.ATTR_RANK))
                 if rank is not None:
                     zeroed.ranks.add(rank)
@@ -202,9 +205,19 @@ class OriginTrace:
         """The run's first origin: the earliest step, then the earliest stage of an iteration."""
         return min(self.origins.values(), key=lambda o: o.key, default=None)
 
+    def episode_end(self, of: OriginSeen) -> int | None:
+        """The step at which the next run of iterations holding NaN/Inf (an episode: each has its
+        own unit-level origin, the same on every rank) began after ``of``'s, or ``None``."""
+        return min((o.step for o in self.origins.values() if o.step > of.step), default=None)
+
     def refinements(self, of: OriginSeen) -> list[OriginSeen]:
-        """Module-level origins found by the escalation that followed ``of``, in order."""
-        return sorted((o for o in self.refined.values() if o.step >= of.step), key=lambda o: o.key)
+        """Module-level origins found by the escalation that followed ``of``, in order: those of
+        its episode, not of a later one."""
+        end = self.episode_end(of)
+        return sorted(
+            (o for o in self.refined.values() if of.step <= o.step and (end is None or o.step < end)),
+            key=lambda o: o.key,
+        )
 
     def skipped(self) -> tuple[int, int, float, float]:
         """``(skipped, iterations, first scale, last scale)`` of the rank that skipped most."""
@@ -241,6 +254,11 @@ class OriginTrace:
     def backward_without_steps(self) -> int:
         """Backward passes on a rank that ran no optimizer step and skipped none (0 otherwise)."""
         return max((r.backward for r in self.ranks.values() if not r.steps and not r.skipped), default=0)
+
+
+def _merged_units(*named: str) -> str:
+    """The units several ranks named (each a ``", "``-joined, sorted list), as one such list."""
+    return ", ".join(sorted({unit for units in named for unit in units.split(", ") if unit}))
 
 
 def _float(value: object) -> float | None:

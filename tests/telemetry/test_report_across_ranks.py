@@ -214,3 +214,166 @@ def test_a_parameter_is_dated_at_the_first_step_of_its_worst_value(tmp_path: Pat
     (named,) = _findings(tmp_path)["lost_updates"]["parameters"]
     got = (named["param"], named["value"], named["step"])
     assert got == ("head.weight", 0.95, 2), f"named (param, value, step): got {got}, want ('head.weight', 0.95, 2)"
+
+
+# -- where NaN/Inf began: origins over ranks, episodes and stages ----------------------------------
+
+
+def _origin(step: int, stage: str, where: str, rank: int, refined: bool = False) -> tuple[str, dict[str, Any]]:
+    return semconv.EVENT_ORIGIN, {
+        semconv.ATTR_STEP: step,
+        semconv.ATTR_RANK: rank,
+        semconv.ATTR_ORIGIN_STAGE: stage,
+        semconv.ATTR_ORIGIN_WHERE: where,
+        semconv.ATTR_ORIGIN_DTYPE: "float16",
+        semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_INF,
+        semconv.ATTR_MICROBATCH: 0,
+        semconv.ATTR_ORIGIN_REFINED: refined,
+    }
+
+
+def _write_origins(directory: Path, origins: Mapping[int, list[tuple[int, str, str, bool]]], steps: int = 10) -> None:
+    """Per rank, its origin events ``(step, stage, where, refined)``, each on the span of the step
+    after it (where a run reads an iteration's checks)."""
+    for rank in range(WORLD):
+        events: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+        for step, stage, where, refined in origins.get(rank, []):
+            events.setdefault(step + 1, []).append(_origin(step, stage, where, rank, refined))
+        _write_rank(directory, rank, range(1, steps + 1), precision={}, step_events=events)
+
+
+@EARLIER_ON
+def test_of_two_episodes_the_origin_is_the_earlier_step_not_the_earlier_stage(tmp_path: Path, early: int) -> None:
+    """A reduce-scatter overflow at step 3 (on one rank's shard) and, after finite iterations, a
+    forward overflow at step 7 on both ranks: the forward is the earlier stage of an iteration,
+    the reduce the earlier step. The report and its JSON lead with the reduce at step 3."""
+    _write_origins(
+        tmp_path,
+        {
+            early: [(3, "reduce", "", False), (7, "forward", "blocks.0", False)],
+            1 - early: [(7, "forward", "blocks.0", False)],
+        },
+    )
+    report = precision_report.report_json(str(tmp_path))
+    origin = report["origin"]
+    got = (origin["step"], origin["stage"], origin["where"], origin["ranks"])
+    assert got == (3, "reduce", "", [early]), f"JSON origin (step, stage, where, ranks): got {got}"
+    lead = (report["findings"][0]["check"], report["findings"][0]["first_step"])
+    assert lead == ("origin", 3), f"the report leads with {report['findings'][0]}"
+    text = precision_report.report(str(tmp_path))
+    want = "overall: problem: NaN/Inf began in the reduce-scatter of the grads, from step 3"
+    assert want in text.splitlines(), f"want the line {want!r} in the report:\n{text}"
+
+
+@EARLIER_ON
+def test_at_one_step_the_origin_is_the_earliest_stage_any_rank_saw(tmp_path: Path, early: int) -> None:
+    """At step 4 one rank saw its first Inf in blocks.1's forward, the other in blocks.0's backward
+    (a name that sorts first): the forward runs first in an iteration, so the origin is the
+    forward's, on that rank."""
+    _write_origins(
+        tmp_path, {early: [(4, "forward", "blocks.1", False)], 1 - early: [(4, "backward", "blocks.0", False)]}
+    )
+    origin = precision_report.report_json(str(tmp_path))["origin"]
+    got = (origin["step"], origin["stage"], origin["where"], origin["ranks"])
+    assert got == (4, "forward", "blocks.1", [early]), f"JSON origin (step, stage, where, ranks): got {got}"
+
+
+@EARLIER_ON
+def test_refinements_are_of_the_first_episode_in_the_order_of_their_steps(tmp_path: Path, early: int) -> None:
+    """Episode 1 began at step 3 (blocks.0's forward, both ranks); its escalated iterations refined
+    it at step 4 (a backward, on one rank) and step 5 (a forward, on the other). Episode 2 began
+    at step 8 (the loss) and was refined at step 9. Under the origin: steps 4 then 5, not 9."""
+    _write_origins(
+        tmp_path,
+        {
+            early: [
+                (3, "forward", "blocks.0", False),
+                (4, "backward", "blocks.0.fc2", True),
+                (8, "loss", "loss", False),
+                (9, "forward", "head", True),
+            ],
+            1 - early: [
+                (3, "forward", "blocks.0", False),
+                (5, "forward", "blocks.0.fc1", True),
+                (8, "loss", "loss", False),
+            ],
+        },
+    )
+    origin = precision_report.report_json(str(tmp_path))["origin"]
+    got = [(o["step"], o["stage"], o["where"], o["ranks"]) for o in origin["refined"]]
+    want = [(4, "backward", "blocks.0.fc2", [early]), (5, "forward", "blocks.0.fc1", [1 - early])]
+    assert got == want, f"JSON refinements of the origin at step 3: got {got}, want {want}"
+    text = precision_report.report(str(tmp_path))
+    refined = [line.strip().split(":", 2)[1] for line in text.splitlines() if line.strip().startswith("refined:")]
+    want_text = [" Inf began in the backward at step 4", " Inf began in the forward at step 5"]
+    assert refined == want_text, f"refined lines: got {refined}, want {want_text}:\n{text}"
+
+
+# -- iterations whose grads were zeroed, replicas that diverged ----------------------------------------
+
+
+def _zeroed(step: int, units: str, rank: int) -> tuple[str, dict[str, Any]]:
+    return semconv.EVENT_GRADS_ZEROED, {
+        semconv.ATTR_STEP: step,
+        semconv.ATTR_RANK: rank,
+        semconv.ATTR_GRADS_ZEROED_UNITS: units,
+    }
+
+
+def _zeroed_line(directory: Path) -> str:
+    text = precision_report.report(str(directory))
+    return next((line.strip() for line in text.splitlines() if "iteration(s) (steps" in line), text)
+
+
+@EARLIER_ON
+def test_zeroed_grads_are_dated_at_the_earliest_step_any_rank_saw(tmp_path: Path, early: int) -> None:
+    """One rank saw blocks.0's grads zeroed at step 2, the other at step 5: the finding is dated at
+    step 2 and lists both steps in order."""
+    for rank in range(WORLD):
+        step = 2 if rank == early else 5
+        _write_rank(
+            tmp_path, rank, range(1, 8), precision={}, step_events={step + 1: [_zeroed(step, "blocks.0", rank)]}
+        )
+    first = _findings(tmp_path)["grads_zeroed"]["first_step"]
+    assert first == 2, f"grads-zeroed finding first at step {first}, want 2 (rank {early}'s)"
+    got = _zeroed_line(tmp_path)
+    want = "2 iteration(s) (steps 2, 5); units blocks.0; ranks 0, 1"
+    assert got == want, f"want {want!r}, got {got!r}"
+
+
+@pytest.mark.parametrize("root_on", (0, 1), ids=("root_on_rank0", "root_on_rank1"))
+def test_zeroed_grads_name_the_units_of_every_rank(tmp_path: Path, root_on: int) -> None:
+    """At step 3 one rank saw the root's grads zeroed, the other the blocks' (its shard of the
+    root's grads was 0 already after the reduce): the report names the units of both ranks."""
+    for rank in range(WORLD):
+        units = "(root)" if rank == root_on else "blocks.0, blocks.1"
+        _write_rank(tmp_path, rank, range(1, 6), precision={}, step_events={4: [_zeroed(3, units, rank)]})
+    got = _zeroed_line(tmp_path)
+    want = "1 iteration(s) (steps 3); units (root), blocks.0, blocks.1; ranks 0, 1"
+    assert got == want, f"want {want!r}, got {got!r}"
+
+
+def _divergence(step: int) -> tuple[str, dict[str, Any]]:
+    return semconv.EVENT_REPLICA_DIVERGENCE, {
+        semconv.ATTR_STEP: step,
+        semconv.ATTR_REPLICA_DIFF: semconv.REPLICA_DIFF_NONFINITE,
+        semconv.ATTR_REPLICA_NONFINITE: [0, 4],
+        semconv.ATTR_RANKS: [0, 1],
+        semconv.ATTR_PRECISION_PARAMS: ["head.weight"],
+        semconv.ATTR_PRECISION_PARAMS_COUNT: 1,
+    }
+
+
+@EARLIER_ON
+def test_replica_divergence_is_dated_at_the_earliest_step_any_rank_saw(tmp_path: Path, early: int) -> None:
+    """One rank's files hold the replicas' divergence at steps 3 and 6, the other's at step 6 only
+    (its older steps rotated away): the divergence is reported from step 3."""
+    for rank in range(WORLD):
+        steps = (3, 6) if rank == early else (6,)
+        _write_rank(tmp_path, rank, range(1, 8), precision_events={s: [_divergence(s)] for s in steps})
+    report = precision_report.report_json(str(tmp_path))
+    divergence = report["replica_divergence"]
+    got = (divergence["step"], divergence["steps"], _findings(tmp_path)["replica_divergence"]["first_step"])
+    assert got == (3, [3, 6], 3), f"(step, steps, finding's first step): got {got}, want (3, [3, 6], 3)"
+    text = precision_report.report(str(tmp_path))
+    assert "NaN/Inf counts differ at step 3 (2 diagnosed steps in all): head.weight" in text, text
