@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +243,108 @@ def test_a_healthy_run_reports_no_origin_and_trains_as_with_telemetry_off(dist_p
         assert all(same), (
             f"{kind}, rank {rank}: weights after an escalated run differ with telemetry on and off: {same}"
         )
+
+
+# -- two episodes in one run ------------------------------------------------------------------------
+
+
+def two_episodes_training(trace_dir: str) -> dict[str, Any]:
+    """The bug-pattern model under ``fully_shard``, fp16 compute and fp16 grads, a GradScaler from
+    scale 1 (it skips both overflowing iterations, so the weights stay finite in between): at step
+    3 head.weight[0, 0]'s local grad +4e4 on both ranks (their fp16 sum overflows in the
+    reduce-scatter), at steps 7-8 rank 0's batch x1e5 (the forward overflows; step 8 is escalated,
+    so its module-level checks refine that origin)."""
+    from benchmarks.bug_patterns import plants
+    from benchmarks.bug_patterns.run import quiet_warnings
+    from benchmarks.bug_patterns.training import FULLY_SHARD, Context, Plant, Settings, train_on_rank
+
+    class Both(Plant):
+        def __init__(self, *each: Plant) -> None:
+            self.each = each
+
+        def before_forward(self, ctx: Context, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+            for plant in self.each:
+                plant.before_forward(ctx, tokens, targets)
+
+    quiet_warnings()
+    reset_otel()
+    try:
+        settings = Settings(compute="fp16", grads="fp16", scaler=True, init_scale=1.0, steps=10)
+        plant = Both(plants.GradSpike(plants.When(3, 3), 4e4), plants.BatchGain(plants.When(7, 9, (0,)), 1e5))
+        return train_on_rank(FULLY_SHARD, settings, plant, trace_dir, 1)
+    finally:
+        gc.collect()
+        reset_otel()
+
+
+def _origin_events(trace_dir: Path) -> list[tuple[int, str, str, bool, int]]:
+    """Every origin event of the trace files: (step, stage, where, refined, rank), in order."""
+    from fsdp_patch.telemetry import semconv
+    from fsdp_patch.telemetry.offline.trace_reading import iter_events, rank_segments
+
+    found = []
+    for segment in rank_segments(str(trace_dir)):
+        for event in iter_events(segment.path):
+            args = event.get("args") or {}
+            if event.get("name") == semconv.EVENT_ORIGIN:
+                found.append(
+                    (
+                        args[semconv.ATTR_STEP],
+                        args[semconv.ATTR_ORIGIN_STAGE],
+                        args[semconv.ATTR_ORIGIN_WHERE],
+                        bool(args[semconv.ATTR_ORIGIN_REFINED]),
+                        segment.rank,
+                    )
+                )
+    return sorted(found)
+
+
+def _steps_in(value: Any) -> list[int]:
+    """Every ``step`` of the dicts nested in ``value``."""
+    if isinstance(value, dict):
+        return [*([value["step"]] if isinstance(value.get("step"), int) else []), *_steps_in(list(value.values()))]
+    if isinstance(value, list):
+        return [step for item in value for step in _steps_in(item)]
+    return []
+
+
+def test_of_two_episodes_the_report_leads_with_the_earlier(dist_pool, tmp_path) -> None:
+    """A reduce-scatter overflow at step 3 and, after clean iterations, a forward overflow at step
+    6 (iteration 7: the GradScaler skipped iteration 3, which made no step): the forward is an
+    earlier stage of an iteration, the reduce an earlier step. The report and ``--json`` lead with
+    the reduce-scatter at step 3, and name nothing of the second episode under it (its
+    module-level refinement, at step 6, is the second episode's)."""
+    from tests.integration.report_json import report_json
+
+    traces = tmp_path / "traces"
+    dist_pool(2).run(two_episodes_training, str(traces))
+    events = _origin_events(traces)
+    units = {(step, stage, where) for step, stage, where, refined, _ in events if not refined}
+    want_units = {(3, "reduce", ""), (6, "forward", "blocks.0")}
+    assert {step for step, _, _ in units} == {3, 6} and want_units <= units, (
+        f"want the run to hold two episodes, the reduce at step 3 and the forward at step 6; its origins: {events}"
+    )
+    assert any(refined and step == 6 for step, _, _, refined, _ in events), (
+        f"want the second episode refined (the first is not: one overflowing iteration), got {events}"
+    )
+    report = report_json(traces)
+    origin = report["origin"]
+    got = (origin["step"], origin["stage"], origin["where"], origin["ranks"], origin["refined"])
+    assert got == (3, "reduce", "", [0], []), (
+        f"--json: want the origin (3, 'reduce', '', [0], no refinement), got {got}"
+    )
+    steps = _steps_in(origin)
+    assert max(steps) < 6, f"--json: the origin at step 3 holds steps {steps} of the second episode: {origin}"
+    lead = (report["findings"][0]["check"], report["findings"][0]["first_step"])
+    assert lead == ("origin", 3), f"--json leads with {report['findings'][0]}"
+    text = subprocess.run(
+        [sys.executable, "-m", "fsdp_patch", "report", str(traces)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    want = "overall: problem: NaN/Inf began in the reduce-scatter of the grads, from step 3"
+    assert want in text.splitlines(), f"want the line {want!r} in the report:\n{text}"
+    block = text.split("  - NaN/Inf began in", 1)[1].split("\n  - ", 1)[0]
+    assert "step 6" not in block, f"the second episode (step 6) is named under the first's origin:\n{block}"
