@@ -385,3 +385,52 @@ def test_a_scaler_that_skips_some_iterations_is_dated_at_its_first_skip(tmp_path
         "iterations: 3 optimizer steps, 4 skipped (GradScaler scale 1 at the first skip, 0.125 at the last), 7 backward passes"
         in text
     ), text
+
+
+@pytest.mark.parametrize("early", (0, 1), ids=("earlier_on_rank0", "earlier_on_rank1"))
+def test_a_scaler_that_skips_on_some_ranks_earlier_is_dated_at_the_earliest_skip(tmp_path: Path, early: int) -> None:
+    """One rank's GradScaler skipped 4 iterations at step 4, the other's 4 at step 6 (9 iterations
+    each): the finding is dated at step 4, whichever rank's files are read first."""
+
+    def spans(skip_at: int) -> list[tuple[str, int, dict]]:
+        skipped = [
+            ("fsdp.optimizer.skipped_step", skip_at, {"fsdp.backward.count": 1, "fsdp.grad_scaler.scale": 2.0**-k})
+            for k in range(4)
+        ]
+        return [*_steps(skip_at - 1), *skipped, *[s for s in _steps(5) if s[1] >= skip_at]]
+
+    _write_iterations(tmp_path, {early: spans(4), 1 - early: spans(6)})
+    report = precision_report.report_json(str(tmp_path))
+    got = [(f["check"], f["first_step"]) for f in report["findings"]]
+    assert got == [("scaler_skipped", 4)], f"want the skips dated at step 4 (rank {early}'s), got {got}"
+
+
+def test_of_several_lr_jumps_before_a_nan_the_largest_leads(tmp_path: Path) -> None:
+    """The lr rose x10 at step 1, x1e5 at step 2 and x10 at step 3, and the forward overflowed at
+    step 4: the report ties the NaN to the x1e5 jump, neither the first nor the last in its window."""
+    jumps = {
+        step: [
+            (
+                "fsdp.optimizer.lr_jump",
+                {"fsdp.step": step, "fsdp.param_group": 0, "fsdp.lr.before": 1e-3, "fsdp.lr.after": 1e-3 * factor},
+            )
+        ]
+        for step, factor in ((1, 10.0), (2, 1e5), (3, 10.0))
+    }
+    jumps[5] = [_origin_event(4, "forward", "blocks.0")]
+    _write_iterations(tmp_path, {r: _steps(6) for r in (0, 1)}, jumps)
+    report = precision_report.report_json(str(tmp_path))
+    got = [(f["check"], f["first_step"]) for f in report["findings"]]
+    assert got == [("lr_jump", 2), ("origin", 4)], f"want the x1e5 jump at step 2, then the origin; got {got}"
+    assert "jumped x1e+05" in report["findings"][0]["finding"], report["findings"][0]
+
+
+@pytest.mark.parametrize("lines", [1, 2])
+def test_a_finding_is_dated_at_the_first_step_it_fired_on(tmp_path: Path, lines: int) -> None:
+    """NaN/Inf at steps 3, 5 and 8 of 10: the finding is from step 3, with the steps on one line
+    (3 and 5 in it) or on two (3 and 5 on the first, 8 on the second)."""
+    nonfinite = {"fsdp.precision.nonfinite": 2}
+    _write(tmp_path, {s: nonfinite if s in (3, 5, 8) else {} for s in range(1, 11)}, steps=10)
+    report = precision_report.report_json(str(tmp_path), max_lines=lines)
+    got = [(f["check"], f["first_step"]) for f in report["findings"]]
+    assert got == [("nonfinite", 3)], f"{lines} line(s): want the finding from step 3, got {got}"
