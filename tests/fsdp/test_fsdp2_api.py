@@ -270,6 +270,12 @@ def _divide_by_half_force_sum(unit: Any, impl: str, calls: list) -> None:
     unit.set_force_sum_reduction_for_comms(True)
 
 
+def _divide_by_4_on_the_root(unit: Any, impl: str, calls: list) -> None:
+    # Not recursive, in FSDP2 as here: set on the root, the blocks' grads stay the mean.
+    if isinstance(unit, Net):
+        _divide_by_4(unit, impl, calls)
+
+
 def _halving_all_reduce_hook(unit: Any, impl: str, calls: list) -> None:
     unit.set_all_reduce_hook(lambda output: (calls.append(tuple(output.shape)), output.mul_(0.5)))
 
@@ -310,6 +316,7 @@ SETTINGS: dict[str, Callable[[Any, str, list], None]] = {
     "divide_factor_deprecated": _divide_by_4_deprecated,
     "force_sum": _force_sum,
     "divide_factor_force_sum": _divide_by_half_force_sum,
+    "divide_factor_on_the_root": _divide_by_4_on_the_root,
     "all_reduce_hook": _halving_all_reduce_hook,
     "is_last_backward": _not_last_backward,
     "requires_all_reduce": _no_all_reduce,
