@@ -260,6 +260,9 @@ def precision_window(environ: Mapping[str, str] | None = None) -> int:
 
 
 DEFAULT_PRECISION_ESCALATION = 3
+# An audited iteration costs a few plain ones (each low-precision operation runs again in
+# float32, with its statistics): one in 500 keeps that under 1% of a run.
+DEFAULT_PRECISION_AUDIT_EVERY = 500
 
 
 def precision_escalation(environ: Mapping[str, str] | None = None) -> int:
@@ -306,6 +309,26 @@ def precision_detail(environ: Mapping[str, str] | None = None) -> str:
     return value
 
 
+def precision_audit_every(environ: Mapping[str, str] | None = None) -> int:
+    """Iterations between operation audits (``FSDP_PATCH_PRECISION_AUDIT_EVERY``).
+
+    Returns:
+        :data:`DEFAULT_PRECISION_AUDIT_EVERY` when unset; ``0`` turns the audit off.
+
+    Raises:
+        ValueError: Not a non-negative integer.
+    """
+    from . import semconv
+
+    return _int_at_least(
+        semconv.SETTING_PRECISION_AUDIT_EVERY,
+        environ,
+        DEFAULT_PRECISION_AUDIT_EVERY,
+        0,
+        "a non-negative integer (0 turns the operation audit off)",
+    )
+
+
 def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """``OTEL_SDK_DISABLED``, read exactly as the OpenTelemetry SDK reads it (only ``true`` disables)."""
     return _raw("OTEL_SDK_DISABLED", environ).lower() == "true"
@@ -330,3 +353,4 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     precision_escalation(environ)
     precision_origin(environ)
     precision_detail(environ)
+    precision_audit_every(environ)

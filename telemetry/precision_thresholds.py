@@ -350,6 +350,67 @@ SCALER_SKIPS_WARN_SHARE = 0.25
 SCALER_SKIPS_PROBLEM_SHARE = 0.5
 SCALER_SKIPS_AT_LEAST = 3
 
+# The operation audit's findings (offline/op_report.py): one row per kind of semconv.OP_KINDS; the
+# advice of each is the first operation's own fix.
+OP_CHECKS = {
+    semconv.OP_KIND_NONFINITE: Threshold(
+        check="op_nonfinite",
+        metric=semconv.EVENT_OP,
+        above=0,
+        severity=PROBLEM,
+        finding="an operation made NaN/Inf from finite inputs",
+        advice="see the operation's fix.",
+    ),
+    semconv.OP_KIND_LOST_UPDATE: Threshold(
+        check="op_lost_update",
+        metric=semconv.EVENT_OP,
+        above=0,
+        severity=PROBLEM,
+        finding="an in-place update too small for its low-precision destination, which does not move",
+        advice="see the operation's fix.",
+    ),
+    semconv.OP_KIND_ILL_CONDITIONED: Threshold(
+        check="op_ill_conditioned",
+        metric=semconv.EVENT_OP,
+        above=0,
+        severity=WARNING,
+        finding="an operation whose result its low-precision inputs do not determine",
+        advice="see the operation's fix.",
+    ),
+    semconv.OP_KIND_PRECISION_LOSS: Threshold(
+        check="op_precision_loss",
+        metric=semconv.EVENT_OP,
+        above=0,
+        severity=WARNING,
+        finding="an operation that loses precision inside itself in low precision",
+        advice="see the operation's fix.",
+    ),
+    semconv.OP_KIND_CONSTANT: Threshold(
+        check="op_constant",
+        metric=semconv.EVENT_OP,
+        above=0,
+        severity=WARNING,
+        finding="a constant its low-precision dtype cannot hold",
+        advice="see the operation's fix.",
+    ),
+    semconv.OP_KIND_TIES: Threshold(
+        check="op_ties",
+        metric=semconv.EVENT_OP,
+        above=0,
+        severity=WARNING,
+        finding="a selection decided by ties that low precision made",
+        advice="see the operation's fix.",
+    ),
+    semconv.OP_KIND_HEADROOM: Threshold(
+        check="op_headroom",
+        metric=semconv.EVENT_OP,
+        above=0,
+        severity=WARNING,
+        finding="an operation close to overflowing its low-precision dtype",
+        advice="see the operation's fix.",
+    ),
+}
+
 BY_CHECK = {
     threshold.check: threshold
     for threshold in (
@@ -358,6 +419,7 @@ BY_CHECK = {
         REPLICA_DIVERGENCE,
         GRADS_ZEROED,
         *THRESHOLDS,
+        *OP_CHECKS.values(),
         FAILED_STEPS,
         DTYPE_CONTRACT,
         SCALER_SKIPPED,
@@ -400,6 +462,7 @@ def markdown_table() -> str:
         LR_JUMP.check: f"lr-jump events followed by an origin event within {LR_JUMP_WINDOW} iterations",
         GRADS_ZEROED.check: "grads-zeroed events",
         REPLICA_DIVERGENCE.check: "replica-divergence events (HSDP)",
+        **{threshold.check: f"operation-audit events of kind `{kind}`" for kind, threshold in OP_CHECKS.items()},
     }
     for threshold in (
         *THRESHOLDS,
@@ -411,6 +474,7 @@ def markdown_table() -> str:
         GRADS_ZEROED,
         SCALER_SKIPPED,
         NO_OPTIMIZER_STEPS,
+        *OP_CHECKS.values(),
     ):
         value = special.get(threshold.check, f"`{threshold.metric}`")
         unless = f" (unless `{threshold.unless}` fired)" if threshold.unless else ""
@@ -419,3 +483,39 @@ def markdown_table() -> str:
             f"| `{threshold.check}` | {value} | {_condition(threshold)}{unless} | {threshold.severity} | {alert} | {threshold.finding} |"
         )
     return "\n".join(rows)
+
+
+# -- the operation audit's judgement (diagnostics/op_judgement.py) -------------------------------------
+# A result whose largest magnitude passes this share of its dtype's largest finite value is close to
+# overflowing (float16: 8188).
+OP_HEADROOM_SHARE = 1.0 / 8
+# An in-place write loses its updates when over this share of the changes it was to make leave the
+# destination as it was (and it was to make at least OP_LOST_AT_LEAST: a running total is one element).
+OP_LOST_SHARE = 0.5
+OP_LOST_AT_LEAST = 1
+# An operation loses precision inside itself when its error against float32 on the same inputs is over
+# OP_ERROR_FACTOR times what rounding its result explains, and over OP_ERROR_FLOOR unit roundoffs of its
+# dtype (over at least OP_ERROR_AT_LEAST result elements).
+OP_ERROR_FACTOR = 8.0
+OP_ERROR_FLOOR = 2.0
+OP_ERROR_AT_LEAST = 16
+# A result is outside its dtype's range when rounding it (float32 on the same inputs) to the dtype
+# loses over this share of its norm (a flush to zero, mostly).
+OP_RANGE_LOSS = 0.5
+# An operation whose float32 results are all exact integers makes wrong ones in low precision when over
+# this share of them differ (positions or counts past the dtype's integer range).
+OP_INTEGERS_WRONG = 0.01
+# A pointwise operation is ill-conditioned at its inputs when over this share of its results lose their
+# leading digit to its inputs' rounding.
+OP_SENSITIVE_SHARE = 0.01
+# A selection follows index order when over this share of its rows tie at the selected value.
+OP_TIE_SHARE = 0.05
+# An operation turns its inputs' rounding into a wrong result when it is over this far (relative norm)
+# from its float32 shadow, and OP_ERROR_FACTOR times further than its inputs were from theirs.
+OP_SHADOW_ERROR = 0.1
+# Where a NaN/Inf float32 would not have made began upstream: the nearest producer (of at most
+# OP_PROVENANCE_DEPTH looked at) with an element off its shadow by OP_LOST_DIGITS of its size or
+# more (no correct digit), whose inputs were all within OP_INPUTS_CLOSE of theirs.
+OP_PROVENANCE_DEPTH = 64
+OP_LOST_DIGITS = 0.5
+OP_INPUTS_CLOSE = 0.1

@@ -345,3 +345,54 @@ SETTING_PRECISION_ORIGIN = "FSDP_PATCH_PRECISION_ORIGIN"
 escalation off too; skipped steps are still counted)."""
 SETTING_PRECISION_ESCALATION = "FSDP_PATCH_PRECISION_ESCALATION"
 """Iterations of full detail after a NaN/Inf is seen (default 3; 0 turns escalation off)."""
+
+# -- the operation audit (docs/conventions.md, "Operation audit") ---------------------------------------
+
+EVENT_OP = "fsdp.precision.op"
+"""On SPAN_STEP of the step that ends an audited iteration: one low-precision operation judged
+against float32 on the same inputs, once per run for each (kind, operation, source line, phase)."""
+ATTR_OP_KIND = "fsdp.op.kind"
+"""One of OP_KINDS: what was found."""
+ATTR_OP_NAME = "fsdp.op.name"
+"""The ATen operation (``aten.sin``)."""
+ATTR_OP_DTYPE = "fsdp.op.dtype"
+"""The low-precision dtype it computed in (``bfloat16``)."""
+ATTR_OP_PHASE = "fsdp.op.phase"
+"""One of OP_PHASES: the part of the iteration it ran in."""
+ATTR_OP_MODULE = "fsdp.op.module"
+"""The running module as the model names it (``blocks.1.attn``; ``""`` the root), or its class name
+in angle brackets for a module outside the watched model, or absent outside any module."""
+ATTR_OP_SITE = "fsdp.op.site"
+"""The source line that called it: ``file:line in function``."""
+ATTR_OP_CALLER = "fsdp.op.caller"
+"""The caller of that line, likewise (``""``: none in the user's code)."""
+ATTR_OP_DETAIL = "fsdp.op.detail"
+"""What was measured, in words (ranges against the dtype's, errors against float32, shares)."""
+ATTR_OP_FIX = "fsdp.op.fix"
+"""What to change there."""
+ATTR_OP_SHARE = "fsdp.op.share"
+"""The measured share the finding is about (of results, updates or rows), or the relative error."""
+ATTR_OP_FP32_FINITE = "fsdp.op.fp32_finite"
+"""For OP_KIND_NONFINITE: whether float32 on the same inputs stays finite (a precision problem)."""
+ATTR_OP_ORDER = "fsdp.op.order"
+"""The operation's place among the iteration's measured operations (0: the first)."""
+OP_KIND_NONFINITE = "nonfinite"
+OP_KIND_HEADROOM = "headroom"
+OP_KIND_PRECISION_LOSS = "precision_loss"
+OP_KIND_ILL_CONDITIONED = "ill_conditioned"
+OP_KIND_LOST_UPDATE = "lost_update"
+OP_KIND_CONSTANT = "constant"
+OP_KIND_TIES = "ties"
+OP_KINDS = (
+    OP_KIND_NONFINITE,
+    OP_KIND_HEADROOM,
+    OP_KIND_PRECISION_LOSS,
+    OP_KIND_ILL_CONDITIONED,
+    OP_KIND_LOST_UPDATE,
+    OP_KIND_CONSTANT,
+    OP_KIND_TIES,
+)
+OP_PHASES = ("between_steps", "forward", "loss", "backward", "optimizer")
+SETTING_PRECISION_AUDIT_EVERY = "FSDP_PATCH_PRECISION_AUDIT_EVERY"
+"""Iterations between operation audits (default 500; 0 turns the audit off). The second iteration is
+audited too, and so is every escalated one."""

@@ -52,6 +52,7 @@ from ..diagnostics.model_audit import (
 from ..diagnostics.origin import AFTER, BEFORE, Checked, Origin, PreparedChecks
 from ..diagnostics.rows import ParamSlot, param_table
 from .model_watch import IterationCheck, ModelWatch, watch_optimizer_steps
+from .op_audits import OperationAudits
 
 
 def _group_name(group: Any) -> str:
@@ -158,6 +159,7 @@ class IterationWatch:
         self._tensors: _StepTensors | None = None
         self._step_tensors: _StepTensors | None = None  # the running step's, from begin_step to end_step
         self.watches: list[ModelWatch] = []
+        self.audits = OperationAudits.from_environment(optimizer, bool(every))
         if sdk_disabled:
             self._unregister = None
             return
@@ -171,7 +173,7 @@ class IterationWatch:
         self._unregister = watch_optimizer_steps(self.watches, optimizer, observer)
         watches = list(self.watches)
         unregister = self._unregister
-        weakref.finalize(optimizer, _release, watches, unregister)
+        weakref.finalize(optimizer, _release, watches, unregister, self.audits)
 
     @property
     def escalated(self) -> bool:
@@ -225,6 +227,7 @@ class IterationWatch:
         """At the start of step ``step``: the previous iteration read and reported on ``span``; then
         this step's main grads and main weights checked before the update."""
         self._step = step
+        self.audits.optimizer_step(True)
         self._report([w.resolve() for w in self.watches], span, rank)
         self._watch_learning_rates(step, span, rank)
         if not self.watches:
@@ -256,7 +259,10 @@ class IterationWatch:
                 })  # fmt: skip
 
     def end_step(self, span: Span | None, completed: bool) -> None:
-        """At the end of the step: the main weights after the update; the iteration closed."""
+        """At the end of the step: the main weights after the update; the iteration closed; its
+        operation audit read, and the next iteration's begun where it is due."""
+        self.audits.optimizer_step(False)
+        self._next_audit(span)
         if not self.watches:
             return
         tensors, self._step_tensors = self._step_tensors, None
@@ -276,7 +282,15 @@ class IterationWatch:
         """A GradScaler skipped the iteration that step ``step`` would have ended."""
         self._step = step
         self._report([w.resolve() for w in self.watches], span, rank)
+        self._next_audit(span)
         self._close(span, step)
+
+    def _next_audit(self, span: Span | None) -> None:
+        """The ending iteration's operation audit read onto ``span``; the next one's begun if due."""
+        self.audits.finish(self._step, span, self._observer.rank)
+        following = self._step + 1
+        if self.audits.due(following, escalated=following <= self.escalated_until):
+            self.audits.start()
 
     def _close(self, span: Span | None, step: int, agree: bool = True) -> None:
         if span is not None:
@@ -299,7 +313,7 @@ class IterationWatch:
 
     def close(self) -> None:
         """Remove every model check and registration (telemetry turned off for the optimizer)."""
-        _release(self.watches, self._unregister)
+        _release(self.watches, self._unregister, self.audits)
         self.watches = []
 
     # -- the model audit ---------------------------------------------------------------------------
@@ -493,7 +507,8 @@ def _resumed_at(optimizer: torch.optim.Optimizer) -> int:
     return largest
 
 
-def _release(watches: Sequence[ModelWatch], unregister: Any) -> None:
+def _release(watches: Sequence[ModelWatch], unregister: Any, audits: OperationAudits) -> None:
+    audits.close()
     for watch in watches:
         watch.remove()
     if unregister is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from .. import precision_thresholds as thresholds
 from .. import semconv, trace_limits
 from .attribution_report import AttributionTrace, details, details_json
+from .op_report import OpSeen, OpTrace, op_json, op_text, place
 from .origin_report import OriginSeen, OriginTrace, advice, divergence_json, divergence_text, origin_json, origin_text
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
@@ -67,6 +68,7 @@ class RunTrace:
         files: Files read.
         attribution: The parameters the attribution's events name.
         iterations: What the per-iteration checks recorded: origins, skipped iterations, backward passes.
+        ops: What the operation audits named.
     """
 
     samples: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -80,6 +82,7 @@ class RunTrace:
     files: list[str] = field(default_factory=list)
     attribution: AttributionTrace = field(default_factory=AttributionTrace)
     iterations: OriginTrace = field(default_factory=OriginTrace)
+    ops: OpTrace = field(default_factory=OpTrace)
 
 
 def _number(value: object) -> float | None:
@@ -148,6 +151,7 @@ def read_run(directory: str) -> RunTrace:
             elif event.get("ph") == "i":
                 run.attribution.feed(event)
                 run.iterations.feed_instant(args, str(event.get("name", "")))
+                run.ops.feed_instant(args, str(event.get("name", "")))
     for parent, values in precision:
         # The step span ends after its precision child, possibly in the next (still kept) segment;
         # a parent rotated away belongs to the oldest, dropped steps.
@@ -288,7 +292,22 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
         found.append(Finding(threshold, run.iterations.first_skip() or run.first_step or 1))
     if run.iterations.backward_without_steps():
         found.append(Finding(thresholds.NO_OPTIMIZER_STEPS, 1))
+    for kind in run.ops.kinds():
+        if kind == semconv.OP_KIND_NONFINITE and _origin_operation(run) is not None:
+            continue  # named with the origin it refines
+        found.append(Finding(thresholds.OP_CHECKS[kind], run.ops.of_kind(kind)[0].step))
     return found
+
+
+def _origin_operation(run: RunTrace) -> OpSeen | None:
+    """The operation where the run's first NaN/Inf began, where an audited iteration saw it."""
+    first = run.iterations.first()
+    if first is None:
+        return None
+    return run.ops.first_nonfinite(first.step, before=run.iterations.episode_end(first))
+
+
+_OP_KIND_OF_CHECK = {threshold.check: kind for kind, threshold in thresholds.OP_CHECKS.items()}
 
 
 def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
@@ -298,6 +317,13 @@ def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
     if check == thresholds.NAN_ORIGIN.check and first is not None:
         lines.append(origin_text(first, step_offset, at))
         lines.extend(f"refined: {origin_text(o, step_offset, at)}" for o in run.iterations.refinements(first)[:3])
+        operation = _origin_operation(run)
+        if operation is not None:
+            lines.append(f"operation: {op_text(operation, step_offset)}")
+            lines.append(f"fix: {operation.fix}")
+    elif check in _OP_KIND_OF_CHECK:
+        for seen in run.ops.of_kind(_OP_KIND_OF_CHECK[check])[:NAMED_PER_FINDING]:
+            lines.append(op_text(seen, step_offset))
     elif check == thresholds.SCALER_SKIPPED.check:
         skipped, iterations, scale_first, scale_last = run.iterations.skipped()
         where = f"; the first overflow: {origin_text(first, step_offset, at)}" if first is not None else ""
@@ -336,6 +362,8 @@ NO_FP32_MASTER_ADVICE = (
 
 
 def _advice(run: RunTrace, finding: Finding) -> str:
+    if finding.threshold.check in _OP_KIND_OF_CHECK:
+        return run.ops.of_kind(_OP_KIND_OF_CHECK[finding.threshold.check])[0].fix
     first = run.iterations.first()
     if finding.threshold.check == thresholds.NAN_ORIGIN.check and first is not None:
         return advice(first)
@@ -345,9 +373,13 @@ def _advice(run: RunTrace, finding: Finding) -> str:
 
 
 def _finding_text(run: RunTrace, finding: Finding) -> str:
+    if finding.threshold.check in _OP_KIND_OF_CHECK:
+        return f"{finding.threshold.finding}: {place(run.ops.of_kind(_OP_KIND_OF_CHECK[finding.threshold.check])[0])}"
     first = run.iterations.first()
     if finding.threshold.check == thresholds.NAN_ORIGIN.check and first is not None:
-        return f"NaN/Inf began in {_stage_phrase(first)}"
+        operation = _origin_operation(run)
+        at = f", at {place(operation)}" if operation is not None else ""
+        return f"NaN/Inf began in {_stage_phrase(first)}{at}"
     jump = run.iterations.lr_jump_before(first) if first is not None else None
     if finding.threshold.check == thresholds.LR_JUMP.check and jump is not None and first is not None:
         return (f"the learning rate jumped x{jump.after / jump.before:.3g} ({jump.before:g} to {jump.after:g}, param "
@@ -369,6 +401,13 @@ def _all_findings(run: RunTrace, lines: list[RangeLine]) -> list[Finding]:
     for line in lines:
         for finding in line.findings:
             findings.setdefault(finding.threshold.check, finding)
+    if any(_no_fp32_master(run, f) for f in findings.values()):
+        # The optimizer's own updates lost in bfloat16/float16 main weights and state are what that
+        # finding names (with its fix); the audit's operations inside the optimizer say it again.
+        for kind, threshold in thresholds.OP_CHECKS.items():
+            seen = run.ops.of_kind(kind)
+            if seen and all(s.phase == "optimizer" for s in seen):
+                findings.pop(threshold.check, None)
     zeroed = {z.step for z in run.iterations.zeroed_steps()}
     grad_zero = findings.get("grad_zero")
     if grad_zero is not None and grad_zero.first_step in zeroed:
@@ -507,7 +546,9 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
         "origin": None if first is None else {
             **origin_json(first, step_offset),
             "refined": [origin_json(o, step_offset) for o in run.iterations.refinements(first)],
+            "operation": None if (operation := _origin_operation(run)) is None else op_json(operation, step_offset),
         },
+        "ops": [op_json(seen, step_offset) for kind in run.ops.kinds() for seen in run.ops.of_kind(kind)],
         "mesh_coordinates": {str(rank): c for rank, c in sorted(run.iterations.coordinates.items())},
         "replica_divergence": divergence_json(diverged, step_offset) if diverged else None,
         "iterations": {"optimizer_steps": iterations - skipped, "skipped": skipped,
