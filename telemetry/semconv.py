@@ -392,7 +392,7 @@ OP_KINDS = (
     OP_KIND_CONSTANT,
     OP_KIND_TIES,
 )
-OP_PHASES = ("between_steps", "forward", "loss", "backward", "optimizer")
+OP_PHASES = ("between_steps", "forward", "loss", "backward", "after_backward", "optimizer")
 SETTING_PRECISION_AUDIT_EVERY = "FSDP_PATCH_PRECISION_AUDIT_EVERY"
 """Iterations between operation audits (default 500; 0 turns the audit off). The second iteration is
 audited too, and so is every escalated one."""

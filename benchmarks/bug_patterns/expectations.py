@@ -44,11 +44,12 @@ class OpWant:
 
     Attributes:
         kind: The audit's kind (``nonfinite``, ``ties``, ``lost_update``, ...).
-        op: The operation (``aten.topk``).
+        op: The operation (``aten.topk``), or operations any of which may be named, ``|``-separated.
         site: Words its source line must hold (a file and function: ``op_plants.py:`` and ``in forward``).
         module: The module named, where the operation runs in one (``None``: not checked).
         phase: The phase it ran in (``None``: not checked).
         detail: Words its detail or fix must hold (``None``: not checked).
+        fp32_finite: For a NaN/Inf, whether float32 keeps it finite (``None``: not checked).
     """
 
     kind: str
@@ -57,15 +58,17 @@ class OpWant:
     module: str | None = None
     phase: str | None = None
     detail: str | None = None
+    fp32_finite: bool | None = None
 
     def matches(self, seen: dict[str, Any]) -> bool:
         return (
             seen["kind"] == self.kind
-            and seen["op"] == self.op
+            and seen["op"] in self.op.split("|")
             and all(words in seen["site"] for words in self.site)
             and (self.module is None or seen["module"] == self.module)
             and (self.phase is None or seen["phase"] == self.phase)
             and (self.detail is None or self.detail in seen["detail"] + " " + seen["fix"])
+            and (self.fp32_finite is None or seen["fp32_finite"] == self.fp32_finite)
         )
 
     def __str__(self) -> str:

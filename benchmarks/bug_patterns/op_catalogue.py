@@ -21,8 +21,8 @@ _FORWARD = (_HERE, "in forward")
 _LOST = "Precision was lost upstream"
 
 
-def _act(kind: str, op: str, detail: str | None = None) -> OpWant:
-    return OpWant(kind, op, _FORWARD, module="blocks.0.act", phase="forward", detail=detail)
+def _act(kind: str, op: str, detail: str | None = None, fp32_finite: bool | None = None) -> OpWant:
+    return OpWant(kind, op, _FORWARD, module="blocks.0.act", phase="forward", detail=detail, fp32_finite=fp32_finite)
 
 
 OP_PATTERNS: tuple[Pattern, ...] = (
@@ -93,17 +93,17 @@ OP_PATTERNS: tuple[Pattern, ...] = (
             "facebookresearch/xformers#96 — Favor breaks with fp16",
             "facebookresearch/xformers#98 (PR) — [bugfix] Favor + fp16",
         ),
-        plants="each block's activation a random-feature attention: exp(w.x - |x|^2/2) and its normalizer in "
-        "fp16 underflow to 0, and 0/0 is NaN",
+        plants="each block's activation a random-feature attention: exp(w.x - |x|^2/2), the normalizer and the "
+        "numerator in fp16 leave its range (the normalizer flushes to 0, the numerator overflows): NaN",
         settings=Settings(**_FP16_SCALED, steps=6),  # type: ignore[arg-type]
         plant=op_plants.Activation(op_plants.RandomFeatureAct),
         expect=Expect(
             PROBLEM,
             ("origin",),
-            "the features and the normalizer flush to 0 in fp16; the division is where NaN shows: compute them "
-            "in float32",
+            "the features and their products leave fp16's range (the normalizer flushes to 0, the numerator "
+            "overflows): compute them in float32",
             OriginWant("forward"),
-            op=_act("nonfinite", "aten.div", _LOST),
+            op=OpWant("nonfinite", "aten.div|aten.bmm", (_HERE, "in _attend"), module="blocks.0.act", fp32_finite=True),
         ),
     ),
     Pattern(
@@ -223,6 +223,30 @@ OP_PATTERNS: tuple[Pattern, ...] = (
 )
 
 
+# Optimizer state that went through a lower precision: named from its values after the load.
+STATE_PATTERNS: tuple[Pattern, ...] = (
+    Pattern(
+        name="optimizer_state_checkpoint_bf16",
+        number="27",
+        title="optimizer state saved cast to bfloat16 and loaded back",
+        sources=(
+            "pytorch/pytorch#43706 — checkpoint restore of optimizers changes dtype of Floating-point state",
+            "facebookresearch/fairscale#50 — Load state dict imprecision",
+        ),
+        plants="after step 3 the optimizer's state goes through bf16 and back (saved cast to halve the checkpoint, "
+        "as a load into bf16 parameters casts it) into the float32 state: every moment is a bf16 value",
+        settings=Settings(steps=6),
+        plant=op_plants.StateCheckpointInBF16(),
+        expect=Expect(
+            WARNING,
+            ("dtype_contract",),
+            "the optimizer state went through bf16 on its way back: save it in float32",
+            contract="optimizer_state",
+        ),
+    ),
+)
+
+
 def _fixed(pattern: Pattern, index: int) -> Pattern:
     plant = pattern.plant
     fixed = type(plant)(**{**plant.__dict__, "fixed": True})  # type: ignore[arg-type]
@@ -238,4 +262,5 @@ def _fixed(pattern: Pattern, index: int) -> Pattern:
     )
 
 
+OP_PATTERNS += STATE_PATTERNS
 OP_CONTROLS: tuple[Pattern, ...] = tuple(_fixed(p, index) for index, p in enumerate(OP_PATTERNS, start=5))

@@ -29,6 +29,7 @@ __all__ = [
     "PackedPositions",
     "RandomFeatureAct",
     "SmallBetaSoftplusAct",
+    "StateCheckpointInBF16",
     "TopKRouterAct",
 ]
 
@@ -284,3 +285,24 @@ class BF16Ema(Plant):
         with torch.no_grad():
             for average, param in zip(self.shadow, params, strict=True):
                 average.mul_(self.decay).add_(param.to(dtype), alpha=1 - self.decay)
+
+
+@dataclass
+class StateCheckpointInBF16(Plant):
+    """After step ``at``, the optimizer's state saved with its tensors cast to bfloat16 (to halve the
+    checkpoint) and loaded back into the float32 state (pytorch/pytorch#43706)."""
+
+    at: int = 3
+    fixed: bool = False
+
+    def between_steps(self, ctx: Context) -> None:
+        if ctx.step != self.at:
+            return
+        assert ctx.optimizer is not None
+        saved = ctx.optimizer.state_dict()
+        dtype = torch.float32 if self.fixed else torch.bfloat16  # fixed: saved in float32
+        for state in saved["state"].values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                    state[key] = value.to(dtype).to(torch.float32)
+        ctx.optimizer.load_state_dict(saved)

@@ -278,3 +278,37 @@ def rebuilt_from_compute(params: Sequence[tuple[str, torch.Tensor, torch.dtype]]
         "saved is lost; save and load the fp32 main weights (the sharded model's state dict through "
         "torch.distributed.checkpoint), not the compute copy",
     )  # fmt: skip
+
+
+# -- optimizer state restored through a lower precision -----------------------------------------------
+
+# Elements a state must have that are not 0 before its values being all of a low-precision dtype
+# says anything: a float32 value picked at random is a bfloat16 one with odds 2**-16.
+STATE_EVIDENCE = 64
+
+
+def state_through_low_precision(states: Sequence[tuple[str, str, torch.Tensor]], since: str) -> ModelFinding | None:
+    """Whether every value of the optimizer's float32 state is a bfloat16 (or float16) value: state
+    that went through that dtype on its way back (a checkpoint that saved it cast, or a load into
+    parameters of that dtype, which ``Optimizer.load_state_dict`` casts state to).
+
+    Args:
+        states: ``(parameter name, state key, local state tensor)`` of the optimizer's state.
+        since: When it was written (``"a resume from step N"``).
+    """
+    wide = [(name, key, t) for name, key, t in states if t.dtype == torch.float32 and t.numel() > 1]
+    evidence = sum(int(torch.count_nonzero(t)) for _, _, t in wide)
+    if evidence < STATE_EVIDENCE:
+        return None
+    for dtype in LOW_PRECISION:
+        if all(torch.equal(t.to(dtype).to(t.dtype), t) for _, _, t in wide):
+            name, key, _ = wide[0]
+            return ModelFinding(
+                semconv.TENSOR_OPTIMIZER_STATE, f"{name} {key}", torch.float32, dtype,
+                f"every value of the optimizer's float32 state ({len(wide)} tensors, {key} of {name} the first) is "
+                f"a {_name(dtype)} value after {since}: the state went through {_name(dtype)} on its way back (a "
+                f"checkpoint that saved it cast, or Optimizer.load_state_dict into {_name(dtype)} parameters, which "
+                "casts state to each parameter's dtype), and lost what the moments held below that resolution; save "
+                "and load the state in float32 (through torch.distributed.checkpoint, with the fp32 main weights)",
+            )  # fmt: skip
+    return None

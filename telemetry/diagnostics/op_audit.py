@@ -150,6 +150,7 @@ class OpAudit(TorchDispatchMode):
         self.in_optimizer = False
         self.stepped = False
         self._started = False
+        self._backward_seen = False
         self._passing = False  # stopped, or measured max_ops operations: every operation passes through
 
     # -- life cycle --------------------------------------------------------------------------
@@ -197,7 +198,9 @@ class OpAudit(TorchDispatchMode):
             return "optimizer"
         if self.modules.in_model:
             return "forward"
-        return "loss" if self.modules.roots_ended and not self.stepped else "between_steps"
+        if self.stepped or not self.modules.roots_ended:
+            return "between_steps"
+        return "after_backward" if self._backward_seen else "loss"
 
     # -- the dispatch ------------------------------------------------------------------------
 
@@ -210,7 +213,7 @@ class OpAudit(TorchDispatchMode):
         if self._pending:
             self._tie_pending()
         if func.namespace != "aten" or "out" in kwargs:
-            return func(*args, **kwargs)
+            return self._unmeasured(func, args, kwargs)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         low_dtype = kwargs.get("dtype") if kwargs.get("dtype") in LOW_PRECISION else None
         shadowed = any(t in self._shadows for t in tensors)
@@ -226,7 +229,9 @@ class OpAudit(TorchDispatchMode):
                 module, module_type = self.modules.current
                 site = dataclasses.replace(site, module=module, module_type=module_type)
         if site is None:  # fsdp_patch's or torch.distributed's own, or a backward of one
-            return func(*args, **kwargs)
+            return self._unmeasured(func, args, kwargs)
+        if node is not None:
+            self._backward_seen = True
         name = func.__name__.split(".")[0]
         random = torch.Tag.nondeterministic_seeded in func.tags
         measured = not (func.is_view or name in _MOVES or name in _UNINITIALIZED or name in _CREATES or random)
@@ -254,6 +259,20 @@ class OpAudit(TorchDispatchMode):
                 self._pass_on(tensors, owners)
         except Exception as exc:  # an operation the references cannot run: counted, never raised
             self.failed.setdefault(str(func), f"{type(exc).__name__}: {exc}"[:200])
+        return out
+
+    def _unmeasured(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs an operation unmeasured; what it writes (a collective, an internal copy) leaves
+        its float32 shadow behind, so the shadow is dropped: from here on its value counts as exact."""
+        out = func(*args, **kwargs)
+        if len(self._shadows):
+            if func.namespace == "aten":
+                written = op_stats.mutated_arguments(func, args, kwargs)
+            else:  # collectives' schemas do not always mark what they write (c10d.allreduce_)
+                written = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            for t in written:
+                if t in self._shadows:
+                    del self._shadows[t]
         return out
 
     def _remember(self, out: Any, site: Site) -> None:

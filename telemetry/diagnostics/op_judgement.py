@@ -70,7 +70,7 @@ class OpRecord:
         inplace: Whether it writes into its inputs.
         selection: Whether its ties were counted.
         site: Where it ran.
-        phase: ``between_steps``, ``forward``, ``loss``, ``backward`` or ``optimizer``.
+        phase: One of ``semconv.OP_PHASES``.
         made_from: The records of the operations that made its inputs (views passed through).
         constants_only: Whether its values come from constants alone (a fill, a creation).
     """
@@ -127,6 +127,10 @@ class OpFinding:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# Operations that replace their destination's values (a cast when the source is wider), not update them.
+_COPIES = frozenset({"aten.copy_", "aten._foreach_copy_", "aten._copy_from", "aten.set_"})
 
 
 def _integers_exact(dtype: torch.dtype) -> int:
@@ -224,7 +228,7 @@ def _judge_one(records: Sequence[OpRecord], stats: Sequence[dict[str, float]], o
             s["out_amax"] / info.max,
         )
     # A copy into a low-precision destination is a cast (its source keeps the values), not an update.
-    updates = record.inplace and record.op != "aten.copy_"
+    updates = record.inplace and record.op not in _COPIES
     if updates and s["intended"] >= limits.OP_LOST_AT_LEAST and s["lost"] / s["intended"] > limits.OP_LOST_SHARE:
         share = s["lost"] / s["intended"]
         spacing = _spacing(record.dtype, max(s["out_amax"], 1e-30))
@@ -287,7 +291,7 @@ def _judge_one(records: Sequence[OpRecord], stats: Sequence[dict[str, float]], o
         not began
         and rounding <= limits.OP_RANGE_LOSS
         and drift > limits.OP_SHADOW_ERROR
-        and drift > limits.OP_ERROR_FACTOR * max(drift_in, unit)
+        and drift > limits.OP_ERROR_FACTOR * max(drift_in, rounding, unit)
         and s["shadow_nonfinite"] == 0
     ):
         add(

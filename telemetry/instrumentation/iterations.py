@@ -48,6 +48,7 @@ from ..diagnostics.model_audit import (
     low_precision_accumulation,
     low_precision_buffers,
     rebuilt_from_compute,
+    state_through_low_precision,
 )
 from ..diagnostics.origin import AFTER, BEFORE, Checked, Origin, PreparedChecks
 from ..diagnostics.rows import ParamSlot, param_table
@@ -344,7 +345,17 @@ class IterationWatch:
             self._audited_state = optimizer.state
             resumed_at = _resumed_at(optimizer)
             if resumed_at:
-                rebuilt = rebuilt_from_compute(self._lossy_params(), f"a resume from step {resumed_at}")
+                since = f"a resume from step {resumed_at}"
+                rebuilt = rebuilt_from_compute(self._lossy_params(), since)
+                names = {
+                    id(param): user_name(watch.prefix, name)
+                    for watch in self.watches
+                    if watch.root is not None
+                    for name, param in watch.root.named_parameters()
+                }
+                state = state_through_low_precision(_state_tensors(optimizer, names), since)
+                if state is not None:
+                    findings.append(state)
         written = tensors.written()
         if rebuilt is None and written:
             rebuilt = rebuilt_from_compute(self._lossy_params(written), f"a write between steps {step - 1} and {step}")
@@ -493,6 +504,21 @@ def _learning_rate(group: dict[str, Any]) -> float | None:
             return None
         lr = lr.item()
     return float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) else None
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[tuple[str, str, torch.Tensor]]:
+    """``(parameter name, state key, local tensor)`` of every floating state tensor the optimizer
+    holds (``names``: parameter names by identity; others are named by their place)."""
+    out = []
+    for index, (param, state) in enumerate(optimizer.state.items()):
+        if not isinstance(state, dict):
+            continue
+        name = names.get(id(param), f"parameter {index}")
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                local = value.to_local() if hasattr(value, "to_local") else value
+                out.append((name, str(key), local))
+    return out
 
 
 def _resumed_at(optimizer: torch.optim.Optimizer) -> int:

@@ -116,6 +116,7 @@ _PHASE_TEXT = {
     "forward": "forward",
     "loss": "loss",
     "backward": "backward",
+    "after_backward": "between backward and step",
     "optimizer": "optimizer step",
 }
 

@@ -24,6 +24,7 @@ from fsdp_patch.telemetry import precision_thresholds
 from fsdp_patch.telemetry.offline.precision_report import report_json
 
 from benchmarks.bug_patterns.catalogue import CATALOGUE, CONTROLS, PATTERNS, judge
+from benchmarks.bug_patterns.op_catalogue import OP_CONTROLS, OP_PATTERNS
 from benchmarks.bug_patterns.run import quiet_warnings
 from benchmarks.bug_patterns.training import FULLY_SHARD, KINDS, train_on_rank
 from tests.integration.otel_training import reset_otel
@@ -72,7 +73,7 @@ def _origin(report: dict[str, Any]) -> tuple[Any, ...] | None:
 # -- catalogue -------------------------------------------------------------------------------------
 
 
-def test_the_catalogue_holds_twelve_patterns_and_four_controls_with_sources() -> None:
+def test_the_catalogue_holds_its_patterns_and_controls_with_sources() -> None:
     """Every pattern cites at least one public thread as owner/repo#N with its title; every
     expectation's lead is a check of the report's."""
     assert len(PATTERNS) >= 12 and len(CONTROLS) >= 4, f"{len(PATTERNS)} patterns, {len(CONTROLS)} controls"
@@ -83,8 +84,12 @@ def test_the_catalogue_holds_twelve_patterns_and_four_controls_with_sources() ->
         unknown = [check for check in pattern.expect.lead if check not in known]
         assert not unknown, f"{pattern.name}: expected lead {unknown} is no check of the report's"
     for control in CONTROLS:
-        got = (control.expect.verdict, control.expect.lead, control.settings.steps >= 200, control.every)
-        assert got == ("healthy", (), True, (None, 1)), f"{control.name}: {got}"
+        fixes = control in OP_CONTROLS
+        got = (control.expect.verdict, control.expect.lead, control.settings.steps >= 200 or fixes, control.every)
+        assert got == ("healthy", (), True, (1,) if fixes else (None, 1)), f"{control.name}: {got}"
+    assert len(OP_PATTERNS) >= 10 and len(OP_CONTROLS) == len(OP_PATTERNS), (len(OP_PATTERNS), len(OP_CONTROLS))
+    unnamed = [p.name for p in OP_PATTERNS if p.expect.op is None]
+    assert not unnamed, f"patterns whose expectation names no operation and line: {unnamed}"
 
 
 def test_judge_names_what_differs_from_the_expectation() -> None:
@@ -294,6 +299,44 @@ def test_healthy_control_is_healthy(dist_pool: Any, tmp_path: Path, name: str, k
     assert got == ("healthy", [], None, 0), f"{name}, {kind}: verdict, findings, origin, skipped: {got}"
     assert iterations["optimizer_steps"] == 200 and report["steps"] == 200, f"{name}, {kind}: {iterations}"
     assert math.isnan(float(iterations["scale_first"])), f"{name}, {kind}: scale at a skip {iterations}"
+
+
+# -- the operation and the line: bugs no rule names --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", [p.name for p in OP_PATTERNS])
+def test_the_report_names_the_operation_and_line_of_a_bug_no_rule_names(
+    dist_pool: Any, tmp_path: Path, name: str, kind: str
+) -> None:
+    """Custom activations (a MoE router's top-k, added finfo.min masks, softplus with a small beta,
+    random-feature attention, a softmax without its maximum), a loss's own terms (a focal loss, a
+    distillation KL), and what a script keeps between steps (a loss total, an EMA of the weights),
+    and positions from a bf16 arange: the report leads with the catalogue's diagnosis and names the
+    operation, the line of benchmarks/bug_patterns/op_plants.py and the module where it is, under
+    fully_shard and torch FSDP2. Sources: each pattern's catalogue entry (vllm-project/vllm#14027,
+    huggingface/transformers#17306, pytorch/pytorch#187180, facebookresearch/xformers#96,
+    NVIDIA/FasterTransformer#43, open-mmlab/mmcv#1488, vllm-project/speculators#788,
+    huggingface/transformers#8561, d8ahazard/sd_dreambooth_extension#1417, pytorch/pytorch#137774),
+    printed with a failure."""
+    pattern = CATALOGUE[name]
+    report = _report(dist_pool, tmp_path, name, kind)
+    got = judge(pattern, report)
+    assert got.named, (
+        f"{name} ({'; '.join(pattern.sources)}), {kind}: {list(got.mismatches)}; the report leads with "
+        f"{report['findings'][:1]}, origin {report['origin']}"
+    )
+
+
+@pytest.mark.parametrize("kind", [FULLY_SHARD, pytest.param("fsdp2", marks=pytest.mark.long)])
+@pytest.mark.parametrize("name", [p.name for p in OP_CONTROLS])
+def test_each_fix_of_those_bugs_is_healthy(dist_pool: Any, tmp_path: Path, name: str, kind: str) -> None:
+    """The same code with each public thread's fix (the router, the masked softmax, softplus, the
+    features, the focal loss, the KL in float32; the maximum subtracted; a float32 total and EMA;
+    integer positions): no finding, the operation audit included."""
+    report = _report(dist_pool, tmp_path, name, kind)
+    got = (report["verdict"], [f["check"] for f in report["findings"]], report["ops"])
+    assert got == ("healthy", [], []), f"{name}, {kind}: verdict, findings, operations: {got}"
 
 
 # -- the benchmark's entry point -------------------------------------------------------------------------

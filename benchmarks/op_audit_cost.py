@@ -1,0 +1,131 @@
+"""The operation audit's cost: an audited training step against a plain one, and what that costs a
+run at the default schedule.
+
+An audited iteration runs every bfloat16 operation again in float32 twice over (the reference on
+its inputs and the shadow), with a few reductions each; it runs on the second iteration, every
+``FSDP_PATCH_PRECISION_AUDIT_EVERY``-th (default 500) and every escalated one. The target is at most
+1% of a run at the default schedule on case 5's 27M-parameter transformer (bf16 compute, fp32 main
+weights, AdamW), for ``fully_shard`` and torch FSDP2: ``(audited / plain - 1) / 500`` at most 0.01.
+Nothing is added to an iteration that is not audited (no mode, no hook): what the plain step costs
+with telemetry on is ``benchmarks.telemetry_overhead``'s.
+
+Two identical models (one seed), telemetry on for both, one audited every iteration
+(``FSDP_PATCH_PRECISION_AUDIT_EVERY=1``), one never (``0``); steps alternate between them, and the
+ratio is the median of per-round ratios.
+
+Usage::
+
+    python -m benchmarks.op_audit_cost [--steps 6] [--world-size 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from fsdp_patch.app.demo.data import synthetic_batches
+from fsdp_patch.app.demo.launch import run_ranks
+from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
+
+from .common import Clock, median, paired, paired_ratio, write_results
+from .telemetry_overhead import LARGE, _quiet_telemetry
+
+KINDS = ("fully_shard", "fsdp2")
+SETTINGS = {
+    "audited": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_AUDIT_EVERY": "1"},
+    "plain": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_AUDIT_EVERY": "0"},
+}
+DEFAULT_EVERY = 500
+
+
+def _trained(kind: str, config: GPTConfig, setting: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    if kind == "fully_shard":
+        from fsdp_patch.app.demo.model import shard
+
+        model = shard(model.bfloat16())
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with mock.patch.dict(os.environ, SETTINGS[setting]):
+        fully_shard_optimizer(optimizer)
+    return model, optimizer
+
+
+def run(steps: int, warmup: int, config: GPTConfig = LARGE) -> dict[str, Any]:
+    out: dict[str, Any] = {"params": sum(p.numel() for p in GPT(config).parameters()), "every": DEFAULT_EVERY}
+    clock = Clock(torch.device("cpu"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [b[rank::world] for b in synthetic_batches(config, 4 * world, steps + warmup)]
+    with _quiet_telemetry():
+        for kind in KINDS:
+            built = {setting: _trained(kind, config, setting) for setting in SETTINGS}
+            cursor = dict.fromkeys(SETTINGS, 0)
+
+            def step(setting: str, built: dict[str, Any] = built, cursor: dict[str, int] = cursor) -> float:
+                model, optimizer = built[setting]
+                tokens = batches[cursor[setting] % len(batches)]
+                cursor[setting] += 1
+                start = clock.start()
+                lm_loss(model, tokens).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                return clock.seconds_since(start)
+
+            times = paired({s: (lambda s=s: step(s)) for s in SETTINGS}, steps, warmup)
+            ratio = paired_ratio(times, "audited", "plain")
+            out[kind] = {
+                "step_s_plain": median(times["plain"]),
+                "step_s_audited": median(times["audited"]),
+                "ratio_audited_plain": ratio,
+                "amortized_at_default": 1 + (ratio - 1) / DEFAULT_EVERY,
+            }
+    return out
+
+
+def bench(steps: int, warmup: int, json_path: str | None) -> None:
+    results = run(steps, warmup)
+    if dist.get_rank() != 0:
+        return
+    print(
+        f"operation audit, {results['params'] / 1e6:.1f}M-parameter transformer, bf16 compute, "
+        f"{dist.get_world_size()} rank(s), {steps} paired steps; target: amortized at one audit in "
+        f"{DEFAULT_EVERY} iterations <= 1.01"
+    )
+    print()
+    print("| sharding | plain step | audited step | audited / plain | a run at the default schedule |")
+    print("| --- | --- | --- | --- | --- |")
+    for kind in KINDS:
+        r = results[kind]
+        print(
+            f"| {kind} | {r['step_s_plain'] * 1e3:.0f} ms | {r['step_s_audited'] * 1e3:.0f} ms "
+            f"| {r['ratio_audited_plain']:.2f} | {r['amortized_at_default']:.4f} |"
+        )
+    if json_path:
+        write_results(json_path, "op_audit_cost", {"steps": steps, **results})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--json", default=None, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    run_ranks(bench, args.world_size, args.steps, args.warmup, args.json, device="cpu")
+
+
+if __name__ == "__main__":
+    main()
