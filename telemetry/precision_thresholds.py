@@ -494,10 +494,11 @@ OP_HEADROOM_SHARE = 1.0 / 8
 OP_LOST_SHARE = 0.5
 OP_LOST_AT_LEAST = 1
 # An operation loses precision inside itself when its error against float32 on the same inputs is over
-# OP_ERROR_FACTOR times what rounding its result explains, and over OP_ERROR_FLOOR unit roundoffs of its
-# dtype (over at least OP_ERROR_AT_LEAST result elements).
+# OP_ERROR_FACTOR times what rounding its result explains, and over OP_ERROR_FLOOR of the result's norm
+# (over at least OP_ERROR_AT_LEAST result elements): torch's own bfloat16 kernels lose a few percent in
+# their reductions (a LayerNorm backward's weight grad), which is what bfloat16 training is.
 OP_ERROR_FACTOR = 8.0
-OP_ERROR_FLOOR = 2.0
+OP_ERROR_FLOOR = 0.05
 OP_ERROR_AT_LEAST = 16
 # A result is outside its dtype's range when rounding it (float32 on the same inputs) to the dtype
 # loses over this share of its norm (a flush to zero, mostly).

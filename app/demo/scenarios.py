@@ -33,7 +33,9 @@ class Scenario:
             between the steps before the plant step), ``"reduce_overflow"`` (the module's grads
             on every rank past half of fp16's range, summed by the reduce), ``"clip_inf"`` (the
             layer's grads so large that ``clip_grad_norm_``'s total norm is Inf), ``"optimizer_nan"``
-            (the layer's param group at a NaN learning rate for that step).
+            (the layer's param group at a NaN learning rate for that step). ``"ema_bf16"``: an
+            exponential moving average of the weights kept in bfloat16 and updated after every
+            step from the plant step on (the operation audit names its line).
         description: What the precision report should find.
         layer: The parameter the bug is planted in (``None``: the whole model).
         plant_from_start: The default plant step is 1 (the bug is there from the start), not
@@ -93,6 +95,13 @@ SCENARIOS: dict[str, Scenario] = {
         "underflow",
         "one layer's grads near 1e-33: exp_avg_sq flushed to zero",
         "blocks.0.fc1.weight",
+        plant_from_start=True,
+    ),
+    "ema-bf16": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "ema_bf16",
+        "an EMA of the weights kept in bf16: its updates are lost (the operation audit names the line)",
         plant_from_start=True,
     ),
     # Where a NaN/Inf began: one scenario per part of an iteration.

@@ -105,6 +105,17 @@ def _plant_in_forward(model: GPT, training: TrainingConfig, now: dict[str, int])
     module.register_forward_hook(lambda m, a, out: effect(out) if now["step"] == training.plant_step else out)
 
 
+def _update_ema(ema: list[torch.Tensor], model: GPT, decay: float = 0.999) -> None:
+    """The ``ema-bf16`` scenario's bug: a moving average of this rank's weight shards kept in
+    bfloat16, whose updates (a thousandth of the difference) are below its resolution."""
+    shards = [cast(DTensor, p).to_local().detach() for p in model.parameters()]
+    with torch.no_grad():
+        if not ema:
+            ema.extend(shard.to(torch.bfloat16) for shard in shards)
+        for average, shard in zip(ema, shards, strict=True):
+            average.mul_(decay).add_(shard.to(torch.bfloat16), alpha=1 - decay)
+
+
 def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfig, step: int) -> None:
     """The scenario's bug, after the backward of ``step`` (its param groups were made by :func:`build`)."""
     scenario = SCENARIOS[training.scenario]
@@ -120,7 +131,7 @@ def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfi
     if plant == "optimizer_nan":
         optimizer.param_groups[1]["lr"] = float("nan")
         return
-    if plant in ORIGIN_PLANTS:
+    if plant in ORIGIN_PLANTS or plant == "ema_bf16":  # planted elsewhere in the loop
         return
     if scenario.layer is None:
         raise ValueError(f"scenario {training.scenario!r} plants {plant!r} but names no layer")
@@ -163,6 +174,7 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
     plant, planted_layer = SCENARIOS[training.scenario].plant, SCENARIOS[training.scenario].layer
     now = {"step": step}
     _plant_in_forward(model, training, now)
+    ema: list[torch.Tensor] = []
     try:
         while step < options.steps:
             step += 1
@@ -183,6 +195,8 @@ def train_rank(options: RunOptions, resume_from: checkpoint.SavedState | None) -
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+            if plant == "ema_bf16" and step >= training.plant_step:
+                _update_ema(ema, model)
             if plant == "weight_write" and step == training.plant_step - 1 and rank == 0:
                 with torch.no_grad():  # between this step and the plant step, outside the optimizer
                     cast(DTensor, dict(model.named_parameters())[cast(str, planted_layer)]).to_local().view(-1)[0] = (

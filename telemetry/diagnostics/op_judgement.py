@@ -264,7 +264,7 @@ def _judge_one(records: Sequence[OpRecord], stats: Sequence[dict[str, float]], o
         )
     elif not began and s["ref_sq"] > 0 and s["elements"] >= limits.OP_ERROR_AT_LEAST:
         error = math.sqrt(s["err_sq"] / s["ref_sq"])
-        if error > max(limits.OP_ERROR_FACTOR * rounding, limits.OP_ERROR_FLOOR * unit):
+        if error > max(limits.OP_ERROR_FACTOR * rounding, limits.OP_ERROR_FLOOR):
             flushed = s["flushed"] / s["ref_nonzero"] if s["ref_nonzero"] else 0.0
             summed = f"; {record.accumulated} elements summed into each result" if record.accumulated else ""
             flush = f"; {flushed:.0%} of its non-zero results flushed to 0" if flushed >= 0.01 else ""

@@ -33,6 +33,10 @@ VERDICTS = {
     "left-out": "overall: problem: unstepped weights: parameters that get grads but whose main weights never change, from step 3",
     "bf16-state": "overall: warning: dtypes the mixed-precision contract does not expect, from step 3",
     "state-underflow": "exp_avg_sq flushed to zero: squared grads underflow (first at step 1)",
+    "ema-bf16": (
+        "overall: problem: an in-place update too small for its low-precision destination, which does not move: "
+        "aten.mul_ in bfloat16 at "
+    ),
 }
 
 # scenario -> (the layer the demo plants in, what the report names there).
