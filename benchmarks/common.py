@@ -33,6 +33,7 @@ __all__ = [
     "paired",
     "paired_ratio",
     "process_group",
+    "training_steps",
 ]
 
 
@@ -84,6 +85,29 @@ def paired(contenders: dict[str, Callable[[], float]], rounds: int, warmup: int 
             if index >= warmup:
                 times[name].append(seconds)
     return times
+
+
+def training_steps(
+    built: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+    batches: list[torch.Tensor],
+    clock: Clock,
+    loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+) -> Callable[[str], float]:
+    """``step(name)``: one timed training step (forward, backward, optimizer step, zero_grad) of
+    model ``name`` of ``built`` on its next batch; each model walks ``batches`` on its own."""
+    cursor = dict.fromkeys(built, 0)
+
+    def step(name: str) -> float:
+        model, optimizer = built[name]
+        tokens = batches[cursor[name] % len(batches)]
+        cursor[name] += 1
+        start = clock.start()
+        loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return clock.seconds_since(start)
+
+    return step
 
 
 def median(values: list[float]) -> float:

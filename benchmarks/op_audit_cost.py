@@ -15,7 +15,9 @@ ratio is the median of per-round ratios.
 
 Usage::
 
-    python -m benchmarks.op_audit_cost [--steps 6] [--world-size 2] [--json out.json]
+    python -m benchmarks.op_audit_cost [--steps 6] [--world-size 2] [--small] [--json out.json]
+
+``--small``: case 5's structure at width 16 (a quick look; its ratio says little of a real model's).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from fsdp_patch.app.demo.data import synthetic_batches
 from fsdp_patch.app.demo.launch import run_ranks
 from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
 
-from .common import Clock, median, paired, paired_ratio, write_results
+from .common import Clock, median, paired, paired_ratio, training_steps, write_results
 from .telemetry_overhead import LARGE, _quiet_telemetry
 
 KINDS = ("fully_shard", "fsdp2")
@@ -40,6 +42,7 @@ SETTINGS = {
     "plain": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_AUDIT_EVERY": "0"},
 }
 DEFAULT_EVERY = 500
+SMALL = GPTConfig(vocab=64, dim=16, heads=8, layers=6, seq=8)
 
 
 def _trained(kind: str, config: GPTConfig, setting: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -71,20 +74,8 @@ def run(steps: int, warmup: int, config: GPTConfig = LARGE) -> dict[str, Any]:
     batches = [b[rank::world] for b in synthetic_batches(config, 4 * world, steps + warmup)]
     with _quiet_telemetry():
         for kind in KINDS:
-            built = {setting: _trained(kind, config, setting) for setting in SETTINGS}
-            cursor = dict.fromkeys(SETTINGS, 0)
-
-            def step(setting: str, built: dict[str, Any] = built, cursor: dict[str, int] = cursor) -> float:
-                model, optimizer = built[setting]
-                tokens = batches[cursor[setting] % len(batches)]
-                cursor[setting] += 1
-                start = clock.start()
-                lm_loss(model, tokens).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                return clock.seconds_since(start)
-
-            times = paired({s: (lambda s=s: step(s)) for s in SETTINGS}, steps, warmup)
+            step = training_steps({s: _trained(kind, config, s) for s in SETTINGS}, batches, clock, lm_loss)
+            times = paired({s: (lambda s=s, step=step: step(s)) for s in SETTINGS}, steps, warmup)
             ratio = paired_ratio(times, "audited", "plain")
             out[kind] = {
                 "step_s_plain": median(times["plain"]),
@@ -95,8 +86,8 @@ def run(steps: int, warmup: int, config: GPTConfig = LARGE) -> dict[str, Any]:
     return out
 
 
-def bench(steps: int, warmup: int, json_path: str | None) -> None:
-    results = run(steps, warmup)
+def bench(steps: int, warmup: int, json_path: str | None, small: bool = False) -> None:
+    results = run(steps, warmup, SMALL if small else LARGE)
     if dist.get_rank() != 0:
         return
     print(
@@ -122,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--small", action="store_true", help="case 5's structure at width 16 (a quick look)")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    run_ranks(bench, args.world_size, args.steps, args.warmup, args.json, device="cpu")
+    run_ranks(bench, args.world_size, args.steps, args.warmup, args.json, args.small, device="cpu")
 
 
 if __name__ == "__main__":

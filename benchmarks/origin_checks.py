@@ -64,7 +64,7 @@ from fsdp_patch.telemetry.instrumentation.iterations import IterationWatch
 from fsdp_patch.telemetry.instrumentation.model_watch import ModelWatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .common import Clock, median, paired, paired_ratio, write_results
+from .common import Clock, median, paired, paired_ratio, training_steps, write_results
 from .telemetry_overhead import LARGE, _device, _quiet_telemetry
 
 KINDS = ("fully_shard", "fsdp2")
@@ -130,18 +130,7 @@ def _pair(
     clock = Clock(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = [b[rank::world].to(device) for b in synthetic_batches(config, 4 * world, steps + warmup)]
-    cursor = {setting: 0 for setting in order}
-
-    def step(setting: str) -> float:
-        model, optimizer = built[setting]
-        tokens = batches[cursor[setting] % len(batches)]
-        cursor[setting] += 1
-        start = clock.start()
-        lm_loss(model, tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return clock.seconds_since(start)
-
+    step = training_steps(built, batches, clock, lm_loss)
     times = paired({setting: (lambda s=setting: step(s)) for setting in order}, steps, warmup)
     result = {f"step_s_{s}": median(times[s]) for s in order}
     result["ratio"] = paired_ratio(times, "checks", "off")

@@ -353,62 +353,35 @@ SCALER_SKIPS_AT_LEAST = 3
 # The operation audit's findings (offline/op_report.py): one row per kind of semconv.OP_KINDS; the
 # advice of each is the first operation's own fix.
 OP_CHECKS = {
-    semconv.OP_KIND_NONFINITE: Threshold(
-        check="op_nonfinite",
+    kind: Threshold(
+        check=f"op_{kind}",
         metric=semconv.EVENT_OP,
         above=0,
-        severity=PROBLEM,
-        finding="an operation made NaN/Inf from finite inputs",
+        severity=severity,
+        finding=finding,
         advice="see the operation's fix.",
-    ),
-    semconv.OP_KIND_LOST_UPDATE: Threshold(
-        check="op_lost_update",
-        metric=semconv.EVENT_OP,
-        above=0,
-        severity=PROBLEM,
-        finding="an in-place update too small for its low-precision destination, which does not move",
-        advice="see the operation's fix.",
-    ),
-    semconv.OP_KIND_ILL_CONDITIONED: Threshold(
-        check="op_ill_conditioned",
-        metric=semconv.EVENT_OP,
-        above=0,
-        severity=WARNING,
-        finding="an operation whose result its low-precision inputs do not determine",
-        advice="see the operation's fix.",
-    ),
-    semconv.OP_KIND_PRECISION_LOSS: Threshold(
-        check="op_precision_loss",
-        metric=semconv.EVENT_OP,
-        above=0,
-        severity=WARNING,
-        finding="an operation that loses precision inside itself in low precision",
-        advice="see the operation's fix.",
-    ),
-    semconv.OP_KIND_CONSTANT: Threshold(
-        check="op_constant",
-        metric=semconv.EVENT_OP,
-        above=0,
-        severity=WARNING,
-        finding="a constant its low-precision dtype cannot hold",
-        advice="see the operation's fix.",
-    ),
-    semconv.OP_KIND_TIES: Threshold(
-        check="op_ties",
-        metric=semconv.EVENT_OP,
-        above=0,
-        severity=WARNING,
-        finding="a selection decided by ties that low precision made",
-        advice="see the operation's fix.",
-    ),
-    semconv.OP_KIND_HEADROOM: Threshold(
-        check="op_headroom",
-        metric=semconv.EVENT_OP,
-        above=0,
-        severity=WARNING,
-        finding="an operation close to overflowing its low-precision dtype",
-        advice="see the operation's fix.",
-    ),
+    )
+    for kind, severity, finding in (
+        (semconv.OP_KIND_NONFINITE, PROBLEM, "an operation made NaN/Inf from finite inputs"),
+        (
+            semconv.OP_KIND_LOST_UPDATE,
+            PROBLEM,
+            "an in-place update too small for its low-precision destination, which does not move",
+        ),
+        (
+            semconv.OP_KIND_ILL_CONDITIONED,
+            WARNING,
+            "an operation whose result its low-precision inputs do not determine",
+        ),
+        (
+            semconv.OP_KIND_PRECISION_LOSS,
+            WARNING,
+            "an operation that loses precision inside itself in low precision",
+        ),
+        (semconv.OP_KIND_CONSTANT, WARNING, "a constant its low-precision dtype cannot hold"),
+        (semconv.OP_KIND_TIES, WARNING, "a selection decided by ties that low precision made"),
+        (semconv.OP_KIND_HEADROOM, WARNING, "an operation close to overflowing its low-precision dtype"),
+    )
 }
 
 BY_CHECK = {

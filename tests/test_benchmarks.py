@@ -138,6 +138,24 @@ def test_origin_checks_host_bound_runs_escalated_to_the_end_and_writes_its_figur
     assert shape == (True, 16, 6), f"(host_bound, dim, layers): {shape}"
 
 
+def test_op_audit_cost_measures_both_kinds_and_writes_its_figures(tmp_path: Path) -> None:
+    """``benchmarks.op_audit_cost --small`` on 1 rank: per kind, the plain and the audited step,
+    their ratio and what it amortizes to at one audit in 500 iterations, in the table and the JSON."""
+    out = tmp_path / "audit.json"
+    args = ["--small", "--world-size", "1", "--steps", "2", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.op_audit_cost", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
+    results = json.loads(out.read_text(encoding="utf-8"))
+    for kind in ("fully_shard", "fsdp2"):
+        row = results[kind]
+        values = [row[k] for k in ("step_s_plain", "step_s_audited", "ratio_audited_plain", "amortized_at_default")]
+        assert all(math.isfinite(v) and v > 0 for v in values), f"{kind}: {row}"
+        assert row["amortized_at_default"] == 1 + (row["ratio_audited_plain"] - 1) / 500, row
+        assert f"| {kind} |" in run.stdout, f"no row for {kind} in:\n{run.stdout}"
+
+
 def test_origin_checks_host_bound_is_refused_on_a_gpu() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.origin_checks", "--host-bound", "--device", "cuda"],

@@ -70,6 +70,17 @@ def _origin(report: dict[str, Any]) -> tuple[Any, ...] | None:
     return None if o is None else (o["stage"], o["where"], o["step"], o["ranks"], o["dtype"], o["kind"])
 
 
+def _assert_named(dist_pool: Any, tmp_path: Path, name: str, kind: str) -> None:
+    """The report of pattern ``name`` under ``kind`` is what its catalogue entry expects."""
+    pattern = CATALOGUE[name]
+    report = _report(dist_pool, tmp_path, name, kind)
+    got = judge(pattern, report)
+    assert got.named, (
+        f"{name} ({'; '.join(pattern.sources)}), {kind}: {list(got.mismatches)}; the report leads with "
+        f"{report['findings'][:1]}, origin {report['origin']}"
+    )
+
+
 # -- catalogue -------------------------------------------------------------------------------------
 
 
@@ -271,13 +282,7 @@ def test_the_report_names_a_cause_nothing_non_finite_shows(
     overflow followed, a RoPE buffer rounded to bf16: the report
     leads with the catalogue's diagnosis of each (its verdict, lead check, and where it names one,
     the dtype-contract role or the origin), under fully_shard and torch FSDP2."""
-    pattern = CATALOGUE[name]
-    report = _report(dist_pool, tmp_path, name, kind)
-    got = judge(pattern, report)
-    assert got.named, (
-        f"{name} ({'; '.join(pattern.sources)}), {kind}: {list(got.mismatches)}; the report leads with "
-        f"{report['findings'][:1]}, origin {report['origin']}"
-    )
+    _assert_named(dist_pool, tmp_path, name, kind)
 
 
 # -- healthy controls ----------------------------------------------------------------------------------
@@ -319,13 +324,7 @@ def test_the_report_names_the_operation_and_line_of_a_bug_no_rule_names(
     NVIDIA/FasterTransformer#43, open-mmlab/mmcv#1488, vllm-project/speculators#788,
     huggingface/transformers#8561, d8ahazard/sd_dreambooth_extension#1417, pytorch/pytorch#137774),
     printed with a failure."""
-    pattern = CATALOGUE[name]
-    report = _report(dist_pool, tmp_path, name, kind)
-    got = judge(pattern, report)
-    assert got.named, (
-        f"{name} ({'; '.join(pattern.sources)}), {kind}: {list(got.mismatches)}; the report leads with "
-        f"{report['findings'][:1]}, origin {report['origin']}"
-    )
+    _assert_named(dist_pool, tmp_path, name, kind)
 
 
 @pytest.mark.parametrize("kind", [FULLY_SHARD, pytest.param("fsdp2", marks=pytest.mark.long)])
