@@ -261,8 +261,9 @@ def precision_window(environ: Mapping[str, str] | None = None) -> int:
 
 DEFAULT_PRECISION_ESCALATION = 3
 # An audited iteration costs a few plain ones (each low-precision operation runs again in
-# float32, with its statistics): one in 500 keeps that under 1% of a run.
-DEFAULT_PRECISION_AUDIT_EVERY = 500
+# float32, with its statistics; about 8 on case 5, benchmarks.op_audit_cost): one in 1000 keeps
+# that under 1% of a run.
+DEFAULT_PRECISION_AUDIT_EVERY = 1000
 
 
 def precision_escalation(environ: Mapping[str, str] | None = None) -> int:

@@ -394,5 +394,5 @@ OP_KINDS = (
 )
 OP_PHASES = ("between_steps", "forward", "loss", "backward", "after_backward", "optimizer")
 SETTING_PRECISION_AUDIT_EVERY = "FSDP_PATCH_PRECISION_AUDIT_EVERY"
-"""Iterations between operation audits (default 500; 0 turns the audit off). The second iteration is
+"""Iterations between operation audits (default 1000; 0 turns the audit off). The second iteration is
 audited too, and so is every escalated one."""

@@ -377,6 +377,7 @@ class OpAudit(TorchDispatchMode):
         if _is_selection(func, name) and lows:
             op_stats.tie_stats(stats, name, args, kwargs)
             record = dataclasses.replace(record, selection=True)
+        finite: dict[int, torch.Tensor] = {}
         if judged:
 
             def same_inputs(t: torch.Tensor) -> torch.Tensor | None:
@@ -386,9 +387,10 @@ class OpAudit(TorchDispatchMode):
 
             references = op_stats.reference(func, args, kwargs, same_inputs, bool(mutated))
             if len(references) == len(results):
+                integers = not lows  # made from integers or float32 alone: results may be meant whole
                 for index in judged:
                     old = before.get(id(mutated[index])) if mutated else None
-                    op_stats.result_stats(stats, results[index], references[index], old)
+                    finite[index] = op_stats.result_stats(stats, results[index], references[index], old, integers)
                 pointwise = torch.Tag.pointwise in func.tags and len(judged) == 1
                 if pointwise:
                     op_stats.sensitivity_stats(
@@ -402,7 +404,7 @@ class OpAudit(TorchDispatchMode):
         for index in shadowed:
             shadow = shadows[index]
             assert shadow is not None
-            op_stats.shadow_stats(stats, results[index], shadow)
+            op_stats.shadow_stats(stats, results[index], shadow, finite.get(index))
         index = len(self.records)
         self.records.append(record)
         self._stats.append(stats)

@@ -93,79 +93,94 @@ def _lifted(t: Any, source: Callable[[torch.Tensor], torch.Tensor | None]) -> An
 # -- statistics ---------------------------------------------------------------------------------------
 
 
-def _add(stats: torch.Tensor, name: str, value: torch.Tensor) -> None:
-    stats[_S[name]] += value.to(torch.float64)
+def _add(stats: torch.Tensor, name: str, value: torch.Tensor | int) -> None:
+    stats[_S[name]] += value.to(torch.float64) if isinstance(value, torch.Tensor) else value
 
 
 def _max(stats: torch.Tensor, name: str, value: torch.Tensor) -> None:
     stats[_S[name]] = torch.maximum(stats[_S[name]], value.to(torch.float64))
 
 
-def _finite_amax(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() == 0:
-        return torch.zeros((), device=t.device)
-    t = t.to(torch.float32)
-    return torch.where(torch.isfinite(t), t.abs(), torch.zeros((), device=t.device)).amax()
+def _masked_amax(t: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    return torch.where(finite, t.abs(), 0.0).amax()
+
+
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    return mask.sum()
 
 
 def input_stats(stats: torch.Tensor, inputs: list[torch.Tensor]) -> None:
     """NaN/Inf elements and the largest finite magnitude of the operation's floating inputs."""
     for t in inputs:
         if t.numel():
-            _add(stats, "in_nonfinite", (~torch.isfinite(t)).sum())
-            _max(stats, "in_amax", _finite_amax(t))
+            finite = torch.isfinite(t)
+            _add(stats, "in_nonfinite", t.numel() - _count(finite))
+            _max(stats, "in_amax", _masked_amax(t.to(torch.float32), finite))
 
 
-def result_stats(stats: torch.Tensor, actual: torch.Tensor, ref: torch.Tensor, before: torch.Tensor | None) -> None:
-    """One low-precision result against the float32 reference on the same inputs (``before``: the
-    destination's value before an in-place operation)."""
-    if actual.numel() == 0 or actual.shape != ref.shape:
-        return
-    a = actual.to(torch.float32)
-    finite_a, finite_r = torch.isfinite(a), torch.isfinite(ref)
-    _add(stats, "nonfinite", (~finite_a).sum())
-    _add(stats, "new_nonfinite", (~finite_a & finite_r).sum())
-    _max(stats, "out_amax", _finite_amax(a))
-    _max(stats, "ref_amax", _finite_amax(ref))
+def _compare(
+    stats: torch.Tensor, names: tuple[str, str, str, str], a: torch.Tensor, finite_a: torch.Tensor, ref: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``a`` against ``ref``: NaN/Inf only ``a`` holds, the squared norms of the difference and of
+    ``ref``, the largest elementwise relative difference (``names``, in that order). Returns the
+    masks both finite and ref non-zero, and the difference (0 where either is not finite)."""
+    finite_r = torch.isfinite(ref)
     both = finite_a & finite_r
-    zero = torch.zeros((), device=a.device)
-    _add(stats, "err_sq", torch.where(both, a - ref, zero).double().square().sum())
-    rounded = ref.to(actual.dtype).to(torch.float32)
-    _add(stats, "rnd_sq", torch.where(both & torch.isfinite(rounded), rounded - ref, zero).double().square().sum())
-    _add(stats, "ref_sq", torch.where(both, ref, zero).double().square().sum())
-    _add(stats, "flushed", ((a == 0) & (ref != 0) & finite_r).sum())
-    nonzero = both & (ref != 0)
-    relative = torch.where(nonzero, (a - ref).abs() / ref.abs().clamp_min(torch.finfo(torch.float32).tiny), zero)
-    _max(stats, "maxrel", relative.amax())
-    _add(stats, "ref_nonzero", ((ref != 0) & finite_r).sum())
+    _add(stats, names[0], _count(finite_r) - _count(both))
+    difference = torch.where(both, a - ref, 0.0).flatten()
+    kept = torch.where(both, ref, 0.0).flatten()
+    _add(stats, names[1], torch.dot(difference, difference))
+    _add(stats, names[2], torch.dot(kept, kept))
+    nonzero = kept != 0
+    relative = torch.where(nonzero, difference.abs() / kept.abs().clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    _max(stats, names[3], relative.amax())
+    return both, nonzero.view(ref.shape), difference
+
+
+def result_stats(
+    stats: torch.Tensor, actual: torch.Tensor, ref: torch.Tensor, before: torch.Tensor | None, integers: bool
+) -> torch.Tensor:
+    """One low-precision result against the float32 reference on the same inputs (``before``: the
+    destination's value before an in-place operation; ``integers``: whether the operation read no
+    low-precision value, so that its results may be meant as integers). Returns the result's
+    finite mask (for :func:`shadow_stats`)."""
+    a = actual.to(torch.float32)
+    finite_a = torch.isfinite(a)
+    if actual.numel() == 0 or actual.shape != ref.shape:
+        return finite_a
+    _add(stats, "nonfinite", a.numel() - _count(finite_a))
+    both, nonzero, _ = _compare(stats, ("new_nonfinite", "err_sq", "ref_sq", "maxrel"), a, finite_a, ref)
+    _max(stats, "out_amax", _masked_amax(a, finite_a))
+    _max(stats, "ref_amax", _masked_amax(ref, torch.isfinite(ref)))
+    rounding = torch.where(both, torch.nan_to_num(ref.to(actual.dtype).to(torch.float32) - ref, 0.0, 0.0, 0.0), 0.0)
+    _add(stats, "rnd_sq", torch.dot(rounding.flatten(), rounding.flatten()))
+    _add(stats, "ref_nonzero", _count(nonzero))
+    _add(stats, "flushed", _count(nonzero & (a == 0)))
     _add(stats, "elements", torch.tensor(a.numel(), device=a.device))
-    integral = finite_r & (ref == ref.round()) & (ref.abs() <= 2.0**24)
-    _add(stats, "int_ref", integral.sum())
-    _add(stats, "int_wrong", (integral & (a != ref)).sum())
+    if integers:
+        integral = both & (ref == ref.round()) & (ref.abs() <= 2.0**24)
+        _add(stats, "int_ref", _count(integral))
+        _add(stats, "int_wrong", _count(integral & (a != ref)))
     if before is not None and before.shape == actual.shape:
         old = before.to(torch.float32)
-        intended = (ref != old) & finite_r & torch.isfinite(old)
-        _add(stats, "intended", intended.sum())
-        _add(stats, "lost", (intended & (a == old)).sum())
+        intended = (ref != old) & both & torch.isfinite(old)
+        _add(stats, "intended", _count(intended))
+        _add(stats, "lost", _count(intended & (a == old)))
+    return finite_a
 
 
-def shadow_stats(stats: torch.Tensor, actual: torch.Tensor, shadow: torch.Tensor) -> None:
+def shadow_stats(
+    stats: torch.Tensor, actual: torch.Tensor, shadow: torch.Tensor, finite_a: torch.Tensor | None = None
+) -> None:
     """One result against its float32 shadow (the iteration's computation in float32 up to here):
     NaN/Inf the shadow does not hold, the norm error, and the largest elementwise relative error."""
     if actual.numel() == 0 or actual.shape != shadow.shape:
         return
     a = actual.to(torch.float32)
-    finite_a, finite_s = torch.isfinite(a), torch.isfinite(shadow)
-    _add(stats, "out_nonfinite", (~finite_a).sum())
-    _add(stats, "shadow_nonfinite", (~finite_s).sum())
-    _add(stats, "shadow_new_nonfinite", (~finite_a & finite_s).sum())
-    both = finite_a & finite_s
-    zero = torch.zeros((), device=a.device)
-    _add(stats, "shadow_err_sq", torch.where(both, a - shadow, zero).double().square().sum())
-    _add(stats, "shadow_sq", torch.where(both, shadow, zero).double().square().sum())
-    nonzero = both & (shadow != 0)
-    relative = torch.where(nonzero, (a - shadow).abs() / shadow.abs().clamp_min(torch.finfo(torch.float32).tiny), zero)
-    _max(stats, "shadow_maxrel", relative.amax() if relative.numel() else zero)
+    finite_a = torch.isfinite(a) if finite_a is None else finite_a
+    _add(stats, "out_nonfinite", a.numel() - _count(finite_a))
+    _compare(stats, ("shadow_new_nonfinite", "shadow_err_sq", "shadow_sq", "shadow_maxrel"), a, finite_a, shadow)
+    _add(stats, "shadow_nonfinite", shadow.numel() - _count(torch.isfinite(shadow)))
 
 
 def sensitivity_stats(

@@ -99,4 +99,4 @@ def test_a_malformed_audit_setting_is_refused_naming_it(value: str) -> None:
     with pytest.raises(ValueError, match=semconv.SETTING_PRECISION_AUDIT_EVERY) as raised:
         env.precision_audit_every({semconv.SETTING_PRECISION_AUDIT_EVERY: value})
     assert "non-negative integer" in str(raised.value), str(raised.value)
-    assert env.precision_audit_every({}) == env.DEFAULT_PRECISION_AUDIT_EVERY == 500
+    assert env.precision_audit_every({}) == env.DEFAULT_PRECISION_AUDIT_EVERY == 1000
