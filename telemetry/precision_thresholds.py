@@ -314,6 +314,19 @@ NO_OPTIMIZER_STEPS = Threshold(
         "not called, or is called on another optimizer than the one over this model's parameters."
     ),
 )
+HEADROOM_FORECAST = Threshold(
+    check="headroom_forecast",
+    metric=semconv.EVENT_HEADROOM_FORECAST,
+    above=0,
+    severity=WARNING,
+    finding="a unit's output grows steadily toward its dtype's largest value",
+    advice=(
+        "over the diagnosed steps the unit's largest output magnitude grew by a steady factor per step; at that "
+        "rate it overflows its dtype (float16: 65504) in the steps named, and the forward then makes Inf/NaN. Find "
+        "what grows (a residual stream without normalization, a learning rate too high for that layer, weights "
+        "growing without weight decay), or run that unit in bfloat16 or float32 before it gets there."
+    ),
+)
 # An lr jump explains a NaN/Inf that begins within this many iterations after it (the update with
 # the jumped lr moves the weights; the following forwards run on them).
 LR_JUMP_WINDOW = 3
@@ -391,6 +404,7 @@ BY_CHECK = {
         NAN_ORIGIN,
         REPLICA_DIVERGENCE,
         GRADS_ZEROED,
+        HEADROOM_FORECAST,
         *THRESHOLDS,
         *OP_CHECKS.values(),
         FAILED_STEPS,
@@ -435,6 +449,7 @@ def markdown_table() -> str:
         LR_JUMP.check: f"lr-jump events followed by an origin event within {LR_JUMP_WINDOW} iterations",
         GRADS_ZEROED.check: "grads-zeroed events",
         REPLICA_DIVERGENCE.check: "replica-divergence events (HSDP)",
+        HEADROOM_FORECAST.check: "headroom-forecast events",
         **{threshold.check: f"operation-audit events of kind `{kind}`" for kind, threshold in OP_CHECKS.items()},
     }
     for threshold in (
@@ -447,6 +462,7 @@ def markdown_table() -> str:
         GRADS_ZEROED,
         SCALER_SKIPPED,
         NO_OPTIMIZER_STEPS,
+        HEADROOM_FORECAST,
         *OP_CHECKS.values(),
     ):
         value = special.get(threshold.check, f"`{threshold.metric}`")

@@ -396,3 +396,22 @@ OP_PHASES = ("between_steps", "forward", "loss", "backward", "after_backward", "
 SETTING_PRECISION_AUDIT_EVERY = "FSDP_PATCH_PRECISION_AUDIT_EVERY"
 """Iterations between operation audits (default 1000; 0 turns the audit off). The second iteration is
 audited too, and so is every escalated one."""
+
+# -- headroom forecast ----------------------------------------------------------------------------------
+
+EVENT_HEADROOM_FORECAST = "fsdp.precision.headroom_forecast"
+"""On SPAN_STEP of a diagnosed step: a unit's output (``fsdp.unit``) grows steadily over the diagnosed
+steps and reaches its dtype's largest finite value in ``fsdp.headroom.steps_left`` steps at that
+rate; once per unit and dtype per run."""
+ATTR_HEADROOM_DTYPE = "fsdp.headroom.dtype"
+"""The output's dtype (``float16``)."""
+ATTR_HEADROOM_AMAX = "fsdp.headroom.amax"
+"""Its largest finite magnitude at ``fsdp.step``."""
+ATTR_HEADROOM_LIMIT = "fsdp.headroom.limit"
+"""The dtype's largest finite value."""
+ATTR_HEADROOM_STEPS_LEFT = "fsdp.headroom.steps_left"
+"""Steps until the output reaches the limit at the rate fitted over the last diagnosed steps."""
+ATTR_HEADROOM_FROM_STEP = "fsdp.headroom.from_step"
+"""The first diagnosed step of the fit."""
+ATTR_HEADROOM_FROM_AMAX = "fsdp.headroom.from_amax"
+"""The output's largest finite magnitude then."""

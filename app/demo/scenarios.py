@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYER_LR_FACTOR", "ORIGIN_PLANTS", "SCENARIOS", "UNDERFLOW_SCALE", "Scenario"]
+__all__ = ["GROWTH_PER_STEP", "LAYER_LR_FACTOR", "ORIGIN_PLANTS", "SCENARIOS", "UNDERFLOW_SCALE", "Scenario"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,9 @@ class Scenario:
             layer's grads so large that ``clip_grad_norm_``'s total norm is Inf), ``"optimizer_nan"``
             (the layer's param group at a NaN learning rate for that step). ``"ema_bf16"``: an
             exponential moving average of the weights kept in bfloat16 and updated after every
-            step from the plant step on (the operation audit names its line).
+            step from the plant step on (the operation audit names its line). ``"growth"``: the
+            module's output multiplied by :data:`GROWTH_PER_STEP` once more every step from the plant
+            step on (the headroom forecast names the unit before it overflows).
         description: What the precision report should find.
         layer: The parameter the bug is planted in (``None``: the whole model).
         plant_from_start: The default plant step is 1 (the bug is there from the start), not
@@ -51,6 +53,7 @@ class Scenario:
 
 
 LAYER_LR_FACTOR = 1e-3
+GROWTH_PER_STEP = 4.0
 UNDERFLOW_SCALE = 1e-30
 
 SCENARIOS: dict[str, Scenario] = {
@@ -102,6 +105,14 @@ SCENARIOS: dict[str, Scenario] = {
         3e-3,
         "ema_bf16",
         "an EMA of the weights kept in bf16: its updates are lost (the operation audit names the line)",
+        plant_from_start=True,
+    ),
+    "fp16-growth": Scenario(
+        torch.float16,
+        3e-3,
+        "growth",
+        "an fp16 activation growing 4x every step: the headroom forecast names the unit before it overflows",
+        "blocks.1.fc1",
         plant_from_start=True,
     ),
     # Where a NaN/Inf began: one scenario per part of an iteration.

@@ -19,7 +19,7 @@ from .config import RunOptions, TrainingConfig
 from .data import tokens_at
 from .model import GPT, lm_loss, shard
 from .progress import Progress
-from .scenarios import LAYER_LR_FACTOR, ORIGIN_PLANTS, SCENARIOS, UNDERFLOW_SCALE
+from .scenarios import GROWTH_PER_STEP, LAYER_LR_FACTOR, ORIGIN_PLANTS, SCENARIOS, UNDERFLOW_SCALE
 from .schedule import WarmupCosine
 
 
@@ -98,10 +98,21 @@ def _plant_in_forward(model: GPT, training: TrainingConfig, now: dict[str, int])
         "backward_nan": _NaNInBackward.apply,
         "reduce_overflow": _LargeGrad.apply,
     }
-    effect = effects.get(scenario.plant or "")
-    if effect is None or scenario.layer is None:
+    planted_here = scenario.plant == "growth" or scenario.plant in effects
+    module = model.get_submodule(scenario.layer) if planted_here and scenario.layer is not None else None
+    if scenario.plant == "growth" and module is not None:
+        # The module's output grows by GROWTH_PER_STEP every step from the plant step on.
+        module.register_forward_hook(
+            lambda m, a, out: (
+                out * GROWTH_PER_STEP ** (now["step"] - training.plant_step + 1)
+                if now["step"] >= training.plant_step
+                else out
+            )
+        )
         return
-    module = model.get_submodule(scenario.layer)
+    effect = effects.get(scenario.plant or "")
+    if effect is None or module is None:
+        return
     module.register_forward_hook(lambda m, a, out: effect(out) if now["step"] == training.plant_step else out)
 
 
@@ -131,7 +142,7 @@ def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfi
     if plant == "optimizer_nan":
         optimizer.param_groups[1]["lr"] = float("nan")
         return
-    if plant in ORIGIN_PLANTS or plant == "ema_bf16":  # planted elsewhere in the loop
+    if plant in ORIGIN_PLANTS or plant in ("ema_bf16", "growth"):  # planted elsewhere
         return
     if scenario.layer is None:
         raise ValueError(f"scenario {training.scenario!r} plants {plant!r} but names no layer")

@@ -43,6 +43,7 @@ from ..diagnostics.groups import (
     weights_of,
     widest_mesh,
 )
+from ..diagnostics.headroom import HeadroomTrend
 from ..diagnostics.model_audit import (
     ModelFinding,
     low_precision_accumulation,
@@ -161,6 +162,7 @@ class IterationWatch:
         self._step_tensors: _StepTensors | None = None  # the running step's, from begin_step to end_step
         self.watches: list[ModelWatch] = []
         self.audits = OperationAudits.from_environment(optimizer, bool(every))
+        self._headroom = HeadroomTrend()
         if sdk_disabled:
             self._unregister = None
             return
@@ -229,7 +231,10 @@ class IterationWatch:
         this step's main grads and main weights checked before the update."""
         self._step = step
         self.audits.optimizer_step(True)
-        self._report([w.resolve() for w in self.watches], span, rank)
+        results = [w.resolve() for w in self.watches]
+        self._report(results, span, rank)
+        if self._observer.precision_due(self._closed_step):
+            self._forecast_headroom(results, span, rank)
         self._watch_learning_rates(step, span, rank)
         if not self.watches:
             return
@@ -419,6 +424,29 @@ class IterationWatch:
         if self._step > self.escalated_until:
             for watch in self.watches:
                 watch.de_escalate()
+
+    def _forecast_headroom(self, results: Sequence[IterationCheck | None], span: Span | None, rank: int) -> None:
+        """A diagnosed iteration's unit outputs into the headroom trend; event
+        ``fsdp.precision.headroom_forecast`` for each unit newly forecast to reach its dtype's largest
+        value (:mod:`..diagnostics.headroom`)."""
+        for result in results:
+            if result is not None:
+                self._headroom.feed(self._closed_step, result.checks)
+        if span is None:
+            return
+        for forecast in self._headroom.forecasts():
+            attributes: dict[str, AttributeValue] = {
+                semconv.ATTR_STEP: forecast.step,
+                semconv.ATTR_RANK: rank,
+                semconv.ATTR_UNIT: forecast.unit,
+                semconv.ATTR_HEADROOM_DTYPE: forecast.dtype,
+                semconv.ATTR_HEADROOM_AMAX: forecast.amax,
+                semconv.ATTR_HEADROOM_LIMIT: forecast.limit,
+                semconv.ATTR_HEADROOM_STEPS_LEFT: forecast.steps_left,
+                semconv.ATTR_HEADROOM_FROM_STEP: forecast.first_step,
+                semconv.ATTR_HEADROOM_FROM_AMAX: forecast.first_amax,
+            }
+            span.add_event(semconv.EVENT_HEADROOM_FORECAST, attributes)
 
     def _origin_attributes(
         self, origin: Origin, step: int, rank: int, refined: bool, checks: Sequence[Checked] = ()

@@ -385,7 +385,10 @@ class OptimizerObserver:
 
     def flush_timers(self) -> None:
         """Record every pending device timing and the last iteration's checks; may wait for the
-        device, so only at flush or exit."""
+        device, so only at flush or exit. An audited iteration a flush comes in the middle of is
+        abandoned: a flush is the end of a run (``destroy_process_group``, exit), and an audit
+        left running would measure whatever the process does after training."""
+        self._iterations.audits.close()
         if self._ready:
             self._step_timer.flush()
             self._refresh_timer.flush()

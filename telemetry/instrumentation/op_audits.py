@@ -15,7 +15,10 @@ runs is not audited. A model with ``torch.compile``d modules is not audited: und
 its compiled code would run eagerly, and train differently.
 
 Process-wide while an audited iteration runs: a dispatch mode on the main thread's mode stack and
-two global module forward hooks, all removed, exactly, when it ends, and by :meth:`close`.
+two global module forward hooks, all removed, exactly, when it ends, and by :meth:`close` (telemetry
+turned off, a flush or exit, the optimizer collected). An iteration whose step never comes (the
+last step of a run was followed by an audited iteration's start) stays audited until then, at most
+20,000 operations, after which it passes every operation through.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from .. import precision_thresholds as thresholds
 from .. import semconv, trace_limits
 from .attribution_report import AttributionTrace, details, details_json
+from .headroom_report import HeadroomTrace, forecast_json, forecast_text
 from .op_report import OpSeen, OpTrace, op_json, op_text, place
 from .origin_report import OriginSeen, OriginTrace, advice, divergence_json, divergence_text, origin_json, origin_text
 from .trace_reading import TraceFileError, iter_events, rank_segments
@@ -69,6 +70,7 @@ class RunTrace:
         attribution: The parameters the attribution's events name.
         iterations: What the per-iteration checks recorded: origins, skipped iterations, backward passes.
         ops: What the operation audits named.
+        headroom: The units forecast to reach their dtype's largest value.
     """
 
     samples: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -83,6 +85,7 @@ class RunTrace:
     attribution: AttributionTrace = field(default_factory=AttributionTrace)
     iterations: OriginTrace = field(default_factory=OriginTrace)
     ops: OpTrace = field(default_factory=OpTrace)
+    headroom: HeadroomTrace = field(default_factory=HeadroomTrace)
 
 
 def _number(value: object) -> float | None:
@@ -152,6 +155,7 @@ def read_run(directory: str) -> RunTrace:
                 run.attribution.feed(event)
                 run.iterations.feed_instant(args, str(event.get("name", "")))
                 run.ops.feed_instant(args, str(event.get("name", "")))
+                run.headroom.feed_instant(args, str(event.get("name", "")))
     for parent, values in precision:
         # The step span ends after its precision child, possibly in the next (still kept) segment;
         # a parent rotated away belongs to the oldest, dropped steps.
@@ -292,6 +296,9 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
         found.append(Finding(threshold, run.iterations.first_skip() or run.first_step or 1))
     if run.iterations.backward_without_steps():
         found.append(Finding(thresholds.NO_OPTIMIZER_STEPS, 1))
+    forecasts = run.headroom.forecasts()
+    if forecasts:
+        found.append(Finding(thresholds.HEADROOM_FORECAST, forecasts[0].step))
     for kind in run.ops.kinds():
         if kind == semconv.OP_KIND_NONFINITE and _origin_operation(run) is not None:
             continue  # named with the origin it refines
@@ -321,6 +328,8 @@ def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
         if operation is not None:
             lines.append(f"operation: {op_text(operation, step_offset)}")
             lines.append(f"fix: {operation.fix}")
+    elif check == thresholds.HEADROOM_FORECAST.check:
+        lines.extend(forecast_text(f, step_offset) for f in run.headroom.forecasts()[:NAMED_PER_FINDING])
     elif check in _OP_KIND_OF_CHECK:
         for seen in run.ops.of_kind(_OP_KIND_OF_CHECK[check])[:NAMED_PER_FINDING]:
             lines.append(op_text(seen, step_offset))
@@ -549,6 +558,7 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
             "operation": None if (operation := _origin_operation(run)) is None else op_json(operation, step_offset),
         },
         "ops": [op_json(seen, step_offset) for kind in run.ops.kinds() for seen in run.ops.of_kind(kind)],
+        "headroom_forecasts": [forecast_json(f, step_offset) for f in run.headroom.forecasts()],
         "mesh_coordinates": {str(rank): c for rank, c in sorted(run.iterations.coordinates.items())},
         "replica_divergence": divergence_json(diverged, step_offset) if diverged else None,
         "iterations": {"optimizer_steps": iterations - skipped, "skipped": skipped,

@@ -33,6 +33,7 @@ VERDICTS = {
     "left-out": "overall: problem: unstepped weights: parameters that get grads but whose main weights never change, from step 3",
     "bf16-state": "overall: warning: dtypes the mixed-precision contract does not expect, from step 3",
     "state-underflow": "exp_avg_sq flushed to zero: squared grads underflow (first at step 1)",
+    "fp16-growth": "reaches float16's largest value 65504 in about",
     "ema-bf16": (
         "overall: problem: an in-place update too small for its low-precision destination, which does not move: "
         "aten.mul_ in bfloat16 at "
@@ -58,6 +59,7 @@ NAMED = {
         "blocks.0.fc2.weight",
         "blocks.0.fc2.weight (unit 'blocks.0'): optimizer_state 'exp_avg_sq' is bfloat16, expected float32 (step 3, ranks 0, 1)",
     ),
+    "fp16-growth": ("blocks.1.fc1", "- a unit's output grows steadily toward its dtype's largest value (first at step"),
     "state-underflow": (
         "blocks.0.fc1.weight",
         "exp_avg_sq flushed to zero: blocks.0.fc1.weight [exp_avg_sq] (unit 'blocks.0')",

@@ -23,8 +23,15 @@ class RecordingSpan:
 
 
 class Observer:
+    """What the iteration watch asks of its observer."""
+
+    rank = 0
+
     def ensure_ready(self) -> None:
         pass
+
+    def precision_due(self, step: int) -> bool:
+        return False
 
 
 def test_a_tenfold_rise_is_an_event_and_a_warm_up_from_zero_is_not() -> None:
