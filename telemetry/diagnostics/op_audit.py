@@ -244,7 +244,7 @@ class OpAudit(TorchDispatchMode):
         mutated = op_stats.mutated_arguments(func, args, kwargs)
         before = {id(t): local(t).clone() for t in mutated} if mutated and (measured or shadowing) else {}
         # A written tensor's shadow is written as the tensor is, in place: its views' shadows see it.
-        shadow_before = {id(t): self._shadows[t] for t in mutated if t in self._shadows} if shadowing else {}
+        written_shadows = {id(t): self._shadows[t] for t in mutated if t in self._shadows} if shadowing else {}
         out = func(*args, **kwargs)
         if node is None:
             self._remember(out, site)
@@ -252,7 +252,9 @@ class OpAudit(TorchDispatchMode):
         owners = mutated if mutated else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         owners = [t for t in owners if t.is_floating_point()]
         try:
-            shadows = self._shadow(func, args, kwargs, out, owners, before, shadow_before, random) if shadowing else []
+            shadows = (
+                self._shadow(func, args, kwargs, out, owners, before, written_shadows, random) if shadowing else []
+            )
             if measured:
                 self._measure(func, name, args, kwargs, results, mutated, before, shadows, tensors, low_dtype, site)
             else:
@@ -306,7 +308,7 @@ class OpAudit(TorchDispatchMode):
         out: Any,
         owners: list[torch.Tensor],
         before: dict[int, torch.Tensor],
-        shadow_before: dict[int, torch.Tensor],
+        written_shadows: dict[int, torch.Tensor],
         random: bool,
     ) -> list[torch.Tensor | None]:
         """The float32 shadows of the operation's floating results (or the tensors it wrote), kept
@@ -316,15 +318,15 @@ class OpAudit(TorchDispatchMode):
         else:
 
             def source(t: torch.Tensor) -> torch.Tensor | None:
-                held = shadow_before.get(id(t))
+                held = written_shadows.get(id(t))
                 if held is not None:
                     return held
                 held = self._shadows.get(t)
                 if held is not None:
                     return held
                 old = before.get(id(t))
-                if old is not None:
-                    return old.to(torch.float32) if old.dtype in LOW_PRECISION else old
+                if old is not None:  # a copy: the measurement reads ``before`` as it was
+                    return old.to(torch.float32) if old.dtype in LOW_PRECISION else old.clone()
                 return local(t).to(torch.float32) if t.dtype in LOW_PRECISION else None
 
             made = op_stats.reference(func, args, kwargs, source, bool(before))

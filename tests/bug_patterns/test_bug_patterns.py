@@ -24,7 +24,7 @@ from fsdp_patch.telemetry import precision_thresholds
 from fsdp_patch.telemetry.offline.precision_report import report_json
 
 from benchmarks.bug_patterns.catalogue import CATALOGUE, CONTROLS, PATTERNS, judge
-from benchmarks.bug_patterns.op_catalogue import OP_CONTROLS, OP_PATTERNS
+from benchmarks.bug_patterns.op_catalogue import OP_CONTROLS, OP_PATTERNS, STATE_PATTERNS
 from benchmarks.bug_patterns.run import quiet_warnings
 from benchmarks.bug_patterns.training import FULLY_SHARD, KINDS, train_on_rank
 from tests.integration.otel_training import reset_otel
@@ -99,8 +99,10 @@ def test_the_catalogue_holds_its_patterns_and_controls_with_sources() -> None:
         got = (control.expect.verdict, control.expect.lead, control.settings.steps >= 200 or fixes, control.every)
         assert got == ("healthy", (), True, (1,) if fixes else (None, 1)), f"{control.name}: {got}"
     assert len(OP_PATTERNS) >= 10 and len(OP_CONTROLS) == len(OP_PATTERNS), (len(OP_PATTERNS), len(OP_CONTROLS))
-    unnamed = [p.name for p in OP_PATTERNS if p.expect.op is None]
+    unnamed = [p.name for p in OP_PATTERNS if p.expect.op is None and p not in STATE_PATTERNS]
     assert not unnamed, f"patterns whose expectation names no operation and line: {unnamed}"
+    uncontracted = [p.name for p in STATE_PATTERNS if p.expect.contract != "optimizer_state"]
+    assert not uncontracted, f"state patterns whose expectation names no optimizer-state role: {uncontracted}"
 
 
 def test_judge_names_what_differs_from_the_expectation() -> None:
@@ -291,7 +293,7 @@ def test_the_report_names_a_cause_nothing_non_finite_shows(
 # Diagnosed every step too under `make test-long` (another 200 steps per control and sharding).
 @pytest.mark.parametrize("every", [None, pytest.param(1, marks=pytest.mark.long)])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", [p.name for p in CONTROLS])
+@pytest.mark.parametrize("name", [p.name for p in CONTROLS if p not in OP_CONTROLS])
 def test_healthy_control_is_healthy(dist_pool: Any, tmp_path: Path, name: str, kind: str, every: int | None) -> None:
     """The controls of every pattern above (no public source: nothing is planted): 200 steps of
     AdamW at lr 1e-4 and 3e-3 with fp32 main weights and norm scales at 1.0, bf16 compute, or fp16
