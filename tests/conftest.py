@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -26,3 +27,14 @@ def dist_pool() -> Iterator:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _no_audit_outlives_its_test() -> Iterator[None]:
+    """A test that trains a step or two and stops leaves the operation audit of its next iteration
+    running, as a script that stops there would; it would measure the next test. Stopped after each
+    test (only where telemetry was imported: the core's own tests import none of it)."""
+    yield
+    module = sys.modules.get("fsdp_patch.telemetry.instrumentation.op_audits")
+    if module is not None:
+        module.abandon_running()

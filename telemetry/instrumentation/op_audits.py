@@ -36,7 +36,7 @@ from .. import env, semconv
 from ..diagnostics.op_audit import OpAudit
 from ..diagnostics.op_judgement import OpFinding
 
-__all__ = ["OperationAudits"]
+__all__ = ["OperationAudits", "abandon_running"]
 
 _logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class OperationAudits:
         audit, self._audit = self._audit, None
         if audit is None:
             return []
-        _RUNNING.remove(audit)
+        _forget(audit)
         findings = audit.finish(self._top_k)
         if audit.failed:
             _logger.debug("operation audit: the reference could not run %s", audit.failed)
@@ -121,8 +121,24 @@ class OperationAudits:
         """Stop a running audit without reading it (telemetry turned off, the optimizer gone)."""
         audit, self._audit = self._audit, None
         if audit is not None:
-            _RUNNING.remove(audit)
+            _forget(audit)
             audit.stop()
+
+
+def _forget(audit: OpAudit) -> None:
+    if audit in _RUNNING:
+        _RUNNING.remove(audit)
+
+
+def abandon_running() -> int:
+    """Stop every audit running in this process without reading it (what a run that stops in the
+    middle of an audited iteration leaves); returns how many there were. Their owners forget them
+    at their next step."""
+    running = list(_RUNNING)
+    _RUNNING.clear()
+    for audit in running:
+        audit.stop()
+    return len(running)
 
 
 def event_attributes(finding: OpFinding, step: int, rank: int) -> dict[str, AttributeValue]:

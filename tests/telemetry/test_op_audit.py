@@ -269,6 +269,22 @@ def test_training_is_bitwise_the_same_audited_and_not_random_numbers_included() 
     assert torch.equal(plain_rng, audited_rng), "the audit drew random numbers"
 
 
+def test_an_abandoned_audit_is_stopped_and_its_owner_goes_on() -> None:
+    """A run that stops in the middle of an audited iteration (a test's end): the audit leaves the
+    stack, and the optimizer that started it finishes nothing, then audits again when due."""
+    from fsdp_patch.telemetry.instrumentation.op_audits import OperationAudits, abandon_running
+
+    before = _get_current_dispatch_mode_stack()
+    audits = OperationAudits(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), 1)
+    audits.start()
+    got = (abandon_running(), _get_current_dispatch_mode_stack() == before, audits.finish(2, None, 0))
+    assert got == (1, True, []), f"abandoned, stack as before, findings: {got}"
+    audits.start()
+    assert audits.running and len(_get_current_dispatch_mode_stack()) == len(before) + 1
+    audits.close()
+    assert _get_current_dispatch_mode_stack() == before
+
+
 def test_finish_removes_the_mode_and_the_module_hooks_exactly() -> None:
     hooks = nn.modules.module._global_forward_hooks
     pre_hooks = nn.modules.module._global_forward_pre_hooks
@@ -294,6 +310,7 @@ class _Counting(TorchDispatchMode):
 def test_stopping_takes_out_the_audit_alone_when_a_mode_was_pushed_after_it() -> None:
     """An optimizer collected (or telemetry turned off) while a profiler's mode runs inside the
     audit: the audit leaves the stack, the other mode stays and keeps seeing operations."""
+    before = _get_current_dispatch_mode_stack()
     audit, counting = OpAudit({}), _Counting()
     audit.start()
     _push_mode(counting)
@@ -303,8 +320,8 @@ def test_stopping_takes_out_the_audit_alone_when_a_mode_was_pushed_after_it() ->
         torch.ones(2, dtype=torch.bfloat16) * 2
     finally:
         _pop_mode()
-    assert stack == [counting] and counting.calls > 0, f"stack {stack}, calls {counting.calls}"
-    assert _get_current_dispatch_mode() is None
+    assert stack == [*before, counting] and counting.calls > 0, f"stack {stack}, calls {counting.calls}"
+    assert _get_current_dispatch_mode_stack() == before
 
 
 def test_an_iteration_past_max_ops_passes_through() -> None:
