@@ -19,7 +19,7 @@ statistics back and judging them included.
 
 Usage::
 
-    python -m benchmarks.op_audit_cost [--steps 6] [--world-size 2] [--small] [--json out.json]
+    python -m benchmarks.op_audit_cost [--steps 6] [--world-size 2] [--device cuda] [--small] [--json out.json]
 
 ``--small``: case 5's structure at width 16 (a quick look; its ratio says little of a real model's).
 """
@@ -39,7 +39,7 @@ from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
 from fsdp_patch.telemetry import env
 
 from .common import Clock, median, paired, paired_ratio, training_steps, write_results
-from .telemetry_overhead import LARGE, _quiet_telemetry
+from .telemetry_overhead import LARGE, _device, _quiet_telemetry
 
 KINDS = ("fully_shard", "fsdp2")
 SETTINGS = {
@@ -54,7 +54,7 @@ def _trained(kind: str, config: GPTConfig, setting: str) -> tuple[torch.nn.Modul
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     torch.manual_seed(0)
-    model = GPT(config)
+    model = GPT(config).to(_device())
     if kind == "fully_shard":
         from fsdp_patch.app.demo.model import shard
 
@@ -82,9 +82,10 @@ def _audits(optimizer: torch.optim.Optimizer) -> Any:
 
 def run(steps: int, warmup: int, config: GPTConfig = LARGE) -> dict[str, Any]:
     out: dict[str, Any] = {"params": sum(p.numel() for p in GPT(config).parameters()), "every": DEFAULT_EVERY}
-    clock = Clock(torch.device("cpu"))
+    device = _device()
+    clock = Clock(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = [b[rank::world] for b in synthetic_batches(config, 4 * world, steps + warmup)]
+    batches = [b[rank::world].to(device) for b in synthetic_batches(config, 4 * world, steps + warmup)]
     with _quiet_telemetry():
         for kind in KINDS:
             built = {s: _trained(kind, config, s) for s in SETTINGS}
@@ -114,7 +115,7 @@ def bench(steps: int, warmup: int, json_path: str | None, small: bool = False) -
     if dist.get_rank() != 0:
         return
     print(
-        f"operation audit, {results['params'] / 1e6:.1f}M-parameter transformer, bf16 compute, "
+        f"operation audit, {results['params'] / 1e6:.1f}M-parameter transformer, bf16 compute, {_device().type}, "
         f"{dist.get_world_size()} rank(s), {steps} paired steps; target: amortized at one audit in "
         f"{DEFAULT_EVERY} iterations <= 1.01"
     )
@@ -136,10 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--small", action="store_true", help="case 5's structure at width 16 (a quick look)")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    run_ranks(bench, args.world_size, args.steps, args.warmup, args.json, args.small, device="cpu")
+    run_ranks(bench, args.world_size, args.steps, args.warmup, args.json, args.small, device=args.device)
 
 
 if __name__ == "__main__":
