@@ -366,7 +366,6 @@ class OpAudit(TorchDispatchMode):
         op_stats.input_stats(stats, inputs)
         record = OpRecord(
             op=f"aten.{name}",
-            overload=str(func),
             dtype=dtype or results[shadowed[0]].dtype,
             elements=sum(results[i].numel() for i in judged),
             constants=op_stats.constants(func, args, kwargs, dtype) if dtype is not None else (),

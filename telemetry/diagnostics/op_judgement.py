@@ -61,7 +61,6 @@ class OpRecord:
 
     Attributes:
         op: ``aten.<name>``.
-        overload: The overload as torch names it.
         dtype: The low-precision dtype it computed in.
         elements: Elements of its low-precision results.
         constants: ``(argument, value, value in dtype)`` for constants that round to 0, inf or 1.
@@ -76,7 +75,6 @@ class OpRecord:
     """
 
     op: str
-    overload: str
     dtype: torch.dtype
     elements: int
     constants: tuple[tuple[str, float, float], ...] = ()

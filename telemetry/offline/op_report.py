@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import semconv
 
-__all__ = ["OpSeen", "OpTrace", "op_json", "op_text"]
+__all__ = ["OpSeen", "OpTrace", "op_json", "op_text", "place"]
 
 
 @dataclass
