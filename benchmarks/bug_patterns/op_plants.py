@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .plants import _local
 from .training import DIM, HIDDEN, Context, Plant, TinyLM
 
 __all__ = [
@@ -32,10 +33,6 @@ __all__ = [
     "StateCheckpointInBF16",
     "TopKRouterAct",
 ]
-
-
-def _local(tensor: Any) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 # -- custom activations (each block's act) ------------------------------------------------------------
