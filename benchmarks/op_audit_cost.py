@@ -1,21 +1,23 @@
-"""The operation audit's cost: an audited training step against a plain one, and what that costs a
-run at the default schedule.
+"""The operation audit's and the float32 shadow's cost: an audited, a shadowed, and an audited and
+shadowed training step against a plain one, and what that costs a run at the default schedule.
 
 An audited iteration runs every bfloat16 operation again in float32 twice over (the reference on
-its inputs and the shadow), with a few reductions each; it runs on the second iteration, every
-``FSDP_PATCH_PRECISION_AUDIT_EVERY``-th (default 1000) and every escalated one. The target is at most
-1% of a run at the default schedule on case 5's 27M-parameter transformer (bf16 compute, fp32 main
-weights, AdamW), for ``fully_shard`` and torch FSDP2: ``(audited / plain - 1) / 1000`` at most 0.01.
-Nothing is added to an iteration that is not audited (no mode, no hook): what the plain step costs
-with telemetry on is ``benchmarks.telemetry_overhead``'s.
+its inputs and the shadow), with a few reductions each; a shadowed one runs each leaf module's
+forward twice more in float32 (from the gathered fp32 main weights and from its compute weights)
+and gathers each unit's main weights once. Both run on the second iteration and every
+``FSDP_PATCH_PRECISION_AUDIT_EVERY``-th / ``FSDP_PATCH_PRECISION_SHADOW_EVERY``-th (default 1000 each:
+the same iterations). The target is at most 1% of a run at the default schedule on case 5's
+27M-parameter transformer (bf16 compute, fp32 main weights, AdamW), for ``fully_shard`` and torch
+FSDP2: ``(both / plain - 1) / 1000`` at most 0.01. Nothing is added to an iteration that is neither
+(no mode, no hook): what the plain step costs with telemetry on is ``benchmarks.telemetry_overhead``'s.
 
-Two identical models (one seed), telemetry on for both, one audited every iteration
-(``FSDP_PATCH_PRECISION_AUDIT_EVERY=1``), one never (``0``); steps alternate between them, and the
-ratio is the median of per-round ratios. An audit is process-wide from the end of one step to the
-end of the next, so the audited model's audit is started right before its step and closed right
-after it (through the adapter's registry: a benchmark's way in): the plain model's steps run
-unaudited, and the audited step pays for everything an audited iteration does, reading its
-statistics back and judging them included.
+Identical models (one seed), telemetry on for all, one audited and shadowed every iteration, one
+audited, one shadowed, one neither; steps alternate between them, and each ratio is the median of
+per-round ratios. An audit and a shadow are process-wide from the end of one step to the end of the
+next, so a model's are started right before its step and closed right after it (through the
+adapter's registry: a benchmark's way in): the other models' steps run without them, and the
+measured step pays for everything its iteration does, reading the statistics back and judging them
+included.
 
 Usage::
 
@@ -42,9 +44,15 @@ from .common import Clock, median, paired, paired_ratio, training_steps, write_r
 from .telemetry_overhead import LARGE, _device, _quiet_telemetry
 
 KINDS = ("fully_shard", "fsdp2")
+# setting -> (audited, shadowed)
+MEASURED = {"both": (True, True), "audited": (True, False), "shadowed": (False, True), "plain": (False, False)}
 SETTINGS = {
-    "audited": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_AUDIT_EVERY": "1"},
-    "plain": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_AUDIT_EVERY": "0"},
+    name: {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_PRECISION_AUDIT_EVERY": "1" if audited else "0",
+        "FSDP_PATCH_PRECISION_SHADOW_EVERY": "1" if shadowed else "0",
+    }
+    for name, (audited, shadowed) in MEASURED.items()
 }
 DEFAULT_EVERY = env.DEFAULT_PRECISION_AUDIT_EVERY
 SMALL = GPTConfig(vocab=64, dim=16, heads=8, layers=6, seq=8)
@@ -72,12 +80,31 @@ def _trained(kind: str, config: GPTConfig, setting: str) -> tuple[torch.nn.Modul
     return model, optimizer
 
 
-def _audits(optimizer: torch.optim.Optimizer) -> Any:
+def _iterations(optimizer: torch.optim.Optimizer) -> Any:
     from fsdp_patch.adapter import adaptation_of
 
     adaptation = adaptation_of(optimizer)
     assert adaptation is not None
-    return adaptation.observer._iterations.audits  # type: ignore[attr-defined]
+    return adaptation.observer._iterations  # type: ignore[attr-defined]
+
+
+def _measured_step(step: Any, setting: str, optimizer: torch.optim.Optimizer) -> Any:
+    """``setting``'s step with its audit and shadow started right before it and closed right after."""
+    iterations = _iterations(optimizer)
+    audited, shadowed = MEASURED[setting]
+
+    def run() -> float:
+        if audited:
+            iterations.audits.start()
+        if shadowed:
+            iterations.shadows.start()
+        try:
+            return float(step(setting))
+        finally:
+            iterations.audits.close()  # the next iteration's, begun at the step's end
+            iterations.shadows.close()
+
+    return run
 
 
 def run(steps: int, warmup: int, config: GPTConfig = LARGE) -> dict[str, Any]:
@@ -90,22 +117,13 @@ def run(steps: int, warmup: int, config: GPTConfig = LARGE) -> dict[str, Any]:
         for kind in KINDS:
             built = {s: _trained(kind, config, s) for s in SETTINGS}
             step = training_steps(built, batches, clock, lm_loss)
-            audits = _audits(built["audited"][1])
-
-            def audited(step: Any = step, audits: Any = audits) -> float:
-                audits.start()
-                try:
-                    return float(step("audited"))
-                finally:
-                    audits.close()  # the next iteration's, begun at the step's end
-
-            times = paired({"audited": audited, "plain": lambda step=step: step("plain")}, steps, warmup)
-            ratio = paired_ratio(times, "audited", "plain")
+            measured = {setting: _measured_step(step, setting, built[setting][1]) for setting in SETTINGS}
+            times = paired(measured, steps, warmup)
+            ratios = {setting: paired_ratio(times, setting, "plain") for setting in MEASURED if setting != "plain"}
             out[kind] = {
-                "step_s_plain": median(times["plain"]),
-                "step_s_audited": median(times["audited"]),
-                "ratio_audited_plain": ratio,
-                "amortized_at_default": 1 + (ratio - 1) / DEFAULT_EVERY,
+                **{f"step_s_{setting}": median(times[setting]) for setting in SETTINGS},
+                **{f"ratio_{setting}_plain": ratio for setting, ratio in ratios.items()},
+                "amortized_at_default": 1 + (ratios["both"] - 1) / DEFAULT_EVERY,
             }
     return out
 
@@ -115,18 +133,20 @@ def bench(steps: int, warmup: int, json_path: str | None, small: bool = False) -
     if dist.get_rank() != 0:
         return
     print(
-        f"operation audit, {results['params'] / 1e6:.1f}M-parameter transformer, bf16 compute, {_device().type}, "
-        f"{dist.get_world_size()} rank(s), {steps} paired steps; target: amortized at one audit in "
-        f"{DEFAULT_EVERY} iterations <= 1.01"
+        f"operation audit and float32 shadow, {results['params'] / 1e6:.1f}M-parameter transformer, bf16 compute, "
+        f"{_device().type}, {dist.get_world_size()} rank(s), {steps} paired steps; target: amortized at one audited and "
+        f"shadowed iteration in {DEFAULT_EVERY} <= 1.01"
     )
     print()
-    print("| sharding | plain step | audited step | audited / plain | a run at the default schedule |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| sharding | plain step | audited / plain | shadowed / plain | both / plain | a run at the default schedule |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for kind in KINDS:
         r = results[kind]
         print(
-            f"| {kind} | {r['step_s_plain'] * 1e3:.0f} ms | {r['step_s_audited'] * 1e3:.0f} ms "
-            f"| {r['ratio_audited_plain']:.2f} | {r['amortized_at_default']:.4f} |"
+            f"| {kind} | {r['step_s_plain'] * 1e3:.0f} ms | {r['ratio_audited_plain']:.2f} "
+            f"| {r['ratio_shadowed_plain']:.2f} | {r['ratio_both_plain']:.2f} | {r['amortized_at_default']:.4f} |"
         )
     if json_path:
         write_results(json_path, "op_audit_cost", {"steps": steps, **results})

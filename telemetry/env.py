@@ -330,6 +330,31 @@ def precision_audit_every(environ: Mapping[str, str] | None = None) -> int:
     )
 
 
+DEFAULT_PRECISION_SHADOW_EVERY = 1000
+# A shadowed iteration runs each leaf module's forward twice more in float32 and gathers each
+# unit's main weights once (benchmarks.op_audit_cost measures it): one in 1000 keeps that small.
+
+
+def precision_shadow_every(environ: Mapping[str, str] | None = None) -> int:
+    """Iterations between float32 shadows of the forward (``FSDP_PATCH_PRECISION_SHADOW_EVERY``).
+
+    Returns:
+        :data:`DEFAULT_PRECISION_SHADOW_EVERY` when unset; ``0`` turns the shadow off.
+
+    Raises:
+        ValueError: Not a non-negative integer.
+    """
+    from . import semconv
+
+    return _int_at_least(
+        semconv.SETTING_PRECISION_SHADOW_EVERY,
+        environ,
+        DEFAULT_PRECISION_SHADOW_EVERY,
+        0,
+        "a non-negative integer (0 turns the float32 shadow off)",
+    )
+
+
 def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """``OTEL_SDK_DISABLED``, read exactly as the OpenTelemetry SDK reads it (only ``true`` disables)."""
     return _raw("OTEL_SDK_DISABLED", environ).lower() == "true"
@@ -355,3 +380,4 @@ def validate_all(environ: Mapping[str, str] | None = None) -> None:
     precision_origin(environ)
     precision_detail(environ)
     precision_audit_every(environ)
+    precision_shadow_every(environ)

@@ -239,6 +239,22 @@ THRESHOLDS: tuple[Threshold, ...] = (
             "every param group."
         ),
     ),
+    Threshold(
+        check="update_jump",
+        metric=semconv.ATTR_UPDATE_JUMP,
+        above=0,
+        severity=PROBLEM,
+        finding="update jump: parameters updated orders of magnitude beyond their usual size, or beyond what Adam's "
+        "moments allow",
+        advice=(
+            "the parameters named moved far more in one step than they did before, or than Adam can move them with "
+            "moments that match each other: look at what changed at that step (the cause given). An optimizer state "
+            "loaded since the last diagnosed step: was it saved cast (float16 flushes small exp_avg_sq values to 0, and "
+            "Adam then divides by eps alone) or onto other parameters (a changed parameter order)? A learning rate "
+            "that jumped: the scheduler's state, or its step unit. Grads that jumped: the loss or the batch of that "
+            "step. Save and load optimizer state in float32 with the parameters' names."
+        ),
+    ),
 )
 
 FAILED_STEPS = Threshold(
@@ -327,6 +343,21 @@ HEADROOM_FORECAST = Threshold(
         "growing without weight decay), or run that unit in bfloat16 or float32 before it gets there."
     ),
 )
+SHADOW_PRECISION = Threshold(
+    check="shadow_precision",
+    metric=semconv.EVENT_SHADOW,
+    above=0,
+    severity=WARNING,
+    finding="a module whose output is far from its float32 recompute from the fp32 main weights",
+    advice=(
+        "the float32 shadow recomputed the module named on its own inputs, in float32, from the fp32 main weights: "
+        "its output differs far beyond what rounding it to its dtype explains (the error is the module's own, not "
+        "what it was given). Where most of it is its compute weights', the compute copy rounds away what the module "
+        "needs (a parameter near a large constant): keep that parameter in float32, or store it as an offset from "
+        "that constant; otherwise an operation inside it loses precision (the operation audit names which, by "
+        "line): run that module in float32 (its inputs and weights .float(), autocast off around it)."
+    ),
+)
 # An lr jump explains a NaN/Inf that begins within this many iterations after it (the update with
 # the jumped lr moves the weights; the following forwards run on them).
 LR_JUMP_WINDOW = 3
@@ -391,7 +422,7 @@ OP_CHECKS = {
             WARNING,
             "an operation that loses precision inside itself in low precision",
         ),
-        (semconv.OP_KIND_CONSTANT, WARNING, "a constant its low-precision dtype cannot hold"),
+        (semconv.OP_KIND_CONSTANT, WARNING, "a constant its dtype holds as 0, infinity or 1"),
         (semconv.OP_KIND_TIES, WARNING, "a selection decided by ties that low precision made"),
         (semconv.OP_KIND_HEADROOM, WARNING, "an operation close to overflowing its low-precision dtype"),
     )
@@ -407,6 +438,7 @@ BY_CHECK = {
         HEADROOM_FORECAST,
         *THRESHOLDS,
         *OP_CHECKS.values(),
+        SHADOW_PRECISION,
         FAILED_STEPS,
         DTYPE_CONTRACT,
         SCALER_SKIPPED,

@@ -213,11 +213,28 @@ DIAGNOSTIC_GRAD_UNDERFLOW = "fsdp.precision.grad.underflow"
 that are 0 or below float16's smallest normal (6.1e-5); named only where some grad of the model
 is below that normal and not 0 (the sign of a flushing backward: an embedding's unused rows alone
 are exact zeros)."""
+DIAGNOSTIC_UPDATE_JUMP = "fsdp.precision.update.jump"
+"""How many times larger a parameter's update was than it can be: its RMS against the median of
+its last diagnosed steps (at least 100x), or, for Adam and AdamW, its RMS per unit of learning
+rate against the largest one moments consistent with each other allow (at least twice it); with
+ATTR_CAUSE, what changed at that step (UPDATE_JUMP_CAUSES)."""
 DIAGNOSTICS = (
     METRIC_NONFINITE, METRIC_REFRESH_OVERFLOW, METRIC_REFRESH_UNDERFLOW, METRIC_REFRESH_ERROR,
     METRIC_LOST_RATIO, METRIC_GRAD_AMAX, DIAGNOSTIC_UPDATE_RESOLUTION, DIAGNOSTIC_STUCK,
     DIAGNOSTIC_UNSTEPPED, DIAGNOSTIC_STATE_NONFINITE, DIAGNOSTIC_STATE_FLUSHED, DIAGNOSTIC_GRAD_UNDERFLOW,
+    DIAGNOSTIC_UPDATE_JUMP,
 )  # fmt: skip
+
+UPDATE_JUMP_STATE_LOADED = "optimizer_state_loaded"
+"""The optimizer's state was replaced (``load_state_dict``) since the last diagnosed step."""
+UPDATE_JUMP_LR = "learning_rate_jumped"
+"""Its learning rate grew at least tenfold since the last diagnosed step."""
+UPDATE_JUMP_GRADS = "grads_jumped"
+"""Its largest grad grew at least tenfold since the last diagnosed step."""
+UPDATE_JUMP_STATE = "state_inconsistent"
+"""Neither a load, the learning rate nor the grads changed that much: the optimizer's state (its
+moments no longer match each other or the parameter)."""
+UPDATE_JUMP_CAUSES = (UPDATE_JUMP_STATE_LOADED, UPDATE_JUMP_LR, UPDATE_JUMP_GRADS, UPDATE_JUMP_STATE)
 
 UNSTEPPED_NOT_IN_OPTIMIZER = "not_in_optimizer"
 """The parameter gets grads but is in none of the optimizer's param groups."""
@@ -245,9 +262,11 @@ ATTR_GRAD_UNDERFLOW = DIAGNOSTIC_GRAD_UNDERFLOW
 """Over the model: grad elements 0 or below float16's smallest normal, over every grad element,
 where some are below that normal and not 0 (else 0); only where a float16 backward runs without
 loss scaling."""
+ATTR_UPDATE_JUMP = DIAGNOSTIC_UPDATE_JUMP
+"""The largest update jump (see DIAGNOSTIC_UPDATE_JUMP) of a parameter at this step, 0 where none."""
 ATTRIBUTION_SPAN_ATTRIBUTES = (
     ATTR_STUCK_PARAMS, ATTR_UNSTEPPED_PARAMS, ATTR_STATE_NONFINITE, ATTR_STATE_FLUSHED, ATTR_STEP_SKIPPED,
-    ATTR_GRAD_UNDERFLOW,
+    ATTR_GRAD_UNDERFLOW, ATTR_UPDATE_JUMP,
 )  # fmt: skip
 
 METRIC_DTYPE_CONTRACT = "fsdp.precision.dtype_contract.violations"
@@ -396,6 +415,37 @@ OP_PHASES = ("between_steps", "forward", "loss", "backward", "after_backward", "
 SETTING_PRECISION_AUDIT_EVERY = "FSDP_PATCH_PRECISION_AUDIT_EVERY"
 """Iterations between operation audits (default 1000; 0 turns the audit off). The second iteration is
 audited too, and so is every escalated one."""
+
+# -- float32 shadow -------------------------------------------------------------------------------------
+
+EVENT_SHADOW = "fsdp.precision.shadow"
+"""On SPAN_STEP of the step that ends a shadowed iteration: one module of the
+``FSDP_PATCH_PRECISION_TOP_K`` whose float32 recompute (from the fp32 main weights, on its own inputs)
+differs most from its output, in units of its dtype's rounding; one event per module and rank."""
+ATTR_SHADOW_MODULE = "fsdp.shadow.module"
+"""The module's qualified name."""
+ATTR_SHADOW_MODULE_TYPE = "fsdp.shadow.module_type"
+"""Its class's name."""
+ATTR_SHADOW_DTYPE = "fsdp.shadow.dtype"
+"""Its output's dtype (``bfloat16``)."""
+ATTR_SHADOW_ERROR = "fsdp.shadow.error"
+"""``||out - ref|| / ||ref||``, ``ref`` the module recomputed in float32 from the fp32 main weights on
+its own inputs: the error the module adds."""
+ATTR_SHADOW_WEIGHT_ERROR = "fsdp.shadow.weight_error"
+"""``||ref_compute - ref|| / ||ref||``: the part its compute weights (widened) make."""
+ATTR_SHADOW_ROUNDING = "fsdp.shadow.rounding"
+"""The output dtype's unit roundoff (2^-8 for bfloat16): the error of rounding the result alone."""
+ATTR_SHADOW_HEADROOM = "fsdp.shadow.headroom"
+"""Its largest finite ``|output|`` over the dtype's largest finite value."""
+ATTR_SHADOW_UNDERFLOW = "fsdp.shadow.underflow"
+"""Share of its output elements non-zero in float32 and below the dtype's smallest normal."""
+ATTR_SHADOW_NONFINITE = "fsdp.shadow.nonfinite"
+"""Output elements NaN/Inf where float32 is finite."""
+ATTR_SHADOW_ORDER = "fsdp.shadow.order"
+"""Its place in the ranking, costliest first (0)."""
+SETTING_PRECISION_SHADOW_EVERY = "FSDP_PATCH_PRECISION_SHADOW_EVERY"
+"""Iterations between float32 shadows of the forward (default 1000; 0 turns the shadow off). The second
+iteration is shadowed too; escalated ones are not (the shadow gathers weights: ranks must agree)."""
 
 # -- headroom forecast ----------------------------------------------------------------------------------
 

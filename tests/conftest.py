@@ -31,10 +31,11 @@ def dist_pool() -> Iterator:
 
 @pytest.fixture(autouse=True)
 def _no_audit_outlives_its_test() -> Iterator[None]:
-    """A test that trains a step or two and stops leaves the operation audit of its next iteration
-    running, as a script that stops there would; it would measure the next test. Stopped after each
+    """A test that trains a step or two and stops leaves the operation audit and the float32 shadow
+    of its next iteration running, as a script that stops there would; they would measure the next test. Stopped after each
     test (only where telemetry was imported: the core's own tests import none of it)."""
     yield
-    module = sys.modules.get("fsdp_patch.telemetry.instrumentation.op_audits")
-    if module is not None:
-        module.abandon_running()
+    for name in ("op_audits", "module_shadows"):
+        module = sys.modules.get(f"fsdp_patch.telemetry.instrumentation.{name}")
+        if module is not None:
+            module.abandon_running()

@@ -139,8 +139,9 @@ def test_origin_checks_host_bound_runs_escalated_to_the_end_and_writes_its_figur
 
 
 def test_op_audit_cost_measures_both_kinds_and_writes_its_figures(tmp_path: Path) -> None:
-    """``benchmarks.op_audit_cost --small`` on 1 rank: per kind, the plain and the audited step,
-    their ratio and what it amortizes to at one audit in 1000 iterations, in the table and the JSON."""
+    """``benchmarks.op_audit_cost --small`` on 1 rank: per kind, the plain, audited, shadowed and
+    audited-and-shadowed steps, their ratios to the plain one and what the last amortizes to at one
+    in 1000 iterations, in the table and the JSON."""
     out = tmp_path / "audit.json"
     args = ["--small", "--world-size", "1", "--steps", "2", "--json", str(out)]
     run = subprocess.run(
@@ -150,9 +151,11 @@ def test_op_audit_cost_measures_both_kinds_and_writes_its_figures(tmp_path: Path
     results = json.loads(out.read_text(encoding="utf-8"))
     for kind in ("fully_shard", "fsdp2"):
         row = results[kind]
-        values = [row[k] for k in ("step_s_plain", "step_s_audited", "ratio_audited_plain", "amortized_at_default")]
+        keys = [f"step_s_{s}" for s in ("plain", "audited", "shadowed", "both")]
+        keys += [f"ratio_{s}_plain" for s in ("audited", "shadowed", "both")] + ["amortized_at_default"]
+        values = [row[k] for k in keys]
         assert all(math.isfinite(v) and v > 0 for v in values), f"{kind}: {row}"
-        assert row["amortized_at_default"] == 1 + (row["ratio_audited_plain"] - 1) / 1000, row
+        assert row["amortized_at_default"] == 1 + (row["ratio_both_plain"] - 1) / 1000, row
         assert f"| {kind} |" in run.stdout, f"no row for {kind} in:\n{run.stdout}"
 
 

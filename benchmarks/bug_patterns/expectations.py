@@ -91,6 +91,8 @@ class Expect:
         finding: Words the lead finding's text must hold, where the check alone says too little.
         contract: The role (``fsdp.tensor``) a dtype-contract violation of the report must name.
         op: An operation the report must name, with its source line.
+        jump_cause: What changed at an update jump (``fsdp.precision.cause``), which every
+            parameter the lead finding names must say.
     """
 
     verdict: str
@@ -102,6 +104,7 @@ class Expect:
     finding: str | None = None
     contract: str | None = None
     op: OpWant | None = None
+    jump_cause: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,10 @@ def judge(pattern: Pattern, report: dict[str, Any]) -> Judgement:
         mismatches.append(f"lead {got_lead or '(none)'}, want {' or '.join(want.lead)}")
     if want.finding and lead is not None and want.finding not in lead["finding"]:
         mismatches.append(f"lead finding {lead['finding']!r}, want it to say {want.finding!r}")
+    if want.jump_cause and lead is not None:
+        causes = sorted({p.get("cause") or "" for p in lead.get("parameters", ())})
+        if causes != [want.jump_cause]:
+            mismatches.append(f"update-jump causes {causes}, want {want.jump_cause}")
     if want.contract:
         roles = [v["tensor"] for f in findings for v in f.get("violations", ())]
         if want.contract not in roles:

@@ -223,6 +223,30 @@ OP_PATTERNS: tuple[Pattern, ...] = (
 )
 
 
+# An optimizer's hyperparameters whose product float32 cannot hold: named from the constant.
+HYPERPARAMETER_PATTERNS: tuple[Pattern, ...] = (
+    Pattern(
+        name="adamw_decay_below_float32",
+        number="29",
+        title="AdamW's weight decay factor 1 - lr * weight_decay that float32 holds as 1",
+        sources=(
+            "pytorch/pytorch#64475 (PR) — [Optimizers] fix update of adamw",
+            "Nerogar/OneTrainer#996 — No weight decay with Adam, bf16 and stochastic rounding",
+        ),
+        plants="AdamW at lr 1e-4 and weight_decay 1e-4 (DETR's): each step multiplies the fp32 main weights by "
+        "1 - 1e-8, which is 1.0 in float32, so no weight ever decays",
+        settings=Settings(steps=6, lr=1e-4),
+        plant=op_plants.WeightDecayBelowFloat32(),
+        expect=Expect(
+            WARNING,
+            ("op_constant",),
+            "the weight decay's factor is 1 in float32: the main weights never decay",
+            op=OpWant("constant", "aten.mul_", ("adam.py:", "in _single_tensor_adam"), phase="optimizer"),
+        ),
+    ),
+)
+
+
 # Optimizer state that went through a lower precision: named from its values after the load.
 STATE_PATTERNS: tuple[Pattern, ...] = (
     Pattern(
@@ -244,6 +268,27 @@ STATE_PATTERNS: tuple[Pattern, ...] = (
             contract="optimizer_state",
         ),
     ),
+    Pattern(
+        name="optimizer_state_checkpoint_fp16",
+        number="28",
+        title="optimizer state saved cast to float16 and loaded back: exp_avg_sq flushed to 0",
+        sources=(
+            "ultralytics/ultralytics#24085 (PR) — Fix loss explosion on resume when training on small dataset",
+            "ultralytics/ultralytics#24079 — loss explosion on resume",
+        ),
+        plants="after step 3 every floating tensor of the optimizer's state but step goes through float16 and back "
+        "(a checkpoint halved): small exp_avg_sq values become 0, and the embedding's rows the next batch does "
+        "not reach are updated by exp_avg / eps",
+        settings=Settings(steps=6),
+        plant=op_plants.StateCheckpointInFP16(),
+        expect=Expect(
+            PROBLEM,
+            ("update_jump",),
+            "the update jumped right after the optimizer's state was loaded: keep exp_avg_sq in float32",
+            contract="optimizer_state",
+            jump_cause="optimizer_state_loaded",
+        ),
+    ),
 )
 
 
@@ -262,5 +307,5 @@ def _fixed(pattern: Pattern, index: int) -> Pattern:
     )
 
 
-OP_PATTERNS += STATE_PATTERNS
+OP_PATTERNS += STATE_PATTERNS + HYPERPARAMETER_PATTERNS
 OP_CONTROLS: tuple[Pattern, ...] = tuple(_fixed(p, index) for index, p in enumerate(OP_PATTERNS, start=5))

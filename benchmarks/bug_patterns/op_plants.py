@@ -31,7 +31,9 @@ __all__ = [
     "RandomFeatureAct",
     "SmallBetaSoftplusAct",
     "StateCheckpointInBF16",
+    "StateCheckpointInFP16",
     "TopKRouterAct",
+    "WeightDecayBelowFloat32",
 ]
 
 
@@ -303,3 +305,41 @@ class StateCheckpointInBF16(Plant):
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
                     state[key] = value.to(dtype).to(torch.float32)
         ctx.optimizer.load_state_dict(saved)
+
+
+@dataclass
+class StateCheckpointInFP16(Plant):
+    """After step ``at``, the optimizer's state saved with every floating tensor but ``step`` cast to
+    float16 (to halve the checkpoint) and loaded back (ultralytics/ultralytics#24085): an
+    ``exp_avg_sq`` below float16's smallest subnormal becomes 0, and where the next grad is 0 too
+    (an embedding's row that batch does not reach) Adam divides ``exp_avg`` by eps alone. The fix
+    that thread settled on keeps ``exp_avg_sq`` in float32."""
+
+    at: int = 3
+    fixed: bool = False
+
+    def between_steps(self, ctx: Context) -> None:
+        if ctx.step != self.at:
+            return
+        assert ctx.optimizer is not None
+        saved = ctx.optimizer.state_dict()
+        for state in saved["state"].values():
+            for key, value in state.items():
+                if key == "step" or (self.fixed and key == "exp_avg_sq"):
+                    continue
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                    state[key] = value.to(torch.float16).to(value.dtype)
+        ctx.optimizer.load_state_dict(saved)
+
+
+@dataclass
+class WeightDecayBelowFloat32(Plant):
+    """AdamW at DETR's learning rate and weight decay, 1e-4 each (pytorch/pytorch#64475): torch's
+    AdamW decays by ``param.mul_(1 - lr * weight_decay)``, and 1 - 1e-8 is 1 in float32, so the fp32
+    main weights never decay. Fixed: a weight decay of 1e-2, whose factor float32 holds."""
+
+    fixed: bool = False
+
+    def param_groups(self, ctx: Context) -> list[dict[str, Any]] | None:
+        assert ctx.model is not None
+        return [{"params": list(ctx.model.parameters()), "weight_decay": 1e-2 if self.fixed else 1e-4}]

@@ -214,11 +214,15 @@ class OpAudit(TorchDispatchMode):
             self._tie_pending()
         if func.namespace != "aten" or "out" in kwargs:
             return self._unmeasured(func, args, kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat = tree_flatten((args, kwargs))[0]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         low_dtype = kwargs.get("dtype") if kwargs.get("dtype") in LOW_PRECISION else None
         shadowed = any(t in self._shadows for t in tensors)
         if low_dtype is None and not shadowed and not any(t.dtype in LOW_PRECISION for t in tensors):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if any(isinstance(v, float) and op_stats.may_vanish(v) for v in flat):
+                self._wide_constants(func, args, kwargs, tensors)
+            return out
         node = torch._C._current_autograd_node()
         site: Site | None
         if node is not None:
@@ -262,6 +266,33 @@ class OpAudit(TorchDispatchMode):
         except Exception as exc:  # an operation the references cannot run: counted, never raised
             self.failed.setdefault(str(func), f"{type(exc).__name__}: {exc}"[:200])
         return out
+
+    def _wide_constants(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+    ) -> None:
+        """A float32 (or float64) operation given a Python constant its dtype holds as 0, infinity or
+        1: nothing to recompute, only the constant to name (AdamW's ``param.mul_(1 - lr * weight_decay)``
+        decays nothing once ``lr * weight_decay`` is below 2^-25)."""
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+        if dtype is None or torch._C._current_autograd_node() is not None or len(self.records) >= self.max_ops:
+            return
+        found = op_stats.constants(func, args, kwargs, dtype)
+        site = site_here(2) if found else None
+        if site is None:  # no such constant, or fsdp_patch's or torch.distributed's own
+            return
+        module, module_type = self.modules.current
+        self.records.append(
+            OpRecord(
+                op=f"aten.{func.__name__.split('.')[0]}",
+                dtype=dtype,
+                elements=0,
+                constants=found,
+                inplace=bool(op_stats.mutated_arguments(func, args, kwargs)),
+                site=dataclasses.replace(site, module=module, module_type=module_type),
+                phase=self.phase,
+            )
+        )
+        self._stats.append(torch.zeros(len(STATS), dtype=torch.float64))
 
     def _unmeasured(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Runs an operation unmeasured; what it writes (a collective, an internal copy) leaves

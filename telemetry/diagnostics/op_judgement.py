@@ -300,12 +300,19 @@ def _judge_one(records: Sequence[OpRecord], stats: Sequence[dict[str, float]], o
             drift,
         )
     for argument, value, stored in record.constants:
-        add(
-            semconv.OP_KIND_CONSTANT,
-            f"the constant {argument}={value:g} is {stored:g} in {dtype}",
-            f"{record.op} at {site.where} cannot use {value:g} in {dtype}: use a value {dtype} holds "
-            f"(torch.finfo(torch.{dtype}).min, .tiny, .eps) or compute it in float32",
-        )
+        if record.dtype in (torch.float32, torch.float64):
+            fix = (
+                f"{record.op} at {site.where} is given {value:.10g}, which {dtype} holds as {stored:g}: what it stands "
+                f"for is lost at every call (AdamW's 1 - lr * weight_decay: a decay below {dtype}'s resolution, "
+                f"torch.finfo(torch.{dtype}).eps / 2). Make the change representable: a larger factor applied every "
+                "k-th step, or a learning rate and decay whose product is above that resolution"
+            )
+        else:
+            fix = (
+                f"{record.op} at {site.where} cannot use {value:g} in {dtype}: use a value {dtype} holds "
+                f"(torch.finfo(torch.{dtype}).min, .tiny, .eps) or compute it in float32"
+            )
+        add(semconv.OP_KIND_CONSTANT, f"the constant {argument}={value:.10g} is {stored:g} in {dtype}", fix)
     if record.selection and s["rows"] and s["tied"] / s["rows"] > limits.OP_TIE_SHARE:
         share = s["tied"] / s["rows"]
         add(

@@ -252,6 +252,22 @@ _CONSTANT_PLACES = ("scalar", "value", "other", "alpha", "beta", "fill_value", "
 FILLS = frozenset({"full", "full_like", "new_full", "fill", "masked_fill", "scalar_tensor"})
 
 
+# Within float32's rounding of 1, below its smallest subnormal, beyond its largest value: a Python
+# constant a float32 (or wider) operation may hold as 1, 0 or infinity; anything else it holds.
+_NEAR_ONE = 2.0**-24
+_BELOW_ANY = 1.5e-45
+_BEYOND = 3.4e38
+
+
+def may_vanish(value: float) -> bool:
+    """Whether float32 may hold the Python constant ``value`` as 0, infinity or 1 while it is
+    none of them (a cheap test before :func:`constants`, for operations of float32 or wider)."""
+    magnitude = abs(value)
+    if value in (0.0, 1.0) or magnitude == float("inf") or value != value:
+        return False
+    return abs(value - 1.0) <= _NEAR_ONE or magnitude < _BELOW_ANY or magnitude > _BEYOND
+
+
 def constants(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
 ) -> tuple[tuple[str, float, float], ...]:

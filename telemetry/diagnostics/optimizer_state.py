@@ -7,6 +7,7 @@ No OpenTelemetry here: the observer reads these once per diagnosed step and hand
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +26,33 @@ class ParamContext:
         in_optimizer: The parameter is in one of the optimizer's param groups.
         lr: Its param group's learning rate (``None``: not in the optimizer, or none set).
         state_keys: Keys of its state tensors, by state index (:class:`~.rows.StateTensor`).
+        update_bound: For Adam and AdamW, the largest update per unit of learning rate that
+            moments consistent with each other allow (:func:`adam_update_bound`); ``None`` for
+            other optimizers.
+        decoupled_decay: AdamW's weight decay, which adds ``lr * decay * |w|`` beyond that bound.
     """
 
     in_optimizer: bool = True
     lr: float | None = None
     state_keys: tuple[str, ...] = ()
+    update_bound: float | None = None
+    decoupled_decay: float = 0.0
+
+
+def adam_update_bound(beta1: float, beta2: float) -> float | None:
+    """The largest ``|m̂| / sqrt(v̂)`` of one element that Adam's moments allow at any step, whatever
+    the grads: ``m̂`` and ``v̂`` are weighted means of the grads and of their squares, so by
+    Cauchy-Schwarz ``|m̂| <= sqrt(v̂ * sum(a_i² / b_i))``, ``a_i`` and ``b_i`` their weights; that sum
+    grows with the step count to ``(1-β1)² / ((1-β2) (1 - β1²/β2))`` (7.3 at 0.9 and 0.999; 1 at the
+    first step). ``None`` where ``β1² >= β2`` (no finite bound)."""
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0) or beta1 * beta1 >= beta2:
+        return None
+    return (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2))
+
+
+# Optimizers whose update is Adam's (an element's update is lr * m̂ / (sqrt(v̂) + eps), plus AdamW's
+# decoupled decay), for these classes exactly: a subclass may step otherwise.
+_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
 # State whose NaN/Inf reaches the main weight within the step that wrote it, whatever the learning
@@ -97,15 +120,25 @@ def _records(state: dict[str, Any], shows: frozenset[str]) -> list[rows.StateTen
 def contexts_for(
     optimizer: torch.optim.Optimizer, table: Sequence[ParamSlot], keys: Sequence[tuple[str, ...]]
 ) -> list[ParamContext]:
-    """Per slot, whether the optimizer holds its parameter, and at which learning rate."""
-    lr_of: dict[int, Any] = {}
+    """Per slot, whether the optimizer holds its parameter, at which learning rate, and the bound
+    on its update where the optimizer is Adam's."""
+    group_of: dict[int, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            lr_of.setdefault(id(param), group.get("lr"))
+            group_of.setdefault(id(param), group)
+    adam = type(optimizer) in _ADAM
+    decoupled = type(optimizer) is torch.optim.AdamW
     out = []
     for slot, state_keys in zip(table, keys, strict=True):
-        held = slot.param is not None and id(slot.param) in lr_of
-        lr = lr_of.get(id(slot.param)) if held else None
+        held = group_of.get(id(slot.param)) if slot.param is not None else None
+        lr = held.get("lr") if held is not None else None
         value = float(lr) if isinstance(lr, (int, float)) or torch.is_tensor(lr) else None
-        out.append(ParamContext(held or slot.param is None, value, state_keys))
+        bound, decay = None, 0.0
+        if adam and held is not None:
+            betas = held.get("betas")
+            if isinstance(betas, (tuple, list)) and len(betas) == 2:
+                bound = adam_update_bound(float(betas[0]), float(betas[1]))
+            if decoupled or held.get("decoupled_weight_decay"):
+                decay = float(held.get("weight_decay") or 0.0)
+        out.append(ParamContext(held is not None or slot.param is None, value, state_keys, bound, decay))
     return out

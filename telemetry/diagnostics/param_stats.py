@@ -36,7 +36,7 @@ Alternatives considered:
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -195,6 +195,9 @@ def _weights_round(rows: _Rows, i: int, s: _Segment, update: bool) -> None:
         rows.sum(i, MAIN_SQ, kernels.sq_norm(m))
         if s.compute is None and s.derived_dtype is None:  # the compute weight is the main weight
             rows.count(i, CHANGED, kernels.count_changed(m, mb))
+            if update:
+                diff = kernels.scratch.get("diff", m, torch.promote_types(m.dtype, torch.float32), n)
+                rows.sum(i, UPDATE_SQ, kernels.sq_norm(torch.sub(m, mb, out=diff)))
             continue
         c, cb = _compute_pair(m, mb, s, start)
         wide_dtype = torch.promote_types(torch.promote_types(m.dtype, c.dtype), torch.float32)
@@ -294,6 +297,8 @@ def _repair_weights(rows: _Rows, i: int, s: _Segment, update: bool) -> None:
             for slot, value in zip((COMPUTE_NAN, COMPUTE_INF), kernels.count_nonfinite(m), strict=True):
                 rows.count(i, slot, value)
             rows.sum(i, MAIN_SQ, kernels.sq_norm(torch.where(torch.isfinite(m), m, 0.0)))
+            if update:
+                _update_sq(rows, i, m, mb)
             continue
         c, _ = _compute_pair(m, mb, s, start)
         for slot, value in zip((COMPUTE_NAN, COMPUTE_INF), kernels.count_nonfinite(c), strict=True):
@@ -305,8 +310,12 @@ def _repair_weights(rows: _Rows, i: int, s: _Segment, update: bool) -> None:
         rows.sum(i, DIFF_SQ, kernels.sq_norm(torch.where(finite, m - wide, 0.0)))
         rows.sum(i, MAIN_SQ, kernels.sq_norm(torch.where(finite, m, 0.0)))
         if update:
-            delta = m - mb
-            rows.sum(i, UPDATE_SQ, kernels.sq_norm(torch.where(torch.isfinite(delta), delta, 0.0)))
+            _update_sq(rows, i, m, mb)
+
+
+def _update_sq(rows: _Rows, i: int, m: torch.Tensor, mb: torch.Tensor) -> None:
+    delta = m - mb
+    rows.sum(i, UPDATE_SQ, kernels.sq_norm(torch.where(torch.isfinite(delta), delta, 0.0)))
 
 
 def _count_state_nonfinite(rows: _Rows, i: int, state: StateTensor) -> None:
@@ -336,7 +345,6 @@ def local_rows(
     table: Sequence[ParamSlot],
     states: Sequence[Sequence[StateTensor]] | None = None,
     detail: bool = True,
-    update_slots: Collection[int] | None = None,
     underflow_below: float | None = None,
 ) -> torch.Tensor:
     """This rank's rows, one per slot of ``table`` (float64, ``(len(table), ROW)``, on the
@@ -349,8 +357,6 @@ def local_rows(
         states: Per slot, its optimizer state tensors (none: no state diagnostics).
         detail: Also compute what only attribution reads (``UPDATE_SQ``, the state slots);
             ``False`` computes the whole-model diagnostics alone.
-        update_slots: The slots whose ``UPDATE_SQ`` is computed (of those whose compute dtype
-            is narrower than the main dtype); ``None``: all of them.
         underflow_below: Count each grad's zeros and its non-zero elements below this magnitude
             (``GRAD_ZERO``, ``GRAD_TINY``); ``None``: not counted.
 
@@ -361,13 +367,11 @@ def local_rows(
     device = segments[0].main.device if segments else torch.device("cpu")
     with torch.no_grad():
         first, probes = _Rows(len(segments), device), _Probes()
-        updates = [detail and s.slot.lossy and (update_slots is None or i in update_slots)
-                   for i, s in enumerate(segments)]  # fmt: skip
         normed: list[tuple[str, int, int]] = []
         normed_tensors: list[torch.Tensor] = []
         for i, s in enumerate(segments):
             first.host[i][NUMEL] = float(s.slot.length)
-            _weights_round(first, i, s, updates[i])
+            _weights_round(first, i, s, detail)
             _probe_round(probes, i, s)
             if underflow_below is not None:
                 _underflow_round(first, i, s, underflow_below)
@@ -395,7 +399,7 @@ def local_rows(
                         second.count(i, slot, value)
             if not _finite([row[k] for k in _SUMS]):
                 flagged.append(i)
-                _repair_weights(second, i, s, updates[i])
+                _repair_weights(second, i, s, detail)
             main_ok = math.isfinite(row[MAIN_SQ])
             for state in s.states:
                 if not state.local.numel():

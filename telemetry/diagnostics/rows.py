@@ -11,8 +11,7 @@ Row slots (the first :data:`WHOLE_MODEL_SLOTS` are the whole-model vector's, in 
 * ``GRAD_NAN`` .. ``GRAD_AMAX``: the diagnostics of ``docs/conventions.md`` over this parameter's
   elements (``DIFF_SQ`` and ``MAIN_SQ``: the refresh error's squared norms; ``CHANGED`` and
   ``LOST``: the lost-update ratio's counts).
-* ``UPDATE_SQ``: ``||main - main_before||²`` (finite elements), where the compute dtype is
-  narrower than the main dtype (an update can be lost in it); 0 elsewhere.
+* ``UPDATE_SQ``: ``||main - main_before||²`` (finite elements): the step's update.
 * ``NUMEL``: the parameter's elements on this rank.
 * ``STATE_FLUSHED``: elements whose ``exp_avg_sq`` is 0 while their grad is not.
 * ``STATE_NAN + 2 i``, ``STATE_INF + 2 i``: NaN and Inf elements of the parameter's i-th

@@ -54,6 +54,7 @@ from ..diagnostics.model_audit import (
 from ..diagnostics.origin import AFTER, BEFORE, Checked, Origin, PreparedChecks
 from ..diagnostics.rows import ParamSlot, param_table
 from .model_watch import IterationCheck, ModelWatch, watch_optimizer_steps
+from .module_shadows import ModuleShadows
 from .op_audits import OperationAudits
 
 
@@ -162,6 +163,7 @@ class IterationWatch:
         self._step_tensors: _StepTensors | None = None  # the running step's, from begin_step to end_step
         self.watches: list[ModelWatch] = []
         self.audits = OperationAudits.from_environment(optimizer, bool(every))
+        self.shadows = ModuleShadows.from_environment(optimizer, bool(every))
         self._headroom = HeadroomTrend()
         if sdk_disabled:
             self._unregister = None
@@ -176,7 +178,7 @@ class IterationWatch:
         self._unregister = watch_optimizer_steps(self.watches, optimizer, observer)
         watches = list(self.watches)
         unregister = self._unregister
-        weakref.finalize(optimizer, _release, watches, unregister, self.audits)
+        weakref.finalize(optimizer, _release, watches, unregister, self.audits, self.shadows)
 
     @property
     def escalated(self) -> bool:
@@ -294,9 +296,12 @@ class IterationWatch:
     def _next_audit(self, span: Span | None) -> None:
         """The ending iteration's operation audit read onto ``span``; the next one's begun if due."""
         self.audits.finish(self._step, span, self._observer.rank)
+        self.shadows.finish(self._step, span, self._observer.rank)
         following = self._step + 1
         if self.audits.due(following, escalated=following <= self.escalated_until):
             self.audits.start()
+        if self.shadows.due(following):
+            self.shadows.start()
 
     def _close(self, span: Span | None, step: int, agree: bool = True) -> None:
         if span is not None:
@@ -319,7 +324,7 @@ class IterationWatch:
 
     def close(self) -> None:
         """Remove every model check and registration (telemetry turned off for the optimizer)."""
-        _release(self.watches, self._unregister, self.audits)
+        _release(self.watches, self._unregister, self.audits, self.shadows)
         self.watches = []
 
     # -- the model audit ---------------------------------------------------------------------------
@@ -561,8 +566,9 @@ def _resumed_at(optimizer: torch.optim.Optimizer) -> int:
     return largest
 
 
-def _release(watches: Sequence[ModelWatch], unregister: Any, audits: OperationAudits) -> None:
+def _release(watches: Sequence[ModelWatch], unregister: Any, audits: OperationAudits, shadows: ModuleShadows) -> None:
     audits.close()
+    shadows.close()
     for watch in watches:
         watch.remove()
     if unregister is not None:

@@ -389,6 +389,7 @@ class OptimizerObserver:
         abandoned: a flush is the end of a run (``destroy_process_group``, exit), and an audit
         left running would measure whatever the process does after training."""
         self._iterations.audits.close()
+        self._iterations.shadows.close()
         if self._ready:
             self._step_timer.flush()
             self._refresh_timer.flush()

@@ -36,7 +36,7 @@ from .. import env, semconv
 from ..diagnostics.op_audit import OpAudit
 from ..diagnostics.op_judgement import OpFinding
 
-__all__ = ["OperationAudits", "abandon_running"]
+__all__ = ["OperationAudits", "abandon_running", "compiled"]
 
 _logger = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ _logger = logging.getLogger(__name__)
 _RUNNING: list[OpAudit] = []
 
 
-def _compiled(root: nn.Module) -> bool:
+def compiled(root: nn.Module) -> bool:
+    """Whether ``root`` holds a ``torch.compile``d module: under a dispatch mode or a shadow its
+    compiled code would run eagerly, and train differently."""
     return any(
         type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
         for module in root.modules()
@@ -86,7 +88,7 @@ class OperationAudits:
             return
         names: dict[int, str] = {}
         for model in sharded_models(self._params):
-            if _compiled(model.root):
+            if compiled(model.root):
                 return
             for name, module in model.root.named_modules():
                 names.setdefault(id(module), user_name(model.prefix, name))

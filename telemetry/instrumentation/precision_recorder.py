@@ -69,6 +69,9 @@ class PrecisionRecorder:
         # The optimizer.state object the last dtype audit read (a load replaces it), and what it named.
         self._audited_state: Any = None
         self._named_violations: set[tuple[Any, ...]] = set()
+        # id() of the optimizer.state the last diagnosed step read (not the dict: after a load it
+        # would keep the old state's tensors alive); the new dict exists before the old is freed.
+        self._seen_state: int | None = None
         self.rank = 0
         # Set once a torch.amp.GradScaler steps this optimizer: its grads were computed scaled.
         self.loss_scaled = False
@@ -146,16 +149,13 @@ class PrecisionRecorder:
         keys: list[tuple[str, ...]] = []
         try:
             table = row_spec.param_table(groups, self._default_compute_dtype, per_parameter=detail)
-            states, update_slots = None, None
-            if self._attribution is not None:
-                update_slots = self._attribution.update_slots(table)
-                if optimizer is not None:
-                    states, keys = self._state_tensors.read(optimizer, table)
+            states = None
+            if self._attribution is not None and optimizer is not None:
+                states, keys = self._state_tensors.read(optimizer, table)
             underflow_below = self._underflow_below(table)
             local = row_spec.payload(
-                param_stats.local_rows(snapshot, groups, table, states, detail=detail, update_slots=update_slots,
-                                       underflow_below=underflow_below)
-            )  # fmt: skip
+                param_stats.local_rows(snapshot, groups, table, states, detail=detail, underflow_below=underflow_below)
+            )
         except Exception as exc:
             self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
                        "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
@@ -180,8 +180,17 @@ class PrecisionRecorder:
             counts = combined.blocks[:, slot, list(slots)].sum(dim=1).tolist()
             return tuple(sorted(rank for rank, count in zip(combined.ranks, counts, strict=True) if count))
 
+        # Optimizer.load_state_dict replaces the state dict: a load since the last diagnosed step.
+        loaded = self._seen_state is not None and id(optimizer.state) != self._seen_state
+        self._seen_state = id(optimizer.state)
         findings = self._attribution.analyze(
-            step, table, rows, contexts, ranks_of, underflow_measured=self._underflow_below(table) is not None
+            step,
+            table,
+            rows,
+            contexts,
+            ranks_of,
+            underflow_measured=self._underflow_below(table) is not None,
+            state_loaded=loaded,
         )
         if findings.skipped:
             self._skipped_steps.add(1, self._rank_attrs)
@@ -207,6 +216,7 @@ class PrecisionRecorder:
             semconv.ATTR_STATE_NONFINITE: findings.state_nonfinite,
             semconv.ATTR_STATE_FLUSHED: findings.state_flushed,
             semconv.ATTR_STEP_SKIPPED: int(findings.skipped),
+            semconv.ATTR_UPDATE_JUMP: findings.update_jump,
         })  # fmt: skip
         if findings.grad_underflow is not None:
             span.set_attribute(semconv.ATTR_GRAD_UNDERFLOW, findings.grad_underflow)

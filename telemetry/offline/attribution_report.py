@@ -175,6 +175,8 @@ def _value(diagnostic: str, value: float) -> str:
         return f"update {value:.2g}x the compute dtype's rounding step"
     if diagnostic == semconv.DIAGNOSTIC_GRAD_UNDERFLOW:
         return f"{value:.0%} of its grad elements"
+    if diagnostic == semconv.DIAGNOSTIC_UPDATE_JUMP:
+        return f"update {value:.3g}x its usual size or Adam's bound"
     return f"{value:.3g}"
 
 
@@ -191,6 +193,7 @@ CHECK_DIAGNOSTICS: dict[str, tuple[tuple[str, bool], ...]] = {
     "state_nonfinite": ((semconv.DIAGNOSTIC_STATE_NONFINITE, False),),
     "state_flushed": ((semconv.DIAGNOSTIC_STATE_FLUSHED, False),),
     "grad_underflow": ((semconv.DIAGNOSTIC_GRAD_UNDERFLOW, False),),
+    "update_jump": ((semconv.DIAGNOSTIC_UPDATE_JUMP, False),),
 }
 # Checks whose first step is where to look: what spreads from there (NaN, Inf) names every
 # parameter a step later, so only the first step's parameters are listed.
@@ -216,6 +219,7 @@ _LABELS = {
     semconv.DIAGNOSTIC_UNSTEPPED: "unstepped",
     semconv.DIAGNOSTIC_STATE_FLUSHED: "exp_avg_sq flushed to zero",
     semconv.DIAGNOSTIC_GRAD_UNDERFLOW: "grads 0 or below float16's smallest normal",
+    semconv.DIAGNOSTIC_UPDATE_JUMP: "update jumps",
 }
 
 

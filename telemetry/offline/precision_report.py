@@ -23,6 +23,7 @@ from .attribution_report import AttributionTrace, details, details_json
 from .headroom_report import HeadroomTrace, forecast_json, forecast_text
 from .op_report import OpSeen, OpTrace, op_json, op_text, place
 from .origin_report import OriginSeen, OriginTrace, advice, divergence_json, divergence_text, origin_json, origin_text
+from .shadow_report import ShadowTrace, costliest_text, shadow_json, shadow_text
 from .trace_reading import TraceFileError, iter_events, rank_segments
 
 # -- Names read from the trace ---------------------------------------------------------
@@ -71,6 +72,7 @@ class RunTrace:
         iterations: What the per-iteration checks recorded: origins, skipped iterations, backward passes.
         ops: What the operation audits named.
         headroom: The units forecast to reach their dtype's largest value.
+        shadow: What the float32 shadows measured of each module.
     """
 
     samples: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -86,6 +88,7 @@ class RunTrace:
     iterations: OriginTrace = field(default_factory=OriginTrace)
     ops: OpTrace = field(default_factory=OpTrace)
     headroom: HeadroomTrace = field(default_factory=HeadroomTrace)
+    shadow: ShadowTrace = field(default_factory=ShadowTrace)
 
 
 def _number(value: object) -> float | None:
@@ -156,6 +159,7 @@ def read_run(directory: str) -> RunTrace:
                 run.iterations.feed_instant(args, str(event.get("name", "")))
                 run.ops.feed_instant(args, str(event.get("name", "")))
                 run.headroom.feed_instant(args, str(event.get("name", "")))
+                run.shadow.feed_instant(args, str(event.get("name", "")))
     for parent, values in precision:
         # The step span ends after its precision child, possibly in the next (still kept) segment;
         # a parent rotated away belongs to the oldest, dropped steps.
@@ -299,6 +303,9 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
     forecasts = run.headroom.forecasts()
     if forecasts:
         found.append(Finding(thresholds.HEADROOM_FORECAST, forecasts[0].step))
+    costly = run.shadow.costly()
+    if costly:
+        found.append(Finding(thresholds.SHADOW_PRECISION, costly[0].step))
     for kind in run.ops.kinds():
         if kind == semconv.OP_KIND_NONFINITE and _origin_operation(run) is not None:
             continue  # named with the origin it refines
@@ -330,6 +337,8 @@ def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
             lines.append(f"fix: {operation.fix}")
     elif check == thresholds.HEADROOM_FORECAST.check:
         lines.extend(forecast_text(f, step_offset) for f in run.headroom.forecasts()[:NAMED_PER_FINDING])
+    elif check == thresholds.SHADOW_PRECISION.check:
+        lines.extend(shadow_text(seen, step_offset) for seen in run.shadow.costly()[:NAMED_PER_FINDING])
     elif check in _OP_KIND_OF_CHECK:
         for seen in run.ops.of_kind(_OP_KIND_OF_CHECK[check])[:NAMED_PER_FINDING]:
             lines.append(op_text(seen, step_offset))
@@ -480,6 +489,9 @@ def render(run: RunTrace, lines: list[RangeLine], source: str, step_offset: int 
             cells = " ".join(_format(key, line.values.get(key), fmt) for key, _, fmt in COLUMNS)
             out.append(f"  {steps:<13}{cells}  {line.failed:>6}  {_verdict_text(line)}")
         out.append("  (each line: the largest value over the range's diagnosed steps; values are over all ranks)")
+    costliest = costliest_text(run.shadow, step_offset)
+    if costliest:
+        out.append(costliest)
     overall = thresholds.worst([f.threshold.severity for f in ordered])
     if not ordered:
         out.append("overall: healthy (no threshold of telemetry/README.md's precision report crossed)")
@@ -559,6 +571,7 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
         },
         "ops": [op_json(seen, step_offset) for kind in run.ops.kinds() for seen in run.ops.of_kind(kind)],
         "headroom_forecasts": [forecast_json(f, step_offset) for f in run.headroom.forecasts()],
+        "shadow": [shadow_json(seen, step_offset) for step in run.shadow.steps() for seen in run.shadow.at(step)],
         "mesh_coordinates": {str(rank): c for rank, c in sorted(run.iterations.coordinates.items())},
         "replica_divergence": divergence_json(diverged, step_offset) if diverged else None,
         "iterations": {"optimizer_steps": iterations - skipped, "skipped": skipped,

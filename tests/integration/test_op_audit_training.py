@@ -1,5 +1,5 @@
-"""The operation audit in training on 2 gloo ranks, under fully_shard and torch FSDP2: training is
-bitwise the same with every iteration audited as with the audit off; the audit runs on the
+"""The operation audit and the float32 shadow in training on 2 gloo ranks, under fully_shard and torch
+FSDP2: training is bitwise the same with every iteration audited and shadowed as with both off; the audit runs on the
 iterations its schedule names; its setting is checked like every other."""
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def audited_training(name: str, kind: str, trace_dir: str, audit_every: str) -> 
     reset_otel()
     pattern = CATALOGUE[name]
     try:
-        with environment({semconv.SETTING_PRECISION_AUDIT_EVERY: audit_every}):
+        with environment(
+            {semconv.SETTING_PRECISION_AUDIT_EVERY: audit_every, semconv.SETTING_PRECISION_SHADOW_EVERY: audit_every}
+        ):
             result = train_on_rank(
                 kind, pattern.settings, _Weights(pattern.plant, pattern.settings.steps), trace_dir, 1
             )
@@ -53,13 +55,13 @@ def audited_training(name: str, kind: str, trace_dir: str, audit_every: str) -> 
     return {"losses": result["losses"], "scales": result["scales"], "weights": result["notes"]["weights"]}
 
 
-def _op_events(trace_dir: Path) -> list[int]:
+def _op_events(trace_dir: Path, name: str = semconv.EVENT_OP) -> list[int]:
     import json
 
     steps = []
     for path in sorted(trace_dir.glob("rank*.trace.json")):
         for event in json.loads(path.read_text(encoding="utf-8")).get("traceEvents", []):
-            if event.get("name") == semconv.EVENT_OP:
+            if event.get("name") == name:
                 steps.append(event["args"][semconv.ATTR_STEP])
     return sorted(set(steps))
 
@@ -80,6 +82,12 @@ def test_training_is_bitwise_the_same_with_every_iteration_audited(
         assert not differ, f"{name}, {kind}, rank {rank}: weights differ audited and not: {differ}"
     got = (bool(_op_events(tmp_path / "on")), _op_events(tmp_path / "off"))
     assert got == (True, []), f"{name}, {kind}: audited steps with findings (on, off): {got}"
+    got_shadowed = (
+        bool(_op_events(tmp_path / "on", semconv.EVENT_SHADOW)),
+        _op_events(tmp_path / "off", semconv.EVENT_SHADOW),
+    )
+    want_shadowed = (True, [])
+    assert got_shadowed == want_shadowed, f"{name}, {kind}: shadowed steps (on, off): {got_shadowed}"
 
 
 def test_the_schedule_audits_the_second_iteration_and_every_nth() -> None:
@@ -100,3 +108,23 @@ def test_a_malformed_audit_setting_is_refused_naming_it(value: str) -> None:
         env.precision_audit_every({semconv.SETTING_PRECISION_AUDIT_EVERY: value})
     assert "non-negative integer" in str(raised.value), str(raised.value)
     assert env.precision_audit_every({}) == env.DEFAULT_PRECISION_AUDIT_EVERY == 1000
+
+
+def test_the_shadow_runs_on_the_second_iteration_and_every_nth_and_never_because_of_escalation() -> None:
+    """Every rank must shadow the same iterations (the shadow gathers weights): no rank-local reason
+    (an escalation) decides it."""
+    from fsdp_patch.telemetry.instrumentation.module_shadows import ModuleShadows
+
+    shadows = ModuleShadows(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 4)
+    got = [i for i in range(1, 13) if shadows.due(i)]
+    assert got == [2, 4, 8, 12], f"shadowed iterations {got}"
+    off = ModuleShadows(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 0)
+    assert [i for i in range(1, 13) if off.due(i)] == [], "0 turns the shadow off"
+
+
+@pytest.mark.parametrize("value", ["-1", "often", "1.5"])
+def test_a_malformed_shadow_setting_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(ValueError, match=semconv.SETTING_PRECISION_SHADOW_EVERY) as raised:
+        env.precision_shadow_every({semconv.SETTING_PRECISION_SHADOW_EVERY: value})
+    assert "non-negative integer" in str(raised.value), str(raised.value)
+    assert env.precision_shadow_every({}) == env.DEFAULT_PRECISION_SHADOW_EVERY == 1000

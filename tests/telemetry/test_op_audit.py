@@ -357,3 +357,34 @@ def test_nothing_in_float32_is_measured() -> None:
     torch.randn(64, 64) @ torch.randn(64, 64)
     audit.finish(top_k=1)
     assert audit.records == [], [r.op for r in audit.records]
+
+
+def test_a_float32_constant_that_float32_holds_as_one_is_named_at_the_optimizer_line() -> None:
+    """AdamW at lr 1e-4 and weight decay 1e-4 (pytorch/pytorch#64475): its ``param.mul_(1 - lr *
+    weight_decay)`` multiplies the float32 weights by 1.0; at weight decay 1e-2 the factor is held."""
+
+    def stepped(weight_decay: float) -> tuple[list[OpFinding], int]:
+        param = torch.nn.Parameter(torch.randn(8, 8))
+        optimizer = torch.optim.AdamW([param], lr=1e-4, weight_decay=weight_decay, foreach=False)
+        param.grad = torch.randn(8, 8)
+        line = _line(1)
+        findings = _audit(lambda: optimizer.step())
+        return [f for f in findings if f.kind == "constant"], line
+
+    found, line = stepped(1e-4)
+    got = [(f.op, f.dtype, f.phase, f.site.file.endswith("adam.py"), f.site.caller, f.detail) for f in found]
+    detail = "the constant other=0.99999999 is 1 in float32"
+    want = [("aten.mul_", "float32", "between_steps", True, f"{HERE}:{line} in <lambda>", detail)]
+    assert got == want, f"got {got}, want {want}"
+    assert "larger factor applied every k-th step" in found[0].fix, found[0].fix
+    held, _ = stepped(1e-2)
+    assert held == [], f"1 - 1e-6 is held in float32: want nothing named, got {held}"
+
+
+def test_ordinary_float32_constants_are_not_recorded() -> None:
+    x = torch.randn(16)
+    audit = OpAudit({})
+    audit.start()
+    (x * 0.5 + 1e-8).clamp(max=1 - 1e-6).mul_(0.999)
+    audit.finish(top_k=1)
+    assert audit.records == [], [r.op for r in audit.records]
