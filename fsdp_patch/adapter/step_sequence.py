@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..sharding import ParameterGroup
+from ..torch_interop.profiling import around
 from .closure import CastingClosure, find_closure, replace_closure
 from .events import GroupCast, Phase, StepObserver, StepScope
 from .grad_cast import GroupGradCast
@@ -153,7 +154,8 @@ class StepSequence:
             observer.step_planned(plan.planned)  # type: ignore[arg-type]
         if plan.rejection is not None:
             raise _MismatchError(plan.rejection)
-        with observer.phase(Phase.CAST_GRADS):  # also when nothing is cast: every step has its phases
+        # Also when nothing is cast: every step has its phases.
+        with around("step.cast_grads", observer.phase(Phase.CAST_GRADS)):
             written = self._cast(plan)
         for group, nbytes in written:
             if nbytes:
@@ -192,7 +194,7 @@ class StepSequence:
             self.restore(carry_back=False)
             return
         observer = state.observer
-        with observer.phase(Phase.RESTORE_GRADS):
+        with around("step.restore_grads", observer.phase(Phase.RESTORE_GRADS)):
             self.restore(carry_back=False)
         if not self._keep:
             self.release_buffers()
@@ -200,7 +202,7 @@ class StepSequence:
             return
         self.refresh(observer)
         if state.snapshot is not None and state.observed is not None:
-            with observer.phase(Phase.PRECISION):
+            with around("step.precision", observer.phase(Phase.PRECISION)):
                 observer.precision_end(state.snapshot, state.observed)
 
     def restore(self, carry_back: bool) -> None:
@@ -220,7 +222,7 @@ class StepSequence:
     def refresh(self, observer: StepObserver) -> None:
         """Refreshes the compute copy of every FSDP group the optimizer holds (marks it stale,
         for ``compute_copy="per_gather"`` groups: every all-gather casts its own)."""
-        with observer.phase(Phase.REFRESH):
+        with around("step.refresh", observer.phase(Phase.REFRESH)):
             for group in self._shape.groups:
                 if group.compute_per_gather:
                     group.mark_weights_changed()

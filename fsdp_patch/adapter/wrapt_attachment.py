@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import wrapt
 
+from ..torch_interop.profiling import around, label
 from .events import NullObserver, Phase, StepObserver, StepScope
 from .step_sequence import StepSequence
 
@@ -114,10 +115,11 @@ class WraptAttachment:
         args, kwargs = sequence.begin(observer, scope, args, kwargs)
         try:
             if timed:
-                with observer.phase(Phase.INNER_STEP):
+                with around("step.inner_step", observer.phase(Phase.INNER_STEP)):
                     out = wrapped(*args, **kwargs)
             else:
-                out = wrapped(*args, **kwargs)
+                with label("step.inner_step"):
+                    out = wrapped(*args, **kwargs)
         except BaseException:
             sequence.end(completed=False)
             raise

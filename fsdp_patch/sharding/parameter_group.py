@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..mixed_precision import MixedPrecisionPolicy
+from ..torch_interop.profiling import labelled
 from .collectives import AllGather, ReduceScatter, Reduction
 from .compute_copy import ComputeCopy
 from .dtensors import ShardSpecs
@@ -249,6 +250,7 @@ class ParameterGroup:
         if not self._holds_current_gather():
             self._copy.stale = True
 
+    @labelled("cast_compute_weight")
     def refresh_compute_weight(self) -> int:
         """Refreshes the compute copy from the main weights (one cast for the group; a
         ``per_gather`` group only counts the refresh, so that gathers made before it are redone).
@@ -295,6 +297,7 @@ class ParameterGroup:
         self.start_unshard()
         self.wait_unshard()
 
+    @labelled("all_gather")
     def start_unshard(self) -> None:
         """Issues the all-gather without waiting for it (a prefetch); :meth:`wait_unshard`
         completes it. A no-op when the current weights are gathered or in flight."""
@@ -360,6 +363,7 @@ class ParameterGroup:
         refresh = self._copy.refreshes
         return self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh)
 
+    @labelled("all_gather_wait")
     def wait_unshard(self) -> None:
         """Completes an all-gather :meth:`start_unshard` issued: waits for it and copies the
         ranks' slots out into the unsharded parameters."""
@@ -378,6 +382,7 @@ class ParameterGroup:
         if gather is not None:
             gather.cancel()
 
+    @labelled("reshard")
     def reshard(self) -> None:
         """Frees the unsharded parameters' storage (after an all-gather in flight completes)
         and the rows kept after forward."""
@@ -399,6 +404,7 @@ class ParameterGroup:
         """Whether backward left grads on the unsharded parameters (or accumulated some)."""
         return self._accumulated is not None or any(p.grad is not None for p in self.unsharded_params)
 
+    @labelled("reduce_scatter")
     def post_backward(self, sync: bool, all_reduce: bool = True) -> None:
         """Reduce-scatters the unsharded grads into ``main_grad`` (``sync``), or keeps them for
         the next synced backward; a no-op when backward produced no grads for this group.
@@ -473,11 +479,13 @@ class ParameterGroup:
         for reduce in self._reduces:
             self._start_all_reduce(reduce)
 
+    @labelled("all_reduce")
     def _start_all_reduce(self, reduce: ReduceScatter) -> None:
         if not reduce.all_reducing:
             reduce.all_reduce(self.dims.replicate_group, self._partial)
             self._partial = None
 
+    @labelled("reduce_scatter_wait")
     def wait_reduce(self) -> None:
         """Completes the reduce-scatters :meth:`post_backward` issued (and HSDP's all-reduces),
         in order, into ``main_grad``."""
@@ -519,6 +527,7 @@ class ParameterGroup:
         for param in self.unsharded_params:
             param.grad = None
 
+    @labelled("finalize_grads")
     def finalize_grads(self) -> None:
         """Completes the reduce-scatters in flight, installs DTensor views of ``main_grad`` as
         the ``.grad`` of the trainable sharded parameters that have a grad (see
