@@ -260,7 +260,7 @@ STATE_PATTERNS: tuple[Pattern, ...] = (
         plants="after step 3 the optimizer's state goes through bf16 and back (saved cast to halve the checkpoint, "
         "as a load into bf16 parameters casts it) into the float32 state: every moment is a bf16 value",
         settings=Settings(steps=6),
-        plant=op_plants.StateCheckpointInBF16(),
+        plant=op_plants.StateThroughCheckpoint("bf16"),
         expect=Expect(
             WARNING,
             ("dtype_contract",),
@@ -280,7 +280,7 @@ STATE_PATTERNS: tuple[Pattern, ...] = (
         "(a checkpoint halved): small exp_avg_sq values become 0, and the embedding's rows the next batch does "
         "not reach are updated by exp_avg / eps",
         settings=Settings(steps=6),
-        plant=op_plants.StateCheckpointInFP16(),
+        plant=op_plants.StateThroughCheckpoint("fp16", fix_keeps=("exp_avg_sq",)),
         expect=Expect(
             PROBLEM,
             ("update_jump",),

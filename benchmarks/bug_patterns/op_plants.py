@@ -30,8 +30,7 @@ __all__ = [
     "PackedPositions",
     "RandomFeatureAct",
     "SmallBetaSoftplusAct",
-    "StateCheckpointInBF16",
-    "StateCheckpointInFP16",
+    "StateThroughCheckpoint",
     "TopKRouterAct",
     "WeightDecayBelowFloat32",
 ]
@@ -287,10 +286,16 @@ class BF16Ema(Plant):
 
 
 @dataclass
-class StateCheckpointInBF16(Plant):
-    """After step ``at``, the optimizer's state saved with its tensors cast to bfloat16 (to halve the
-    checkpoint) and loaded back into the float32 state (pytorch/pytorch#43706)."""
+class StateThroughCheckpoint(Plant):
+    """After step ``at``, the optimizer's state saved with its floating tensors cast to ``dtype`` (to
+    halve the checkpoint) and loaded back into the float32 state: bfloat16 rounds every moment to a
+    bfloat16 value (pytorch/pytorch#43706); float16 also flushes an ``exp_avg_sq`` below its
+    smallest subnormal to 0, and where the next grad is 0 too (an embedding's row that batch does
+    not reach) Adam divides ``exp_avg`` by eps alone (ultralytics/ultralytics#24085). ``fixed``: the
+    state keys in ``fix_keeps`` (every key where it is empty) saved in float32, each thread's fix."""
 
+    dtype: str = "bf16"
+    fix_keeps: tuple[str, ...] = ()
     at: int = 3
     fixed: bool = False
 
@@ -299,36 +304,13 @@ class StateCheckpointInBF16(Plant):
             return
         assert ctx.optimizer is not None
         saved = ctx.optimizer.state_dict()
-        dtype = torch.float32 if self.fixed else torch.bfloat16  # fixed: saved in float32
+        cast = {"bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
         for state in saved["state"].values():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
-                    state[key] = value.to(dtype).to(torch.float32)
-        ctx.optimizer.load_state_dict(saved)
-
-
-@dataclass
-class StateCheckpointInFP16(Plant):
-    """After step ``at``, the optimizer's state saved with every floating tensor but ``step`` cast to
-    float16 (to halve the checkpoint) and loaded back (ultralytics/ultralytics#24085): an
-    ``exp_avg_sq`` below float16's smallest subnormal becomes 0, and where the next grad is 0 too
-    (an embedding's row that batch does not reach) Adam divides ``exp_avg`` by eps alone. The fix
-    that thread settled on keeps ``exp_avg_sq`` in float32."""
-
-    at: int = 3
-    fixed: bool = False
-
-    def between_steps(self, ctx: Context) -> None:
-        if ctx.step != self.at:
-            return
-        assert ctx.optimizer is not None
-        saved = ctx.optimizer.state_dict()
-        for state in saved["state"].values():
-            for key, value in state.items():
-                if key == "step" or (self.fixed and key == "exp_avg_sq"):
+                if self.fixed and (not self.fix_keeps or key in self.fix_keeps):
                     continue
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
-                    state[key] = value.to(torch.float16).to(value.dtype)
+                    state[key] = value.to(cast).to(value.dtype)
         ctx.optimizer.load_state_dict(saved)
 
 

@@ -97,9 +97,7 @@ class ModuleCost:
     @property
     def cost(self) -> float:
         """The local error in units of the dtype's rounding (``inf`` for a non-finite output)."""
-        if self.nonfinite:
-            return math.inf
-        return self.error / self.rounding if self.rounding > 0 else 0.0
+        return math.inf if self.nonfinite else self.error / self.rounding
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import semconv
+from .rank_merge import merge
 
 __all__ = ["ForecastSeen", "HeadroomTrace", "forecast_json", "forecast_text"]
 
@@ -64,14 +65,7 @@ class HeadroomTrace:
             first_amax,
         )
         key = (seen.unit, seen.dtype)
-        held = self.seen.get(key)
-        if held is None or seen.step < held.step:
-            if held is not None:
-                seen.ranks |= held.ranks
-            self.seen[key] = held = seen
-        rank = args.get(semconv.ATTR_RANK)
-        if isinstance(rank, int):
-            held.ranks.add(rank)
+        merge(self.seen, key, seen, lambda new, held: new.step < held.step, args.get(semconv.ATTR_RANK))
 
     def forecasts(self) -> list[ForecastSeen]:
         """Earliest first, then nearest overflow first."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import semconv
+from .rank_merge import merge
 
 __all__ = ["OpSeen", "OpTrace", "op_json", "op_text", "place"]
 
@@ -80,14 +81,7 @@ class OpTrace:
             order=order if isinstance(order, int) else 0,
         )
         key = (seen.kind, seen.op, seen.site, seen.phase)
-        held = self.seen.get(key)
-        if held is None or seen.key < held.key:
-            if held is not None:
-                seen.ranks |= held.ranks
-            self.seen[key] = held = seen
-        rank = args.get(semconv.ATTR_RANK)
-        if isinstance(rank, int):
-            held.ranks.add(rank)
+        merge(self.seen, key, seen, lambda new, held: new.key < held.key, args.get(semconv.ATTR_RANK))
 
     def of_kind(self, kind: str) -> list[OpSeen]:
         """The operations of one kind, earliest first (step, then order in the iteration)."""

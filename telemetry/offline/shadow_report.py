@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import precision_thresholds as thresholds
 from .. import semconv
+from .rank_merge import merge
 
 __all__ = ["ModuleSeen", "ShadowTrace", "costliest_text", "shadow_json", "shadow_text"]
 
@@ -86,15 +87,7 @@ class ShadowTrace:
             underflow,
             int(nonfinite) if isinstance(nonfinite, int) else 0,
         )
-        key = (step, seen.module)
-        held = self.seen.get(key)
-        if held is None or (seen.cost, seen.headroom) > (held.cost, held.headroom):
-            if held is not None:
-                seen.ranks |= held.ranks
-            self.seen[key] = held = seen
-        rank = args.get(semconv.ATTR_RANK)
-        if isinstance(rank, int):
-            held.ranks.add(rank)
+        merge(self.seen, (step, seen.module), seen, _worse, args.get(semconv.ATTR_RANK))
 
     def steps(self) -> list[int]:
         return sorted({step for step, _ in self.seen})
@@ -111,6 +104,10 @@ class ShadowTrace:
                 if seen.costly and seen.module not in first:
                     first[seen.module] = seen
         return sorted(first.values(), key=lambda s: (s.step, -s.cost, s.module))
+
+
+def _worse(new: ModuleSeen, held: ModuleSeen) -> bool:
+    return (new.cost, new.headroom) > (held.cost, held.headroom)
 
 
 def _where(seen: ModuleSeen) -> str:

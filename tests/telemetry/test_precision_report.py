@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fsdp_patch.telemetry import precision_thresholds
@@ -27,17 +28,21 @@ HEALTHY = {
 }
 
 
+def _rank_tracer(directory: Path, rank: int, ranks: int) -> tuple[TracerProvider, Any]:
+    """A tracer writing rank ``rank``'s trace file (of ``ranks``) with the real exporter; shut the
+    provider down to write it."""
+    exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, provider.get_tracer("t")
+
+
 def _write(
     directory: Path, diagnostics: dict[int, dict], steps: int, failed: tuple[int, ...] = (), ranks: int = 2
 ) -> None:
     """Step spans 1..steps per rank, a precision child on the steps in ``diagnostics``."""
     for rank in range(ranks):
-        exporter = trace_files.TraceFileExporter(
-            str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False
-        )
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        tracer = provider.get_tracer("t")
+        provider, tracer = _rank_tracer(directory, rank, ranks)
         for step in range(1, steps + 1):
             with tracer.start_as_current_span("fsdp.optimizer.step", attributes={"fsdp.step": step}) as span:
                 if step in diagnostics:
@@ -155,12 +160,7 @@ def _write_attributed(directory: Path, ranks: int = 2) -> None:
     from fsdp_patch.telemetry import semconv
 
     for rank in range(ranks):
-        exporter = trace_files.TraceFileExporter(
-            str(directory), rank, {"fsdp.world_size": ranks}, jaeger_at_shutdown=False
-        )
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        tracer = provider.get_tracer("t")
+        provider, tracer = _rank_tracer(directory, rank, ranks)
         for step in range(1, 5):
             with tracer.start_as_current_span(semconv.SPAN_STEP, attributes={semconv.ATTR_STEP: step}) as span:
                 with tracer.start_as_current_span(semconv.SPAN_PRECISION) as child:
@@ -266,11 +266,7 @@ def _write_iterations(
     checks); on the step span of each step in ``events`` those events (the same on every rank,
     the rank added), and a precision child on each step in ``diagnostics``."""
     for rank, spans in ranks.items():
-        exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": len(ranks)},
-                                                 jaeger_at_shutdown=False)  # fmt: skip
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        tracer = provider.get_tracer("t")
+        provider, tracer = _rank_tracer(directory, rank, len(ranks))
         for name, step, attributes in spans:
             with tracer.start_as_current_span(name, attributes={"fsdp.step": step, **attributes}) as span:
                 if name != "fsdp.optimizer.step":
@@ -447,10 +443,7 @@ def _write_shadowed(directory: Path, modules: dict[int, list[tuple[str, float, f
     from fsdp_patch.telemetry.instrumentation.module_shadows import event_attributes
 
     for rank in range(2):
-        exporter = trace_files.TraceFileExporter(str(directory), rank, {"fsdp.world_size": 2}, jaeger_at_shutdown=False)
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        tracer = provider.get_tracer("t")
+        provider, tracer = _rank_tracer(directory, rank, 2)
         for step in range(1, 5):
             with tracer.start_as_current_span(semconv.SPAN_STEP, attributes={semconv.ATTR_STEP: step}) as span:
                 with tracer.start_as_current_span(semconv.SPAN_PRECISION) as child:
