@@ -235,6 +235,9 @@ UPDATE_JUMP_STATE = "state_inconsistent"
 """Neither a load, the learning rate nor the grads changed that much: the optimizer's state (its
 moments no longer match each other or the parameter)."""
 UPDATE_JUMP_CAUSES = (UPDATE_JUMP_STATE_LOADED, UPDATE_JUMP_LR, UPDATE_JUMP_GRADS, UPDATE_JUMP_STATE)
+ATTR_LOAD_SITE = "fsdp.optimizer.load_site"
+"""On an update-jump offender whose cause is UPDATE_JUMP_STATE_LOADED: the line of the script that
+called ``Optimizer.load_state_dict`` (``file:line in function``), where the state came in."""
 
 UNSTEPPED_NOT_IN_OPTIMIZER = "not_in_optimizer"
 """The parameter gets grads but is in none of the optimizer's param groups."""

@@ -93,6 +93,8 @@ class Expect:
         op: An operation the report must name, with its source line.
         jump_cause: What changed at an update jump (``fsdp.precision.cause``), which every
             parameter the lead finding names must say.
+        load_site: Words the line that loaded the optimizer's state must hold (a file and
+            function), as a dtype-contract detail or an update jump's site names it.
     """
 
     verdict: str
@@ -105,6 +107,7 @@ class Expect:
     contract: str | None = None
     op: OpWant | None = None
     jump_cause: str | None = None
+    load_site: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,11 @@ def judge(pattern: Pattern, report: dict[str, Any]) -> Judgement:
         causes = sorted({p.get("cause") or "" for p in lead.get("parameters", ())})
         if causes != [want.jump_cause]:
             mismatches.append(f"update-jump causes {causes}, want {want.jump_cause}")
+    if want.load_site:
+        texts = [v.get("detail") or "" for f in findings for v in f.get("violations", ())]
+        texts += [p.get("site") or "" for f in findings for p in f.get("parameters", ())]
+        if not any(all(words in text for words in want.load_site) for text in texts):
+            mismatches.append(f"no finding names the load at {' '.join(want.load_site)}")
     if want.contract:
         roles = [v["tensor"] for f in findings for v in f.get("violations", ())]
         if want.contract not in roles:

@@ -19,6 +19,7 @@ _FP16_SCALED = {"compute": "fp16", "grads": "fp32", "scaler": True}
 _HERE = "op_plants.py:"
 _FORWARD = (_HERE, "in forward")
 _LOST = "Precision was lost upstream"
+_LOADED = (_HERE, "in between_steps")
 
 
 def _act(kind: str, op: str, detail: str | None = None, fp32_finite: bool | None = None) -> OpWant:
@@ -266,6 +267,7 @@ STATE_PATTERNS: tuple[Pattern, ...] = (
             ("dtype_contract",),
             "the optimizer state went through bf16 on its way back: save it in float32",
             contract="optimizer_state",
+            load_site=_LOADED,
         ),
     ),
     Pattern(
@@ -286,6 +288,7 @@ STATE_PATTERNS: tuple[Pattern, ...] = (
             ("update_jump",),
             "the update jumped right after the optimizer's state was loaded: keep exp_avg_sq in float32",
             contract="optimizer_state",
+            load_site=_LOADED,
             jump_cause="optimizer_state_loaded",
         ),
     ),

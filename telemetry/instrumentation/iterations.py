@@ -355,7 +355,8 @@ class IterationWatch:
             self._audited_state = optimizer.state
             resumed_at = _resumed_at(optimizer)
             if resumed_at:
-                since = f"a resume from step {resumed_at}"
+                loaded_at = self._observer.state_loaded_at
+                since = f"a resume from step {resumed_at}" + (f" (load_state_dict at {loaded_at})" if loaded_at else "")
                 rebuilt = rebuilt_from_compute(self._lossy_params(), since)
                 names = {
                     id(param): user_name(watch.prefix, name)

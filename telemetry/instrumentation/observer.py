@@ -403,8 +403,15 @@ class OptimizerObserver:
                     self._iterations.flush(self.rank, span)
 
     def close(self) -> None:
-        """Remove the model checks and the process-wide wrappers this observer registered."""
+        """Remove the model checks, the process-wide wrappers and the optimizer's load hook this
+        observer registered."""
         self._iterations.close()
+        self._precision.close()
+
+    @property
+    def state_loaded_at(self) -> str | None:
+        """Where the script last loaded the optimizer's state (``file:line in function``), if it did."""
+        return self._precision.loaded_at
 
     @property
     def step_count(self) -> int:

@@ -25,6 +25,7 @@ from .. import env, semconv
 from ..diagnostics import attribution, dtype_contract, optimizer_state, param_stats, precision, replicas
 from ..diagnostics import rows as row_spec
 from ..diagnostics.groups import PrecisionSnapshot, take_snapshot
+from ..diagnostics.op_sites import site_here
 from ..export.isolation import WarnOnce
 from .instruments import AttributeCache, dtype_name
 
@@ -72,9 +73,28 @@ class PrecisionRecorder:
         # id() of the optimizer.state the last diagnosed step read (not the dict: after a load it
         # would keep the old state's tensors alive); the new dict exists before the old is freed.
         self._seen_state: int | None = None
+        # Where the script last called optimizer.load_state_dict (file:line in function), read by
+        # a post hook on this optimizer that close() removes.
+        self.loaded_at: str | None = None
+        self._load_hook: Any = None
+        try:
+            self._load_hook = optimizer.register_load_state_dict_post_hook(self._state_loaded)
+        except AttributeError:  # an optimizer that skipped Optimizer.__init__: no load is placed
+            pass
         self.rank = 0
         # Set once a torch.amp.GradScaler steps this optimizer: its grads were computed scaled.
         self.loss_scaled = False
+
+    def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        site = site_here(1)
+        if site is not None and (site.caller or site.file):
+            self.loaded_at = site.caller or site.where
+
+    def close(self) -> None:
+        """Remove the load hook from the optimizer (telemetry turned off for it)."""
+        if self._load_hook is not None:
+            self._load_hook.remove()
+            self._load_hook = None
 
     @property
     def per_parameter(self) -> bool:
@@ -249,6 +269,8 @@ class PrecisionRecorder:
                 attrs[semconv.ATTR_OPTIMIZER_STATE] = offender.state_key
             if offender.cause is not None:
                 attrs[semconv.ATTR_CAUSE] = offender.cause
+            if offender.cause == semconv.UPDATE_JUMP_STATE_LOADED and self.loaded_at:
+                attrs[semconv.ATTR_LOAD_SITE] = self.loaded_at
             span.add_event(semconv.EVENT_OFFENDER, attrs)
 
     def _record_divergence(self, step: int, table: Sequence[row_spec.ParamSlot], found: replicas.Divergence) -> None:

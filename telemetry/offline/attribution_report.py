@@ -30,6 +30,7 @@ class Named:
     value: float
     state: str | None = None
     cause: str | None = None
+    site: str | None = None
 
 
 @dataclass
@@ -123,6 +124,7 @@ class AttributionTrace:
                 by_diagnostic.setdefault(diagnostic, []).append(Named(
                     str(args.get(semconv.ATTR_PARAM, "?")), str(args.get(semconv.ATTR_UNIT, "")), value,
                     args.get(semconv.ATTR_OPTIMIZER_STATE), args.get(semconv.ATTR_CAUSE),
+                    args.get(semconv.ATTR_LOAD_SITE),
                 ))  # fmt: skip
             self.offenders[step] = by_diagnostic
         self._pending.clear()
@@ -226,6 +228,8 @@ _LABELS = {
 def _named_text(named: Named, diagnostic: str, step: int, step_offset: int) -> str:
     extra = f" [{named.state}]" if named.state else ""
     cause = f", {named.cause.replace('_', ' ')}" if named.cause else ""
+    if named.site:
+        cause += f" (load_state_dict at {named.site})"
     return f"{named.param}{extra} ({_where(named.unit)}): {_value(diagnostic, named.value)} at step {step + step_offset}{cause}"
 
 
@@ -303,7 +307,7 @@ def details_json(
         if named:
             out.setdefault("parameters", []).extend(
                 {"diagnostic": diagnostic, "param": n.param, "unit": n.unit, "value": n.value, "state": n.state,
-                 "cause": n.cause, "step": s + step_offset}
+                 "cause": n.cause, "site": n.site, "step": s + step_offset}
                 for n, s in named
             )  # fmt: skip
     return out

@@ -363,3 +363,24 @@ def test_benchmark_runs_a_pattern_and_writes_its_row_and_json(tmp_path: Path) ->
     got = (result["pattern"], result["kind"], result["judgement"]["named"], result["report"]["origin"]["stage"])
     assert got == ("loss_all_targets_ignored", FULLY_SHARD, True, "loss"), f"the JSON's run: {got}"
     assert set(document["patterns"]) == set(CATALOGUE), f"patterns in the JSON: {sorted(document['patterns'])}"
+
+
+def test_judge_wants_the_update_jumps_cause_and_the_line_that_loaded_the_state() -> None:
+    """Pattern 28 (ultralytics/ultralytics#24085): the update jump led by the load, and the load's line."""
+    pattern = CATALOGUE["optimizer_state_checkpoint_fp16"]
+    site = "benchmarks/bug_patterns/op_plants.py:314 in between_steps"
+
+    def report(cause: str, load_site: str) -> dict[str, Any]:
+        jump = {"check": "update_jump", "finding": "update jump", "parameters": [{"cause": cause, "site": load_site}]}
+        contract = {"check": "dtype_contract", "finding": "dtypes", "violations": [{"tensor": "optimizer_state"}]}
+        iterations = {"skipped": 0, "scale_first": "nan", "scale_last": "nan"}
+        return {"verdict": "problem", "findings": [jump, contract], "origin": None, "iterations": iterations}
+
+    got = judge(pattern, report("optimizer_state_loaded", site))
+    assert (got.named, got.mismatches) == (True, ()), f"judgement of the expected report: {got}"
+    got = judge(pattern, report("grads_jumped", site))
+    want = ("update-jump causes ['grads_jumped'], want optimizer_state_loaded",)
+    assert (got.named, got.mismatches) == (False, want), f"judgement of another cause: {got}"
+    got = judge(pattern, report("optimizer_state_loaded", "train.py:9 in main"))
+    want = ("no finding names the load at op_plants.py: in between_steps",)
+    assert (got.named, got.mismatches) == (False, want), f"judgement without the load's line: {got}"

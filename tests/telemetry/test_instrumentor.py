@@ -152,8 +152,11 @@ def test_uninstrument_removes_every_global_and_turns_telemetry_off(instrumentor,
     installed = [k for k in watched if during[k] != before[k]]
     assert installed == list(watched), f"want {watched} installed while instrumented, got {installed}"
     assert len(exit_hooks) == 1, exit_hooks
+    hooks = optimizer._optimizer_load_state_dict_post_hooks
+    assert len(hooks) == 1, f"want telemetry's load hook on the optimizer (where a load comes from), got {hooks}"
 
     instrumentor.uninstrument()
+    assert len(hooks) == 0, f"want the optimizer's load hook removed with telemetry, got {hooks}"
     after = global_state()
     left = {k: (before[k], after[k]) for k in before if after[k] != before[k]}
     assert left == {}, f"left installed after uninstrument (before, after): {left}"
