@@ -312,3 +312,48 @@ def state_through_low_precision(states: Sequence[tuple[str, str, torch.Tensor]],
                 "and load the state in float32 (through torch.distributed.checkpoint, with the fp32 main weights)",
             )  # fmt: skip
     return None
+
+
+MOMENTS_BROKEN_SHARE = 0.01
+"""Share of the elements with a non-zero ``exp_avg`` whose ``exp_avg_sq`` is 0, above which the
+second moment lost its small values (and at least :data:`STATE_EVIDENCE` such elements)."""
+
+
+def moments_inconsistent(states: Sequence[tuple[str, str, torch.Tensor]], since: str) -> ModelFinding | None:
+    """Whether Adam's second moment is 0 where its first is not, which no run of grads makes: a
+    second moment of 0 means every grad so far was 0, and then the first moment is 0 too. State
+    like this lost the second moment's small values on its way back (float16 flushes them below
+    6e-8: a checkpoint that saved ``exp_avg_sq`` cast), and the next update of those elements
+    divides ``exp_avg`` by eps alone. Needs no history: a run resumed in a new process is judged
+    at its first step.
+
+    Args:
+        states: ``(parameter name, state key, local state tensor)`` of the optimizer's state.
+        since: When it was written (``"a resume from step N"``).
+    """
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for name, key, t in states:
+        moments.setdefault(name, {})[key] = t
+    broken, moving, first = 0, 0, ""
+    for name, held in moments.items():
+        m, v = held.get("exp_avg"), held.get("exp_avg_sq")
+        if m is None or v is None or m.shape != v.shape:
+            continue
+        nonzero = m != 0
+        count = int(torch.count_nonzero(nonzero & (v == 0)))
+        moving += int(torch.count_nonzero(nonzero))
+        broken += count
+        first = first or (name if count else "")
+    if broken < STATE_EVIDENCE or broken <= MOMENTS_BROKEN_SHARE * moving:
+        return None
+    return ModelFinding(
+        semconv.TENSOR_OPTIMIZER_STATE,
+        f"{first} exp_avg_sq",
+        torch.float32,
+        torch.float16,
+        f"after {since}, exp_avg_sq is exactly 0 where exp_avg is not in {broken} of {moving} elements "
+        f"({broken / moving:.1%}; {first} the first): Adam's moments cannot be so (a second moment of 0 means "
+        "every grad was 0, and the first would be 0 too). The second moment lost its small values on its way back "
+        "(float16 flushes them below 6e-8: a checkpoint that saved it cast), and the next update of those elements "
+        "divides exp_avg by eps alone; save and load the state in float32",
+    )

@@ -48,6 +48,7 @@ from ..diagnostics.model_audit import (
     ModelFinding,
     low_precision_accumulation,
     low_precision_buffers,
+    moments_inconsistent,
     rebuilt_from_compute,
     state_through_low_precision,
 )
@@ -364,7 +365,8 @@ class IterationWatch:
                     if watch.root is not None
                     for name, param in watch.root.named_parameters()
                 }
-                state = state_through_low_precision(_state_tensors(optimizer, names), since)
+                held = _state_tensors(optimizer, names)
+                state = state_through_low_precision(held, since) or moments_inconsistent(held, since)
                 if state is not None:
                     findings.append(state)
         written = tensors.written()
