@@ -7,9 +7,10 @@
 #      adapter bitwise against the hand-cast reference on CUDA, CUDA-event step timings;
 #   2. `fsdp-patch demo` under `torchrun --nproc-per-node 1` on NCCL: 20 steps with a DCP
 #      checkpoint, then --resume to step 30, telemetry on (or off, saying why, without OpenTelemetry);
-#   3. the per-iteration origin checks' cost (benchmarks.origin_checks) and the benchmark suite's
-#      cases on the GPU (BENCH_CASES below, one line each), timed with CUDA events, each writing its
-#      JSON, named after the GPU, into DIR.
+#   3. the per-iteration origin checks' cost (benchmarks.origin_checks), the benchmark suite's
+#      cases and the operation audit's and float32 shadow's cost (benchmarks.op_audit_cost) on the
+#      GPU (BENCH_CASES below, one line each), timed with CUDA events, each writing its JSON, named
+#      after the GPU, into DIR.
 #
 # What it needs: the checkout, an interpreter (--python, else python3) with torch >= 2.11, numpy,
 # wrapt, pytest and pytest-timeout, and pip. It never installs torch nor anything into that
@@ -86,6 +87,7 @@ BENCH_CASES=(
     "suite-4-attachments|40|-m benchmarks --device cuda --case 4"
     "suite-5-telemetry|40|-m benchmarks --device cuda --case 5"
     "suite-6-end_to_end|75|-m benchmarks --device cuda --case 6"
+    "op-audit-cost|60|-m benchmarks.op_audit_cost --device cuda --world-size 1 --steps 4"
 )
 
 export PYTHONUNBUFFERED=1
