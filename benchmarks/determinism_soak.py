@@ -145,10 +145,29 @@ def _job_on_nodes(nodes: int, world: int, runs: int, steps: int, microbatches: i
     port = _free_port()
 
     def command(node: int) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-                f"--nproc-per-node={world // nodes}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                "-m", "benchmarks.determinism_soak", "--job-of", str(job), path, "--nodes", str(nodes),
-                "--runs", str(runs), "--steps", str(steps), "--microbatches", str(microbatches)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nodes}",
+            f"--node-rank={node}",
+            f"--nproc-per-node={world // nodes}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "-m",
+            "benchmarks.determinism_soak",
+            "--job-of",
+            str(job),
+            path,
+            "--nodes",
+            str(nodes),
+            "--runs",
+            str(runs),
+            "--steps",
+            str(steps),
+            "--microbatches",
+            str(microbatches),
+        ]
 
     # The intra-op threads of a local job's ranks (demo.launch: the cores shared among the ranks):
     # another count sums a matmul in another order, and the states of the topologies would differ
@@ -216,13 +235,25 @@ def main(argv: list[str] | None = None) -> None:
         states = summary["distinct_states"]
         verdict = "all bitwise equal" if states == 1 else f"{states} distinct states"
         topologies = " and ".join(map(str, args.nodes))
-        print(f"| {world} | {topologies} | {summary['runs']} ({len(args.nodes)} x {args.jobs} jobs x {args.runs} per setting) | {args.steps} x "
-              f"{args.microbatches} | {verdict} | {', '.join(summary['differ_from_first']) or '-'} |", flush=True)  # fmt: skip
+        print(
+            f"| {world} | {topologies} | {summary['runs']} ({len(args.nodes)} x {args.jobs} jobs x {args.runs} per setting) | {args.steps} x "
+            f"{args.microbatches} | {verdict} | {', '.join(summary['differ_from_first']) or '-'} |",
+            flush=True,
+        )
         if args.json:
-            settings = {"jobs": args.jobs, "runs_per_setting_and_job": args.runs, "steps": args.steps,
-                        "microbatches": args.microbatches, "nodes": args.nodes}  # fmt: skip
-            write_results(args.json.replace("WORLD", str(world)), "determinism_soak",
-                          {**settings, "summary": summary, "results": results}, world_size=world)  # fmt: skip
+            settings = {
+                "jobs": args.jobs,
+                "runs_per_setting_and_job": args.runs,
+                "steps": args.steps,
+                "microbatches": args.microbatches,
+                "nodes": args.nodes,
+            }
+            write_results(
+                args.json.replace("WORLD", str(world)),
+                "determinism_soak",
+                {**settings, "summary": summary, "results": results},
+                world_size=world,
+            )
 
 
 if __name__ == "__main__":

@@ -260,8 +260,13 @@ def _own_share(kind: str, config: GPTConfig, steps: int, warmup: int) -> dict[st
     dist.all_reduce(share, op=dist.ReduceOp.MAX)
     ops = {name: count / len(counted) for name, count in sorted(counts.items())}
     calls = own.calls[0] / len(counted)
-    return {"own_share": float(share[0]), "own_s": float(share[1]), "ops_per_step": sum(ops.values()), "ops": ops,
-            "calls_per_step": calls}  # fmt: skip
+    return {
+        "own_share": float(share[0]),
+        "own_s": float(share[1]),
+        "ops_per_step": sum(ops.values()),
+        "ops": ops,
+        "calls_per_step": calls,
+    }
 
 
 @contextlib.contextmanager
@@ -297,21 +302,30 @@ def run(steps: int = 12, warmup: int = 2, config: GPTConfig = LARGE, host_bound:
 
 
 def _print(results: dict[str, Any], steps: int) -> None:
-    shape = ("case 5's structure at width 16, lists fused as on a GPU (host-bound)" if results["host_bound"]
-             else f"{results['params'] / 1e6:.1f}M-parameter transformer")  # fmt: skip
-    print(f"per-iteration checks, {shape}, {dist.get_world_size()} rank(s), {steps} paired steps per build order; "
-          "target: checks / off <= 1.03")  # fmt: skip
+    shape = (
+        "case 5's structure at width 16, lists fused as on a GPU (host-bound)"
+        if results["host_bound"]
+        else f"{results['params'] / 1e6:.1f}M-parameter transformer"
+    )
+    print(
+        f"per-iteration checks, {shape}, {dist.get_world_size()} rank(s), {steps} paired steps per build order; "
+        "target: checks / off <= 1.03"
+    )
     print()
-    print("| sharding | step, checks off | step, checks on | checks / off (each build order) | escalated / off "
-          "| checks' own time | operators per step | Python calls per step |")  # fmt: skip
+    print(
+        "| sharding | step, checks off | step, checks on | checks / off (each build order) | escalated / off "
+        "| checks' own time | operators per step | Python calls per step |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for kind in KINDS:
         r = results[kind]
         low, high = r["ratio_checks_off_by_order"]
-        print(f"| {kind} | {r['step_s_off'] * 1e3:.2f} ms | {r['step_s_checks'] * 1e3:.2f} ms "
-              f"| {r['ratio_checks_off']:.3f} ({low:.3f}, {high:.3f}) | {r['ratio_escalated_off']:.3f} "
-              f"| {r['own_s'] * 1e3:.2f} ms, {r['own_share']:.1%} of a step | {r['ops_per_step']:.0f} "
-              f"| {r['calls_per_step']:.0f} |")  # fmt: skip
+        print(
+            f"| {kind} | {r['step_s_off'] * 1e3:.2f} ms | {r['step_s_checks'] * 1e3:.2f} ms "
+            f"| {r['ratio_checks_off']:.3f} ({low:.3f}, {high:.3f}) | {r['ratio_escalated_off']:.3f} "
+            f"| {r['own_s'] * 1e3:.2f} ms, {r['own_share']:.1%} of a step | {r['ops_per_step']:.0f} "
+            f"| {r['calls_per_step']:.0f} |"
+        )
     print()
     for kind in KINDS:
         ops = ", ".join(f"{name} {count:g}" for name, count in results[kind]["ops"].items())
@@ -333,8 +347,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
-    parser.add_argument("--host-bound", action="store_true",
-                        help="case 5's structure at width 16, lists fused as on a GPU: the checks' host time (CPU only)")  # fmt: skip
+    parser.add_argument(
+        "--host-bound",
+        action="store_true",
+        help="case 5's structure at width 16, lists fused as on a GPU: the checks' host time (CPU only)",
+    )
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if args.host_bound and args.device != "cpu":

@@ -51,10 +51,18 @@ TINY = GPTConfig(vocab=32, dim=16, heads=2, layers=2, seq=8)
 SETTINGS: dict[str, dict[str, str]] = {
     "off": {"FSDP_PATCH_TELEMETRY": "0", "FSDP_PATCH_PRECISION_EVERY": "0"},
     "on": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "0"},
-    "diagnostics": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1", "FSDP_PATCH_PRECISION_TOP_K": "0",
-                    "FSDP_PATCH_PRECISION_ORIGIN": "off"},
-    "attribution": {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1", "FSDP_PATCH_PRECISION_ORIGIN": "off"},
-}  # fmt: skip
+    "diagnostics": {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_PRECISION_EVERY": "1",
+        "FSDP_PATCH_PRECISION_TOP_K": "0",
+        "FSDP_PATCH_PRECISION_ORIGIN": "off",
+    },
+    "attribution": {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_PRECISION_EVERY": "1",
+        "FSDP_PATCH_PRECISION_ORIGIN": "off",
+    },
+}
 
 
 @contextmanager
@@ -193,8 +201,10 @@ def _report(results: dict[str, Any]) -> None:
     )
     for setting in ("diagnostics", "attribution"):
         if f"ratio_{setting}_off" in large:
-            print(f"  step time, {setting:11}: {large[f'step_s_{setting}'] * 1e3:9.2f} ms (median), "
-                  f"{setting} / off {large[f'ratio_{setting}_off']:.4f}")  # fmt: skip
+            print(
+                f"  step time, {setting:11}: {large[f'step_s_{setting}'] * 1e3:9.2f} ms (median), "
+                f"{setting} / off {large[f'ratio_{setting}_off']:.4f}"
+            )
     if "ratio_attribution_diagnostics" in large:
         print(f"  attribution / diagnostics: {large['ratio_attribution_diagnostics']:.4f}")
     print(f"tiny model: {tiny['params']} parameters, SGD optimizer.step() alone, {tiny['steps']} steps each")
@@ -222,15 +232,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
     parser.add_argument(
-        "--settings", default="off,on",
+        "--settings",
+        default="off,on",
         help=f"comma-separated, of {', '.join(SETTINGS)}; off first (case 5 of the suite runs them all)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
     if not settings or settings[0] != "off" or "on" not in settings or any(s not in SETTINGS for s in settings):
         parser.error(f"--settings {args.settings!r}: want off first, then on and any of {', '.join(SETTINGS)}")
-    run_ranks(bench, args.world_size, args.steps, args.tiny_steps, args.warmup, args.json, settings,
-              device=args.device)  # fmt: skip
+    run_ranks(bench, args.world_size, args.steps, args.tiny_steps, args.warmup, args.json, settings, device=args.device)
 
 
 if __name__ == "__main__":

@@ -156,10 +156,16 @@ class Prometheus:
         )
         self._log = open(workdir / "prometheus.log", "w", encoding="utf-8")
         self._process = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -255,9 +261,26 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
         FSDP_PATCH_PROMETHEUS_FINAL_SCRAPES=str(FINAL_SCRAPES),
         FSDP_PATCH_PROMETHEUS_FINAL_SCRAPE_TIMEOUT=str(FINAL_SCRAPE_TIMEOUT_S),
     )
-    command = [sys.executable, "-m", "fsdp_patch", "demo", "--scenario", scenario, "--steps", str(steps),
-               "--world-size", str(WORLD_SIZE), "--exporter", "prometheus", "--progress", "none",
-               "--trace-dir", str(workdir / f"{scenario}.traces"), "--loss-log", str(loss_log)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_patch",
+        "demo",
+        "--scenario",
+        scenario,
+        "--steps",
+        str(steps),
+        "--world-size",
+        str(WORLD_SIZE),
+        "--exporter",
+        "prometheus",
+        "--progress",
+        "none",
+        "--trace-dir",
+        str(workdir / f"{scenario}.traces"),
+        "--loss-log",
+        str(loss_log),
+    ]
     from fsdp_patch.app.demo.scenarios import SCENARIOS
 
     plant = max(1, steps // 2) if SCENARIOS[scenario].plant else None  # the demo's default plant step
@@ -325,8 +348,10 @@ def run_scenario(prometheus: Prometheus, scenario: str, steps: int, ports: list[
 def describe(run: ScenarioRun) -> list[str]:
     want = f"want {run.expected}" if run.expected else "want none"
     planted = f", bug planted at step {run.plant_step}" if run.plant_step else ""
-    lines = [f"scenario {run.scenario} ({run.steps} steps{planted}, {run.seconds:.0f} s, {want}): "
-             f"{'ok' if run.ok else 'NOT AS EXPECTED'}"]  # fmt: skip
+    lines = [
+        f"scenario {run.scenario} ({run.steps} steps{planted}, {run.seconds:.0f} s, {want}): "
+        f"{'ok' if run.ok else 'NOT AS EXPECTED'}"
+    ]
     if not run.fired:
         lines.append("  no alert fired")
     for fired in run.fired:
@@ -354,21 +379,28 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in scenarios if s not in EXPECTED]
     if unknown or args.steps < 20:
-        print(f"demo_alerts.py: {'unknown scenario ' + ', '.join(unknown) if unknown else '--steps must be >= 20'}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"demo_alerts.py: {'unknown scenario ' + ', '.join(unknown) if unknown else '--steps must be >= 20'}",
+            file=sys.stderr,
+        )
         return 2
     binary = args.prometheus or shutil.which("prometheus")
     if binary is None:
-        print("demo_alerts.py: no prometheus binary on PATH; install it with "
-              "`bash dashboards/install_promtool.sh prometheus` or pass --prometheus PATH", file=sys.stderr)  # fmt: skip
+        print(
+            "demo_alerts.py: no prometheus binary on PATH; install it with "
+            "`bash dashboards/install_promtool.sh prometheus` or pass --prometheus PATH",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="fsdp_patch_demo_alerts_") as tmp:
         workdir = Path(tmp)
         taken: set[int] = set()
         ports = {scenario: _free_ports(WORLD_SIZE, taken) for scenario in scenarios}
         prometheus = Prometheus(binary, workdir, ports)
-        print(f"prometheus at {prometheus.url}: scrape and rule evaluation every {SCRAPE_INTERVAL}, rules {RULES.name}",
-              flush=True)  # fmt: skip
+        print(
+            f"prometheus at {prometheus.url}: scrape and rule evaluation every {SCRAPE_INTERVAL}, rules {RULES.name}",
+            flush=True,
+        )
         try:
             runs = []
             for scenario in scenarios:

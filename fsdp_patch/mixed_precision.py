@@ -66,8 +66,14 @@ class MixedPrecisionPolicy:
           have to rewrite its policy; one class taking both keeps the migration one import.
     """
 
-    __slots__ = ("main_params_dtype", "main_grads_dtype", "param_dtype", "output_dtype", "cast_forward_inputs",
-                 "compute_copy")  # fmt: skip
+    __slots__ = (
+        "main_params_dtype",
+        "main_grads_dtype",
+        "param_dtype",
+        "output_dtype",
+        "cast_forward_inputs",
+        "compute_copy",
+    )
 
     main_params_dtype: torch.dtype
     main_grads_dtype: torch.dtype | None
@@ -188,9 +194,11 @@ def as_policy(policy: Any) -> MixedPrecisionPolicy:
                 "not implement; it maps param_dtype, reduce_dtype, output_dtype and cast_forward_inputs"
             )
         return MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, output_dtype=policy.output_dtype,
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
             cast_forward_inputs=policy.cast_forward_inputs,
-        )  # fmt: skip
+        )
     raise TypeError(
         "fully_shard expected mp_policy to be a MixedPrecisionPolicy (fsdp_patch's, or torch FSDP2's) or None, "
         f"got {type(policy)!r}"

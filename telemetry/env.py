@@ -38,10 +38,14 @@ SUMMARY_MODES = ("rank0", "all", "none")
 
 # Accepted spellings of FSDP_PATCH_COMPUTE_DTYPE and the torch dtype attribute each names.
 COMPUTE_DTYPES = {
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "float32": "float32", "fp32": "float32",
-}  # fmt: skip
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+}
 
 _TRUE = ("1", "true")
 _FALSE = ("", "0", "false")
@@ -244,8 +248,13 @@ def precision_top_k(environ: Mapping[str, str] | None = None) -> int:
     """
     from . import semconv  # here: with telemetry off, deciding so imports this module alone
 
-    return _int_at_least(semconv.SETTING_PRECISION_TOP_K, environ, DEFAULT_PRECISION_TOP_K, 0,
-                         "a non-negative integer (0 turns the per-parameter detail off)")  # fmt: skip
+    return _int_at_least(
+        semconv.SETTING_PRECISION_TOP_K,
+        environ,
+        DEFAULT_PRECISION_TOP_K,
+        0,
+        "a non-negative integer (0 turns the per-parameter detail off)",
+    )
 
 
 def precision_window(environ: Mapping[str, str] | None = None) -> int:
@@ -278,8 +287,13 @@ def precision_escalation(environ: Mapping[str, str] | None = None) -> int:
     """
     from . import semconv
 
-    return _int_at_least(semconv.SETTING_PRECISION_ESCALATION, environ, DEFAULT_PRECISION_ESCALATION, 0,
-                         "a non-negative integer (0 turns escalation off)")  # fmt: skip
+    return _int_at_least(
+        semconv.SETTING_PRECISION_ESCALATION,
+        environ,
+        DEFAULT_PRECISION_ESCALATION,
+        0,
+        "a non-negative integer (0 turns escalation off)",
+    )
 
 
 def precision_origin(environ: Mapping[str, str] | None = None) -> bool:

@@ -54,9 +54,15 @@ ATTR_EXCEPTION_TYPE = "exception.type"  # on the exception event
 
 # Every attribute of a SPAN_STEP span, rejected steps included (docs/conventions.md).
 STEP_ATTRIBUTES = (
-    ATTR_STEP, ATTR_RANK, ATTR_WORLD_SIZE, ATTR_OPTIMIZER_CLASS,
-    ATTR_PARAMS_COUNT, ATTR_GROUPS_COUNT, ATTR_CAST_BYTES, ATTR_PRECISION_AWARE,
-)  # fmt: skip
+    ATTR_STEP,
+    ATTR_RANK,
+    ATTR_WORLD_SIZE,
+    ATTR_OPTIMIZER_CLASS,
+    ATTR_PARAMS_COUNT,
+    ATTR_GROUPS_COUNT,
+    ATTR_CAST_BYTES,
+    ATTR_PRECISION_AWARE,
+)
 
 # -- resource attributes ---------------------------------------------------------------------------
 
@@ -114,9 +120,13 @@ NONFINITE_KINDS = (NONFINITE_NAN, NONFINITE_INF)
 
 # Same keys as the metrics whose values they carry; the non-finite total sums every kind.
 PRECISION_SPAN_ATTRIBUTES = (
-    METRIC_REFRESH_OVERFLOW, METRIC_REFRESH_UNDERFLOW, METRIC_REFRESH_ERROR,
-    METRIC_LOST_RATIO, METRIC_GRAD_AMAX, METRIC_NONFINITE,
-)  # fmt: skip
+    METRIC_REFRESH_OVERFLOW,
+    METRIC_REFRESH_UNDERFLOW,
+    METRIC_REFRESH_ERROR,
+    METRIC_LOST_RATIO,
+    METRIC_GRAD_AMAX,
+    METRIC_NONFINITE,
+)
 
 # -- counts of diagnosed steps ------------------------------------------------------------------------
 # The precision counters above add each diagnosed step's count, so their totals are element-steps;
@@ -219,11 +229,20 @@ its last diagnosed steps (at least 100x), or, for Adam and AdamW, its RMS per un
 rate against the largest one moments consistent with each other allow (at least twice it); with
 ATTR_CAUSE, what changed at that step (UPDATE_JUMP_CAUSES)."""
 DIAGNOSTICS = (
-    METRIC_NONFINITE, METRIC_REFRESH_OVERFLOW, METRIC_REFRESH_UNDERFLOW, METRIC_REFRESH_ERROR,
-    METRIC_LOST_RATIO, METRIC_GRAD_AMAX, DIAGNOSTIC_UPDATE_RESOLUTION, DIAGNOSTIC_STUCK,
-    DIAGNOSTIC_UNSTEPPED, DIAGNOSTIC_STATE_NONFINITE, DIAGNOSTIC_STATE_FLUSHED, DIAGNOSTIC_GRAD_UNDERFLOW,
+    METRIC_NONFINITE,
+    METRIC_REFRESH_OVERFLOW,
+    METRIC_REFRESH_UNDERFLOW,
+    METRIC_REFRESH_ERROR,
+    METRIC_LOST_RATIO,
+    METRIC_GRAD_AMAX,
+    DIAGNOSTIC_UPDATE_RESOLUTION,
+    DIAGNOSTIC_STUCK,
+    DIAGNOSTIC_UNSTEPPED,
+    DIAGNOSTIC_STATE_NONFINITE,
+    DIAGNOSTIC_STATE_FLUSHED,
+    DIAGNOSTIC_GRAD_UNDERFLOW,
     DIAGNOSTIC_UPDATE_JUMP,
-)  # fmt: skip
+)
 
 UPDATE_JUMP_STATE_LOADED = "optimizer_state_loaded"
 """The optimizer's state was replaced (``load_state_dict``) since the last diagnosed step."""
@@ -268,9 +287,14 @@ loss scaling."""
 ATTR_UPDATE_JUMP = DIAGNOSTIC_UPDATE_JUMP
 """The largest update jump (see DIAGNOSTIC_UPDATE_JUMP) of a parameter at this step, 0 where none."""
 ATTRIBUTION_SPAN_ATTRIBUTES = (
-    ATTR_STUCK_PARAMS, ATTR_UNSTEPPED_PARAMS, ATTR_STATE_NONFINITE, ATTR_STATE_FLUSHED, ATTR_STEP_SKIPPED,
-    ATTR_GRAD_UNDERFLOW, ATTR_UPDATE_JUMP,
-)  # fmt: skip
+    ATTR_STUCK_PARAMS,
+    ATTR_UNSTEPPED_PARAMS,
+    ATTR_STATE_NONFINITE,
+    ATTR_STATE_FLUSHED,
+    ATTR_STEP_SKIPPED,
+    ATTR_GRAD_UNDERFLOW,
+    ATTR_UPDATE_JUMP,
+)
 
 METRIC_DTYPE_CONTRACT = "fsdp.precision.dtype_contract.violations"
 """Counter, ``{tensor}``: tensors found in a dtype the contract does not expect, once each
@@ -318,8 +342,14 @@ ORIGIN_OPTIMIZER = "optimizer"
 ORIGIN_WHERE_CLIP = "clip_grad_norm_"
 """``fsdp.origin.where`` of the total norm ``torch.nn.utils.clip_grad_norm_`` returned (stage grad_write)."""
 ORIGIN_STAGES = (
-    ORIGIN_WEIGHT_WRITE, ORIGIN_FORWARD, ORIGIN_LOSS, ORIGIN_BACKWARD, ORIGIN_REDUCE, ORIGIN_GRAD_WRITE, ORIGIN_OPTIMIZER,
-)  # fmt: skip
+    ORIGIN_WEIGHT_WRITE,
+    ORIGIN_FORWARD,
+    ORIGIN_LOSS,
+    ORIGIN_BACKWARD,
+    ORIGIN_REDUCE,
+    ORIGIN_GRAD_WRITE,
+    ORIGIN_OPTIMIZER,
+)
 """In the order an iteration runs them: a write between steps, then forward, loss, backward, the
 reduce-scatter, what changed the grads between backward and step, and the optimizer's update."""
 

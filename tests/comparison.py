@@ -115,9 +115,11 @@ def max_abs_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 
 def assert_as_fsdp2_and_reference(
-    ours: list[dict[str, torch.Tensor]], fsdp2: list[dict[str, torch.Tensor]], reference: dict[str, torch.Tensor],
+    ours: list[dict[str, torch.Tensor]],
+    fsdp2: list[dict[str, torch.Tensor]],
+    reference: dict[str, torch.Tensor],
     tolerance: float,
-) -> None:  # fmt: skip
+) -> None:
     """Each rank's parameters (full tensors by name): FSDP2's (the control) and ours within
     ``tolerance`` of the unsharded model's, and ours bitwise FSDP2's."""
     for rank, (got, control) in enumerate(zip(ours, fsdp2, strict=True)):

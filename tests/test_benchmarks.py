@@ -79,8 +79,11 @@ def test_telemetry_overhead_refuses_settings_it_cannot_pair() -> None:
     """Case 5's settings from the command line: ratios are against ``off``, so it comes first."""
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.telemetry_overhead", "--settings", "on,attribution"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, f"--settings on,attribution: exit {run.returncode}\n{run.stderr[-2000:]}"
     want = "want off first, then on and any of off, on, diagnostics, attribution"
     assert want in run.stderr, run.stderr
@@ -114,17 +117,40 @@ def test_origin_checks_host_bound_runs_escalated_to_the_end_and_writes_its_figur
     escalation no NaN/Inf began is not ended by the next report), the width-16 shape recorded."""
     out = tmp_path / "origin.json"
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.origin_checks", "--host-bound", "--world-size", "1", "--steps", "3",
-         "--warmup", "1", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.origin_checks",
+            "--host-bound",
+            "--world-size",
+            "1",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, f"exit {run.returncode}:\n{run.stderr[-3000:]}"
     document = json.loads(out.read_text())
     got = {
-        kind: (math.isfinite(r["ratio_checks_off"]), math.isfinite(r["ratio_escalated_off"]), r["own_s"] > 0.0,
-               r["escalated_to_the_end"], r["ops"].get("aminmax", 0) > 0, r["ops_per_step"] == sum(r["ops"].values()), r["calls_per_step"] > r["ops_per_step"])
-        for kind in ("fully_shard", "fsdp2") if (r := document[kind])
-    }  # fmt: skip
+        kind: (
+            math.isfinite(r["ratio_checks_off"]),
+            math.isfinite(r["ratio_escalated_off"]),
+            r["own_s"] > 0.0,
+            r["escalated_to_the_end"],
+            r["ops"].get("aminmax", 0) > 0,
+            r["ops_per_step"] == sum(r["ops"].values()),
+            r["calls_per_step"] > r["ops_per_step"],
+        )
+        for kind in ("fully_shard", "fsdp2")
+        if (r := document[kind])
+    }
     want = {kind: (True,) * 7 for kind in ("fully_shard", "fsdp2")}
     assert got == want, (
         "(finite ratio, finite escalated ratio, own time > 0, escalated to the end, aminmax counted, operators "
@@ -162,8 +188,11 @@ def test_op_audit_cost_measures_both_kinds_and_writes_its_figures(tmp_path: Path
 def test_origin_checks_host_bound_is_refused_on_a_gpu() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.origin_checks", "--host-bound", "--device", "cuda"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, f"--host-bound --device cuda: exit {run.returncode}\n{run.stderr[-2000:]}"
     assert "--host-bound measures on the CPU: leave --device out" in run.stderr, run.stderr
 
@@ -205,8 +234,13 @@ def test_determinism_soak_runs_and_every_run_holds_one_state(tmp_path: Path) -> 
         "--json",
         str(out),
     ]
-    run = subprocess.run([sys.executable, "-m", "benchmarks.determinism_soak", *args], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.determinism_soak", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, f"determinism_soak exited {run.returncode}:\n{run.stderr[-3000:]}"
     want = "| 2 | 1 and 2 | 8 (2 x 2 jobs x 1 per setting) | 3 x 2 | all bitwise equal | - |"
     assert want in run.stdout, f"want the row {want!r} in:\n{run.stdout}"

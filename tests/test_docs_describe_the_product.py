@@ -8,8 +8,13 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "telemetry" / "README.md",
-        *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "dashboards").glob("*.md"))]  # fmt: skip
+DOCS = [
+    REPO / "README.md",
+    REPO / "CHANGELOG.md",
+    REPO / "telemetry" / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    *sorted((REPO / "dashboards").glob("*.md")),
+]
 # Words that place a figure relative to where or when it was written.
 PLACED = re.compile(r"\bthis (machine|cpu|host|vm)\b|\btoday\b|\bdevelopment machine\b|\bload (about|of) \d", re.I)
 

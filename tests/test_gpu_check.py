@@ -33,10 +33,24 @@ def _parts(summary: str) -> dict[str, tuple[str, str]]:
 def test_gpu_check_script_runs(tmp_path: Path) -> None:
     wheels, out = tmp_path / "wheels", tmp_path / "out"
     made = subprocess.run(
-        ["bash", "scripts/gpu_wheels.sh", "--dest", str(wheels), "--python-version", "3.12",
-         "--platform", "manylinux_2_28_x86_64", "--python", sys.executable],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            "bash",
+            "scripts/gpu_wheels.sh",
+            "--dest",
+            str(wheels),
+            "--python-version",
+            "3.12",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "--python",
+            sys.executable,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert made.returncode == 0, f"gpu_wheels.sh exited {made.returncode}:\n{made.stderr[-3000:]}"
     names = sorted(p.name.split("-")[0] for p in wheels.glob("*.whl"))
     want_names = [
@@ -53,10 +67,27 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
     run = subprocess.run(
         # The parts' limits are a GPU machine's; here the script is checked, not timed (beside other
         # work a CPU demo part took over 45 s): ten times the limits, and a budget to match.
-        ["bash", "scripts/gpu_check.sh", "--out", str(out), "--python", sys.executable, "--wheels", str(wheels),
-         "--limit-scale", "10", "--budget", "2850"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=3000, check=False,
-    )  # fmt: skip
+        [
+            "bash",
+            "scripts/gpu_check.sh",
+            "--out",
+            str(out),
+            "--python",
+            sys.executable,
+            "--wheels",
+            str(wheels),
+            "--limit-scale",
+            "10",
+            "--budget",
+            "2850",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        check=False,
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 0, f"gpu_check.sh exited {run.returncode}:\n{log[-4000:]}"
     assert (out / "gpu_check.log").read_text() == run.stdout, "the log in --out is not the script's output"
@@ -104,8 +135,12 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
 def test_a_spent_budget_skips_the_parts_saying_so(tmp_path: Path) -> None:
     run = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--out", str(tmp_path), "--python", sys.executable, "--budget", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert run.returncode == 0, f"exit {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
     parts = _parts((tmp_path / "summary.md").read_text())
     spent = {

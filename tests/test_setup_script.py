@@ -87,8 +87,14 @@ def _setup(
         _stand_in(venv / "bin", log, env_torch or None)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     env["PYTHON"] = str(base)
-    result = subprocess.run(["bash", "scripts/setup.sh", "--venv", str(venv), *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        ["bash", "scripts/setup.sh", "--venv", str(venv), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
     calls = [
         " ".join(shlex.split(line)[1:])
@@ -147,10 +153,12 @@ def test_base_interpreter_without_torch_gets_a_plain_environment(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(("--torch", "2.11"), "setup: --torch wants a release such as 2.11.0, got '2.11'"),
-     (("--venv",), "usage: scripts/setup.sh [--venv DIR] [--torch X.Y.Z]"),
-     (("--cuda",), "setup: unknown argument '--cuda'")],
-)  # fmt: skip
+    [
+        (("--torch", "2.11"), "setup: --torch wants a release such as 2.11.0, got '2.11'"),
+        (("--venv",), "usage: scripts/setup.sh [--venv DIR] [--torch X.Y.Z]"),
+        (("--cuda",), "setup: unknown argument '--cuda'"),
+    ],
+)
 def test_bad_arguments_exit_2(args: tuple[str, ...], message: str) -> None:
     result = subprocess.run(["bash", "scripts/setup.sh", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr, f"exit {result.returncode}, stderr {result.stderr!r}"

@@ -289,5 +289,8 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
     except TraceFileError as exc:
         print(f"no precision report: {exc}", flush=True)
         return
-    print(f"\n{text}traces: {options.trace_dir}{os.sep} (Perfetto: rank*.trace.json; Jaeger upload: rank*.jaeger.json; "
-          f"again: fsdp-patch report {options.trace_dir})", flush=True)  # fmt: skip
+    print(
+        f"\n{text}traces: {options.trace_dir}{os.sep} (Perfetto: rank*.trace.json; Jaeger upload: rank*.jaeger.json; "
+        f"again: fsdp-patch report {options.trace_dir})",
+        flush=True,
+    )

@@ -416,8 +416,15 @@ def _first_nonfinite(
         if hits_plain:
             first = hits_plain[0]
             row = rows[first]
-            return FirstNonfinite(step, tensor, None, tuple(hits_plain), ranks_of(first, (nan_slot, inf_slot)),
-                                  int(row[nan_slot]), int(row[inf_slot]))  # fmt: skip
+            return FirstNonfinite(
+                step,
+                tensor,
+                None,
+                tuple(hits_plain),
+                ranks_of(first, (nan_slot, inf_slot)),
+                int(row[nan_slot]),
+                int(row[inf_slot]),
+            )
     return None
 
 

@@ -57,8 +57,10 @@ def parameter_names(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, st
             owner = parameter_group_of(param)
             if owner is not None:
                 prefix = group_prefix(owner)
-                names[id(param)] = (user_name(prefix, owner.names[owner.index_of(param)]),
-                                    user_name(prefix, unit_name_of(owner)))  # fmt: skip
+                names[id(param)] = (
+                    user_name(prefix, owner.names[owner.index_of(param)]),
+                    user_name(prefix, unit_name_of(owner)),
+                )
             else:
                 names[id(param)] = (f"param_groups[{g}]['params'][{i}]", "")
                 plain.append(param)
@@ -110,5 +112,7 @@ def audit_dtypes(optimizer: torch.optim.Optimizer) -> list[ContractViolation]:
     if not found:
         return []
     names = parameter_names(optimizer)  # only now: it walks FSDP2's module states
-    return [ContractViolation(*names.get(id(param), ("?", "")), tensor, key, expected, actual)
-            for param, tensor, key, expected, actual in found]  # fmt: skip
+    return [
+        ContractViolation(*names.get(id(param), ("?", "")), tensor, key, expected, actual)
+        for param, tensor, key, expected, actual in found
+    ]

@@ -171,8 +171,9 @@ class PrecisionSnapshot:
 
 
 def _same_layout(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
-                                    for x, y in zip(a, b, strict=True))  # fmt: skip
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype and x.device == y.device for x, y in zip(a, b, strict=True)
+    )
 
 
 def take_snapshot(

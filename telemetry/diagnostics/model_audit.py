@@ -62,12 +62,17 @@ def low_precision_buffers(root: nn.Module, prefix: str = "") -> list[ModelFindin
     for name, buffer in root.named_buffers(prefix=prefix[:-1]):
         if buffer is None or not buffer.is_floating_point() or buffer.dtype not in LOW_PRECISION:
             continue
-        found.append(ModelFinding(
-            semconv.TENSOR_BUFFER, name, torch.float32, buffer.dtype,
-            f"a buffer rounded to {_name(buffer.dtype)} (model.{_name(buffer.dtype)}() casts buffers too; a RoPE "
-            "inv_freq loses position precision this way): keep buffers in float32, e.g. buffer.data = "
-            "buffer.data.float() after the cast, and cast the parameters only",
-        ))  # fmt: skip
+        found.append(
+            ModelFinding(
+                semconv.TENSOR_BUFFER,
+                name,
+                torch.float32,
+                buffer.dtype,
+                f"a buffer rounded to {_name(buffer.dtype)} (model.{_name(buffer.dtype)}() casts buffers too; a RoPE "
+                "inv_freq loses position precision this way): keep buffers in float32, e.g. buffer.data = "
+                "buffer.data.float() after the cast, and cast the parameters only",
+            )
+        )
     return found
 
 
@@ -75,8 +80,19 @@ def low_precision_buffers(root: nn.Module, prefix: str = "") -> list[ModelFindin
 
 # Operations a loss is often wrapped in after it is computed: the first other node, walking back
 # from the loss, is where the loss was computed.
-_PASS_THROUGH = ("ToCopyBackward", "MeanBackward", "SumBackward", "DivBackward", "MulBackward", "AddBackward",
-                 "ViewBackward", "SqueezeBackward", "UnsqueezeBackward", "CloneBackward", "ExpandBackward")  # fmt: skip
+_PASS_THROUGH = (
+    "ToCopyBackward",
+    "MeanBackward",
+    "SumBackward",
+    "DivBackward",
+    "MulBackward",
+    "AddBackward",
+    "ViewBackward",
+    "SqueezeBackward",
+    "UnsqueezeBackward",
+    "CloneBackward",
+    "ExpandBackward",
+)
 _SAVED = ("_saved_self", "_saved_result", "_saved_other", "_saved_input")
 
 
@@ -96,9 +112,12 @@ def loss_precision(loss: torch.Tensor) -> ModelFinding | None:
     behind the casts and reductions it is wrapped in (``cross_entropy(logits).float()``)."""
     if loss.dtype in LOW_PRECISION:
         return ModelFinding(
-            semconv.TENSOR_LOSS, _op(loss.grad_fn), torch.float32, loss.dtype,
+            semconv.TENSOR_LOSS,
+            _op(loss.grad_fn),
+            torch.float32,
+            loss.dtype,
             f"the loss is {_name(loss.dtype)}: compute it in float32 (cross_entropy(logits.float(), labels))",
-        )  # fmt: skip
+        )
     node, depth = loss.grad_fn, 0
     while node is not None and depth < 8:
         name = type(node).__name__
@@ -107,10 +126,13 @@ def loss_precision(loss: torch.Tensor) -> ModelFinding | None:
             if dtype in LOW_PRECISION:
                 assert dtype is not None
                 return ModelFinding(
-                    semconv.TENSOR_LOSS, _op(node), torch.float32, dtype,
+                    semconv.TENSOR_LOSS,
+                    _op(node),
+                    torch.float32,
+                    dtype,
                     f"the loss was computed from {_name(dtype)} values ({_op(node)}) and cast after: cast its "
                     "input to float32 before the loss (cross_entropy(logits.float(), labels))",
-                )  # fmt: skip
+                )
             return None
         following = [f for f, _ in node.next_functions if f is not None]
         node, depth = (following[0] if following else None), depth + 1
@@ -126,8 +148,13 @@ def _op(node: Any) -> str:
 # Reductions a normalization's statistics are made of.
 _STATISTICS = frozenset({"mean", "var", "std", "var_mean", "std_mean", "rsqrt", "sqrt", "pow", "square", "norm"})
 # torch.nn's own normalizations compute their statistics in float32 for bfloat16/float16 input.
-_NATIVE = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm,
-           *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))  # fmt: skip
+_NATIVE = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.batchnorm._NormBase,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
 
 
 def _is_custom_norm(module: nn.Module) -> bool:
@@ -191,12 +218,17 @@ class NormStatistics:
         if name in self._named:
             return
         self._named.add(name)
-        self.findings.append(ModelFinding(
-            semconv.TENSOR_NORM_STATISTICS, name, torch.float32, dtype,
-            f"its statistics are computed in {_name(dtype)} ({op}): a mean of squares in {_name(dtype)} loses "
-            "precision (and overflows in float16); compute them in float32 (x.float().pow(2).mean(...)), or use "
-            "torch.nn.RMSNorm / LayerNorm, which do",
-        ))  # fmt: skip
+        self.findings.append(
+            ModelFinding(
+                semconv.TENSOR_NORM_STATISTICS,
+                name,
+                torch.float32,
+                dtype,
+                f"its statistics are computed in {_name(dtype)} ({op}): a mean of squares in {_name(dtype)} loses "
+                "precision (and overflows in float16); compute them in float32 (x.float().pow(2).mean(...)), or use "
+                "torch.nn.RMSNorm / LayerNorm, which do",
+            )
+        )
 
     def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
         # Runs inside the root's forward hooks, also when the forward raised: torch then iterates
@@ -238,13 +270,18 @@ def low_precision_accumulation(
             continue
         assert dtype is not None
         bits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # significand bits: 8 for bfloat16
-        found.append(ModelFinding(
-            semconv.TENSOR_GRAD_ACCUMULATION, unit, torch.float32, dtype,
-            f"{microbatches} microbatches summed into {_name(dtype)} grads: each addition rounds to {bits} bits, "
-            f"an error of up to about {microbatches} x 2^-{bits} of the sum; accumulate in float32 (fully_shard: "
-            "MixedPrecisionPolicy(main_grads_dtype=torch.float32); torch FSDP2: "
-            "MixedPrecisionPolicy(reduce_dtype=torch.float32))",
-        ))  # fmt: skip
+        found.append(
+            ModelFinding(
+                semconv.TENSOR_GRAD_ACCUMULATION,
+                unit,
+                torch.float32,
+                dtype,
+                f"{microbatches} microbatches summed into {_name(dtype)} grads: each addition rounds to {bits} bits, "
+                f"an error of up to about {microbatches} x 2^-{bits} of the sum; accumulate in float32 (fully_shard: "
+                "MixedPrecisionPolicy(main_grads_dtype=torch.float32); torch FSDP2: "
+                "MixedPrecisionPolicy(reduce_dtype=torch.float32))",
+            )
+        )
     return found
 
 
@@ -272,12 +309,15 @@ def rebuilt_from_compute(params: Sequence[tuple[str, torch.Tensor, torch.dtype]]
         return None
     name, main, compute_dtype = params[0]
     return ModelFinding(
-        semconv.TENSOR_MAIN_WEIGHT, name, main.dtype, compute_dtype,
+        semconv.TENSOR_MAIN_WEIGHT,
+        name,
+        main.dtype,
+        compute_dtype,
         f"every main weight is exactly a {_name(compute_dtype)} value after {since}: the fp32 master weights were "
         f"rebuilt from the {_name(compute_dtype)} copy, and every update below its resolution since they were last "
         "saved is lost; save and load the fp32 main weights (the sharded model's state dict through "
         "torch.distributed.checkpoint), not the compute copy",
-    )  # fmt: skip
+    )
 
 
 # -- optimizer state restored through a lower precision -----------------------------------------------
@@ -304,13 +344,16 @@ def state_through_low_precision(states: Sequence[tuple[str, str, torch.Tensor]],
         if all(torch.equal(t.to(dtype).to(t.dtype), t) for _, _, t in wide):
             name, key, _ = wide[0]
             return ModelFinding(
-                semconv.TENSOR_OPTIMIZER_STATE, f"{name} {key}", torch.float32, dtype,
+                semconv.TENSOR_OPTIMIZER_STATE,
+                f"{name} {key}",
+                torch.float32,
+                dtype,
                 f"every value of the optimizer's float32 state ({len(wide)} tensors, {key} of {name} the first) is "
                 f"a {_name(dtype)} value after {since}: the state went through {_name(dtype)} on its way back (a "
                 f"checkpoint that saved it cast, or Optimizer.load_state_dict into {_name(dtype)} parameters, which "
                 "casts state to each parameter's dtype), and lost what the moments held below that resolution; save "
                 "and load the state in float32 (through torch.distributed.checkpoint, with the fp32 main weights)",
-            )  # fmt: skip
+            )
     return None
 
 

@@ -397,8 +397,12 @@ def find_origin(checks: Sequence[Checked], previous_after_finite: dict[str, bool
             # the unit that ran after it in the forward, or the loss after the root.
             consumer = _consumer(before_step, p.where, p.microbatch)
             if consumer is None:
-                return _origin(c, f"the grad of the root's output ({p.where or 'the root'}) was not finite: the "
-                                  "loss's backward made it", semconv.ORIGIN_BACKWARD).at("loss")  # fmt: skip
+                return _origin(
+                    c,
+                    f"the grad of the root's output ({p.where or 'the root'}) was not finite: the "
+                    "loss's backward made it",
+                    semconv.ORIGIN_BACKWARD,
+                ).at("loss")
             return _origin(c, f"the grad of its input ({p.where}'s output) was not finite, of its output finite").at(
                 consumer
             )
@@ -462,8 +466,11 @@ def _reduce_dtype(checks: Sequence[Checked], where: str) -> str | None:
 
 def _consumer(checks: Sequence[Checked], unit: str, microbatch: int) -> str | None:
     """The unit whose forward ran next after ``unit``'s in ``microbatch`` (``None``: none did)."""
-    order = [c.probe.where for c in checks
-             if c.probe.stage == semconv.ORIGIN_FORWARD and c.probe.when != INPUT and c.probe.microbatch == microbatch]  # fmt: skip
+    order = [
+        c.probe.where
+        for c in checks
+        if c.probe.stage == semconv.ORIGIN_FORWARD and c.probe.when != INPUT and c.probe.microbatch == microbatch
+    ]
     if unit not in order:
         return None
     last = len(order) - 1 - order[::-1].index(unit)

@@ -134,8 +134,12 @@ def _narrow(t: torch.Tensor | None, start: int, length: int) -> torch.Tensor | N
     return t.narrow(0, start, length)
 
 
-def _segments(snapshot: PrecisionSnapshot, groups: Sequence[Any], table: Sequence[ParamSlot],
-              states: Sequence[Sequence[StateTensor]] | None) -> list[_Segment]:  # fmt: skip
+def _segments(
+    snapshot: PrecisionSnapshot,
+    groups: Sequence[Any],
+    table: Sequence[ParamSlot],
+    states: Sequence[Sequence[StateTensor]] | None,
+) -> list[_Segment]:
     if len(groups) != len(snapshot.main_weights):
         raise ValueError(f"snapshot holds {len(snapshot.main_weights)} groups, got {len(groups)}")
     weights = [weights_of(g, snapshot.default_compute_dtype) for g in groups]
@@ -151,16 +155,18 @@ def _segments(snapshot: PrecisionSnapshot, groups: Sequence[Any], table: Sequenc
         computes_before = snapshot.compute_weights[slot.group]
         if w.computes is not None and computes_before is None:
             raise ValueError("a materialized compute weight needs its copy from before the step: none was given")
-        out.append(_Segment(
-            slot,
-            _narrow(w.mains[slot.tensor], start, length),
-            _narrow(snapshot.main_weights[slot.group][slot.tensor], start, length),
-            None if w.computes is None else _narrow(w.computes[slot.tensor], start, length),
-            None if computes_before is None else _narrow(computes_before[slot.tensor], start, length),
-            w.compute_dtype,
-            _narrow(w.grads[slot.tensor], start, length),
-            () if states is None else states[index],
-        ))  # fmt: skip
+        out.append(
+            _Segment(
+                slot,
+                _narrow(w.mains[slot.tensor], start, length),
+                _narrow(snapshot.main_weights[slot.group][slot.tensor], start, length),
+                None if w.computes is None else _narrow(w.computes[slot.tensor], start, length),
+                None if computes_before is None else _narrow(computes_before[slot.tensor], start, length),
+                w.compute_dtype,
+                _narrow(w.grads[slot.tensor], start, length),
+                () if states is None else states[index],
+            )
+        )
     return out
 
 
@@ -414,8 +420,12 @@ def local_rows(
                 if not _finite(low_high):
                     _count_state_nonfinite(second, i, state)
                 low, high = low_high[0], low_high[-1]
-                if (state.key == SECOND_MOMENT_KEY and low <= 0.0 <= high and s.grad is not None
-                        and s.grad.numel() == state.local.numel()):  # fmt: skip
+                if (
+                    state.key == SECOND_MOMENT_KEY
+                    and low <= 0.0 <= high
+                    and s.grad is not None
+                    and s.grad.numel() == state.local.numel()
+                ):
                     _count_flushed(second, i, s, state)
         if flagged:
             index = torch.tensor(flagged, dtype=torch.long, device=device)

@@ -34,9 +34,14 @@ from . import rows as row_spec
 from .groups import first_process_group
 
 NONFINITE_COLUMNS = (
-    row_spec.GRAD_NAN, row_spec.GRAD_INF, row_spec.MAIN_NAN, row_spec.MAIN_INF,
-    row_spec.COMPUTE_NAN, row_spec.COMPUTE_INF, *range(row_spec.STATE_NAN, row_spec.STATE_END),
-)  # fmt: skip
+    row_spec.GRAD_NAN,
+    row_spec.GRAD_INF,
+    row_spec.MAIN_NAN,
+    row_spec.MAIN_INF,
+    row_spec.COMPUTE_NAN,
+    row_spec.COMPUTE_INF,
+    *range(row_spec.STATE_NAN, row_spec.STATE_END),
+)
 """Row columns that count NaN/Inf elements: main grads, main and compute weights, optimizer state."""
 
 DIFF_NONFINITE = semconv.REPLICA_DIFF_NONFINITE
@@ -121,8 +126,9 @@ def over_replicas(
     per_replica, blocks = every[:, 0], every[:, 1:]
     peers = row_spec.gathered_ranks(process_group)
     # Each replica's ranks, in the order of its blocks: the status row carries its own rank.
-    every_rank = [_rank_of(block, fallback) for replica, fallback in zip(blocks, peers, strict=True)
-                  for block in replica]  # fmt: skip
+    every_rank = [
+        _rank_of(block, fallback) for replica, fallback in zip(blocks, peers, strict=True) for block in replica
+    ]
     combined = per_replica.amax(dim=0)  # a failed part (NaN) stays NaN: amax propagates it
     complete = all(math.isfinite(v) for v in per_replica[:, -1, 0].tolist())
     divergence = _divergence(per_replica[:, :-1], peers) if complete else None

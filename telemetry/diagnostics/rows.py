@@ -35,8 +35,21 @@ from fsdp_patch.torch_interop.torch_compat import all_gather_flat
 
 from .groups import weights_of
 
-(GRAD_NAN, GRAD_INF, MAIN_NAN, MAIN_INF, COMPUTE_NAN, COMPUTE_INF,
- OVERFLOW, UNDERFLOW, DIFF_SQ, MAIN_SQ, CHANGED, LOST, GRAD_AMAX) = range(13)  # fmt: skip
+(
+    GRAD_NAN,
+    GRAD_INF,
+    MAIN_NAN,
+    MAIN_INF,
+    COMPUTE_NAN,
+    COMPUTE_INF,
+    OVERFLOW,
+    UNDERFLOW,
+    DIFF_SQ,
+    MAIN_SQ,
+    CHANGED,
+    LOST,
+    GRAD_AMAX,
+) = range(13)
 WHOLE_MODEL_SLOTS = 13
 UPDATE_SQ = 13
 NUMEL = 14

@@ -58,8 +58,9 @@ def _guarded_call(what: str, factory: Callable[[], Any]) -> Any | None:
     try:
         return factory()
     except Exception as exc:
-        _logger.warning("fsdp_patch telemetry: could not create %s (%s: %s); continuing without it.",
-                        what, type(exc).__name__, exc)  # fmt: skip
+        _logger.warning(
+            "fsdp_patch telemetry: could not create %s (%s: %s); continuing without it.", what, type(exc).__name__, exc
+        )
         return None
 
 
@@ -141,8 +142,9 @@ def _prometheus_port(local_rank: int) -> int:
     except ValueError:
         _logger.warning(
             "OTEL_EXPORTER_PROMETHEUS_PORT=%r is not valid; accepted values: a port number 0-65535. Using %d.",
-            raw, DEFAULT_PROMETHEUS_PORT,
-        )  # fmt: skip
+            raw,
+            DEFAULT_PROMETHEUS_PORT,
+        )
         port = DEFAULT_PROMETHEUS_PORT
     # Ranks on one host would collide on one port; port 0 (any free port) needs no offset.
     return port + local_rank if port else 0
@@ -172,8 +174,9 @@ def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | N
     except ImportError as exc:
         _logger.warning(
             "OTEL_METRICS_EXPORTER=prometheus needs opentelemetry-exporter-prometheus (%s); install it with "
-            "`pip install 'fsdp-patch[prometheus]'`. Continuing without Prometheus.", exc,
-        )  # fmt: skip
+            "`pip install 'fsdp-patch[prometheus]'`. Continuing without Prometheus.",
+            exc,
+        )
         return
     host = os.environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", "").strip() or DEFAULT_PROMETHEUS_HOST
     port = _prometheus_port(rank_info.local_rank)
@@ -183,8 +186,11 @@ def _start_prometheus(rank_info: RankInfo, setup: MetricSetup, registry: Any | N
     except OSError as exc:
         _logger.warning(
             "fsdp_patch telemetry: cannot serve Prometheus metrics on %s:%d (%s); continuing without them. "
-            "Set OTEL_EXPORTER_PROMETHEUS_PORT (local rank r uses port + r).", host, port, exc,
-        )  # fmt: skip
+            "Set OTEL_EXPORTER_PROMETHEUS_PORT (local rank r uses port + r).",
+            host,
+            port,
+            exc,
+        )
         return
     setup.readers.append(PrometheusMetricReader(registry=registry))
     setup.prometheus_endpoints.append(endpoint)

@@ -169,8 +169,9 @@ class GuardedMetricExporter(MetricExporter):
         )
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self._guard.call("shut down", lambda: self.inner.shutdown(timeout_millis=timeout_millis, **kwargs),
-                         lambda _: False, None)  # fmt: skip
+        self._guard.call(
+            "shut down", lambda: self.inner.shutdown(timeout_millis=timeout_millis, **kwargs), lambda _: False, None
+        )
 
 
 _in_own_processor = threading.local()
@@ -271,13 +272,23 @@ class BoundedCall:
     def report(self, timeout_s: float, warn: WarnOnce) -> bool:
         """Warn (once per ``what``) if the call is still running or raised; whether it succeeded."""
         if self._thread.is_alive():
-            warn(f"timeout:{self.what}", "fsdp_patch telemetry: %s did not finish within %.1fs; continuing without "
-                 "waiting (raise FSDP_PATCH_FLUSH_TIMEOUT to wait longer).", self.what, timeout_s)  # fmt: skip
+            warn(
+                f"timeout:{self.what}",
+                "fsdp_patch telemetry: %s did not finish within %.1fs; continuing without "
+                "waiting (raise FSDP_PATCH_FLUSH_TIMEOUT to wait longer).",
+                self.what,
+                timeout_s,
+            )
             return False
         exc = self._outcome[0] if self._outcome else None
         if exc is not None:
-            warn(f"error:{self.what}", "fsdp_patch telemetry: %s failed (%s: %s); continuing.",
-                 self.what, type(exc).__name__, exc)  # fmt: skip
+            warn(
+                f"error:{self.what}",
+                "fsdp_patch telemetry: %s failed (%s: %s); continuing.",
+                self.what,
+                type(exc).__name__,
+                exc,
+            )
             return False
         return True
 

@@ -53,8 +53,14 @@ def _number(variable: str, default: Any, zero_ok: bool, kind: Callable[[str], An
         if value < 0 or (value == 0 and not zero_ok) or value != value or value == float("inf"):
             raise ValueError(raw)
     except ValueError:
-        _warn(f"{variable}={raw!r}", "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry uses the default, %s.",
-              variable, raw, accepted, default)  # fmt: skip
+        _warn(
+            f"{variable}={raw!r}",
+            "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry uses the default, %s.",
+            variable,
+            raw,
+            accepted,
+            default,
+        )
         return default
     return value
 
@@ -76,9 +82,14 @@ def batch_processor_arguments() -> dict[str, Any]:
     args = _table(_BATCH)
     if args["max_export_batch_size"] > args["max_queue_size"]:
         default = min(_BATCH["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1], args["max_queue_size"])
-        _warn("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=%r is not valid; accepted values: a "
-              "positive integer at most the queue size (%d). fsdp_patch telemetry uses the default, %d.",
-              str(args["max_export_batch_size"]), args["max_queue_size"], default)  # fmt: skip
+        _warn(
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=%r is not valid; accepted values: a "
+            "positive integer at most the queue size (%d). fsdp_patch telemetry uses the default, %d.",
+            str(args["max_export_batch_size"]),
+            args["max_queue_size"],
+            default,
+        )
         args["max_export_batch_size"] = default
     return args
 
@@ -101,8 +112,14 @@ def span_limits() -> Any:
             if int(raw) < 0:
                 raise ValueError(raw)
         except ValueError:
-            _warn(f"{variable}={raw!r}", "%s=%r is not valid; accepted values: a non-negative integer. fsdp_patch telemetry uses "
-                  "the default, %s.", variable, raw, "no limit" if default is None else default)  # fmt: skip
+            _warn(
+                f"{variable}={raw!r}",
+                "%s=%r is not valid; accepted values: a non-negative integer. fsdp_patch telemetry uses "
+                "the default, %s.",
+                variable,
+                raw,
+                "no limit" if default is None else default,
+            )
             args[argument] = SpanLimits.UNSET if default is None else default
     return SpanLimits(**args)
 
@@ -115,13 +132,21 @@ def check_sdk_disabled() -> None:
     """
     raw = os.environ.get("OTEL_SDK_DISABLED", "").strip()
     if raw.lower() not in ("", "true", "false"):
-        _warn(f"OTEL_SDK_DISABLED={raw!r}", "OTEL_SDK_DISABLED=%r is not valid; accepted values: true, false. It reads as false "
-              "(the OpenTelemetry specification's rule): fsdp_patch telemetry stays on.", raw)  # fmt: skip
+        _warn(
+            f"OTEL_SDK_DISABLED={raw!r}",
+            "OTEL_SDK_DISABLED=%r is not valid; accepted values: true, false. It reads as false "
+            "(the OpenTelemetry specification's rule): fsdp_patch telemetry stays on.",
+            raw,
+        )
 
 
 def check_service_name(used: object) -> None:
     """Warn once when ``OTEL_SERVICE_NAME`` is set but blank: the service is then named ``used``, not what was meant."""
     raw = os.environ.get("OTEL_SERVICE_NAME")
     if raw is not None and not raw.strip():
-        _warn(f"OTEL_SERVICE_NAME={raw!r} -> {used!r}", "OTEL_SERVICE_NAME is set but empty; accepted values: a non-empty name. "
-              "fsdp_patch telemetry names the service %r instead.", used)  # fmt: skip
+        _warn(
+            f"OTEL_SERVICE_NAME={raw!r} -> {used!r}",
+            "OTEL_SERVICE_NAME is set but empty; accepted values: a non-empty name. "
+            "fsdp_patch telemetry names the service %r instead.",
+            used,
+        )

@@ -150,8 +150,11 @@ def _announce_application_sdk(info: RankInfo) -> None:
     if "otlp" in traces.split(","):
         setting = selection.protocol_setting("traces")
         port = 4318 if setting is not None and setting[1].strip() == selection.DEFAULT_OTLP_PROTOCOL else 4317
-        endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                    or f"localhost:{port}, the default")  # fmt: skip
+        endpoint = (
+            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            or f"localhost:{port}, the default"
+        )
         where += f", to {endpoint}"
     files = (
         ""
@@ -205,8 +208,12 @@ def _flush_observers() -> None:
         try:
             observer.flush_timers()
         except Exception as exc:  # e.g. a CUDA context already torn down at exit
-            _warn("observer-flush", "fsdp_patch telemetry: reading pending step timings failed (%s: %s).",
-                  type(exc).__name__, exc)  # fmt: skip
+            _warn(
+                "observer-flush",
+                "fsdp_patch telemetry: reading pending step timings failed (%s: %s).",
+                type(exc).__name__,
+                exc,
+            )
 
 
 def _timeout_s() -> float:

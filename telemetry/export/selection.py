@@ -138,8 +138,11 @@ def _not_installed(signal: Signal, name: str, entry_point: str, installed: list[
         hint = f"accepted values: {', '.join(_accepted(installed))}"
     _logger.warning(
         "%s lists %s, which is not an installed %s entry point; %s. fsdp_patch telemetry continues without it.",
-        VARIABLES[signal], what, group, hint,
-    )  # fmt: skip
+        VARIABLES[signal],
+        what,
+        group,
+        hint,
+    )
 
 
 def _entry_point_name(signal: Signal, name: str) -> str | None:
@@ -156,8 +159,13 @@ def _entry_point_name(signal: Signal, name: str) -> str | None:
         _logger.warning(
             "%s=%r is not valid; accepted values: %s. fsdp_patch telemetry continues without the OTLP %s exporter "
             "(%s lists %r).",
-            variable, value, ", ".join(sorted(OTLP_PROTOCOLS)), signal, VARIABLES[signal], name,
-        )  # fmt: skip
+            variable,
+            value,
+            ", ".join(sorted(OTLP_PROTOCOLS)),
+            signal,
+            VARIABLES[signal],
+            name,
+        )
     return entry_point
 
 
@@ -188,8 +196,14 @@ def _resolve_one(signal: Signal, name: str, installed: list[EntryPoint]) -> Reso
         _logger.warning(
             "fsdp_patch telemetry: %s lists %r, whose %s entry point %r could not be loaded (%s: %s)%s; continuing "
             "without it.",
-            VARIABLES[signal], name, GROUPS[signal], entry_point, type(exc).__name__, exc, hint,
-        )  # fmt: skip
+            VARIABLES[signal],
+            name,
+            GROUPS[signal],
+            entry_point,
+            type(exc).__name__,
+            exc,
+            hint,
+        )
         return None
     return Resolved(name, entry_point, exporter_class)
 

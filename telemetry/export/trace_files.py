@@ -237,8 +237,11 @@ class TraceFileExporter(SpanExporter):
         if result.cut_short:
             _logger.info(
                 "%s holds %d of %d traces (%s caps this rank's trace files); `fsdp-patch trace jaeger` converts all.",
-                self.jaeger_path, result.traces, result.traces_seen, trace_limits.TRACE_MAX_BYTES,
-            )  # fmt: skip
+                self.jaeger_path,
+                result.traces,
+                result.traces_seen,
+                trace_limits.TRACE_MAX_BYTES,
+            )
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

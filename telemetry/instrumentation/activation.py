@@ -61,8 +61,10 @@ def observer_for(optimizer: torch.optim.Optimizer, precision_aware: bool, step_c
     """
     missing = opentelemetry_missing()
     if missing is not None:
-        raise ModuleNotFoundError(f"fsdp_patch telemetry is on ({env.TELEMETRY}=1 or instrumented), but {missing}; "
-                                  f"set {env.TELEMETRY}=0 to train without it")  # fmt: skip
+        raise ModuleNotFoundError(
+            f"fsdp_patch telemetry is on ({env.TELEMETRY}=1 or instrumented), but {missing}; "
+            f"set {env.TELEMETRY}=0 to train without it"
+        )
     from .observer import OptimizerObserver
 
     given = instrumented or {}

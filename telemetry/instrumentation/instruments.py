@@ -27,9 +27,25 @@ GAUGE = "Gauge"
 # The SDK's default histogram buckets are meant for milliseconds (0, 5, 10, ... 10000); in
 # seconds every optimizer step would fall into the first bucket. These span 100 µs to 1 min.
 DURATION_BUCKETS_S = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 @dataclass(frozen=True)
@@ -74,74 +90,104 @@ RANK_ATTRIBUTE = semconv.ATTR_RANK
 
 INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     InstrumentSpec(
-        CAST_SIZE, COUNTER, "By",
+        CAST_SIZE,
+        COUNTER,
+        "By",
         "Bytes written by dtype casts around the optimizer step (size of each cast's output).",
         (semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET),
     ),
     InstrumentSpec(
-        REFRESH_DURATION, HISTOGRAM, "s",
+        REFRESH_DURATION,
+        HISTOGRAM,
+        "s",
         "Time to refresh the compute weights from the main weights (device time on CUDA).",
         buckets=DURATION_BUCKETS_S,
     ),
     InstrumentSpec(
-        STEP_DURATION, HISTOGRAM, "s",
+        STEP_DURATION,
+        HISTOGRAM,
+        "s",
         "Time of one adapted optimizer.step() (device time on CUDA).",
         buckets=DURATION_BUCKETS_S,
     ),
     InstrumentSpec(
-        DTYPE_MISMATCHES, COUNTER, "{parameter}",
+        DTYPE_MISMATCHES,
+        COUNTER,
+        "{parameter}",
         "Parameters, per step, whose grad dtype differs from their data dtype.",
         (semconv.ATTR_DTYPE_PARAM, semconv.ATTR_DTYPE_GRAD, semconv.ATTR_MISMATCH_ACTION),
     ),
     InstrumentSpec(
-        NONFINITE, COUNTER, "{element}",
+        NONFINITE,
+        COUNTER,
+        "{element}",
         "NaN and Inf elements found by the precision diagnostics, summed over ranks.",
         (semconv.ATTR_TENSOR, semconv.ATTR_NONFINITE_KIND),
     ),
     InstrumentSpec(
-        REFRESH_OVERFLOW, COUNTER, "{element}",
+        REFRESH_OVERFLOW,
+        COUNTER,
+        "{element}",
         "Elements finite in the main weight and infinite in the refreshed compute weight.",
     ),
     InstrumentSpec(
-        REFRESH_UNDERFLOW, COUNTER, "{element}",
+        REFRESH_UNDERFLOW,
+        COUNTER,
+        "{element}",
         "Elements non-zero in the main weight and zero in the refreshed compute weight.",
     ),
     InstrumentSpec(
-        REFRESH_ERROR, GAUGE, "1",
+        REFRESH_ERROR,
+        GAUGE,
+        "1",
         "Relative error of the refresh, ‖compute − main‖₂ / ‖main‖₂, over finite elements of all ranks.",
     ),
     InstrumentSpec(
-        LOST_RATIO, GAUGE, "1",
+        LOST_RATIO,
+        GAUGE,
+        "1",
         "Among elements whose main weight changed this step, the fraction whose compute weight did not.",
     ),
     InstrumentSpec(
-        GRAD_AMAX, GAUGE, "1",
+        GRAD_AMAX,
+        GAUGE,
+        "1",
         "Largest absolute main-grad value over all ranks; float32's largest finite value when a grad is NaN or Inf.",
     ),
     InstrumentSpec(
-        PRECISION_STEPS, COUNTER, "{step}",
+        PRECISION_STEPS,
+        COUNTER,
+        "{step}",
         "Optimizer steps whose precision diagnostics were recorded (the same count on every rank).",
     ),
     InstrumentSpec(
-        NONFINITE_STEPS, COUNTER, "{step}",
+        NONFINITE_STEPS,
+        COUNTER,
+        "{step}",
         "Diagnosed steps that found a NaN or Inf element in any tensor of any rank.",
     ),
     # Attribution (docs/conventions.md, "Attribution").
     InstrumentSpec(
-        DTYPE_CONTRACT, COUNTER, "{tensor}",
+        DTYPE_CONTRACT,
+        COUNTER,
+        "{tensor}",
         "Tensors found in a dtype the mixed-precision contract does not expect, each counted once.",
         (semconv.ATTR_TENSOR, semconv.ATTR_DTYPE_EXPECTED, semconv.ATTR_DTYPE_ACTUAL),
     ),
     InstrumentSpec(
-        SKIPPED_STEPS, COUNTER, "{step}",
+        SKIPPED_STEPS,
+        COUNTER,
+        "{step}",
         "Diagnosed steps in which no main weight the optimizer steps changed although grads were non-zero and finite.",
     ),
     # Step accounting.
     InstrumentSpec(
-        OPTIMIZER_SKIPPED_STEPS, COUNTER, "{step}",
+        OPTIMIZER_SKIPPED_STEPS,
+        COUNTER,
+        "{step}",
         "Iterations a GradScaler ended without stepping the optimizer (their grads held NaN or Inf).",
     ),
-)  # fmt: skip
+)
 
 
 def create_instruments(meter: Meter) -> dict[str, Any]:

@@ -85,16 +85,20 @@ class _StepTensors:
             (``None``: none checked yet).
     """
 
-    def __init__(self, key: tuple[int, ...], groups: Sequence[Any], names: Sequence[str],
-                 table: Sequence[ParamSlot]) -> None:  # fmt: skip
+    def __init__(
+        self, key: tuple[int, ...], groups: Sequence[Any], names: Sequence[str], table: Sequence[ParamSlot]
+    ) -> None:
         self.key = key
         self.mains = [main_tensors(group) for group in groups]
         before: list[tuple[str, torch.Tensor, str, str]] = []
         after: list[tuple[str, torch.Tensor, str, str]] = []
         for index, group in enumerate(groups):
             mains = weights_of(group, None).mains
-            before.extend((slot.name, mains[slot.tensor][slot.start : slot.start + slot.length], BEFORE, names[index])
-                          for slot in table if slot.group == index)  # fmt: skip
+            before.extend(
+                (slot.name, mains[slot.tensor][slot.start : slot.start + slot.length], BEFORE, names[index])
+                for slot in table
+                if slot.group == index
+            )
             after.extend((names[index], main, AFTER, "") for main in mains)
         self.before = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, before)
         self.after = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, after)
@@ -109,8 +113,11 @@ class _StepTensors:
         """The groups whose main weights were written in place since the update checked last."""
         if self.after_versions is None:
             return []
-        return [index for index, (mains, versions) in enumerate(zip(self.mains, self.after_versions, strict=True))
-                if list(map(_VERSION, mains)) != versions]  # fmt: skip
+        return [
+            index
+            for index, (mains, versions) in enumerate(zip(self.mains, self.after_versions, strict=True))
+            if list(map(_VERSION, mains)) != versions
+        ]
 
 
 # Read of every main weight at every step (torch FSDP2 holds one per parameter): C-level calls.
@@ -243,8 +250,9 @@ class IterationWatch:
             return
         tensors = self._step_tensors = self._step_tensors_now()
         self._audit_model(step, span, tensors)
-        grads = [(name, grad) for name, group in zip(self._names, self._groups, strict=True)
-                 for grad in present_grads(group)]  # fmt: skip
+        grads = [
+            (name, grad) for name, group in zip(self._names, self._groups, strict=True) for grad in present_grads(group)
+        ]
         for watch in self.watches:
             watch.check_step_begin(grads, tensors.before)
 
@@ -262,10 +270,16 @@ class IterationWatch:
             if before is None or after is None or before <= 0.0:
                 continue
             if after >= semconv.LR_JUMP_FACTOR * before:
-                span.add_event(semconv.EVENT_LR_JUMP, {
-                    semconv.ATTR_STEP: step, semconv.ATTR_RANK: rank, semconv.ATTR_PARAM_GROUP: index,
-                    semconv.ATTR_LR_BEFORE: before, semconv.ATTR_LR_AFTER: after,
-                })  # fmt: skip
+                span.add_event(
+                    semconv.EVENT_LR_JUMP,
+                    {
+                        semconv.ATTR_STEP: step,
+                        semconv.ATTR_RANK: rank,
+                        semconv.ATTR_PARAM_GROUP: index,
+                        semconv.ATTR_LR_BEFORE: before,
+                        semconv.ATTR_LR_AFTER: after,
+                    },
+                )
 
     def end_step(self, span: Span | None, completed: bool) -> None:
         """At the end of the step: the main weights after the update; the iteration closed; its
@@ -332,9 +346,16 @@ class IterationWatch:
 
     def _name(self, finding: ModelFinding, step: int, span: Span | None) -> None:
         self._observer.name_violation(
-            ("model", finding.tensor, finding.where), finding.where, "", finding.tensor, finding.expected,
-            finding.actual, step, span, detail=finding.detail,
-        )  # fmt: skip
+            ("model", finding.tensor, finding.where),
+            finding.where,
+            "",
+            finding.tensor,
+            finding.expected,
+            finding.actual,
+            step,
+            span,
+            detail=finding.detail,
+        )
 
     def _audit_model(self, step: int, span: Span | None, tensors: _StepTensors) -> None:
         """Buffers at the first step; the loss and the normalization statistics once checked;
@@ -407,17 +428,25 @@ class IterationWatch:
                 for watch in self.watches:
                     watch.escalate()
                 if span is not None:
-                    span.add_event(semconv.EVENT_ESCALATION, {
-                        semconv.ATTR_STEP: step, semconv.ATTR_RANK: rank,
-                        semconv.ATTR_ESCALATION_STEPS: self.escalation,
-                    })  # fmt: skip
+                    span.add_event(
+                        semconv.EVENT_ESCALATION,
+                        {
+                            semconv.ATTR_STEP: step,
+                            semconv.ATTR_RANK: rank,
+                            semconv.ATTR_ESCALATION_STEPS: self.escalation,
+                        },
+                    )
         self._in_episode = anywhere
         zeroed = sorted({where for r in found for where in r.zeroed})
         if zeroed and span is not None:
-            span.add_event(semconv.EVENT_GRADS_ZEROED, {
-                semconv.ATTR_STEP: step, semconv.ATTR_RANK: rank,
-                semconv.ATTR_GRADS_ZEROED_UNITS: ", ".join(where or "(root)" for where in zeroed),
-            })  # fmt: skip
+            span.add_event(
+                semconv.EVENT_GRADS_ZEROED,
+                {
+                    semconv.ATTR_STEP: step,
+                    semconv.ATTR_RANK: rank,
+                    semconv.ATTR_GRADS_ZEROED_UNITS: ", ".join(where or "(root)" for where in zeroed),
+                },
+            )
         for r in found:
             # Module-level checks of an iteration whose NaN/Inf began in it (a GradScaler skipping
             # overflows anew); once the weights hold NaN every module's output follows from them.
@@ -488,8 +517,14 @@ class IterationWatch:
         write missed), the update kept the count; when they were not (the forward gathered the
         weight written), the update spread it, and the count says so.
         """
-        group = next((c.probe.group for c in checks if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE
-                      and c.probe.where == origin.where and c.probe.group), "")  # fmt: skip
+        group = next(
+            (
+                c.probe.group
+                for c in checks
+                if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE and c.probe.where == origin.where and c.probe.group
+            ),
+            "",
+        )
         groups = self._optimizer_groups()
         names = [_group_name(g) for g in groups]
         slots = [slot for slot in param_table(groups) if slot.name == origin.where and names[slot.group] == group]
@@ -500,14 +535,17 @@ class IterationWatch:
         segment = main[slot.start : slot.start + slot.length]
         count = int((~torch.isfinite(segment)).sum())
         grads_finite = all(
-            c.finite for c in checks
+            c.finite
+            for c in checks
             if c.probe.where == group and c.probe.stage in (semconv.ORIGIN_REDUCE, semconv.ORIGIN_GRAD_WRITE)
-        )  # fmt: skip
+        )
         if grads_finite:
             counted = f"{count} of its {slot.length} element(s) on this rank"
         else:
-            counted = (f"{count} of its {slot.length} element(s) on this rank after that step's update, which spread "
-                       "it (the step's grads already held NaN/Inf: the forward ran on the weight written)")  # fmt: skip
+            counted = (
+                f"{count} of its {slot.length} element(s) on this rank after that step's update, which spread "
+                "it (the step's grads already held NaN/Inf: the forward ran on the weight written)"
+            )
         return f"{detail}; {counted}" if detail else counted
 
     def _locate(self, origin: Origin, detail: str) -> tuple[str, str]:

@@ -148,8 +148,14 @@ class ModuleChecks:
         # a module inside the one already named is the more precise answer.
         if found is None or name.startswith(found.where + ".") or found.where == "":
             nan = bool(torch.isnan(grad).any())
-            self.backward = Origin(semconv.ORIGIN_BACKWARD, name, dtype_name(grad.dtype), nan, 0,
-                                   "finite grad of its output, non-finite grad of its input")  # fmt: skip
+            self.backward = Origin(
+                semconv.ORIGIN_BACKWARD,
+                name,
+                dtype_name(grad.dtype),
+                nan,
+                0,
+                "finite grad of its output, non-finite grad of its input",
+            )
 
 
 # -- the watch of one model ----------------------------------------------------------------------
@@ -170,8 +176,16 @@ class IterationCheck:
         zeroed: The groups whose non-zero grads were all 0 at the step (:func:`zeroed_groups`).
     """
 
-    def __init__(self, origin: Origin | None, refined: list[Origin], anywhere: bool, backward_count: int,
-                 zeroed: list[str], read: Callable[[], list[Checked]], checks: list[Checked] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        origin: Origin | None,
+        refined: list[Origin],
+        anywhere: bool,
+        backward_count: int,
+        zeroed: list[str],
+        read: Callable[[], list[Checked]],
+        checks: list[Checked] | None = None,
+    ) -> None:
         self.origin = origin
         self.refined = refined
         self.anywhere = anywhere
@@ -192,8 +206,16 @@ class IterationCheck:
 class _Pending:
     """An iteration's log on its way to the host, and the ranks' flag on its way back."""
 
-    def __init__(self, log: ProbeLog, values: torch.Tensor | None, flag: torch.Tensor | None, work: Any,
-                 event: Any, refined: list[Origin], backward_count: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        log: ProbeLog,
+        values: torch.Tensor | None,
+        flag: torch.Tensor | None,
+        work: Any,
+        event: Any,
+        refined: list[Origin],
+        backward_count: int,
+    ) -> None:
         self.log = log
         self._values = values
         self._flag = flag
@@ -366,8 +388,11 @@ class ModelWatch:
             return
         dtype = getattr(group, "_reduce_dtype", None)
         grads = [g for p in group.fsdp_params if (g := _fsdp2_unsharded_grad(p)) is not None]
-        narrow = [grad if dtype is None else grad.to(dtype) for grad in grads
-                  if (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES]  # fmt: skip
+        narrow = [
+            grad if dtype is None else grad.to(dtype)
+            for grad in grads
+            if (dtype or grad.dtype) not in WIDE_REDUCE_DTYPES
+        ]
         if grads and not narrow:
             # Its dtypes are fixed at FSDP2's lazy initialization: never checked here.
             self._wide_reduces.add(group)

@@ -361,9 +361,12 @@ class OptimizerObserver:
         what every rank's adapted optimizer must agree on (the detail changes the size of the
         diagnostics' collective, escalation the steps that run it, the checks add one per step)."""
         return (
-            True, self._precision.every, self._precision.per_parameter, self._iterations.escalation,
+            True,
+            self._precision.every,
+            self._precision.per_parameter,
+            self._iterations.escalation,
             self._iterations.checking,
-        )  # fmt: skip
+        )
 
     def precision_due(self, step_number: int) -> bool:
         """Whether step ``step_number`` runs the diagnostics (:meth:`PrecisionRecorder.due`), or
@@ -396,9 +399,10 @@ class OptimizerObserver:
             unstepped = self._iterations.backward_since_step()
             if self._iterations.pending() or unstepped:
                 attrs: dict[str, AttributeValue] = {
-                    semconv.ATTR_STEP: self._step_count, semconv.ATTR_RANK: self.rank,
+                    semconv.ATTR_STEP: self._step_count,
+                    semconv.ATTR_RANK: self.rank,
                     semconv.ATTR_BACKWARD_COUNT: unstepped,
-                }  # fmt: skip
+                }
                 with self._span(semconv.SPAN_CHECKS, attrs) as span:
                     self._iterations.flush(self.rank, span)
 

@@ -177,8 +177,13 @@ class PrecisionRecorder:
                 param_stats.local_rows(snapshot, groups, table, states, detail=detail, underflow_below=underflow_below)
             )
         except Exception as exc:
-            self._warn("precision", "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); "
-                       "their metrics are skipped.", self.rank, type(exc).__name__, exc)  # fmt: skip
+            self._warn(
+                "precision",
+                "fsdp_patch telemetry: precision diagnostics failed on rank %d (%s: %s); their metrics are skipped.",
+                self.rank,
+                type(exc).__name__,
+                exc,
+            )
             count = len(table) if table is not None else row_spec.slot_count(groups, per_parameter=detail)
             local = row_spec.failed_payload(count, self._device())
         combined = replicas.reduce_payload(local, table, groups)
@@ -228,16 +233,19 @@ class PrecisionRecorder:
             return float(torch.finfo(torch.float16).tiny)
         return None
 
-    def _record_findings(self, span: Span, step: int, table: Sequence[row_spec.ParamSlot],
-                         findings: attribution.StepFindings, top_k: int) -> None:  # fmt: skip
-        span.set_attributes({
-            semconv.ATTR_STUCK_PARAMS: findings.stuck,
-            semconv.ATTR_UNSTEPPED_PARAMS: findings.unstepped,
-            semconv.ATTR_STATE_NONFINITE: findings.state_nonfinite,
-            semconv.ATTR_STATE_FLUSHED: findings.state_flushed,
-            semconv.ATTR_STEP_SKIPPED: int(findings.skipped),
-            semconv.ATTR_UPDATE_JUMP: findings.update_jump,
-        })  # fmt: skip
+    def _record_findings(
+        self, span: Span, step: int, table: Sequence[row_spec.ParamSlot], findings: attribution.StepFindings, top_k: int
+    ) -> None:
+        span.set_attributes(
+            {
+                semconv.ATTR_STUCK_PARAMS: findings.stuck,
+                semconv.ATTR_UNSTEPPED_PARAMS: findings.unstepped,
+                semconv.ATTR_STATE_NONFINITE: findings.state_nonfinite,
+                semconv.ATTR_STATE_FLUSHED: findings.state_flushed,
+                semconv.ATTR_STEP_SKIPPED: int(findings.skipped),
+                semconv.ATTR_UPDATE_JUMP: findings.update_jump,
+            }
+        )
         if findings.grad_underflow is not None:
             span.set_attribute(semconv.ATTR_GRAD_UNDERFLOW, findings.grad_underflow)
         first = findings.first_nonfinite
@@ -278,17 +286,21 @@ class PrecisionRecorder:
         span = trace.get_current_span()
         if not span.is_recording():
             return
-        span.add_event(semconv.EVENT_REPLICA_DIVERGENCE, {
-            semconv.ATTR_STEP: step,
-            semconv.ATTR_REPLICA_DIFF: found.diff,
-            semconv.ATTR_REPLICA_NONFINITE: found.nonfinite,
-            semconv.ATTR_RANKS: found.peers,
-            semconv.ATTR_PRECISION_PARAMS: [table[i].name for i in found.slots[: self._named_per_finding]],
-            semconv.ATTR_PRECISION_PARAMS_COUNT: len(found.slots),
-        })  # fmt: skip
+        span.add_event(
+            semconv.EVENT_REPLICA_DIVERGENCE,
+            {
+                semconv.ATTR_STEP: step,
+                semconv.ATTR_REPLICA_DIFF: found.diff,
+                semconv.ATTR_REPLICA_NONFINITE: found.nonfinite,
+                semconv.ATTR_RANKS: found.peers,
+                semconv.ATTR_PRECISION_PARAMS: [table[i].name for i in found.slots[: self._named_per_finding]],
+                semconv.ATTR_PRECISION_PARAMS_COUNT: len(found.slots),
+            },
+        )
 
-    def _record_stats(self, stats: precision.PrecisionStats, table: Sequence[row_spec.ParamSlot],
-                      rows: Sequence[Sequence[float]]) -> None:  # fmt: skip
+    def _record_stats(
+        self, stats: precision.PrecisionStats, table: Sequence[row_spec.ParamSlot], rows: Sequence[Sequence[float]]
+    ) -> None:
         # Every diagnosed step adds to both (0 for a clean step), so the series exist from step 1.
         self._precision_steps.add(1, self._rank_attrs)
         self._nonfinite_steps.add(1 if any(stats.nonfinite.values()) else 0, self._rank_attrs)
@@ -317,8 +329,10 @@ class PrecisionRecorder:
             if nonfinite_attrs is not None:
                 point = nonfinite_attrs[key]
             else:
-                point = self._attrs.get(("nonfinite", attrs.get(semconv.ATTR_UNIT), *key),
-                                        lambda key=key: {**attrs, semconv.ATTR_TENSOR: key[0], semconv.ATTR_NONFINITE_KIND: key[1]})  # fmt: skip
+                point = self._attrs.get(
+                    ("nonfinite", attrs.get(semconv.ATTR_UNIT), *key),
+                    lambda key=key: {**attrs, semconv.ATTR_TENSOR: key[0], semconv.ATTR_NONFINITE_KIND: key[1]},
+                )
             self._nonfinite.add(count, point)
         self._overflow.add(stats.overflow, attrs)
         self._underflow.add(stats.underflow, attrs)
@@ -346,19 +360,40 @@ class PrecisionRecorder:
         try:
             violations = dtype_contract.audit_dtypes(optimizer)
         except Exception as exc:
-            self._warn("audit", "fsdp_patch telemetry: the dtype-contract audit failed on rank %d (%s: %s).",
-                       self.rank, type(exc).__name__, exc)  # fmt: skip
+            self._warn(
+                "audit",
+                "fsdp_patch telemetry: the dtype-contract audit failed on rank %d (%s: %s).",
+                self.rank,
+                type(exc).__name__,
+                exc,
+            )
             return
         for violation in violations:
             self.name_violation(
-                violation.key, violation.param, violation.unit, violation.tensor, violation.expected,
-                violation.actual, step_number, span, state_key=violation.state_key,
-            )  # fmt: skip
+                violation.key,
+                violation.param,
+                violation.unit,
+                violation.tensor,
+                violation.expected,
+                violation.actual,
+                step_number,
+                span,
+                state_key=violation.state_key,
+            )
 
     def name_violation(
-        self, key: tuple[Any, ...], param: str, unit: str, tensor: str, expected: torch.dtype, actual: torch.dtype,
-        step_number: int, span: Span | None, state_key: str | None = None, detail: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        key: tuple[Any, ...],
+        param: str,
+        unit: str,
+        tensor: str,
+        expected: torch.dtype,
+        actual: torch.dtype,
+        step_number: int,
+        span: Span | None,
+        state_key: str | None = None,
+        detail: str | None = None,
+    ) -> None:
         """Count and name one tensor in a dtype its role does not take, once per ``key``: the
         dtype-contract audit's, and the model audit's (buffers, the loss, normalization
         statistics, accumulated grads, rebuilt master weights), with ``detail`` saying the fix."""
@@ -366,10 +401,17 @@ class PrecisionRecorder:
             return
         self._named_violations.add(key)
         wanted, found = dtype_name(expected), dtype_name(actual)
-        self._dtype_contract.add(1, self._attrs.get(
-            ("contract", tensor, wanted, found),
-            lambda: {semconv.ATTR_TENSOR: tensor, semconv.ATTR_DTYPE_EXPECTED: wanted, semconv.ATTR_DTYPE_ACTUAL: found},
-        ))  # fmt: skip
+        self._dtype_contract.add(
+            1,
+            self._attrs.get(
+                ("contract", tensor, wanted, found),
+                lambda: {
+                    semconv.ATTR_TENSOR: tensor,
+                    semconv.ATTR_DTYPE_EXPECTED: wanted,
+                    semconv.ATTR_DTYPE_ACTUAL: found,
+                },
+            ),
+        )
         if span is None:
             return
         attrs: dict[str, AttributeValue] = {

@@ -88,22 +88,37 @@ class AttributionTrace:
             step = _int(args.get(semconv.ATTR_STEP))
             if step is not None and (self.first is None or step < self.first.step):
                 self.first = FirstBad(
-                    step, str(args.get(semconv.ATTR_PARAM, "?")), str(args.get(semconv.ATTR_UNIT, "")),
-                    str(args.get(semconv.ATTR_TENSOR, "?")), args.get(semconv.ATTR_OPTIMIZER_STATE),
-                    [int(r) for r in args.get(semconv.ATTR_RANKS) or []], str(args.get(semconv.ATTR_NONFINITE_KIND, "")),
+                    step,
+                    str(args.get(semconv.ATTR_PARAM, "?")),
+                    str(args.get(semconv.ATTR_UNIT, "")),
+                    str(args.get(semconv.ATTR_TENSOR, "?")),
+                    args.get(semconv.ATTR_OPTIMIZER_STATE),
+                    [int(r) for r in args.get(semconv.ATTR_RANKS) or []],
+                    str(args.get(semconv.ATTR_NONFINITE_KIND, "")),
                     _int(args.get(semconv.ATTR_PRECISION_ELEMENTS)) or 0,
                     [str(p) for p in args.get(semconv.ATTR_PRECISION_PARAMS) or []],
                     _int(args.get(semconv.ATTR_PRECISION_PARAMS_COUNT)) or 0,
-                )  # fmt: skip
+                )
         elif name == semconv.EVENT_DTYPE_CONTRACT:
             step = _int(args.get(semconv.ATTR_STEP)) or 0
-            key = (str(args.get(semconv.ATTR_PARAM, "?")), str(args.get(semconv.ATTR_TENSOR, "?")),
-                   args.get(semconv.ATTR_OPTIMIZER_STATE), str(args.get(semconv.ATTR_DTYPE_ACTUAL, "?")))  # fmt: skip
+            key = (
+                str(args.get(semconv.ATTR_PARAM, "?")),
+                str(args.get(semconv.ATTR_TENSOR, "?")),
+                args.get(semconv.ATTR_OPTIMIZER_STATE),
+                str(args.get(semconv.ATTR_DTYPE_ACTUAL, "?")),
+            )
             found = self.violations.get(key)
             if found is None:
-                found = self.violations[key] = Violation(step, key[0], str(args.get(semconv.ATTR_UNIT, "")), key[1],
-                                                         key[2], str(args.get(semconv.ATTR_DTYPE_EXPECTED, "?")), key[3],
-                                                         detail=str(args.get(semconv.ATTR_DTYPE_DETAIL, "")))  # fmt: skip
+                found = self.violations[key] = Violation(
+                    step,
+                    key[0],
+                    str(args.get(semconv.ATTR_UNIT, "")),
+                    key[1],
+                    key[2],
+                    str(args.get(semconv.ATTR_DTYPE_EXPECTED, "?")),
+                    key[3],
+                    detail=str(args.get(semconv.ATTR_DTYPE_DETAIL, "")),
+                )
             found.step = min(found.step, step)
             rank = _int(args.get(semconv.ATTR_RANK))
             if rank is not None:
@@ -121,11 +136,16 @@ class AttributionTrace:
                 diagnostic = args.get(semconv.ATTR_DIAGNOSTIC)
                 if value is None or not isinstance(diagnostic, str):
                     continue
-                by_diagnostic.setdefault(diagnostic, []).append(Named(
-                    str(args.get(semconv.ATTR_PARAM, "?")), str(args.get(semconv.ATTR_UNIT, "")), value,
-                    args.get(semconv.ATTR_OPTIMIZER_STATE), args.get(semconv.ATTR_CAUSE),
-                    args.get(semconv.ATTR_LOAD_SITE),
-                ))  # fmt: skip
+                by_diagnostic.setdefault(diagnostic, []).append(
+                    Named(
+                        str(args.get(semconv.ATTR_PARAM, "?")),
+                        str(args.get(semconv.ATTR_UNIT, "")),
+                        value,
+                        args.get(semconv.ATTR_OPTIMIZER_STATE),
+                        args.get(semconv.ATTR_CAUSE),
+                        args.get(semconv.ATTR_LOAD_SITE),
+                    )
+                )
             self.offenders[step] = by_diagnostic
         self._pending.clear()
 
@@ -170,8 +190,12 @@ def _where(unit: str) -> str:
 def _value(diagnostic: str, value: float) -> str:
     if diagnostic in (semconv.DIAGNOSTIC_STUCK, semconv.DIAGNOSTIC_UNSTEPPED):
         return f"{value:.0f} diagnosed steps"
-    if diagnostic in (semconv.METRIC_NONFINITE, semconv.METRIC_REFRESH_OVERFLOW, semconv.METRIC_REFRESH_UNDERFLOW,
-                      semconv.DIAGNOSTIC_STATE_NONFINITE):  # fmt: skip
+    if diagnostic in (
+        semconv.METRIC_NONFINITE,
+        semconv.METRIC_REFRESH_OVERFLOW,
+        semconv.METRIC_REFRESH_UNDERFLOW,
+        semconv.DIAGNOSTIC_STATE_NONFINITE,
+    ):
         return f"{value:.0f} element{'s' if value != 1 else ''}"
     if diagnostic == semconv.DIAGNOSTIC_UPDATE_RESOLUTION:
         return f"update {value:.2g}x the compute dtype's rounding step"
@@ -244,9 +268,11 @@ def first_text(first: FirstBad, step_offset: int) -> str:
         else ""
     )
     kind = {"nan": "NaN", "inf": "Inf"}.get(first.kind, "non-finite")
-    return (f"first NaN/Inf: step {first.step + step_offset}, rank{'s' if len(first.ranks) != 1 else ''} {ranks}, "
-            f"{first.param} ({_where(first.unit)}), {tensor}: {first.elements} {kind} "
-            f"element{'s' if first.elements != 1 else ''}{also}")  # fmt: skip
+    return (
+        f"first NaN/Inf: step {first.step + step_offset}, rank{'s' if len(first.ranks) != 1 else ''} {ranks}, "
+        f"{first.param} ({_where(first.unit)}), {tensor}: {first.elements} {kind} "
+        f"element{'s' if first.elements != 1 else ''}{also}"
+    )
 
 
 _MODEL_AUDIT_PLACE = {
@@ -291,23 +317,49 @@ def details_json(
     out: dict[str, Any] = {}
     if check == "nonfinite" and trace.first is not None:
         f = trace.first
-        out["first_nonfinite"] = {"step": f.step + step_offset, "param": f.param, "unit": f.unit, "tensor": f.tensor,
-                                  "state": f.state, "ranks": f.ranks, "kind": f.kind, "elements": f.elements,
-                                  "params": f.params, "params_count": f.params_count}  # fmt: skip
+        out["first_nonfinite"] = {
+            "step": f.step + step_offset,
+            "param": f.param,
+            "unit": f.unit,
+            "tensor": f.tensor,
+            "state": f.state,
+            "ranks": f.ranks,
+            "kind": f.kind,
+            "elements": f.elements,
+            "params": f.params,
+            "params_count": f.params_count,
+        }
     if check == "dtype_contract":
         out["violations"] = [
-            {"param": v.param, "unit": v.unit, "tensor": v.tensor, "state": v.state, "expected": v.expected,
-             "actual": v.actual, "step": v.step + step_offset, "ranks": sorted(v.ranks), "detail": v.detail}
+            {
+                "param": v.param,
+                "unit": v.unit,
+                "tensor": v.tensor,
+                "state": v.state,
+                "expected": v.expected,
+                "actual": v.actual,
+                "step": v.step + step_offset,
+                "ranks": sorted(v.ranks),
+                "detail": v.detail,
+            }
             for v in sorted(trace.violations.values(), key=lambda v: (v.step, v.param))
-        ]  # fmt: skip
+        ]
         return out
     first, last = _span(check, first_step)
     for diagnostic, lowest in CHECK_DIAGNOSTICS.get(check, ()):
         named = trace.worst(diagnostic, limit, lowest=lowest, first=first, last=last)
         if named:
             out.setdefault("parameters", []).extend(
-                {"diagnostic": diagnostic, "param": n.param, "unit": n.unit, "value": n.value, "state": n.state,
-                 "cause": n.cause, "site": n.site, "step": s + step_offset}
+                {
+                    "diagnostic": diagnostic,
+                    "param": n.param,
+                    "unit": n.unit,
+                    "value": n.value,
+                    "state": n.state,
+                    "cause": n.cause,
+                    "site": n.site,
+                    "step": s + step_offset,
+                }
                 for n, s in named
-            )  # fmt: skip
+            )
     return out

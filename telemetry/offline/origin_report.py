@@ -152,11 +152,15 @@ class OriginTrace:
         if step is None:
             return
         seen = OriginSeen(
-            step, str(args.get(semconv.ATTR_ORIGIN_STAGE, "")), str(args.get(semconv.ATTR_ORIGIN_WHERE, "")),
-            str(args.get(semconv.ATTR_ORIGIN_DTYPE, "")), str(args.get(semconv.ATTR_NONFINITE_KIND, "")),
-            str(args.get(semconv.ATTR_ORIGIN_DETAIL, "")), _int(args.get(semconv.ATTR_MICROBATCH)) or 0,
+            step,
+            str(args.get(semconv.ATTR_ORIGIN_STAGE, "")),
+            str(args.get(semconv.ATTR_ORIGIN_WHERE, "")),
+            str(args.get(semconv.ATTR_ORIGIN_DTYPE, "")),
+            str(args.get(semconv.ATTR_NONFINITE_KIND, "")),
+            str(args.get(semconv.ATTR_ORIGIN_DETAIL, "")),
+            _int(args.get(semconv.ATTR_MICROBATCH)) or 0,
             bool(args.get(semconv.ATTR_ORIGIN_REFINED)),
-        )  # fmt: skip
+        )
         into = self.refined if seen.refined else self.origins
         held = into.setdefault((seen.step, seen.stage, seen.where), seen)
         rank = _int(args.get(semconv.ATTR_RANK))
@@ -168,12 +172,16 @@ class OriginTrace:
         peers = [_int(r) for r in _list(args.get(semconv.ATTR_RANKS))]
         if step is None:
             return
-        seen = self.divergence.setdefault(step, DivergenceSeen(
-            step, str(args.get(semconv.ATTR_REPLICA_DIFF, "")),
-            [str(p) for p in _list(args.get(semconv.ATTR_PRECISION_PARAMS))],
-            _int(args.get(semconv.ATTR_PRECISION_PARAMS_COUNT)) or 0,
-            [_int(n) or 0 for n in _list(args.get(semconv.ATTR_REPLICA_NONFINITE))],
-        ))  # fmt: skip
+        seen = self.divergence.setdefault(
+            step,
+            DivergenceSeen(
+                step,
+                str(args.get(semconv.ATTR_REPLICA_DIFF, "")),
+                [str(p) for p in _list(args.get(semconv.ATTR_PRECISION_PARAMS))],
+                _int(args.get(semconv.ATTR_PRECISION_PARAMS_COUNT)) or 0,
+                [_int(n) or 0 for n in _list(args.get(semconv.ATTR_REPLICA_NONFINITE))],
+            ),
+        )
         while len(seen.replicas) < len(peers):
             seen.replicas.append(set())
         for ranks, peer in zip(seen.replicas, peers, strict=False):
@@ -195,8 +203,13 @@ class OriginTrace:
             steps.backward += _int(args.get(semconv.ATTR_BACKWARD_COUNT)) or 0
         elif name == semconv.SPAN_SKIPPED_STEP:
             scale = args.get(semconv.ATTR_GRAD_SCALER_SCALE)
-            steps.skipped.append((start, float(scale) if isinstance(scale, int | float) else float("nan"),
-                                  _int(args.get(semconv.ATTR_STEP)) or 0))  # fmt: skip
+            steps.skipped.append(
+                (
+                    start,
+                    float(scale) if isinstance(scale, int | float) else float("nan"),
+                    _int(args.get(semconv.ATTR_STEP)) or 0,
+                )
+            )
             steps.backward += _int(args.get(semconv.ATTR_BACKWARD_COUNT)) or 0
 
     # -- what it adds up to ----------------------------------------------------------------------
@@ -360,11 +373,17 @@ def origin_text(origin: OriginSeen, step_offset: int = 0, coordinates: Mapping[i
     """One line: where and when it began, on which ranks (with their mesh coordinates)."""
     kind = {"nan": "NaN", "inf": "Inf"}.get(origin.kind, "NaN/Inf")
     ranks = rank_names(origin.ranks, coordinates)
-    micro = f", microbatch {origin.microbatch}" if origin.microbatch and origin.stage not in (
-        semconv.ORIGIN_WEIGHT_WRITE, semconv.ORIGIN_GRAD_WRITE, semconv.ORIGIN_OPTIMIZER) else ""  # fmt: skip
+    micro = (
+        f", microbatch {origin.microbatch}"
+        if origin.microbatch
+        and origin.stage not in (semconv.ORIGIN_WEIGHT_WRITE, semconv.ORIGIN_GRAD_WRITE, semconv.ORIGIN_OPTIMIZER)
+        else ""
+    )
     detail = f" ({origin.detail})" if origin.detail and not _is_model_input(origin) else ""
-    return (f"{kind} began in {_STAGE_TEXT.get(origin.stage, origin.stage)} at step {origin.step + step_offset}{micro}: "
-            f"{_place(origin)}, {origin.dtype}{detail}; rank{'s' if len(origin.ranks) != 1 else ''} {ranks}")  # fmt: skip
+    return (
+        f"{kind} began in {_STAGE_TEXT.get(origin.stage, origin.stage)} at step {origin.step + step_offset}{micro}: "
+        f"{_place(origin)}, {origin.dtype}{detail}; rank{'s' if len(origin.ranks) != 1 else ''} {ranks}"
+    )
 
 
 def _is_model_input(origin: OriginSeen) -> bool:
@@ -387,26 +406,43 @@ def divergence_text(seen: list[DivergenceSeen], step_offset: int = 0) -> str:
     more = f" (and {first.params_count - len(first.params)} more)" if first.params_count > len(first.params) else ""
     replicas = "; ".join(
         f"replica {i} (rank{'s' if len(ranks) != 1 else ''} {', '.join(str(r) for r in sorted(ranks)) or '?'})"
-        + (f": {first.nonfinite[i]} NaN/Inf" if first.diff == semconv.REPLICA_DIFF_NONFINITE and i < len(first.nonfinite) else "")
+        + (
+            f": {first.nonfinite[i]} NaN/Inf"
+            if first.diff == semconv.REPLICA_DIFF_NONFINITE and i < len(first.nonfinite)
+            else ""
+        )
         for i, ranks in enumerate(first.replicas)
-    )  # fmt: skip
-    return (f"{what} differ at step {first.step + step_offset} ({len(seen)} diagnosed step{'s' if len(seen) != 1 else ''}"
-            f" in all): {', '.join(first.params)}{more}; {replicas}")  # fmt: skip
+    )
+    return (
+        f"{what} differ at step {first.step + step_offset} ({len(seen)} diagnosed step{'s' if len(seen) != 1 else ''}"
+        f" in all): {', '.join(first.params)}{more}; {replicas}"
+    )
 
 
 def divergence_json(seen: list[DivergenceSeen], step_offset: int = 0) -> dict[str, Any]:
     first = seen[0]
     return {
-        "step": first.step + step_offset, "diff": first.diff, "params": first.params,
-        "params_count": first.params_count, "steps": [s.step + step_offset for s in seen],
-        "replicas": [{"ranks": sorted(ranks), "nonfinite": first.nonfinite[i] if i < len(first.nonfinite) else None}
-                     for i, ranks in enumerate(first.replicas)],
-    }  # fmt: skip
+        "step": first.step + step_offset,
+        "diff": first.diff,
+        "params": first.params,
+        "params_count": first.params_count,
+        "steps": [s.step + step_offset for s in seen],
+        "replicas": [
+            {"ranks": sorted(ranks), "nonfinite": first.nonfinite[i] if i < len(first.nonfinite) else None}
+            for i, ranks in enumerate(first.replicas)
+        ],
+    }
 
 
 def origin_json(origin: OriginSeen, step_offset: int = 0) -> dict[str, Any]:
     return {
-        "step": origin.step + step_offset, "stage": origin.stage, "where": origin.where, "dtype": origin.dtype,
-        "kind": origin.kind, "detail": origin.detail, "microbatch": origin.microbatch, "refined": origin.refined,
+        "step": origin.step + step_offset,
+        "stage": origin.stage,
+        "where": origin.where,
+        "dtype": origin.dtype,
+        "kind": origin.kind,
+        "detail": origin.detail,
+        "microbatch": origin.microbatch,
+        "refined": origin.refined,
         "ranks": sorted(origin.ranks),
-    }  # fmt: skip
+    }

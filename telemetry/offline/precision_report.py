@@ -169,8 +169,11 @@ def read_run(directory: str) -> RunTrace:
         sample = run.samples.setdefault(step, {})
         for key, value in values.items():
             sample[key] = _worse(sample.get(key), value)
-    steps_of_precision = {span: step_of_span[parent] for span, parent in precision_parent.items()
-                          if parent is not None and parent in step_of_span}  # fmt: skip
+    steps_of_precision = {
+        span: step_of_span[parent]
+        for span, parent in precision_parent.items()
+        if parent is not None and parent in step_of_span
+    }
     run.attribution.resolve(steps_of_precision)
     return run
 
@@ -345,8 +348,10 @@ def _origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
     elif check == thresholds.SCALER_SKIPPED.check:
         skipped, iterations, scale_first, scale_last = run.iterations.skipped()
         where = f"; the first overflow: {origin_text(first, step_offset, at)}" if first is not None else ""
-        lines.append(f"skipped {skipped} of {iterations} iterations; scale {scale_first:g} at the first skip, "
-                     f"{scale_last:g} at the last{where}")  # fmt: skip
+        lines.append(
+            f"skipped {skipped} of {iterations} iterations; scale {scale_first:g} at the first skip, "
+            f"{scale_last:g} at the last{where}"
+        )
     elif check == thresholds.NO_OPTIMIZER_STEPS.check:
         lines.append(f"{run.iterations.backward_without_steps()} backward passes, 0 optimizer steps, 0 skipped")
     elif check == thresholds.LR_JUMP.check and first is not None:
@@ -400,9 +405,11 @@ def _finding_text(run: RunTrace, finding: Finding) -> str:
         return f"NaN/Inf began in {_stage_phrase(first)}{at}"
     jump = run.iterations.lr_jump_before(first) if first is not None else None
     if finding.threshold.check == thresholds.LR_JUMP.check and jump is not None and first is not None:
-        return (f"the learning rate jumped x{jump.after / jump.before:.3g} ({jump.before:g} to {jump.after:g}, param "
-                f"group {jump.group}) at step {jump.step}, then NaN/Inf began in {_stage_phrase(first)} at step "
-                f"{first.step}")  # fmt: skip
+        return (
+            f"the learning rate jumped x{jump.after / jump.before:.3g} ({jump.before:g} to {jump.after:g}, param "
+            f"group {jump.group}) at step {jump.step}, then NaN/Inf began in {_stage_phrase(first)} at step "
+            f"{first.step}"
+        )
     if _no_fp32_master(run, finding):
         return NO_FP32_MASTER_FINDING
     return finding.threshold.finding
@@ -520,8 +527,7 @@ def _accounting(run: RunTrace) -> str | None:
         return None
     backward = max((r.backward for r in run.iterations.ranks.values()), default=0)
     scale = f" (GradScaler scale {scale_first:g} at the first skip, {scale_last:g} at the last)" if skipped else ""
-    return (f"  iterations: {iterations - skipped} optimizer steps, {skipped} skipped{scale}, "
-            f"{backward} backward passes")  # fmt: skip
+    return f"  iterations: {iterations - skipped} optimizer steps, {skipped} skipped{scale}, {backward} backward passes"
 
 
 def report(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset: int = 0) -> str:
@@ -559,12 +565,19 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
         "diagnosed_steps": len(run.samples),
         "verdict": thresholds.worst([f.threshold.severity for f in ordered]),
         "lines": [
-            {"first": line.first + step_offset, "last": line.last + step_offset, "failed": line.failed,
-             "values": {key: clean(value) for key, value in line.values.items()}, "verdict": line.verdict,
-             "findings": [f.threshold.check for f in _ordered(line.findings)]}
+            {
+                "first": line.first + step_offset,
+                "last": line.last + step_offset,
+                "failed": line.failed,
+                "values": {key: clean(value) for key, value in line.values.items()},
+                "verdict": line.verdict,
+                "findings": [f.threshold.check for f in _ordered(line.findings)],
+            }
             for line in lines
         ],
-        "origin": None if first is None else {
+        "origin": None
+        if first is None
+        else {
             **origin_json(first, step_offset),
             "refined": [origin_json(o, step_offset) for o in run.iterations.refinements(first)],
             "operation": None if (operation := _origin_operation(run)) is None else op_json(operation, step_offset),
@@ -574,16 +587,26 @@ def report_json(directory: str, max_lines: int = DEFAULT_MAX_LINES, step_offset:
         "shadow": [shadow_json(seen, step_offset) for step in run.shadow.steps() for seen in run.shadow.at(step)],
         "mesh_coordinates": {str(rank): c for rank, c in sorted(run.iterations.coordinates.items())},
         "replica_divergence": divergence_json(diverged, step_offset) if diverged else None,
-        "iterations": {"optimizer_steps": iterations - skipped, "skipped": skipped,
-                       "scale_first": clean(scale_first), "scale_last": clean(scale_last),
-                       "backward_without_steps": run.iterations.backward_without_steps()},
+        "iterations": {
+            "optimizer_steps": iterations - skipped,
+            "skipped": skipped,
+            "scale_first": clean(scale_first),
+            "scale_last": clean(scale_last),
+            "backward_without_steps": run.iterations.backward_without_steps(),
+        },
         "findings": [
-            {"check": f.threshold.check, "severity": f.threshold.severity, "finding": _finding_text(run, f),
-             "first_step": f.first_step + step_offset, "alert": f.threshold.alert, "advice": _advice(run, f),
-             **details_json(run.attribution, f.threshold.check, f.first_step, NAMED_PER_FINDING, step_offset)}
+            {
+                "check": f.threshold.check,
+                "severity": f.threshold.severity,
+                "finding": _finding_text(run, f),
+                "first_step": f.first_step + step_offset,
+                "alert": f.threshold.alert,
+                "advice": _advice(run, f),
+                **details_json(run.attribution, f.threshold.check, f.first_step, NAMED_PER_FINDING, step_offset),
+            }
             for f in ordered
         ],
-    }  # fmt: skip
+    }
 
 
 def overall_findings(directory: str) -> list[str]:

@@ -120,7 +120,7 @@ def test_judge_names_what_differs_from_the_expectation() -> None:
             "dtype": "float32",
             "kind": "nan",
             "refined": [],
-        },  # fmt: skip
+        },
         "iterations": {"skipped": 0, "scale_first": "nan", "scale_last": "nan"},
     }
     pattern = CATALOGUE["loss_all_targets_ignored"]
@@ -266,10 +266,18 @@ def test_adam_eps_lost_in_fp16_state_is_an_optimizer_origin(dist_pool: Any, tmp_
 # others listed there), printed with a failure. The lr spike's NaN is the forward's, but its cause
 # (the lr jump before it) shows in nothing non-finite.
 NAMED_CAUSES = (
-    "fp16_grad_underflow", "main_weights_from_bf16", "pure_bf16_no_master_weights", "inf_grad_spread_by_clip",
-    "bf16_grad_accumulation", "loss_on_bf16_logits", "norm_statistics_fp16", "lr_too_small_for_bf16_weights",
-    "clip_norm_in_fp16", "lr_spike_fp16", "rope_buffer_in_bf16",
-)  # fmt: skip
+    "fp16_grad_underflow",
+    "main_weights_from_bf16",
+    "pure_bf16_no_master_weights",
+    "inf_grad_spread_by_clip",
+    "bf16_grad_accumulation",
+    "loss_on_bf16_logits",
+    "norm_statistics_fp16",
+    "lr_too_small_for_bf16_weights",
+    "clip_norm_in_fp16",
+    "lr_spike_fp16",
+    "rope_buffer_in_bf16",
+)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -24,9 +24,20 @@ REPO = Path(__file__).resolve().parents[2]
 def _fake_checkpoint(directory: Path, step: int = 6, **changes) -> Path:
     """A checkpoint directory as the demo leaves it (DCP payload left out: never read on these paths)."""
     training = TrainingConfig(
-        scenario="healthy", compute_dtype="bfloat16", main_dtype="float32", grad_dtype="bfloat16", lr=3e-3,
-        min_lr=3e-4, warmup_steps=5, decay_steps=100, weight_decay=0.0, batch=8, microbatches=1, seed=0, plant_step=0,
-    )  # fmt: skip
+        scenario="healthy",
+        compute_dtype="bfloat16",
+        main_dtype="float32",
+        grad_dtype="bfloat16",
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=5,
+        decay_steps=100,
+        weight_decay=0.0,
+        batch=8,
+        microbatches=1,
+        seed=0,
+        plant_step=0,
+    )
     state = {
         "format": checkpoint.FORMAT,
         "step": step,
@@ -143,8 +154,12 @@ def test_the_real_command_exits_2_with_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "-m", "fsdp_patch", "demo", "--world-size", "0"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 2, f"exit code {result.returncode}, want 2: {result.stderr}"
     want = "fsdp-patch demo: --world-size 0 is too small; expected an integer >= 1\n"
     assert result.stderr == want, f"stderr {result.stderr!r}, want {want!r}"

@@ -35,8 +35,21 @@ def _demo(cwd: Path, trace_dir: Path, collector: SilentCollector, *args: str, **
         FSDP_PATCH_FLUSH_TIMEOUT=str(BUDGET_S),
         **env,
     )
-    command = [sys.executable, "-m", "fsdp_patch", "demo", "--steps", str(STEPS), "--precision-every", "1",
-               "--progress", "lines", "--trace-dir", str(trace_dir), *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_patch",
+        "demo",
+        "--steps",
+        str(STEPS),
+        "--precision-every",
+        "1",
+        "--progress",
+        "lines",
+        "--trace-dir",
+        str(trace_dir),
+        *args,
+    ]
     try:
         result = subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=BOUND_S * 5)
     except subprocess.TimeoutExpired as exc:

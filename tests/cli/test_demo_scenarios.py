@@ -79,8 +79,19 @@ ORIGINS = {
 
 
 def _demo(work: Path, scenario: str, *args: str) -> str:
-    command = [sys.executable, "-m", "fsdp_patch", "demo", "--scenario", scenario, "--trace-dir", f"t_{scenario}",
-               "--progress", "lines", *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_patch",
+        "demo",
+        "--scenario",
+        scenario,
+        "--trace-dir",
+        f"t_{scenario}",
+        "--progress",
+        "lines",
+        *args,
+    ]
     result = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, (
         f"{' '.join(command)} exited {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"

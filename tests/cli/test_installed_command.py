@@ -117,8 +117,22 @@ def runs(fresh_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         ],
         work,
     )
-    out["nan:demo"] = _run([command, "demo", "--scenario", "nan", "--steps", "6", "--precision-every", "1",
-                            "--trace-dir", "t_nan", *common], work)  # fmt: skip
+    out["nan:demo"] = _run(
+        [
+            command,
+            "demo",
+            "--scenario",
+            "nan",
+            "--steps",
+            "6",
+            "--precision-every",
+            "1",
+            "--trace-dir",
+            "t_nan",
+            *common,
+        ],
+        work,
+    )
     out["nan:json"] = _run([command, "report", "--json", "t_nan"], work)
     out["bad"] = _run([command, "demo", "--main-dtype", "fp8"], work, check=False)
     out["module_help"] = _run([str(fresh_venv / "bin" / "python"), "-m", "fsdp_patch", "--help"], work)
@@ -175,8 +189,14 @@ def test_a_regular_install_puts_the_start_up_hook_beside_the_packages(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_PATCH_", "OTEL_", "PYTHONPATH"))}
     if value is not None:
         env["FSDP_PATCH_TELEMETRY"] = value
-    result = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", _HOOK_PROBE], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    result = subprocess.run(
+        [str(fresh_venv / "bin" / "python"), "-c", _HOOK_PROBE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-2000:]}"
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(got["pth"]) == 1 and Path(got["pth"][0]).is_relative_to(fresh_venv), (

@@ -40,10 +40,27 @@ def env_without_opentelemetry(tmp_path: Path) -> dict[str, str]:
 
 def test_demo_runs_with_telemetry_off_and_says_why(env_without_opentelemetry: dict[str, str], tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "fsdp_patch", "demo", "--steps", "2", "--world-size", "1", "--progress", "lines",
-         "--trace-dir", str(tmp_path / "traces")],
-        cwd=tmp_path, env=env_without_opentelemetry, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fsdp_patch",
+            "demo",
+            "--steps",
+            "2",
+            "--world-size",
+            "1",
+            "--progress",
+            "lines",
+            "--trace-dir",
+            str(tmp_path / "traces"),
+        ],
+        cwd=tmp_path,
+        env=env_without_opentelemetry,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"want exit 0, got {run.returncode}:\n{out[-3000:]}"
     lines = run.stdout.splitlines()
@@ -99,10 +116,17 @@ def test_fully_shard_optimizer_with_telemetry_on_refuses_and_changes_nothing(
 ONE_SPAN = {
     "traceEvents": [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0", "otel.resource": {}}},
-        {"name": "fsdp.optimizer.step", "ph": "X", "ts": 1.0, "dur": 2.0, "pid": 0, "tid": 1,
-         "args": {"trace_id": "0" * 31 + "1", "span_id": "0" * 15 + "2"}},
+        {
+            "name": "fsdp.optimizer.step",
+            "ph": "X",
+            "ts": 1.0,
+            "dur": 2.0,
+            "pid": 0,
+            "tid": 1,
+            "args": {"trace_id": "0" * 31 + "1", "span_id": "0" * 15 + "2"},
+        },
     ]
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(("tool", "want"), [("merge", "wrote 2 events"), ("jaeger", "wrote 1 traces")])
@@ -113,8 +137,12 @@ def test_trace_tools_run_without_opentelemetry(
     output = tmp_path / f"out.{tool}.json"
     run = subprocess.run(
         [sys.executable, "-m", "fsdp_patch", "trace", tool, str(output), str(tmp_path)],
-        env=env_without_opentelemetry, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        env=env_without_opentelemetry,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     got = (run.returncode, run.stdout)
     assert got == (0, f"{want} to {output}\n"), f"fsdp-patch trace {tool}: got {got}:\n{run.stderr[-3000:]}"
     assert json.loads(output.read_text()), f"fsdp-patch trace {tool} wrote an empty document"

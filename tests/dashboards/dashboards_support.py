@@ -110,8 +110,9 @@ def exposition_for_rank(rank: str) -> str:
         for metric in instrument_table():
             keys = sorted(metric.attributes)
             units = ((semconv.ATTR_UNIT, u) for u in UNITS) if metric.name in UNIT_LABELLED else ()
-            for values, unit in itertools.product(itertools.product(*(metric.attributes[k] for k in keys)),
-                                                  (None, *units)):  # fmt: skip
+            for values, unit in itertools.product(
+                itertools.product(*(metric.attributes[k] for k in keys)), (None, *units)
+            ):
                 point = {
                     RANK_ATTRIBUTE: int(rank),
                     **dict(zip(keys, values, strict=True)),

@@ -33,8 +33,11 @@ def prometheus_binary() -> str:
     if not (bindir / "prometheus").exists():
         install = subprocess.run(
             ["bash", str(DASHBOARDS / "install_promtool.sh"), "prometheus"],
-            env={**os.environ, "PROMTOOL_DIR": str(bindir)}, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            env={**os.environ, "PROMTOOL_DIR": str(bindir)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert install.returncode == 0, f"installing prometheus failed:\n{install.stdout}\n{install.stderr}"
     return str(bindir / "prometheus")
 
@@ -43,10 +46,20 @@ def prometheus_binary() -> str:
 def demo_alerts(prometheus_binary: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("demo_alerts") / "alerts.json"
     result = subprocess.run(
-        [sys.executable, str(DASHBOARDS / "demo_alerts.py"), "--steps", str(STEPS), "--prometheus", prometheus_binary,
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(DASHBOARDS / "demo_alerts.py"),
+            "--steps",
+            str(STEPS),
+            "--prometheus",
+            prometheus_binary,
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert out.exists(), (
         f"demo_alerts.py exited {result.returncode} without results:\n{result.stdout}\n{result.stderr[-3000:]}"
     )

@@ -82,11 +82,17 @@ def _evaluate(
 ) -> None:
     keys = sorted({key for scrape in scrapes for key in scrape})
     series = [{"series": key, "values": " ".join(f"{s[key]:g}" if key in s else "_" for s in scrapes)} for key in keys]
-    test = {"expr": expr, "eval_time": f"{STEPS - 1}m",
-            "exp_samples": [{"labels": labels, "value": value} for labels, value in want]}  # fmt: skip
+    test = {
+        "expr": expr,
+        "eval_time": f"{STEPS - 1}m",
+        "exp_samples": [{"labels": labels, "value": value} for labels, value in want],
+    }
     (tmp_path / "empty_rules.yml").write_text("groups: []\n")
-    suite = {"rule_files": ["empty_rules.yml"], "evaluation_interval": SCRAPE,
-             "tests": [{"interval": SCRAPE, "input_series": series, "promql_expr_test": [test]}]}  # fmt: skip
+    suite = {
+        "rule_files": ["empty_rules.yml"],
+        "evaluation_interval": SCRAPE,
+        "tests": [{"interval": SCRAPE, "input_series": series, "promql_expr_test": [test]}],
+    }
     (tmp_path / "panel_test.yml").write_text(yaml.safe_dump(suite, sort_keys=False, width=10_000))
     proc = subprocess.run(
         [promtool, "test", "rules", "panel_test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
@@ -103,11 +109,14 @@ def test_the_non_finite_panel_shows_a_diagnosed_steps_elements(promtool, dashboa
     want = [
         (f'{{fsdp_rank="0",fsdp_tensor="{tensor}",fsdp_nonfinite_kind="{kind}"}}', count)
         for tensor, kind, count in (
-            ("main_grad", "nan", 0), ("main_grad", "inf", 0),
-            ("main_weight", "nan", NAN_ELEMENTS), ("main_weight", "inf", 0),
-            ("compute_weight", "nan", NAN_ELEMENTS), ("compute_weight", "inf", OVERFLOW_ELEMENTS),
+            ("main_grad", "nan", 0),
+            ("main_grad", "inf", 0),
+            ("main_weight", "nan", NAN_ELEMENTS),
+            ("main_weight", "inf", 0),
+            ("compute_weight", "nan", NAN_ELEMENTS),
+            ("compute_weight", "inf", OVERFLOW_ELEMENTS),
         )
-    ]  # fmt: skip
+    ]
     _evaluate(promtool, tmp_path, scraped_run, _panel_query(dashboards, 17), want)
 
 

@@ -91,8 +91,14 @@ def record_all_gathers() -> Iterator[list[dict[str, Any]]]:
         def collective(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             same = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
             offset = (input.data_ptr() - output.data_ptr()) // input.element_size() if same else None
-            gathers.append({"output_numel": output.numel(), "input_numel": input.numel(), "offset": offset,
-                            "input": input.detach().clone()})  # fmt: skip
+            gathers.append(
+                {
+                    "output_numel": output.numel(),
+                    "input_numel": input.numel(),
+                    "offset": offset,
+                    "input": input.detach().clone(),
+                }
+            )
             return originals[name](output, input, *args, **kwargs)
 
         return collective

@@ -31,12 +31,33 @@ def forbid_cuda() -> Iterator[list[str]]:
     import torch.cuda as tc
 
     names = [
-        "current_device", "device_count", "set_device", "synchronize", "current_stream",
-        "default_stream", "stream", "Stream", "Event", "_lazy_init", "init", "get_device_name",
-        "get_device_properties", "get_device_capability", "mem_get_info", "memory_allocated",
-        "max_memory_allocated", "memory_reserved", "empty_cache", "manual_seed", "manual_seed_all",
-        "get_rng_state", "set_rng_state", "is_bf16_supported", "device", "nvtx",
-    ]  # fmt: skip
+        "current_device",
+        "device_count",
+        "set_device",
+        "synchronize",
+        "current_stream",
+        "default_stream",
+        "stream",
+        "Stream",
+        "Event",
+        "_lazy_init",
+        "init",
+        "get_device_name",
+        "get_device_properties",
+        "get_device_capability",
+        "mem_get_info",
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "empty_cache",
+        "manual_seed",
+        "manual_seed_all",
+        "get_rng_state",
+        "set_rng_state",
+        "is_bf16_supported",
+        "device",
+        "nvtx",
+    ]
     saved = {n: getattr(tc, n) for n in names if hasattr(tc, n)}
     saved["is_available"] = tc.is_available
     touched: list[str] = []

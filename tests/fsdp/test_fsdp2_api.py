@@ -512,8 +512,10 @@ def test_fsdp2_mixed_precision_policy_trains_like_fsdp2(run_once, reduce_dtype, 
 def test_output_dtype_and_cast_forward_inputs_as_fsdp2(run_once, output_dtype, cast_forward_inputs) -> None:
     ours, fsdp2 = _both(run_once, forward_casts_script, output_dtype, cast_forward_inputs)
     _compare(ours, fsdp2, tol=1e-4)
-    want = {"root_input": ["torch.bfloat16" if cast_forward_inputs else "torch.float32"],
-            "output": f"torch.{output_dtype or 'bfloat16'}"}  # fmt: skip
+    want = {
+        "root_input": ["torch.bfloat16" if cast_forward_inputs else "torch.float32"],
+        "output": f"torch.{output_dtype or 'bfloat16'}",
+    }
     assert ours[0]["facts"] == want, f"want {want}, got {ours[0]['facts']}"
 
 
@@ -611,12 +613,17 @@ def refused_arguments_script(argument: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("argument", "want"),
-    [("placement_dim_1", "NotImplementedError: fully_shard: shard_placement_fn placed parameter 'inp.weight' as Shard(dim=1)"),
-     ("cpu_offload", "NotImplementedError: fully_shard: CPUOffloadPolicy is not supported"),
-     ("dp_mesh_dims", "NotImplementedError: fully_shard: dp_mesh_dims="),
-     ("ignored_not_parameters", "TypeError: fully_shard expected ignored_params to hold parameters, got ['str']"),
-     ("tensor_parallel", "NotImplementedError: fully_shard: parameter 'inp.weight' is a DTensor on DeviceMesh")],
-)  # fmt: skip
+    [
+        (
+            "placement_dim_1",
+            "NotImplementedError: fully_shard: shard_placement_fn placed parameter 'inp.weight' as Shard(dim=1)",
+        ),
+        ("cpu_offload", "NotImplementedError: fully_shard: CPUOffloadPolicy is not supported"),
+        ("dp_mesh_dims", "NotImplementedError: fully_shard: dp_mesh_dims="),
+        ("ignored_not_parameters", "TypeError: fully_shard expected ignored_params to hold parameters, got ['str']"),
+        ("tensor_parallel", "NotImplementedError: fully_shard: parameter 'inp.weight' is a DTensor on DeviceMesh"),
+    ],
+)
 def test_refused_arguments_name_why_and_leave_the_module_as_it_was(run_once, argument, want) -> None:
     got = run_once(WORLD_SIZE, refused_arguments_script, argument)[0]
     assert got["error"].startswith(want), f"want an error starting {want!r}, got {got['error']!r}"
@@ -700,12 +707,14 @@ def test_policy_reduce_dtype_is_main_grads_dtype() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"param_dtype": torch.int8}, "param_dtype must be a floating-point"),
-     ({"reduce_dtype": "float32"}, "reduce_dtype must be a floating-point"),
-     ({"output_dtype": torch.bool}, "output_dtype must be a floating-point"),
-     ({"cast_forward_inputs": 1}, "cast_forward_inputs must be a bool")],
+    [
+        ({"param_dtype": torch.int8}, "param_dtype must be a floating-point"),
+        ({"reduce_dtype": "float32"}, "reduce_dtype must be a floating-point"),
+        ({"output_dtype": torch.bool}, "output_dtype must be a floating-point"),
+        ({"cast_forward_inputs": 1}, "cast_forward_inputs must be a bool"),
+    ],
     ids=repr,
-)  # fmt: skip
+)
 def test_policy_refuses_wrong_types(kwargs: dict, match: str) -> None:
     from fsdp_patch import MixedPrecisionPolicy
 
@@ -729,10 +738,12 @@ def test_torch_policy_maps_field_for_field() -> None:
 
     from fsdp_patch.mixed_precision import MixedPrecisionPolicy, as_policy
 
-    got = as_policy(TorchPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float16,
-                                cast_forward_inputs=False))  # fmt: skip
-    want = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float16,
-                                cast_forward_inputs=False)  # fmt: skip
+    got = as_policy(
+        TorchPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float16, cast_forward_inputs=False)
+    )
+    want = MixedPrecisionPolicy(
+        param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float16, cast_forward_inputs=False
+    )
     assert got == want, f"got {got}, want {want}"
 
 

@@ -320,8 +320,13 @@ def reshard_checkpoint_run(saved_on: tuple[int, ...], loaded_on: tuple[int, ...]
         opt.step()
         losses.append(loss.item())
     diff, where = max_abs_difference(loaded, saved)
-    return {"keys": sorted(saved) == sorted(loaded), "diff": diff, "where": where, "placements": placements,
-            "losses": losses}  # fmt: skip
+    return {
+        "keys": sorted(saved) == sorted(loaded),
+        "diff": diff,
+        "where": where,
+        "placements": placements,
+        "losses": losses,
+    }
 
 
 @pytest.mark.parametrize(("saved_on", "loaded_on"), [((4,), (2, 2)), ((2, 2), (4,)), ((2, 2), (4, 1))], ids=str)

@@ -213,13 +213,37 @@ def test_groups_split_by_dtype_and_requires_grad(geometry) -> None:
     # (compute dtype, requires_grad, main dtype, compute-copy dtype, main-grad buffer dtype
     #  (none before the first backward), grads_dtype, names, compute copy is the main buffer)
     expected = [
-        ("torch.bfloat16", True, "torch.float32", "torch.bfloat16", None, "torch.float32",
-         ["bf16.bias", "bf16.weight"], False),
-        ("torch.float32", False, "torch.float32", "torch.float32", None, "torch.float32",
-         ["frozen.bias", "frozen.weight"], True),
-        ("torch.float32", True, "torch.float32", "torch.float32", None, "torch.float32",
-         ["f32.bias", "f32.weight"], True),
-    ]  # fmt: skip
+        (
+            "torch.bfloat16",
+            True,
+            "torch.float32",
+            "torch.bfloat16",
+            None,
+            "torch.float32",
+            ["bf16.bias", "bf16.weight"],
+            False,
+        ),
+        (
+            "torch.float32",
+            False,
+            "torch.float32",
+            "torch.float32",
+            None,
+            "torch.float32",
+            ["frozen.bias", "frozen.weight"],
+            True,
+        ),
+        (
+            "torch.float32",
+            True,
+            "torch.float32",
+            "torch.float32",
+            None,
+            "torch.float32",
+            ["f32.bias", "f32.weight"],
+            True,
+        ),
+    ]
     for facts in per_rank:
         assert facts["groups"] == expected
         # Optimizers see fp32 main weights, whatever the compute dtype.

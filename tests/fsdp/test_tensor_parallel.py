@@ -296,8 +296,13 @@ def checkpoint_run(saved_by: str, loaded_by: str) -> dict[str, Any]:
     x, y = batches[2]
     losses = [F.mse_loss(net(x).float(), y).item() for net in (model, other)]
     diff, where = max_abs_difference(loaded, saved)
-    return {"keys": sorted(saved) == sorted(loaded), "diff": diff, "where": where, "losses": losses,
-            "missing": sorted(set(saved) ^ set(loaded))}  # fmt: skip
+    return {
+        "keys": sorted(saved) == sorted(loaded),
+        "diff": diff,
+        "where": where,
+        "losses": losses,
+        "missing": sorted(set(saved) ^ set(loaded)),
+    }
 
 
 @pytest.mark.parametrize(

@@ -312,8 +312,10 @@ def fsdp2_limitation(pattern: str, results: dict[str, Any]) -> str | None:
     if error is None or pattern not in DATACLASS_OUTPUT_PATTERNS or _fsdp2_sees_dataclass_outputs():
         return None
     assert _FSDP2_FREED_PARAMETER.search(error), f"FSDP2 failed {pattern} otherwise than its known limitation: {error}"
-    return (f"torch {torch.__version__}'s FSDP2 does not look inside dataclass outputs for its pre-backward hooks, "
-            f"so {pattern} fails under it ({error})")  # fmt: skip
+    return (
+        f"torch {torch.__version__}'s FSDP2 does not look inside dataclass outputs for its pre-backward hooks, "
+        f"so {pattern} fails under it ({error})"
+    )
 
 
 def global_losses(run: dict[str, Any], impl: str) -> list[float]:
@@ -478,8 +480,10 @@ def test_mixed_precision_with_adapter_equals_fsdp2_bitwise(run_once: Any, patter
             )
             differ = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
             assert not differ, f"{pattern}/{impl}: final weights differ from telemetry off/persistent in {differ}"
-        pytest.skip(f"FSDP2 control unavailable: {limitation}; the fp32 pattern tests check fully_shard "
-                    "against the unsharded model")  # fmt: skip
+        pytest.skip(
+            f"FSDP2 control unavailable: {limitation}; the fp32 pattern tests check fully_shard "
+            "against the unsharded model"
+        )
     assert "error" not in results["fsdp2"], f"{pattern} under FSDP2 raised: {results['fsdp2']['error']}"
     want = results["fsdp2"]
     for impl in ("ours", "ours_per_gather", "ours_telemetry"):

@@ -154,9 +154,18 @@ def _bf16_exp_avg_sq(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
 def _check_nan(found: Found) -> str:
     run, named, target, where = found.run, found.named, found.target, found.where
     world = dist.get_world_size()
-    got = [(f[semconv.ATTR_STEP], f[semconv.ATTR_PARAM], f[semconv.ATTR_TENSOR], tuple(f[semconv.ATTR_RANKS]),
-            f[semconv.ATTR_NONFINITE_KIND], f[semconv.ATTR_PRECISION_ELEMENTS], f[semconv.ATTR_UNIT])
-           for f in run["firsts"]]  # fmt: skip
+    got = [
+        (
+            f[semconv.ATTR_STEP],
+            f[semconv.ATTR_PARAM],
+            f[semconv.ATTR_TENSOR],
+            tuple(f[semconv.ATTR_RANKS]),
+            f[semconv.ATTR_NONFINITE_KIND],
+            f[semconv.ATTR_PRECISION_ELEMENTS],
+            f[semconv.ATTR_UNIT],
+        )
+        for f in run["firsts"]
+    ]
     want = [(NAN_STEP, target, semconv.TENSOR_MAIN_GRAD, (world - 1,), semconv.NONFINITE_NAN, 1, "blocks.1")]
     assert got == want, f"{where}: first NaN/Inf events: want {want}, got {got}"
     nonfinite = named(NAN_STEP, semconv.METRIC_NONFINITE)
@@ -197,9 +206,18 @@ def _check_left_out(found: Found) -> None:
 def _check_bf16_state(found: Found) -> None:
     run, target, where = found.run, found.target, found.where
     rank = dist.get_rank()
-    got = [(c[semconv.ATTR_STEP], c[semconv.ATTR_RANK], c[semconv.ATTR_PARAM], c[semconv.ATTR_TENSOR],
-            c.get(semconv.ATTR_OPTIMIZER_STATE), c[semconv.ATTR_DTYPE_EXPECTED], c[semconv.ATTR_DTYPE_ACTUAL])
-           for c in run["contracts"]]  # fmt: skip
+    got = [
+        (
+            c[semconv.ATTR_STEP],
+            c[semconv.ATTR_RANK],
+            c[semconv.ATTR_PARAM],
+            c[semconv.ATTR_TENSOR],
+            c.get(semconv.ATTR_OPTIMIZER_STATE),
+            c[semconv.ATTR_DTYPE_EXPECTED],
+            c[semconv.ATTR_DTYPE_ACTUAL],
+        )
+        for c in run["contracts"]
+    ]
     want = [(2, rank, target, semconv.TENSOR_OPTIMIZER_STATE, "exp_avg_sq", "float32", "bfloat16")]
     assert got == want, f"{where}: dtype-contract events: want {want}, got {got}"
     points = run["points"].get(semconv.METRIC_DTYPE_CONTRACT, [])
@@ -315,8 +333,13 @@ def check_scenario(kind: str, name: str) -> None:
         return
     # Nothing else blamed by the diagnostics the scenarios plant.
     for step in range(1, STEPS + 1):
-        for diagnostic in (semconv.DIAGNOSTIC_STUCK, semconv.DIAGNOSTIC_UNSTEPPED, semconv.DIAGNOSTIC_STATE_FLUSHED,
-                           semconv.DIAGNOSTIC_STATE_NONFINITE, semconv.METRIC_NONFINITE):  # fmt: skip
+        for diagnostic in (
+            semconv.DIAGNOSTIC_STUCK,
+            semconv.DIAGNOSTIC_UNSTEPPED,
+            semconv.DIAGNOSTIC_STATE_FLUSHED,
+            semconv.DIAGNOSTIC_STATE_NONFINITE,
+            semconv.METRIC_NONFINITE,
+        ):
             blamed = {key.split(":")[0] for key in named(step, diagnostic)} - {target}
             assert not blamed, f"{where}: step {step}: {diagnostic} blames {blamed}"
         if not scenario.tiny_updates:
@@ -326,8 +349,11 @@ def check_scenario(kind: str, name: str) -> None:
         assert run["contracts"] == [], f"{where}: dtype-contract events: {run['contracts']}"
     # Per-parameter values equal the reference from the full tensors.
     for step, reference in run["references"].items():
-        for diagnostic, rel in ((semconv.METRIC_LOST_RATIO, 1e-12), (semconv.METRIC_GRAD_AMAX, 0.0),
-                                (semconv.METRIC_REFRESH_ERROR, 1e-5)):  # fmt: skip
+        for diagnostic, rel in (
+            (semconv.METRIC_LOST_RATIO, 1e-12),
+            (semconv.METRIC_GRAD_AMAX, 0.0),
+            (semconv.METRIC_REFRESH_ERROR, 1e-5),
+        ):
             got = named(step, diagnostic)
             want = {n: r[diagnostic] for n, r in reference.items() if r[diagnostic] > 0}
             assert set(got) == set(want), (
@@ -357,12 +383,18 @@ def check_export_and_bitwise_training(kind: str) -> None:
     # Counts of steps stay one series per rank (the alert and panels sum them by rank); the
     # diagnostics' values get one series per unit.
     step_counts = {semconv.METRIC_PRECISION_STEPS, semconv.METRIC_NONFINITE_STEPS, semconv.METRIC_SKIPPED_STEPS}
-    precision_points = {name: points for name, points in by_unit["points"].items()
-                        if name.startswith("fsdp.precision.") and name not in step_counts}  # fmt: skip
+    precision_points = {
+        name: points
+        for name, points in by_unit["points"].items()
+        if name.startswith("fsdp.precision.") and name not in step_counts
+    }
     units = {attrs.get(semconv.ATTR_UNIT) for points in precision_points.values() for attrs, _ in points}
     assert units == UNITS, f"{where}: units labelled {units}, want {UNITS}"
-    counted = {name: {attrs.get(semconv.ATTR_UNIT) for attrs, _ in points}
-               for name, points in by_unit["points"].items() if name in step_counts}  # fmt: skip
+    counted = {
+        name: {attrs.get(semconv.ATTR_UNIT) for attrs, _ in points}
+        for name, points in by_unit["points"].items()
+        if name in step_counts
+    }
     assert all(got == {None} for got in counted.values()) and semconv.METRIC_PRECISION_STEPS in counted, (
         f"{where}: step counts by unit {counted}, want one series per rank without {semconv.ATTR_UNIT}"
     )
@@ -374,8 +406,13 @@ def check_export_and_bitwise_training(kind: str) -> None:
         assert torch.equal(a, c) and torch.equal(b, c), f"{where}: {name} differs with diagnostics on and off"
     # the healthy run names nothing
     for step, diagnostics in default["offenders"].items():
-        for diagnostic in (semconv.DIAGNOSTIC_STUCK, semconv.DIAGNOSTIC_UNSTEPPED, semconv.METRIC_NONFINITE,
-                           semconv.DIAGNOSTIC_STATE_NONFINITE, semconv.DIAGNOSTIC_STATE_FLUSHED):  # fmt: skip
+        for diagnostic in (
+            semconv.DIAGNOSTIC_STUCK,
+            semconv.DIAGNOSTIC_UNSTEPPED,
+            semconv.METRIC_NONFINITE,
+            semconv.DIAGNOSTIC_STATE_NONFINITE,
+            semconv.DIAGNOSTIC_STATE_FLUSHED,
+        ):
             assert diagnostic not in diagnostics, f"{where}: step {step}: healthy run names {diagnostics[diagnostic]}"
     assert default["firsts"] == [] and default["contracts"] == [], (
         f"{where}: {default['firsts']} {default['contracts']}"

@@ -117,8 +117,14 @@ def test_span_tree_and_step_metrics(normal_runs) -> None:
         assert [s["attributes"][semconv.ATTR_STEP] for s in steps] == [1, 2, 3]
         for step in steps:
             attrs = step["attributes"]
-            got = (attrs[semconv.ATTR_RANK], attrs[semconv.ATTR_WORLD_SIZE], attrs[semconv.ATTR_OPTIMIZER_CLASS],
-                   attrs[semconv.ATTR_PARAMS_COUNT], attrs[semconv.ATTR_GROUPS_COUNT], attrs[semconv.ATTR_CAST_BYTES])  # fmt: skip
+            got = (
+                attrs[semconv.ATTR_RANK],
+                attrs[semconv.ATTR_WORLD_SIZE],
+                attrs[semconv.ATTR_OPTIMIZER_CLASS],
+                attrs[semconv.ATTR_PARAMS_COUNT],
+                attrs[semconv.ATTR_GROUPS_COUNT],
+                attrs[semconv.ATTR_CAST_BYTES],
+            )
             want = (rank, WORLD, "Adam", result["params"], result["fsdp_groups"], 0)
             assert got == want, (
                 f"rank {rank}: want (rank, world, class, params, FSDP2 groups, cast bytes) {want}, got {got}"
@@ -200,8 +206,9 @@ def fsdp2_dtype_audit() -> dict[str, Any]:
         return optimizer
 
     def audit(optimizer: torch.optim.Optimizer) -> Audited:
-        return sorted((v.param, v.unit, v.tensor, v.state_key, str(v.expected), str(v.actual))
-                      for v in audit_dtypes(optimizer))  # fmt: skip
+        return sorted(
+            (v.param, v.unit, v.tensor, v.state_key, str(v.expected), str(v.actual)) for v in audit_dtypes(optimizer)
+        )
 
     found: dict[str, Any] = {}
     model = fsdp2_model()
@@ -227,13 +234,17 @@ def test_dtype_audit_names_every_fsdp2_tensor_in_another_dtype(dist_pool) -> Non
     fp32, bf16 = str(torch.float32), str(torch.bfloat16)
     for rank, found in enumerate(dist_pool(WORLD).run(fsdp2_dtype_audit)):
         assert found["clean"] == [], f"rank {rank}: violations in a run that keeps the contract: {found['clean']}"
-        want = sorted([
-            ("blocks.0.fc1.weight", "blocks.0", semconv.TENSOR_MAIN_GRAD, None, fp32, bf16),
-            ("head.weight", "", semconv.TENSOR_OPTIMIZER_STATE, "exp_avg_sq", fp32, bf16),
-        ])  # fmt: skip
+        want = sorted(
+            [
+                ("blocks.0.fc1.weight", "blocks.0", semconv.TENSOR_MAIN_GRAD, None, fp32, bf16),
+                ("head.weight", "", semconv.TENSOR_OPTIMIZER_STATE, "exp_avg_sq", fp32, bf16),
+            ]
+        )
         assert found["planted"] == want, f"rank {rank}: want {want}, got {found['planted']}"
-        want = sorted((n, n.rsplit(".", 2)[0] if n.startswith("blocks.") else "", semconv.TENSOR_MAIN_WEIGHT, None,
-                       fp32, bf16) for n in found["names"])  # fmt: skip
+        want = sorted(
+            (n, n.rsplit(".", 2)[0] if n.startswith("blocks.") else "", semconv.TENSOR_MAIN_WEIGHT, None, fp32, bf16)
+            for n in found["names"]
+        )
         got = found["bf16_weights"]
         assert got == want, (
             f"rank {rank}: bf16 main weights: missing {sorted(set(want) - set(got))}, extra {sorted(set(got) - set(want))}"

@@ -103,8 +103,13 @@ def test_hsdp_counts_each_model_element_once(dist_pool, impl) -> None:
     hsdp_ranks = pool.run(hsdp_telemetry_run, impl, (2, 2))
     hsdp, flat = hsdp_ranks[0]["metrics"], pool.run(hsdp_telemetry_run, impl, (WORLD_SIZE,))[0]["metrics"]
     assert sorted(hsdp) == sorted(flat), f"metrics on HSDP {sorted(hsdp)}, on a 1-D mesh {sorted(flat)}"
-    counts = ("fsdp.precision.nonfinite", "fsdp.precision.steps", "fsdp.precision.nonfinite.steps",
-              "fsdp.precision.refresh.overflow", "fsdp.precision.refresh.underflow")  # fmt: skip
+    counts = (
+        "fsdp.precision.nonfinite",
+        "fsdp.precision.steps",
+        "fsdp.precision.nonfinite.steps",
+        "fsdp.precision.refresh.overflow",
+        "fsdp.precision.refresh.underflow",
+    )
     for name in counts:
         assert hsdp[name] == flat[name], f"{impl}: {name} on HSDP {hsdp[name]}, on a 1-D mesh {flat[name]}"
     planted = dict(hsdp["fsdp.precision.nonfinite"])
@@ -133,8 +138,13 @@ def test_a_nan_on_one_replica_is_named_on_every_rank(dist_pool, impl) -> None:
         events = run["divergence"]
         assert len(events) == 1, f"{impl} rank {rank}: want one divergence event (step {PLANTED_STEP}), got {events}"
         got = {k: (list(v) if isinstance(v, tuple) else v) for k, v in events[0].items()}
-        want = {"fsdp.step": PLANTED_STEP, "fsdp.replica.diff": "nonfinite", "fsdp.ranks": PEERS[rank],
-                "fsdp.precision.params": ["head.weight"], "fsdp.precision.params.count": 1}  # fmt: skip
+        want = {
+            "fsdp.step": PLANTED_STEP,
+            "fsdp.replica.diff": "nonfinite",
+            "fsdp.ranks": PEERS[rank],
+            "fsdp.precision.params": ["head.weight"],
+            "fsdp.precision.params.count": 1,
+        }
         assert {k: got.get(k) for k in want} == want, f"{impl} rank {rank}: want {want}, got {got}"
         per_replica = list(got["fsdp.replica.nonfinite"])
         assert per_replica[0] == 0 and per_replica[1] >= 1, (
@@ -164,8 +174,15 @@ def test_replicas_whose_weights_drift_apart_are_named(dist_pool, impl) -> None:
     for rank, run in enumerate(runs):
         nonfinite = sum(value for _, value in run["metrics"]["fsdp.precision.nonfinite"])
         assert nonfinite == 0, f"{impl} rank {rank}: a finite write counted {nonfinite} NaN/Inf elements"
-        got = [(e["fsdp.step"], e["fsdp.replica.diff"], list(e["fsdp.precision.params"]), list(e["fsdp.replica.nonfinite"]))
-               for e in run["divergence"]]  # fmt: skip
+        got = [
+            (
+                e["fsdp.step"],
+                e["fsdp.replica.diff"],
+                list(e["fsdp.precision.params"]),
+                list(e["fsdp.replica.nonfinite"]),
+            )
+            for e in run["divergence"]
+        ]
         want = [(PLANTED_STEP, "main_weight", ["head.weight"], [0, 0])]
         assert got == want, f"{impl} rank {rank}: want the drifted replica named {want}, got {got}"
 
@@ -178,8 +195,14 @@ def hsdp_traced_run(impl: str, plant: str, trace_dir: str) -> None:
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_PRECISION_EVERY": "1",
-                "FSDP_PATCH_SUMMARY": "none", "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    settings = {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_TRACE_DIR": trace_dir,
+        "FSDP_PATCH_PRECISION_EVERY": "1",
+        "FSDP_PATCH_SUMMARY": "none",
+        "OTEL_TRACES_EXPORTER": None,
+        "OTEL_METRICS_EXPORTER": None,
+    }
     with environment(**settings):
         reset_otel()
         model = models.make_model(0)

@@ -46,8 +46,14 @@ def instrument_round_trip(trace_dir: str) -> dict[str, Any]:
     batches = models.make_batches(3 * STEPS_PER_PHASE)
     phases = [batches[i : i + STEPS_PER_PHASE] for i in range(0, len(batches), STEPS_PER_PHASE)]
     out: dict[str, Any] = {}
-    with environment(FSDP_PATCH_TELEMETRY=None, FSDP_PATCH_PRECISION_EVERY="1", FSDP_PATCH_SUMMARY="none",
-                     FSDP_PATCH_TRACE_DIR=trace_dir, OTEL_TRACES_EXPORTER=None, OTEL_METRICS_EXPORTER=None):  # fmt: skip
+    with environment(
+        FSDP_PATCH_TELEMETRY=None,
+        FSDP_PATCH_PRECISION_EVERY="1",
+        FSDP_PATCH_SUMMARY="none",
+        FSDP_PATCH_TRACE_DIR=trace_dir,
+        OTEL_TRACES_EXPORTER=None,
+        OTEL_METRICS_EXPORTER=None,
+    ):
         reset_otel()
         gc.collect()  # an earlier test's optimizers (and the wrappers their watches hold) go first
         before = global_state()
@@ -95,8 +101,12 @@ def mismatched_settings(per_rank: list[dict[str, str | None]]) -> dict[str, Any]
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    settings = {"FSDP_PATCH_SUMMARY": "none", "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
-                **per_rank[rank]}  # fmt: skip
+    settings = {
+        "FSDP_PATCH_SUMMARY": "none",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_METRICS_EXPORTER": "none",
+        **per_rank[rank],
+    }
     with environment(**settings):
         reset_otel()
         model = models.sharded_model()
@@ -135,8 +145,11 @@ def lbfgs_refreshes() -> dict[str, Any]:
 
         optimizer.step(closure)
         points = metric_values(reader)
-    refresh = [v for attrs, v in points.get(semconv.METRIC_CAST_SIZE, [])
-               if attrs[semconv.ATTR_CAST_KIND] == semconv.CAST_KIND_WEIGHT_REFRESH]  # fmt: skip
+    refresh = [
+        v
+        for attrs, v in points.get(semconv.METRIC_CAST_SIZE, [])
+        if attrs[semconv.ATTR_CAST_KIND] == semconv.CAST_KIND_WEIGHT_REFRESH
+    ]
     per_refresh = sum(g.compute_weight.numel() * g.compute_weight.element_size() for g in parameter_groups(model))
     return {"closure calls": calls, "refresh bytes": sum(refresh), "bytes per refresh": per_refresh}
 
@@ -165,18 +178,22 @@ def test_instrument_uninstrument_instrument_round_trip(dist_pool, tmp_path) -> N
     [
         ([{"FSDP_PATCH_TELEMETRY": "1"}, {"FSDP_PATCH_TELEMETRY": None}], "rank 0 on, rank 1 off"),
         (
-            [{"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"},
-             {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "5"}],
+            [
+                {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"},
+                {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "5"},
+            ],
             "rank 0 1, rank 1 5",
         ),
         (
-            [{"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"},
-             {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1", "FSDP_PATCH_PRECISION_TOP_K": "0"}],
+            [
+                {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1"},
+                {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_PRECISION_EVERY": "1", "FSDP_PATCH_PRECISION_TOP_K": "0"},
+            ],
             "Per-parameter detail (FSDP_PATCH_PRECISION_TOP_K above 0): rank 0 on, rank 1 off",
         ),
     ],
     ids=["telemetry-on-one-rank", "diagnostics-schedules-differ", "per-parameter-detail-differs"],
-)  # fmt: skip
+)
 def test_mismatched_settings_raise_the_same_error_on_every_rank(dist_pool, per_rank, named) -> None:
     results = dist_pool(WORLD).run(mismatched_settings, per_rank)
     errors = [r["error"] for r in results]

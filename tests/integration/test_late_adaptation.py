@@ -103,8 +103,9 @@ def late_training(kind: str, how: str) -> dict[str, Any]:
             out["adapted before training"] = adaptation_of(optimizer) is not None
             out["losses"] = _train(model, optimizer)
             out["adapted after training"] = adaptation_of(optimizer) is not None
-            out["steps"] = sorted(s.attributes[semconv.ATTR_STEP] for s in spans.get_finished_spans()
-                                  if s.name == semconv.SPAN_STEP)  # fmt: skip
+            out["steps"] = sorted(
+                s.attributes[semconv.ATTR_STEP] for s in spans.get_finished_spans() if s.name == semconv.SPAN_STEP
+            )
             out["weights"] = [w.clone() for w in main_weights(model)] if how != "stale" else []
             # The watch's own pieces: its listener on the shared backward wrapper, its step pre-hook.
             # (The wrapper itself is shared with every live optimizer's watches, in this process

@@ -84,8 +84,13 @@ def audited_training(kind: str, careful: bool, trace_dir: str) -> None:
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank = dist.get_rank()
-    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_SUMMARY": "none",
-                "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    settings = {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_TRACE_DIR": trace_dir,
+        "FSDP_PATCH_SUMMARY": "none",
+        "OTEL_TRACES_EXPORTER": None,
+        "OTEL_METRICS_EXPORTER": None,
+    }
     with environment(**settings):
         reset_otel()
         torch.manual_seed(0)
@@ -105,8 +110,9 @@ def audited_training(kind: str, careful: bool, trace_dir: str) -> None:
 
             if not careful:
                 model.rotary.inv_freq.data = model.rotary.inv_freq.data.bfloat16()
-            fsdp2_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                reduce_dtype=torch.float32 if careful else torch.bfloat16)  # fmt: skip
+            fsdp2_policy = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if careful else torch.bfloat16
+            )
             for block in model.blocks:
                 fully_shard(block, mp_policy=fsdp2_policy)
             fully_shard(model, mp_policy=fsdp2_policy)
@@ -169,8 +175,13 @@ def failing_forward(kind: str, trace_dir: str) -> list[str]:
     the next forward trains. Returns what each attempt raised."""
     from fsdp_patch.optimizer import fully_shard_optimizer
 
-    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_SUMMARY": "none",
-                "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    settings = {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_TRACE_DIR": trace_dir,
+        "FSDP_PATCH_SUMMARY": "none",
+        "OTEL_TRACES_EXPORTER": None,
+        "OTEL_METRICS_EXPORTER": None,
+    }
     raised = []
     with environment(**settings):
         reset_otel()

@@ -49,8 +49,17 @@ def _two_nodes(cwd: Path) -> list[str]:
     logs = [cwd / f"node{node}.log" for node in range(2)]
     agents = []
     for node, log in enumerate(logs):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-                   "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(SCRIPT),
+        ]
         with log.open("w") as out:
             agents.append(subprocess.Popen(command, cwd=cwd, env=_env(True), stdout=out, stderr=subprocess.STDOUT))
     codes = [agent.wait(timeout=TIMEOUT_S) for agent in agents]
@@ -65,8 +74,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     nodes = tmp_path_factory.mktemp("two_nodes")
     outputs = _two_nodes(nodes)
     single = tmp_path_factory.mktemp("one_node")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT),
-               "--mesh", "2", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        str(SCRIPT),
+        "--mesh",
+        "2",
+        "2",
+    ]
     result = subprocess.run(command, cwd=single, env=_env(False), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, f"one node, 4 ranks, exited {result.returncode}:\n{result.stderr[-4000:]}"
     return {"nodes": nodes, "outputs": outputs, "single": single}

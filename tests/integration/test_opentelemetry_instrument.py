@@ -90,8 +90,11 @@ def job_python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     copy_package_source(source)  # built from a copy: the build leaves nothing in the checkout
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(source)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert install.returncode == 0, (
         f"the job sees {seen or 'no fsdp-patch'}, and pip install {REPO} failed:\n{install.stderr}"
     )
@@ -129,8 +132,13 @@ def instrumented_job(job_python_path: str, tmp_path_factory: pytest.TempPathFact
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
     result = subprocess.run(
         [python, "-c", launcher, *torchrun, str(script)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-4000:]}"
     outputs = {rank: (tmp_path / f"rank{rank}.out").read_text() for rank in range(WORLD)}
     return {
@@ -267,11 +275,20 @@ def test_the_fsdp_patch_distro_sets_only_what_is_unset(monkeypatch: pytest.Monke
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", " ")
     monkeypatch.setenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", "host, process")
-    variables = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL",
-                 "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS")  # fmt: skip
-    want = {"OTEL_TRACES_EXPORTER": "trace_file", "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_LOGS_EXPORTER": "none",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "host,process,fsdp_patch"}  # fmt: skip
+    variables = (
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_METRICS_EXPORTER",
+        "OTEL_LOGS_EXPORTER",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS",
+    )
+    want = {
+        "OTEL_TRACES_EXPORTER": "trace_file",
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "host,process,fsdp_patch",
+    }
     for attempt in ("first", "again"):  # configuring twice adds nothing twice
         FSDPPatchDistro().configure()
         got = {v: os.environ.get(v) for v in variables}

@@ -60,8 +60,14 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_PRECISION_EVERY": every,
-                "FSDP_PATCH_SUMMARY": "none", "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    settings = {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_TRACE_DIR": trace_dir,
+        "FSDP_PATCH_PRECISION_EVERY": every,
+        "FSDP_PATCH_SUMMARY": "none",
+        "OTEL_TRACES_EXPORTER": None,
+        "OTEL_METRICS_EXPORTER": None,
+    }
     if trace_dir == "":
         settings["FSDP_PATCH_TELEMETRY"] = None
     originals = _process_wide()
@@ -114,8 +120,12 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
 
 
 def _process_wide() -> tuple[Any, ...]:
-    return (torch.autograd.backward, torch.amp.GradScaler.step, torch.nn.utils.clip_grad_norm_,
-            torch.nn.utils.clip_grad.clip_grad_norm_)  # fmt: skip
+    return (
+        torch.autograd.backward,
+        torch.amp.GradScaler.step,
+        torch.nn.utils.clip_grad_norm_,
+        torch.nn.utils.clip_grad.clip_grad_norm_,
+    )
 
 
 def _unit_origins(trace_dir: Path) -> dict[int, int]:
@@ -191,8 +201,13 @@ def main_grads_freed_by_zero_grad() -> dict[str, Any]:
     from fsdp_patch.sharding import parameter_group_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    with environment(FSDP_PATCH_TELEMETRY="1", FSDP_PATCH_TRACE_DIR=None, FSDP_PATCH_SUMMARY="none",
-                     OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none"):  # fmt: skip
+    with environment(
+        FSDP_PATCH_TELEMETRY="1",
+        FSDP_PATCH_TRACE_DIR=None,
+        FSDP_PATCH_SUMMARY="none",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="none",
+    ):
         reset_otel()
         model = _shard(models.make_model(0), "fully_shard", main_grads_dtype=torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

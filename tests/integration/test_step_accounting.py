@@ -48,8 +48,13 @@ def scaled_training(kind: str, overflow_steps: list[int], trace_dir: str, reduce
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    settings = {"FSDP_PATCH_TELEMETRY": "1" if trace_dir else None, "FSDP_PATCH_TRACE_DIR": trace_dir,
-                "FSDP_PATCH_SUMMARY": "none", "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    settings = {
+        "FSDP_PATCH_TELEMETRY": "1" if trace_dir else None,
+        "FSDP_PATCH_TRACE_DIR": trace_dir,
+        "FSDP_PATCH_SUMMARY": "none",
+        "OTEL_TRACES_EXPORTER": None,
+        "OTEL_METRICS_EXPORTER": None,
+    }
     with environment(**settings):
         reset_otel()
         if reduce_fp16:
@@ -107,8 +112,13 @@ def test_a_scaler_that_skips_every_iteration_is_counted_and_its_overflow_named(d
     scaler skips them all and its scale collapses; telemetry used to record nothing at all."""
     report = _run(dist_pool, kind, list(range(1, STEPS + 1)), tmp_path, "all")
     got = report["iterations"]
-    want = {"optimizer_steps": 0, "skipped": STEPS, "scale_first": 1024.0, "scale_last": 1024.0 / 2 ** (STEPS - 1),
-            "backward_without_steps": 0}  # fmt: skip
+    want = {
+        "optimizer_steps": 0,
+        "skipped": STEPS,
+        "scale_first": 1024.0,
+        "scale_last": 1024.0 / 2 ** (STEPS - 1),
+        "backward_without_steps": 0,
+    }
     assert got == want, f"{kind}: want {want}, got {got}"
     origin = report["origin"]
     assert origin is not None and (origin["step"], origin["stage"], origin["where"]) == (1, "forward", "blocks.1"), (
@@ -156,8 +166,13 @@ def backward_only(kind: str, trace_dir: str) -> None:
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    settings = {"FSDP_PATCH_TELEMETRY": "1", "FSDP_PATCH_TRACE_DIR": trace_dir, "FSDP_PATCH_SUMMARY": "none",
-                "OTEL_TRACES_EXPORTER": None, "OTEL_METRICS_EXPORTER": None}  # fmt: skip
+    settings = {
+        "FSDP_PATCH_TELEMETRY": "1",
+        "FSDP_PATCH_TRACE_DIR": trace_dir,
+        "FSDP_PATCH_SUMMARY": "none",
+        "OTEL_TRACES_EXPORTER": None,
+        "OTEL_METRICS_EXPORTER": None,
+    }
     with environment(**settings):
         reset_otel()
         model = _shard(models.make_model(0), kind)

@@ -98,8 +98,9 @@ def tp_telemetry_run(
         step_spans = [s for s in spans.get_finished_spans() if s.name == "fsdp.optimizer.step"]
         coordinates = sorted({str(s.attributes.get("fsdp.mesh.coordinate")) for s in step_spans})
         step_of = {s.context.span_id: s.attributes["fsdp.step"] for s in step_spans}
-        diagnosed = sorted(step_of[s.parent.span_id] for s in spans.get_finished_spans()
-                           if s.name == "fsdp.optimizer.precision")  # fmt: skip
+        diagnosed = sorted(
+            step_of[s.parent.span_id] for s in spans.get_finished_spans() if s.name == "fsdp.optimizer.precision"
+        )
     metrics = {
         name: sorted(
             (tuple(sorted((k, v) for k, v in attrs.items() if k != "fsdp.rank")), value) for attrs, value in values
@@ -120,8 +121,13 @@ def test_tp_counts_each_model_element_once_on_every_rank(dist_pool, impl) -> Non
     want_coordinates = [[f"dp={rank // 2},tp={rank % 2}"] for rank in range(WORLD_SIZE)]
     assert got_coordinates == want_coordinates, f"{impl}: step spans' mesh coordinates {got_coordinates}"
     assert flat_run["coordinates"] == ["None"], f"{impl}: a 1-D mesh names no coordinate: {flat_run['coordinates']}"
-    counts = ("fsdp.precision.nonfinite", "fsdp.precision.steps", "fsdp.precision.nonfinite.steps",
-              "fsdp.precision.refresh.overflow", "fsdp.precision.refresh.underflow")  # fmt: skip
+    counts = (
+        "fsdp.precision.nonfinite",
+        "fsdp.precision.steps",
+        "fsdp.precision.nonfinite.steps",
+        "fsdp.precision.refresh.overflow",
+        "fsdp.precision.refresh.underflow",
+    )
     key = (("fsdp.nonfinite.kind", "nan"), ("fsdp.tensor", "main_weight"))
     assert dict(flat["fsdp.precision.nonfinite"])[key] == 2, f"the 1-D control: {flat['fsdp.precision.nonfinite']}"
     for rank, got in enumerate(tp):

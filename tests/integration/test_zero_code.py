@@ -67,8 +67,14 @@ def _run(client: str, telemetry: bool, cwd: Path) -> dict:
     if client in PLAIN_PYTHON:
         command = [sys.executable, script]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={common.WORLD}",
-                   script]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={common.WORLD}",
+            script,
+        ]
     for attempt in range(TEARDOWN_RETRIES + 1):
         if cwd.exists():
             shutil.rmtree(cwd)

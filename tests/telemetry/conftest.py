@@ -21,8 +21,11 @@ def clean_telemetry_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Ite
     """No inherited FSDP_PATCH_*/OTEL_*/torchrun variables, trace files under tmp_path, fresh globals."""
     for name in list(os.environ):
         if name.startswith(("FSDP_PATCH_", "OTEL_")) or name in (
-            "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-        ):  # fmt: skip
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "TORCHELASTIC_RUN_ID",
+        ):
             monkeypatch.delenv(name)
     monkeypatch.setenv("FSDP_PATCH_TRACE_DIR", str(tmp_path / "traces"))
     from fsdp_patch.telemetry.export import providers

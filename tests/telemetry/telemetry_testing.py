@@ -222,8 +222,11 @@ def global_state() -> dict[str, Any]:
     # OpenTelemetry's own modules add filters to their loggers when first imported (the SDK's
     # DuplicateFilter), and which of them a process has imported depends on what ran in it
     # before: those are left out, every other filter on an OpenTelemetry logger is counted.
-    loggers = {n: [f for f in logging.getLogger(n).filters if not _from_opentelemetry(f)]
-               for n in list(logging.root.manager.loggerDict) if n.split(".", 1)[0] == "opentelemetry"}  # fmt: skip
+    loggers = {
+        n: [f for f in logging.getLogger(n).filters if not _from_opentelemetry(f)]
+        for n in list(logging.root.manager.loggerDict)
+        if n.split(".", 1)[0] == "opentelemetry"
+    }
     return {
         "Optimizer.__init__": id(torch.optim.Optimizer.__dict__["__init__"]),
         "torch.autograd.backward": id(torch.autograd.backward),

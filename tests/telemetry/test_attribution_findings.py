@@ -104,8 +104,10 @@ def test_stuck_needs_the_window_and_resets() -> None:
     table = [slot("norm.weight"), slot("fp32.weight", compute=None)]
     # An update 1e-4 of the rounding step: it would take some 10000 steps of one sign to move.
     tiny = (1e-4 * BF16_U) ** 2
-    stuck = [row(changed=10, lost=10, grad_amax=1.0, main_sq=1.0, update_sq=tiny),
-             row(changed=10, lost=0, grad_amax=1.0, main_sq=1.0)]  # fmt: skip
+    stuck = [
+        row(changed=10, lost=10, grad_amax=1.0, main_sq=1.0, update_sq=tiny),
+        row(changed=10, lost=0, grad_amax=1.0, main_sq=1.0),
+    ]
     moving = [row(changed=10, lost=9, grad_amax=1.0, main_sq=1.0, update_sq=tiny), stuck[1]]
     tracker = attribution.Attribution(top_k=3, window=3)
     contexts = [ParamContext()] * 2
@@ -137,8 +139,7 @@ def test_a_compute_copy_lagging_its_fp32_master_is_never_stuck() -> None:
 def test_unstepped_names_the_cause_and_spares_an_lr_of_zero() -> None:
     table = [slot("left.out"), slot("frozen.lr"), slot("copy")]
     rows = [row(grad_amax=1.0), row(grad_amax=1.0), row(grad_amax=1.0)]
-    contexts = [ParamContext(in_optimizer=False), ParamContext(lr=0.0),
-                ParamContext(lr=1e-3)]  # fmt: skip
+    contexts = [ParamContext(in_optimizer=False), ParamContext(lr=0.0), ParamContext(lr=1e-3)]
     tracker = attribution.Attribution(top_k=5, window=2)
     tracker.analyze(1, table, rows, contexts, no_ranks)
     findings = tracker.analyze(2, table, rows, contexts, no_ranks)
@@ -209,8 +210,9 @@ def test_audit_names_optimizer_state_in_another_dtype() -> None:
     optimizer.state[p]["momentum_buffer"] = torch.zeros(4, dtype=BF16)
     optimizer.state[p]["step"] = torch.tensor(3.0)  # 0-d: not a per-element state tensor
     (violation,) = dtype_contract.audit_dtypes(optimizer)
-    want = dtype_contract.ContractViolation("param_groups[0]['params'][0]", "", semconv.TENSOR_OPTIMIZER_STATE,
-                                         "momentum_buffer", FP32, BF16)  # fmt: skip
+    want = dtype_contract.ContractViolation(
+        "param_groups[0]['params'][0]", "", semconv.TENSOR_OPTIMIZER_STATE, "momentum_buffer", FP32, BF16
+    )
     assert violation == want, f"want {want}, got {violation}"
 
 
@@ -229,8 +231,13 @@ def test_observer_audits_at_the_first_step_after_a_load_and_names_each_violation
     run_fake_step(observer, [group], [torch.zeros(4)])  # after a load: audited
     optimizer.state[p]["momentum_buffer"] = torch.zeros(4, dtype=torch.float64)
     run_fake_step(observer, [group], [torch.zeros(4)])  # no load, no diagnostics: not audited
-    events = [(s.attributes[semconv.ATTR_STEP], dict(e.attributes)) for s in otel.spans() if s.name == semconv.SPAN_STEP
-              for e in s.events if e.name == semconv.EVENT_DTYPE_CONTRACT]  # fmt: skip
+    events = [
+        (s.attributes[semconv.ATTR_STEP], dict(e.attributes))
+        for s in otel.spans()
+        if s.name == semconv.SPAN_STEP
+        for e in s.events
+        if e.name == semconv.EVENT_DTYPE_CONTRACT
+    ]
     got = [
         (step, e[semconv.ATTR_OPTIMIZER_STATE], e[semconv.ATTR_DTYPE_EXPECTED], e[semconv.ATTR_DTYPE_ACTUAL])
         for step, e in events
@@ -253,8 +260,11 @@ def test_observer_puts_findings_on_the_precision_span_and_units_on_metrics_only_
     observer = make_observer(optimizer)
     run_fake_step(observer, [group], [main + 1e-5])  # every update below bf16's resolution near 1-2
     (span,) = [s for s in otel.spans() if s.name == semconv.SPAN_PRECISION]
-    events = [(e.attributes[semconv.ATTR_DIAGNOSTIC], e.attributes[semconv.ATTR_PARAM]) for e in span.events
-              if e.name == semconv.EVENT_OFFENDER]  # fmt: skip
+    events = [
+        (e.attributes[semconv.ATTR_DIAGNOSTIC], e.attributes[semconv.ATTR_PARAM])
+        for e in span.events
+        if e.name == semconv.EVENT_OFFENDER
+    ]
     assert (semconv.METRIC_LOST_RATIO, "group0") in events and (
         semconv.DIAGNOSTIC_UPDATE_RESOLUTION,
         "group0",

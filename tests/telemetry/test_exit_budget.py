@@ -59,8 +59,15 @@ def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(steps=STEPS)))
     try:
-        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True,
-                                text=True, timeout=BOUND_S * 3, check=False)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=BOUND_S * 3,
+            check=False,
+        )
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"the run did not exit: its end waited for the collector\n{exc.stderr}") from None
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"

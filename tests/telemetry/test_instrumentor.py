@@ -199,8 +199,11 @@ def test_rejected_step_span_carries_every_attribute_and_the_public_error_type(ot
     (step,) = spans_named(otel.span_exporter, semconv.SPAN_STEP)
     missing = [k for k in semconv.STEP_ATTRIBUTES if k not in step.attributes]
     assert missing == [], f"rejected step span lacks {missing}"
-    got = (step.attributes[semconv.ATTR_PARAMS_COUNT], step.attributes[semconv.ATTR_GROUPS_COUNT],
-           step.attributes[semconv.ATTR_CAST_BYTES])  # fmt: skip
+    got = (
+        step.attributes[semconv.ATTR_PARAMS_COUNT],
+        step.attributes[semconv.ATTR_GROUPS_COUNT],
+        step.attributes[semconv.ATTR_CAST_BYTES],
+    )
     assert got == (1, 0, 0), f"want params 1, FSDP groups 0, cast bytes 0; got {got}"
     assert step.attributes[semconv.ATTR_ERROR_TYPE] == "TypeError"
     assert step.status.status_code is StatusCode.ERROR
@@ -208,8 +211,11 @@ def test_rejected_step_span_carries_every_attribute_and_the_public_error_type(ot
     assert type(info.value).__name__ not in step.status.description
     (event,) = [e for e in step.events if e.name == "exception"]
     assert event.attributes[semconv.ATTR_EXCEPTION_TYPE] == "TypeError"
-    rejected = [p for p in otel.points()[semconv.METRIC_DTYPE_MISMATCHES]
-                if p.attributes[semconv.ATTR_MISMATCH_ACTION] == semconv.MISMATCH_REJECTED]  # fmt: skip
+    rejected = [
+        p
+        for p in otel.points()[semconv.METRIC_DTYPE_MISMATCHES]
+        if p.attributes[semconv.ATTR_MISMATCH_ACTION] == semconv.MISMATCH_REJECTED
+    ]
     assert [p.value for p in rejected] == [1]
 
 

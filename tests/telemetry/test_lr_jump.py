@@ -48,8 +48,11 @@ def test_a_tenfold_rise_is_an_event_and_a_warm_up_from_zero_is_not() -> None:
             optimizer.param_groups[0]["lr"], optimizer.param_groups[1]["lr"] = lr0, lr1
             span = RecordingSpan()
             watch.begin_step(step, span, rank=0)  # type: ignore[arg-type]
-            got.extend((a[semconv.ATTR_STEP], a[semconv.ATTR_PARAM_GROUP], a[semconv.ATTR_LR_BEFORE], a[semconv.ATTR_LR_AFTER])
-                       for name, a in span.events if name == semconv.EVENT_LR_JUMP)  # fmt: skip
+            got.extend(
+                (a[semconv.ATTR_STEP], a[semconv.ATTR_PARAM_GROUP], a[semconv.ATTR_LR_BEFORE], a[semconv.ATTR_LR_AFTER])
+                for name, a in span.events
+                if name == semconv.EVENT_LR_JUMP
+            )
     finally:
         watch.close()
     want = [(2, 0, 1e-3, 100.0), (3, 1, 1e-3, 1e-2), (5, 0, 9.0, 900.0)]

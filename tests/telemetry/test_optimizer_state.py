@@ -29,8 +29,10 @@ def test_state_tensors_read_each_floating_tensor_flattened_with_its_key() -> Non
     states, keys = StateTensors().read(optimizer, _table(params))
     assert keys == [("exp_avg", "exp_avg_sq")] * 2, f"keys {keys}"  # 'step' is 0-d: not read
     got = [[(s.key, s.index, tuple(s.local.shape), s.shows_in_weight) for s in slot] for slot in states]
-    want = [[("exp_avg", 0, (12,), True), ("exp_avg_sq", 1, (12,), False)],
-            [("exp_avg", 0, (5,), True), ("exp_avg_sq", 1, (5,), False)]]  # fmt: skip
+    want = [
+        [("exp_avg", 0, (12,), True), ("exp_avg_sq", 1, (12,), False)],
+        [("exp_avg", 0, (5,), True), ("exp_avg_sq", 1, (5,), False)],
+    ]
     assert got == want, f"want {want}, got {got}"
     exp_avg_sq = optimizer.state[params[0]]["exp_avg_sq"]
     assert torch.equal(states[0][1].local, exp_avg_sq.reshape(-1)), "the record views the state tensor itself"

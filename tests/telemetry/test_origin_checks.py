@@ -29,8 +29,14 @@ from fsdp_patch.telemetry.diagnostics.origin import (
 )
 
 NAN, INF = math.nan, math.inf
-FWD, LOSS, BWD, RED, GW, WW = (semconv.ORIGIN_FORWARD, semconv.ORIGIN_LOSS, semconv.ORIGIN_BACKWARD,
-                               semconv.ORIGIN_REDUCE, semconv.ORIGIN_GRAD_WRITE, semconv.ORIGIN_WEIGHT_WRITE)  # fmt: skip
+FWD, LOSS, BWD, RED, GW, WW = (
+    semconv.ORIGIN_FORWARD,
+    semconv.ORIGIN_LOSS,
+    semconv.ORIGIN_BACKWARD,
+    semconv.ORIGIN_REDUCE,
+    semconv.ORIGIN_GRAD_WRITE,
+    semconv.ORIGIN_WEIGHT_WRITE,
+)
 
 
 def c(stage: str, where: str, value: float = 1.0, when: str = "", dtype: str = "bfloat16", group: str = "") -> Checked:
@@ -40,9 +46,24 @@ def c(stage: str, where: str, value: float = 1.0, when: str = "", dtype: str = "
 
 def healthy_iteration(**bad: float) -> list[Checked]:
     """One iteration of a model whose root holds blocks.0 and blocks.1 (units), a value per check."""
-    v = {"input": 1.0, "b0": 1.0, "b1": 1.0, "root": 1.0, "loss": 1.0, "g_root": 1.0, "g_b1": 1.0, "r_b1": 1.0,
-         "g_b0": 1.0, "r_b0": 1.0, "r_b0_after": 1.0, "r_b1_after": 1.0, "at_step_b0": 1.0, "w_b0": 1.0,
-         "w_after_b0": 1.0, **bad}  # fmt: skip
+    v = {
+        "input": 1.0,
+        "b0": 1.0,
+        "b1": 1.0,
+        "root": 1.0,
+        "loss": 1.0,
+        "g_root": 1.0,
+        "g_b1": 1.0,
+        "r_b1": 1.0,
+        "g_b0": 1.0,
+        "r_b0": 1.0,
+        "r_b0_after": 1.0,
+        "r_b1_after": 1.0,
+        "at_step_b0": 1.0,
+        "w_b0": 1.0,
+        "w_after_b0": 1.0,
+        **bad,
+    }
     return [
         c(FWD, "", v["input"], INPUT),
         c(FWD, "blocks.0", v["b0"]),
@@ -122,7 +143,11 @@ def test_grads_reduced_in_float32_unchecked_before_are_named_as_their_units_back
     """torch FSDP2's grads reduced in float32 are not checked before the reduce (a float32 sum of
     finite grads does not overflow): a non-finite reduce output is then its unit's backward, not the
     reduce, whatever the reduce dtype of the other units."""
-    checks = [x for x in healthy_iteration(r_b0_after=NAN, at_step_b0=NAN) if (x.probe.when, x.probe.where) != (BEFORE, "blocks.0") or x.probe.stage != RED]  # fmt: skip
+    checks = [
+        x
+        for x in healthy_iteration(r_b0_after=NAN, at_step_b0=NAN)
+        if (x.probe.when, x.probe.where) != (BEFORE, "blocks.0") or x.probe.stage != RED
+    ]
     origin = find_origin(checks)
     got = None if origin is None else (origin.stage, origin.where, origin.dtype, "reduced in float32" in origin.detail)
     want = (BWD, "blocks.0", "float32", True)
@@ -203,8 +228,17 @@ def check_all_against_check(device: str) -> dict[str, Any]:
 
     def summary(log: ProbeLog) -> list[tuple[Any, ...]]:
         stacked = log.stacked()
-        return [(x.probe.where, x.probe.dtype, x.finite, x.nan, "nan" if x.nan else x.magnitude, x.low == 0.0 and x.high == 0.0)
-                for x in log.read(None if stacked is None else stacked.cpu())]  # fmt: skip
+        return [
+            (
+                x.probe.where,
+                x.probe.dtype,
+                x.finite,
+                x.nan,
+                "nan" if x.nan else x.magnitude,
+                x.low == 0.0 and x.high == 0.0,
+            )
+            for x in log.read(None if stacked is None else stacked.cpu())
+        ]
 
     return {"one": summary(one), "many": summary(many), "mixed": summary(mixed)}
 

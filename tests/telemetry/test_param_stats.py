@@ -82,9 +82,13 @@ def step(groups: list, news: list[torch.Tensor], states=None, detail: bool = Tru
 
 
 def reference_row(main_before, compute_before, main_after, compute_after, grad) -> dict[str, float]:
-    ref = reference_stats([to_numpy(main_before)], [None if compute_before is None else to_numpy(compute_before)],
-                          [to_numpy(main_after)], [None if compute_after is None else to_numpy(compute_after)],
-                          [None if grad is None else to_numpy(grad)])  # fmt: skip
+    ref = reference_stats(
+        [to_numpy(main_before)],
+        [None if compute_before is None else to_numpy(compute_before)],
+        [to_numpy(main_after)],
+        [None if compute_after is None else to_numpy(compute_after)],
+        [None if grad is None else to_numpy(grad)],
+    )
     c = main_after if compute_after is None else compute_after
     finite = torch.isfinite(main_after) & torch.isfinite(c)
     m = main_after.double()[finite]
@@ -107,21 +111,42 @@ def test_rows_equal_a_per_tensor_reference(monkeypatch, chunk: int, compute_dtyp
     for slot, row in zip(table, rows, strict=True):
         cut = slice(slot.start, slot.start + slot.length)
         compute_after = None if compute_dtype is None else group.compute_weight[cut]
-        ref = reference_row(main_before[cut], None if compute_before is None else compute_before[cut],
-                            group.main_weight[cut], compute_after, group.main_grad[cut])  # fmt: skip
+        ref = reference_row(
+            main_before[cut],
+            None if compute_before is None else compute_before[cut],
+            group.main_weight[cut],
+            compute_after,
+            group.main_grad[cut],
+        )
         got = {
-            "changed": row[ps.CHANGED], "lost": row[ps.LOST], "overflow": row[ps.OVERFLOW], "underflow": row[ps.UNDERFLOW],
-            **{f"{t}/{k}": row[s] for (t, k), s in zip(
-                [(t, k) for t in (semconv.TENSOR_MAIN_GRAD, semconv.TENSOR_MAIN_WEIGHT, semconv.TENSOR_COMPUTE_WEIGHT)
-                 for k in semconv.NONFINITE_KINDS],
-                (ps.GRAD_NAN, ps.GRAD_INF, ps.MAIN_NAN, ps.MAIN_INF, ps.COMPUTE_NAN, ps.COMPUTE_INF), strict=True)},
-            "numel": row[ps.NUMEL], "grad_amax": row[ps.GRAD_AMAX],
-        }  # fmt: skip
+            "changed": row[ps.CHANGED],
+            "lost": row[ps.LOST],
+            "overflow": row[ps.OVERFLOW],
+            "underflow": row[ps.UNDERFLOW],
+            **{
+                f"{t}/{k}": row[s]
+                for (t, k), s in zip(
+                    [
+                        (t, k)
+                        for t in (semconv.TENSOR_MAIN_GRAD, semconv.TENSOR_MAIN_WEIGHT, semconv.TENSOR_COMPUTE_WEIGHT)
+                        for k in semconv.NONFINITE_KINDS
+                    ],
+                    (ps.GRAD_NAN, ps.GRAD_INF, ps.MAIN_NAN, ps.MAIN_INF, ps.COMPUTE_NAN, ps.COMPUTE_INF),
+                    strict=True,
+                )
+            },
+            "numel": row[ps.NUMEL],
+            "grad_amax": row[ps.GRAD_AMAX],
+        }
         want = {
-            "changed": ref["changed"], "lost": ref["lost"], "overflow": ref["overflow"], "underflow": ref["underflow"],
+            "changed": ref["changed"],
+            "lost": ref["lost"],
+            "overflow": ref["overflow"],
+            "underflow": ref["underflow"],
             **{f"{t}/{k}": v for (t, k), v in ref["nonfinite"].items()},
-            "numel": slot.length, "grad_amax": ref["grad_amax"],
-        }  # fmt: skip
+            "numel": slot.length,
+            "grad_amax": ref["grad_amax"],
+        }
         assert got == want, f"{slot.name}: want {want}, got {got}"
         for key, slot_index, rel in (("main_sq", ps.MAIN_SQ, 1e-6), ("diff_sq", ps.DIFF_SQ, 1e-5)):
             assert row[slot_index] == pytest.approx(ref[key], rel=rel, abs=1e-30), f"{slot.name} {key}"
@@ -144,9 +169,13 @@ def test_a_nan_the_step_removes_is_left_out_of_the_update_norm_alone(compute_dty
         group.compute_weight.copy_(group.main_weight)
     table, rows, ((main_before, compute_before),) = step([group], [new])
     cut = slice(a.offset, a.offset + a.local_numel)
-    ref = reference_row(main_before[cut], None if compute_before is None else compute_before[cut],
-                        group.main_weight[cut], None if compute_dtype is None else group.compute_weight[cut],
-                        group.main_grad[cut])  # fmt: skip
+    ref = reference_row(
+        main_before[cut],
+        None if compute_before is None else compute_before[cut],
+        group.main_weight[cut],
+        None if compute_dtype is None else group.compute_weight[cut],
+        group.main_grad[cut],
+    )
     row = rows[0]
     got = {"changed": row[ps.CHANGED], "lost": row[ps.LOST], "main nan": row[ps.MAIN_NAN]}
     want = {"changed": ref["changed"], "lost": ref["lost"], "main nan": 0}
@@ -202,9 +231,16 @@ def test_state_rows_count_nonfinite_and_flushed_exp_avg_sq() -> None:
         for a, b in zip(exp_avg, exp_avg_sq, strict=True)
     ]
     _, rows, _ = step([group], [new], states)
-    got = {(table[i].name, k): rows[i][slot] for i in range(len(table)) for k, slot in
-           (("exp_avg nan", ps.STATE_NAN), ("exp_avg_sq inf", ps.STATE_INF + 2), ("flushed", ps.STATE_FLUSHED))
-           if rows[i][slot]}  # fmt: skip
+    got = {
+        (table[i].name, k): rows[i][slot]
+        for i in range(len(table))
+        for k, slot in (
+            ("exp_avg nan", ps.STATE_NAN),
+            ("exp_avg_sq inf", ps.STATE_INF + 2),
+            ("flushed", ps.STATE_FLUSHED),
+        )
+        if rows[i][slot]
+    }
     want = {("a.bias", "exp_avg nan"): 1, ("c.weight", "exp_avg_sq inf"): 5, ("a.weight", "flushed"): 10}
     assert got == want, f"want {want}, got {got}"
     other, other_new = flat_group(seed=3)

@@ -170,11 +170,20 @@ def _write_attributed(directory: Path, ranks: int = 2) -> None:
                         values[semconv.ATTR_UNSTEPPED_PARAMS] = 1
                     child.set_attributes(values)
                     if step == 3:
-                        child.add_event(semconv.EVENT_FIRST_NONFINITE, {
-                            semconv.ATTR_STEP: 3, semconv.ATTR_PARAM: "blocks.1.fc1.weight", semconv.ATTR_UNIT: "blocks.1",
-                            semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD, semconv.ATTR_RANKS: [1],
-                            semconv.ATTR_NONFINITE_KIND: "nan", semconv.ATTR_PRECISION_ELEMENTS: 1,
-                            semconv.ATTR_PRECISION_PARAMS: ["blocks.1.fc1.weight"], semconv.ATTR_PRECISION_PARAMS_COUNT: 1})  # fmt: skip
+                        child.add_event(
+                            semconv.EVENT_FIRST_NONFINITE,
+                            {
+                                semconv.ATTR_STEP: 3,
+                                semconv.ATTR_PARAM: "blocks.1.fc1.weight",
+                                semconv.ATTR_UNIT: "blocks.1",
+                                semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD,
+                                semconv.ATTR_RANKS: [1],
+                                semconv.ATTR_NONFINITE_KIND: "nan",
+                                semconv.ATTR_PRECISION_ELEMENTS: 1,
+                                semconv.ATTR_PRECISION_PARAMS: ["blocks.1.fc1.weight"],
+                                semconv.ATTR_PRECISION_PARAMS_COUNT: 1,
+                            },
+                        )
                     offenders = [(semconv.METRIC_LOST_RATIO, "head.weight", "", 0.4 + step / 100, {})]
                     if step == 3:
                         offenders.append((semconv.METRIC_NONFINITE, "blocks.1.fc1.weight", "blocks.1", 3, {}))
@@ -202,10 +211,19 @@ def _write_attributed(directory: Path, ranks: int = 2) -> None:
                             },
                         )
                 if step == 2:
-                    span.add_event(semconv.EVENT_DTYPE_CONTRACT, {
-                        semconv.ATTR_STEP: 2, semconv.ATTR_RANK: rank, semconv.ATTR_PARAM: "head.weight", semconv.ATTR_UNIT: "",
-                        semconv.ATTR_TENSOR: semconv.TENSOR_OPTIMIZER_STATE, semconv.ATTR_OPTIMIZER_STATE: "exp_avg_sq",
-                        semconv.ATTR_DTYPE_EXPECTED: "float32", semconv.ATTR_DTYPE_ACTUAL: "bfloat16"})  # fmt: skip
+                    span.add_event(
+                        semconv.EVENT_DTYPE_CONTRACT,
+                        {
+                            semconv.ATTR_STEP: 2,
+                            semconv.ATTR_RANK: rank,
+                            semconv.ATTR_PARAM: "head.weight",
+                            semconv.ATTR_UNIT: "",
+                            semconv.ATTR_TENSOR: semconv.TENSOR_OPTIMIZER_STATE,
+                            semconv.ATTR_OPTIMIZER_STATE: "exp_avg_sq",
+                            semconv.ATTR_DTYPE_EXPECTED: "float32",
+                            semconv.ATTR_DTYPE_ACTUAL: "bfloat16",
+                        },
+                    )
         provider.shutdown()
 
 
@@ -284,9 +302,18 @@ def _steps(count: int) -> list[tuple[str, int, dict]]:
 
 
 def _origin_event(step: int, stage: str, where: str) -> tuple[str, dict]:
-    return ("fsdp.precision.origin", {"fsdp.step": step, "fsdp.origin.stage": stage, "fsdp.origin.where": where,
-                                      "fsdp.origin.dtype": "float16", "fsdp.nonfinite.kind": "nan",
-                                      "fsdp.microbatch": 0, "fsdp.origin.refined": False})  # fmt: skip
+    return (
+        "fsdp.precision.origin",
+        {
+            "fsdp.step": step,
+            "fsdp.origin.stage": stage,
+            "fsdp.origin.where": where,
+            "fsdp.origin.dtype": "float16",
+            "fsdp.nonfinite.kind": "nan",
+            "fsdp.microbatch": 0,
+            "fsdp.origin.refined": False,
+        },
+    )
 
 
 JUMP = (
@@ -315,11 +342,22 @@ def test_an_lr_jump_that_a_nan_followed_leads_the_report(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(
     ("case", "origin"),
-    [("too late", _origin_event(7, "forward", "blocks.0")), ("a write", _origin_event(4, "weight_write", "w")),
-     ("before it", _origin_event(2, "forward", "blocks.0")),
-     ("the batch", (_origin_event(4, "forward", "")[0], {**_origin_event(4, "forward", "")[1],
-                                                          "fsdp.origin.detail": "the model's input (the batch) already held it"}))],
-)  # fmt: skip
+    [
+        ("too late", _origin_event(7, "forward", "blocks.0")),
+        ("a write", _origin_event(4, "weight_write", "w")),
+        ("before it", _origin_event(2, "forward", "blocks.0")),
+        (
+            "the batch",
+            (
+                _origin_event(4, "forward", "")[0],
+                {
+                    **_origin_event(4, "forward", "")[1],
+                    "fsdp.origin.detail": "the model's input (the batch) already held it",
+                },
+            ),
+        ),
+    ],
+)
 def test_an_lr_jump_is_no_finding_unless_a_nan_of_the_update_follows_it(
     tmp_path: Path, case: str, origin: tuple[str, dict]
 ) -> None:
@@ -361,8 +399,9 @@ def test_backward_passes_no_step_followed_are_a_finding(tmp_path: Path) -> None:
     got = ([f["check"] for f in report["findings"]], report["iterations"]["backward_without_steps"], report["verdict"])
     assert got == (["no_optimizer_steps"], 5, "problem"), f"want the finding over 5 backward passes, got {got}"
     stepped = [("fsdp.optimizer.step", s, {"fsdp.backward.count": 1}) for s in (1, 2)]
-    _write_iterations(tmp_path / "some", {r: [*stepped, ("fsdp.optimizer.checks", 2, {"fsdp.backward.count": 0})]
-                                          for r in (0, 1)})  # fmt: skip
+    _write_iterations(
+        tmp_path / "some", {r: [*stepped, ("fsdp.optimizer.checks", 2, {"fsdp.backward.count": 0})] for r in (0, 1)}
+    )
     report = precision_report.report_json(str(tmp_path / "some"))
     assert report["iterations"]["backward_without_steps"] == 0 and report["findings"] == [], report
 
@@ -370,13 +409,17 @@ def test_backward_passes_no_step_followed_are_a_finding(tmp_path: Path) -> None:
 def test_a_scaler_that_skips_some_iterations_is_dated_at_its_first_skip(tmp_path: Path) -> None:
     """The GradScaler finding starts at the first skipped iteration, and only many skips are one."""
     steps = [("fsdp.optimizer.step", s, {"fsdp.backward.count": 1}) for s in range(1, 4)]
-    skipped = [("fsdp.optimizer.skipped_step", 4, {"fsdp.backward.count": 1, "fsdp.grad_scaler.scale": 2.0 ** -k})
-               for k in range(4)]  # fmt: skip
+    skipped = [
+        ("fsdp.optimizer.skipped_step", 4, {"fsdp.backward.count": 1, "fsdp.grad_scaler.scale": 2.0**-k})
+        for k in range(4)
+    ]
     _write_iterations(tmp_path, {0: steps + skipped, 1: steps + skipped})
     report = precision_report.report_json(str(tmp_path))
     got = ([(f["check"], f["first_step"]) for f in report["findings"]], report["iterations"])
-    want = ([("scaler_skipped", 4)], {"optimizer_steps": 3, "skipped": 4, "scale_first": 1.0, "scale_last": 0.125,
-                                       "backward_without_steps": 0})  # fmt: skip
+    want = (
+        [("scaler_skipped", 4)],
+        {"optimizer_steps": 3, "skipped": 4, "scale_first": 1.0, "scale_last": 0.125, "backward_without_steps": 0},
+    )
     assert got == want, f"want {want}, got {got}"
     text = precision_report.report(str(tmp_path))
     assert (

@@ -71,19 +71,29 @@ def _write_rank(
 
 def _first_nonfinite(step: int, param: str, unit: str, rank: int) -> tuple[str, dict[str, Any]]:
     return semconv.EVENT_FIRST_NONFINITE, {
-        semconv.ATTR_STEP: step, semconv.ATTR_PARAM: param, semconv.ATTR_UNIT: unit,
-        semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD, semconv.ATTR_RANKS: [rank],
-        semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN, semconv.ATTR_PRECISION_ELEMENTS: 1,
-        semconv.ATTR_PRECISION_PARAMS: [param], semconv.ATTR_PRECISION_PARAMS_COUNT: 1,
-    }  # fmt: skip
+        semconv.ATTR_STEP: step,
+        semconv.ATTR_PARAM: param,
+        semconv.ATTR_UNIT: unit,
+        semconv.ATTR_TENSOR: semconv.TENSOR_MAIN_GRAD,
+        semconv.ATTR_RANKS: [rank],
+        semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN,
+        semconv.ATTR_PRECISION_ELEMENTS: 1,
+        semconv.ATTR_PRECISION_PARAMS: [param],
+        semconv.ATTR_PRECISION_PARAMS_COUNT: 1,
+    }
 
 
 def _violation(step: int, rank: int) -> tuple[str, dict[str, Any]]:
     return semconv.EVENT_DTYPE_CONTRACT, {
-        semconv.ATTR_STEP: step, semconv.ATTR_RANK: rank, semconv.ATTR_PARAM: "head.weight", semconv.ATTR_UNIT: "",
-        semconv.ATTR_TENSOR: semconv.TENSOR_OPTIMIZER_STATE, semconv.ATTR_OPTIMIZER_STATE: "exp_avg_sq",
-        semconv.ATTR_DTYPE_EXPECTED: "float32", semconv.ATTR_DTYPE_ACTUAL: "bfloat16",
-    }  # fmt: skip
+        semconv.ATTR_STEP: step,
+        semconv.ATTR_RANK: rank,
+        semconv.ATTR_PARAM: "head.weight",
+        semconv.ATTR_UNIT: "",
+        semconv.ATTR_TENSOR: semconv.TENSOR_OPTIMIZER_STATE,
+        semconv.ATTR_OPTIMIZER_STATE: "exp_avg_sq",
+        semconv.ATTR_DTYPE_EXPECTED: "float32",
+        semconv.ATTR_DTYPE_ACTUAL: "bfloat16",
+    }
 
 
 def _findings(directory: Path) -> dict[str, dict[str, Any]]:
@@ -126,8 +136,11 @@ def test_dtype_violation_is_dated_at_the_earliest_rank_and_names_every_rank(tmp_
     got = (violation["step"], violation["ranks"])
     assert got == (2, [0, 1]), f"JSON violation (step, ranks): got {got}, want (2, [0, 1])"
     run = precision_report.read_run(str(tmp_path))
-    fired = [(line.first, line.last) for line in precision_report.range_lines(run, 8)
-             if any(f.threshold.check == "dtype_contract" for f in line.findings)]  # fmt: skip
+    fired = [
+        (line.first, line.last)
+        for line in precision_report.range_lines(run, 8)
+        if any(f.threshold.check == "dtype_contract" for f in line.findings)
+    ]
     assert fired == [(2, 2)], f"lines with the dtype-contract finding: got {fired}, want [(2, 2)] only"
 
 
@@ -153,8 +166,10 @@ def test_each_step_shows_the_worst_value_any_rank_recorded(tmp_path: Path, early
             precision={2: {semconv.METRIC_LOST_RATIO: lost}, 4: {semconv.METRIC_NONFINITE: 3}},
         )
     run = precision_report.read_run(str(tmp_path))
-    got = {step: (values[semconv.METRIC_LOST_RATIO], values[semconv.METRIC_NONFINITE])
-           for step, values in sorted(run.samples.items())}  # fmt: skip
+    got = {
+        step: (values[semconv.METRIC_LOST_RATIO], values[semconv.METRIC_NONFINITE])
+        for step, values in sorted(run.samples.items())
+    }
     want = {2: (0.95, 0.0), 4: (0.1, 3.0)}
     assert got == want, f"(lost ratio, NaN/Inf elements) by step: got {got}, want {want} (0.95 on rank {worse})"
     checks = _findings(tmp_path)
@@ -205,7 +220,7 @@ def test_a_parameter_is_dated_at_the_first_step_of_its_worst_value(tmp_path: Pat
                     semconv.ATTR_VALUE: value,
                 },
             )
-        ]  # fmt: skip
+        ]
         for step, value in {2: 0.95, 3: 0.5, 5: 0.95}.items()
     }
     for rank in range(WORLD):

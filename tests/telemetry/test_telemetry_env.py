@@ -16,9 +16,19 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(None, False), ("", False), ("0", False), ("false", False), ("FALSE", False), (" False ", False),
-     ("1", True), ("true", True), ("True", True), ("TRUE", True)],
-)  # fmt: skip
+    [
+        (None, False),
+        ("", False),
+        ("0", False),
+        ("false", False),
+        ("FALSE", False),
+        (" False ", False),
+        ("1", True),
+        ("true", True),
+        ("True", True),
+        ("TRUE", True),
+    ],
+)
 def test_telemetry_enabled_accepts_documented_values(monkeypatch, value, expected):
     if value is not None:
         monkeypatch.setenv("FSDP_PATCH_TELEMETRY", value)
@@ -50,9 +60,16 @@ def test_precision_every_rejects_malformed(monkeypatch, value):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("", None), ("all", None), ("ALL", None), ("none", frozenset()), ("0,3", frozenset({0, 3})),
-     ("0-2, 5", frozenset({0, 1, 2, 5})), ("7", frozenset({7}))],
-)  # fmt: skip
+    [
+        ("", None),
+        ("all", None),
+        ("ALL", None),
+        ("none", frozenset()),
+        ("0,3", frozenset({0, 3})),
+        ("0-2, 5", frozenset({0, 1, 2, 5})),
+        ("7", frozenset({7})),
+    ],
+)
 def test_trace_ranks(monkeypatch, value, expected):
     monkeypatch.setenv("FSDP_PATCH_TRACE_RANKS", value)
     assert env.trace_ranks() == expected

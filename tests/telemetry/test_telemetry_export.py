@@ -306,8 +306,9 @@ def test_metric_reader_selection(monkeypatch):
     setup = exporters.build_metric_readers(RANK0, "header")
     assert setup.summary is None
     assert [type(r.__dict__["_exporter"].inner).__name__ for r in setup.readers] == [
-        "ConsoleMetricExporter", "OTLPMetricExporter",
-    ]  # fmt: skip
+        "ConsoleMetricExporter",
+        "OTLPMetricExporter",
+    ]
     for reader in setup.readers:
         reader.shutdown()
 

@@ -20,11 +20,17 @@ README = os.path.join(os.path.dirname(os.path.dirname(instruments.__file__)), "R
 # docs/conventions.md's metric table: kinds, units and attribute sets written out independently of
 # telemetry/instrumentation/instruments.py (tests/test_conventions.py pins the table to the page itself).
 DESIGN_TABLE = {
-    semconv.METRIC_CAST_SIZE: ("Counter", "By", {semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET}),
+    semconv.METRIC_CAST_SIZE: (
+        "Counter",
+        "By",
+        {semconv.ATTR_CAST_KIND, semconv.ATTR_DTYPE_SOURCE, semconv.ATTR_DTYPE_TARGET},
+    ),
     semconv.METRIC_REFRESH_DURATION: ("Histogram", "s", set()),
     semconv.METRIC_STEP_DURATION: ("Histogram", "s", set()),
     semconv.METRIC_DTYPE_MISMATCHES: (
-        "Counter", "{parameter}", {semconv.ATTR_DTYPE_PARAM, semconv.ATTR_DTYPE_GRAD, semconv.ATTR_MISMATCH_ACTION},
+        "Counter",
+        "{parameter}",
+        {semconv.ATTR_DTYPE_PARAM, semconv.ATTR_DTYPE_GRAD, semconv.ATTR_MISMATCH_ACTION},
     ),
     semconv.METRIC_NONFINITE: ("Counter", "{element}", {semconv.ATTR_TENSOR, semconv.ATTR_NONFINITE_KIND}),
     semconv.METRIC_REFRESH_OVERFLOW: ("Counter", "{element}", set()),
@@ -32,7 +38,7 @@ DESIGN_TABLE = {
     semconv.METRIC_REFRESH_ERROR: ("Gauge", "1", set()),
     semconv.METRIC_LOST_RATIO: ("Gauge", "1", set()),
     semconv.METRIC_GRAD_AMAX: ("Gauge", "1", set()),
-}  # fmt: skip
+}
 # The counts of diagnosed steps (semconv's block of them).
 DIAGNOSED_STEP_COUNTS = {
     semconv.METRIC_PRECISION_STEPS: ("Counter", "{step}", set()),
@@ -40,9 +46,13 @@ DIAGNOSED_STEP_COUNTS = {
 }
 # The counters the attribution adds (docs/conventions.md, "Attribution").
 ATTRIBUTION_TABLE = {
-    semconv.METRIC_DTYPE_CONTRACT: ("Counter", "{tensor}", {semconv.ATTR_TENSOR, semconv.ATTR_DTYPE_EXPECTED, semconv.ATTR_DTYPE_ACTUAL}),
+    semconv.METRIC_DTYPE_CONTRACT: (
+        "Counter",
+        "{tensor}",
+        {semconv.ATTR_TENSOR, semconv.ATTR_DTYPE_EXPECTED, semconv.ATTR_DTYPE_ACTUAL},
+    ),
     semconv.METRIC_SKIPPED_STEPS: ("Counter", "{step}", set()),
-}  # fmt: skip
+}
 # Step accounting (docs/conventions.md, "Origin ... and step accounting").
 STEP_ACCOUNTING_TABLE = {
     semconv.METRIC_OPTIMIZER_SKIPPED_STEPS: ("Counter", "{step}", set()),
@@ -101,8 +111,11 @@ def test_cast_mismatch_and_duration_values_are_exact(otel, make_observer):
     ]
     assert len(rejected) == 1 and rejected[0].value == 7
     assert dict(rejected[0].attributes) == {
-        semconv.ATTR_RANK: 0, semconv.ATTR_DTYPE_PARAM: "float32", semconv.ATTR_DTYPE_GRAD: "float16", semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_REJECTED,
-    }  # fmt: skip
+        semconv.ATTR_RANK: 0,
+        semconv.ATTR_DTYPE_PARAM: "float32",
+        semconv.ATTR_DTYPE_GRAD: "float16",
+        semconv.ATTR_MISMATCH_ACTION: semconv.MISMATCH_REJECTED,
+    }
 
     for name, count in ((semconv.METRIC_STEP_DURATION, steps + 2), (semconv.METRIC_REFRESH_DURATION, steps)):
         (hist,) = points[name]

@@ -28,8 +28,10 @@ def messy_fp16_group() -> tuple[Group, torch.Tensor]:
 def step_and_measure(groups, new_mains):
     """Snapshot, write the new main weights, refresh, and compute the diagnostics."""
     snapshot = take_snapshot(groups)
-    before = [(to_numpy(g.main_weight), None if g.compute_weight is g.main_weight else to_numpy(g.compute_weight))
-              for g in groups]  # fmt: skip
+    before = [
+        (to_numpy(g.main_weight), None if g.compute_weight is g.main_weight else to_numpy(g.compute_weight))
+        for g in groups
+    ]
     for group, new in zip(groups, new_mains, strict=True):
         group.main_weight.copy_(new)
         if group.compute_weight is not group.main_weight:
@@ -51,10 +53,13 @@ def test_hand_counted_diagnostics_fp32_main_fp16_compute():
 
     # Counted by hand from the tensors above.
     assert stats.nonfinite == {
-        (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_INF): 1,
-        (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_INF): 1,        # 3.0 -> NaN, -5 -> -inf
-        (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_INF): 2,  # plus 7.1e4 beyond fp16's 65504
-    }  # fmt: skip
+        (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1,
+        (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_INF): 1,
+        (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN): 1,
+        (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_INF): 1,  # 3.0 -> NaN, -5 -> -inf
+        (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN): 1,
+        (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_INF): 2,  # plus 7.1e4 beyond fp16's 65504
+    }
     assert stats.overflow == 1  # 7.1e4: finite in fp32, inf in fp16 (the -inf main is not "finite")
     assert stats.underflow == 1  # 2e-8: below fp16's smallest subnormal (6e-8)
     assert stats.changed == 7  # all but the two padding zeros and the unchanged 1.0
@@ -173,8 +178,14 @@ def test_observer_records_the_diagnostics(otel, make_observer, monkeypatch):
     group, after = messy_fp16_group()
     run_fake_step(observer, [group], [after])
     points = otel.points()
-    expected_nonfinite = {(semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_INF): 1, (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN): 1,
-                          (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_INF): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN): 1, (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_INF): 2}  # fmt: skip
+    expected_nonfinite = {
+        (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1,
+        (semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_INF): 1,
+        (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_NAN): 1,
+        (semconv.TENSOR_MAIN_WEIGHT, semconv.NONFINITE_INF): 1,
+        (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_NAN): 1,
+        (semconv.TENSOR_COMPUTE_WEIGHT, semconv.NONFINITE_INF): 2,
+    }
     for (tensor, kind), count in expected_nonfinite.items():
         assert (
             point_value(
@@ -287,9 +298,12 @@ def test_tensor_list_groups_against_numpy_reference(compute_dtype, monkeypatch):
         return to_numpy(t.to(compute_dtype))
 
     reference = reference_stats(
-        [to_numpy(m) for m in mains], [cast(m) for m in mains], [to_numpy(m) for m in new], [cast(m) for m in new],
+        [to_numpy(m) for m in mains],
+        [cast(m) for m in mains],
+        [to_numpy(m) for m in new],
+        [cast(m) for m in new],
         [to_numpy(grads[0]), to_numpy(grads[1]), None],
-    )  # fmt: skip
+    )
     assert stats.nonfinite == reference["nonfinite"], (stats.nonfinite, reference["nonfinite"])
     for key in ("overflow", "underflow", "changed", "lost"):
         assert getattr(stats, key) == reference[key], f"{key}: want {reference[key]}, got {getattr(stats, key)}"

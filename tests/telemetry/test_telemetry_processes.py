@@ -63,9 +63,12 @@ def test_script_beside_its_own_telemetry_py_trains(tmp_path, telemetry_on):
         "def telemetry_enabled():\n    raise AssertionError('fsdp_patch imported the script\\'s telemetry.py')\n"
     )
     result = run_python(
-        TRAIN_SCRIPT, tmp_path, FSDP_PATCH_TELEMETRY=telemetry_on, FSDP_PATCH_TRACE_DIR=str(tmp_path / "traces"),
+        TRAIN_SCRIPT,
+        tmp_path,
+        FSDP_PATCH_TELEMETRY=telemetry_on,
+        FSDP_PATCH_TRACE_DIR=str(tmp_path / "traces"),
         FSDP_PATCH_SUMMARY="none",
-    )  # fmt: skip
+    )
     assert result.returncode == 0, f"want exit 0, got {result.returncode}:\n{result.stderr[-3000:]}"
     lines = result.stdout.strip().splitlines()
     assert lines == ["own telemetry: the training repository's", "trained True"], result.stdout

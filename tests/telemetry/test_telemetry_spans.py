@@ -62,8 +62,10 @@ def test_step_span_tree_and_attributes(otel, make_observer, monkeypatch):
     assert semconv.METRIC_LOST_RATIO in precision[0].attributes
     # children nest inside their parent's time range, and in call order
     for step in steps:
-        kids = sorted((c for c in otel.spans() if c.parent and c.parent.span_id == step.context.span_id),
-                      key=lambda c: c.start_time)  # fmt: skip
+        kids = sorted(
+            (c for c in otel.spans() if c.parent and c.parent.span_id == step.context.span_id),
+            key=lambda c: c.start_time,
+        )
         assert [k.name for k in kids][:4] == PHASES
         assert all(step.start_time <= k.start_time <= k.end_time <= step.end_time for k in kids)
     assert len(otel.spans()) == 1 + 3 * (1 + len(PHASES)) + 2

@@ -80,8 +80,17 @@ def _train(
     p = torch.nn.Parameter(torch.randn(64, 8, generator=gen))
     # Adam's weight decay would add 0.01 * p to every grad, and no row would go without one.
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01) if optimizer_kind == "adamw" else torch.optim.Adam([p])
-    slot = ParamSlot(name="embed.weight", unit="", group=0, tensor=0, start=0, length=p.numel(), param=p,
-                     main_dtype=torch.float32, compute_dtype=None)  # fmt: skip
+    slot = ParamSlot(
+        name="embed.weight",
+        unit="",
+        group=0,
+        tensor=0,
+        start=0,
+        length=p.numel(),
+        param=p,
+        main_dtype=torch.float32,
+        compute_dtype=None,
+    )
     history = UpdateHistory()
     judged = []
     for step in range(1, steps + 1):
@@ -110,8 +119,12 @@ def _train(
 
 @pytest.mark.parametrize("optimizer_kind", ["adam", "adamw"])
 def test_healthy_training_with_a_warmup_and_a_noisy_loss_has_no_jump(optimizer_kind: str) -> None:
-    judged = _train(optimizer_kind, 60, lr_at=lambda step: 1e-3 * min(1.0, step / 20),
-                    grad_scale_at=lambda step: 1.0 + 9.0 * (step % 7 == 0))  # fmt: skip
+    judged = _train(
+        optimizer_kind,
+        60,
+        lr_at=lambda step: 1e-3 * min(1.0, step / 20),
+        grad_scale_at=lambda step: 1.0 + 9.0 * (step % 7 == 0),
+    )
     jumps = [(step, j) for step, j in judged if j is not None]
     assert jumps == [], f"want no jump in healthy training, got {jumps}"
 

@@ -44,10 +44,16 @@ class LanguageModel(L.LightningModule):
 
 module = LanguageModel()
 trainer = L.Trainer(
-    accelerator="cpu", devices=common.WORLD, strategy=ModelParallelStrategy(data_parallel_size=common.WORLD,
-    tensor_parallel_size=1), max_steps=common.STEPS, logger=False, enable_checkpointing=False,
-    enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-)  # fmt: skip
+    accelerator="cpu",
+    devices=common.WORLD,
+    strategy=ModelParallelStrategy(data_parallel_size=common.WORLD, tensor_parallel_size=1),
+    max_steps=common.STEPS,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    use_distributed_sampler=False,
+)
 trainer.fit(module)
 common.print_losses(dist.get_rank(), module.losses)
 # As a script should end: Lightning leaves the process group up. The barrier lets gloo's worker

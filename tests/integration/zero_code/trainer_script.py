@@ -59,11 +59,25 @@ class Batches(torch.utils.data.Dataset):
 
 
 args = TrainingArguments(
-    output_dir="trainer_output", use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=common.BATCH,
-    max_steps=common.STEPS, learning_rate=common.LR, lr_scheduler_type="constant", warmup_steps=0,
-    weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, save_strategy="no",
-    report_to="none", disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0, seed=0,
-)  # fmt: skip
+    output_dir="trainer_output",
+    use_cpu=True,
+    ddp_backend="gloo",
+    per_device_train_batch_size=common.BATCH,
+    max_steps=common.STEPS,
+    learning_rate=common.LR,
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    weight_decay=0.0,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    adam_epsilon=1e-8,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    logging_strategy="no",
+    dataloader_num_workers=0,
+    seed=0,
+)
 rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
 trainer = FSDP2Trainer(model=common.tiny_llama(), args=args, train_dataset=Batches(rank))
 trainer.train()
