@@ -276,7 +276,11 @@ class OpAudit(TorchDispatchMode):
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
         if dtype is None or torch._C._current_autograd_node() is not None or len(self.records) >= self.max_ops:
             return
-        found = op_stats.constants(func, args, kwargs, dtype)
+        inplace = bool(op_stats.mutated_arguments(func, args, kwargs))
+        # A factor float32 holds as 1 loses what it stands for only where it is applied again and
+        # again to what it writes (a decay); once (Adam's bias correction late in a run) it costs
+        # what rounding the result does.
+        found = tuple(c for c in op_stats.constants(func, args, kwargs, dtype) if inplace or c[2] != 1.0)
         site = site_here(2) if found else None
         if site is None:  # no such constant, or fsdp_patch's or torch.distributed's own
             return
@@ -287,7 +291,7 @@ class OpAudit(TorchDispatchMode):
                 dtype=dtype,
                 elements=0,
                 constants=found,
-                inplace=bool(op_stats.mutated_arguments(func, args, kwargs)),
+                inplace=inplace,
                 site=dataclasses.replace(site, module=module, module_type=module_type),
                 phase=self.phase,
             )

@@ -388,3 +388,16 @@ def test_ordinary_float32_constants_are_not_recorded() -> None:
     (x * 0.5 + 1e-8).clamp(max=1 - 1e-6).mul_(0.999)
     audit.finish(top_k=1)
     assert audit.records == [], [r.op for r in audit.records]
+
+
+def test_adams_late_bias_correction_that_float32_holds_as_one_is_not_named() -> None:
+    """At step 20000 Adam divides by sqrt(1 - 0.999**20000), which float32 holds as 1: applied once
+    to a result, not again and again to what it writes, it costs what rounding the result does."""
+    param = torch.nn.Parameter(torch.randn(8, 8))
+    optimizer = torch.optim.Adam([param], lr=1e-4, foreach=False)
+    param.grad = torch.randn(8, 8)
+    optimizer.step()
+    optimizer.state[param]["step"].fill_(20000.0)
+    findings = _audit(lambda: optimizer.step())
+    got = [(f.op, f.detail) for f in findings if f.kind == "constant"]
+    assert got == [], f"want nothing named, got {got}"
