@@ -216,8 +216,10 @@ def global_state() -> dict[str, Any]:
     """Everything the package may install process-wide, by identity (``id``: a wrapt wrapper
     compares equal to what it wraps)."""
     import torch.distributed as dist
+    import torch.nn.modules.module as module_hooks
     import torch.optim.optimizer as optimizer_module
     from torch.distributed import distributed_c10d as c10d
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     # OpenTelemetry's own modules add filters to their loggers when first imported (the SDK's
     # DuplicateFilter), and which of them a process has imported depends on what ran in it
@@ -236,4 +238,13 @@ def global_state() -> dict[str, Any]:
         "opentelemetry logger filters": {n: [id(f) for f in fs] for n, fs in loggers.items() if fs},
         "global tracer provider": id(trace.get_tracer_provider()),
         "global meter provider": id(metrics.get_meter_provider()),
+        "GradScaler.step": id(torch.amp.GradScaler.__dict__["step"]),
+        "nn.utils.clip_grad_norm_": id(torch.nn.utils.clip_grad_norm_),
+        "nn.utils.clip_grad.clip_grad_norm_": id(torch.nn.utils.clip_grad.clip_grad_norm_),
+        "dispatch modes": [id(m) for m in _get_current_dispatch_mode_stack()],
+        "global module forward hooks": [
+            id(h)
+            for hooks in (module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks)
+            for h in hooks.values()
+        ],
     }
