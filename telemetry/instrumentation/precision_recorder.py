@@ -70,12 +70,11 @@ class PrecisionRecorder:
         # The optimizer.state object the last dtype audit read (a load replaces it), and what it named.
         self._audited_state: Any = None
         self._named_violations: set[tuple[Any, ...]] = set()
-        # id() of the optimizer.state the last diagnosed step read (not the dict: after a load it
-        # would keep the old state's tensors alive); the new dict exists before the old is freed.
-        self._seen_state: int | None = None
-        # Where the script last called optimizer.load_state_dict (file:line in function), read by
-        # a post hook on this optimizer that close() removes.
+        # Where the script last called optimizer.load_state_dict (file:line in function), and
+        # whether it did since the last diagnosed step: a post hook on this optimizer, which
+        # close() removes, sets both.
         self.loaded_at: str | None = None
+        self._loaded_since = False
         self._load_hook: Any = None
         try:
             self._load_hook = optimizer.register_load_state_dict_post_hook(self._state_loaded)
@@ -86,6 +85,7 @@ class PrecisionRecorder:
         self.loss_scaled = False
 
     def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self._loaded_since = True
         site = site_here(1)
         if site is not None and (site.caller or site.file):
             self.loaded_at = site.caller or site.where
@@ -205,9 +205,7 @@ class PrecisionRecorder:
             counts = combined.blocks[:, slot, list(slots)].sum(dim=1).tolist()
             return tuple(sorted(rank for rank, count in zip(combined.ranks, counts, strict=True) if count))
 
-        # Optimizer.load_state_dict replaces the state dict: a load since the last diagnosed step.
-        loaded = self._seen_state is not None and id(optimizer.state) != self._seen_state
-        self._seen_state = id(optimizer.state)
+        loaded, self._loaded_since = self._loaded_since, False
         findings = self._attribution.analyze(
             step,
             table,
