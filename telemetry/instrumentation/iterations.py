@@ -54,9 +54,10 @@ from ..diagnostics.model_audit import (
 )
 from ..diagnostics.origin import AFTER, BEFORE, Checked, Origin, PreparedChecks
 from ..diagnostics.rows import ParamSlot, param_table
-from .model_watch import IterationCheck, ModelWatch, watch_optimizer_steps
+from .model_watch import IterationCheck, ModelWatch
 from .module_shadows import ModuleShadows
 from .op_audits import OperationAudits
+from .training_calls import watch_optimizer_steps
 
 
 def _group_name(group: Any) -> str:

@@ -8,8 +8,8 @@ same with a new group. So while instrumented, an optimizer constructed over no F
 parameter is *pending*: before each backward (``torch.autograd.backward``, which
 ``Tensor.backward`` calls) the pending optimizers are looked at again and those that hold
 FSDP-managed parameters now are adapted, so that their first step is adapted and observed. The
-backward is seen through the model watch's process-wide wrapper
-(:func:`~.model_watch.listen_before_backward`): one wrapper on ``torch.autograd.backward``,
+backward is seen through the model watches' process-wide wrapper
+(:func:`~.training_calls.listen_before_backward`): one wrapper on ``torch.autograd.backward``,
 however many parts of telemetry need it, so that it comes off exactly whatever the order.
 
 At its first step a pending optimizer stops being pending. If it holds FSDP-managed parameters
@@ -43,7 +43,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .model_watch import listen_before_backward
+from .training_calls import listen_before_backward
 
 __all__ = ["PendingOptimizers"]
 

@@ -70,7 +70,7 @@ def late_training(kind: str, how: str) -> dict[str, Any]:
     with ``add_param_group``), ``stale`` (built before and left so). Returns losses, step spans,
     warnings, what stayed installed."""
     from fsdp_patch.telemetry import FSDPOptimizerInstrumentor, semconv
-    from fsdp_patch.telemetry.instrumentation import model_watch
+    from fsdp_patch.telemetry.instrumentation import training_calls
 
     from fsdp_patch.adapter import adaptation_of
 
@@ -82,7 +82,7 @@ def late_training(kind: str, how: str) -> dict[str, Any]:
         with environment(**settings), in_memory_otel() as (spans, _):
             gc.collect()  # an earlier test's optimizers (and the wrappers they hold) go first
             before = global_state()
-            before_registrations = model_watch._registrations
+            before_registrations = training_calls._registrations
             instrumentor = FSDPOptimizerInstrumentor()
             instrumentor.instrument()
             model = _unsharded(kind)
@@ -110,15 +110,15 @@ def late_training(kind: str, how: str) -> dict[str, Any]:
             # The watch's own pieces: its listener on the shared backward wrapper, its step pre-hook.
             # (The wrapper itself is shared with every live optimizer's watches, in this process
             # possibly an earlier test's: its identity is checked after uninstrument, below.)
-            out["listeners after training"] = len(model_watch._backward_listeners)
+            out["listeners after training"] = len(training_calls._backward_listeners)
             out["step hooks changed"] = (
                 global_state()["global optimizer step pre-hooks"] != before["global optimizer step pre-hooks"]
             )
-            registrations = model_watch._registrations
+            registrations = training_calls._registrations
             instrumentor.uninstrument()
             gc.collect()
             out["left after uninstrument"] = {k: v for k, v in global_state().items() if v != before[k]}
-            out["registrations"] = (before_registrations, registrations, model_watch._registrations)
+            out["registrations"] = (before_registrations, registrations, training_calls._registrations)
     finally:
         logging.getLogger(WATCH_LOGGER).removeHandler(handler)
     out["warnings"] = handler.messages

@@ -1,4 +1,4 @@
-"""The model watch's process-wide wrappers (``torch.autograd.backward``, ``GradScaler.step``,
+"""The process-wide wrappers of ``training_calls`` (``torch.autograd.backward``, ``GradScaler.step``,
 ``clip_grad_norm_``): a registration made while the garbage collector finalizes an optimizer
 collected in a reference cycle (whose finalizer unregisters on the same thread) neither deadlocks
 nor takes the wrappers away; a registration whose adding raises leaves everything as it was; each
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import wrapt
-from fsdp_patch.telemetry.instrumentation import model_watch
+from fsdp_patch.telemetry.instrumentation import training_calls
 
 WRAPPED = {
     "torch.autograd.backward": lambda: torch.autograd.backward,
@@ -66,22 +66,22 @@ def _collected() -> None:
 
 
 def test_a_finalizer_that_unregisters_inside_a_registration_neither_deadlocks_nor_removes_the_wrappers() -> None:
-    start, originals = model_watch._registrations, _current()
+    start, originals = training_calls._registrations, _current()
 
     def body() -> dict[str, Any]:
         # The first registration belongs to an object collected in a cycle, as IterationWatch
         # ties its unregistration to the optimizer (weakref.finalize).
-        first = model_watch._registration(lambda: None, lambda: None)
+        first = training_calls._registration(lambda: None, lambda: None)
         dead = _Cyclic()
         weakref.finalize(dead, first)
         del dead
         wrapped_before = _current()
         # The second registration's add allocates; the collector runs there, and with it the
         # first's unregistration, on this thread, while the registration holds its lock.
-        second = model_watch._registration(gc.collect, lambda: None)
-        during = {"registrations": model_watch._registrations, "wrappers": _current()}
+        second = training_calls._registration(gc.collect, lambda: None)
+        during = {"registrations": training_calls._registrations, "wrappers": _current()}
         second()
-        return {"before": wrapped_before, "during": during, "after": _current(), "left": model_watch._registrations}
+        return {"before": wrapped_before, "during": during, "after": _current(), "left": training_calls._registrations}
 
     got = _in_thread(body)
     wrapped = sorted(name for name, fn in got["before"].items() if isinstance(fn, wrapt.FunctionWrapper))
@@ -98,18 +98,20 @@ def test_a_finalizer_that_unregisters_inside_a_registration_neither_deadlocks_no
 
 
 def test_a_registration_whose_add_raises_leaves_nothing_behind() -> None:
-    start, originals = model_watch._registrations, _current()
+    start, originals = training_calls._registrations, _current()
     removed: list[str] = []
 
     def add() -> None:
         raise RuntimeError("add failed")
 
     def body() -> None:
-        model_watch._registration(add, lambda: removed.append("remove"))
+        training_calls._registration(add, lambda: removed.append("remove"))
 
     with pytest.raises(RuntimeError, match="^add failed$"):
         _in_thread(body)
     changed = sorted(name for name, fn in _current().items() if fn is not originals[name])
     assert changed == [], f"wrappers left after a failed registration: {changed}"
-    assert model_watch._registrations == start, f"registrations left: got {model_watch._registrations}, want {start}"
+    assert training_calls._registrations == start, (
+        f"registrations left: got {training_calls._registrations}, want {start}"
+    )
     assert removed == ["remove"], f"what the failed registration took back: got {removed}, want ['remove']"
