@@ -14,13 +14,14 @@ the next one, and what they say goes on that step's span:
 - event ``fsdp.precision.grads_zeroed`` for an iteration whose grads were non-zero after the
   reduce and all 0 at the step.
 
-Each step's span also gets event ``fsdp.optimizer.lr_jump`` where a param group's learning rate
-rose ``LR_JUMP_FACTOR``-fold since the previous step (read from the param groups: no device work).
+The origin event's attributes are made in :mod:`.origin_events`, the tensors each step checks
+kept in :mod:`.step_tensors`. Each step's span also gets event ``fsdp.optimizer.lr_jump`` where a
+param group's learning rate rose ``LR_JUMP_FACTOR``-fold since the previous step
+(:mod:`.learning_rates`).
 """
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -30,14 +31,13 @@ import torch.distributed as dist
 from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
-from fsdp_patch.module.model_units import group_prefix, sharded_models, user_name
+from fsdp_patch.module.model_units import sharded_models, user_name
 from fsdp_patch.sharding import parameter_group_of
 from fsdp_patch.torch_interop.fsdp2 import fsdp2_groups
 
 from .. import env, semconv
 from ..diagnostics.groups import (
     first_process_group,
-    main_tensors,
     mesh_coordinate,
     present_grads,
     weights_of,
@@ -52,91 +52,14 @@ from ..diagnostics.model_audit import (
     rebuilt_from_compute,
     state_through_low_precision,
 )
-from ..diagnostics.origin import AFTER, BEFORE, Checked, Origin, PreparedChecks
-from ..diagnostics.rows import ParamSlot, param_table
+from ..diagnostics.rows import param_table
+from .learning_rates import LearningRateJumps
 from .model_watch import IterationCheck, ModelWatch
 from .module_shadows import ModuleShadows
 from .op_audits import OperationAudits
+from .origin_events import origin_attributes
+from .step_tensors import StepTensors, group_name, tensors_key
 from .training_calls import watch_optimizer_steps
-
-
-def _group_name(group: Any) -> str:
-    """The group's unit as the module the user holds names it (as the model watch names units)."""
-    if hasattr(group, "main_weights"):
-        return user_name(group_prefix(group), str(getattr(group, "unit_name", "")))
-    from fsdp_patch.module.shard_module import unit_name_of
-
-    return user_name(group_prefix(group), unit_name_of(group))
-
-
-class _StepTensors:
-    """What the step's checks read of the optimizer's groups, made once for as long as the groups
-    keep their buffers (:attr:`key`: a load into new tensors, a re-sharding, makes new ones).
-    Tensors a group replaced stay referenced here until the next step makes these again:
-    ``fully_shard`` never replaces its main weights (loads copy into them), torch FSDP2 only where
-    it resets a parameter's local shard (a load with ``assign=True``, ``to_empty``).
-
-    Attributes:
-        key: Each main weight's identity and address, group by group.
-        mains: Each group's main weights as it holds them (their version counters tell writes).
-        before: Each parameter's main weight, checked before the update.
-        after: Each group's main weights, checked after it.
-        accumulation: Per group, its name and the dtype its grads sum microbatches in.
-        after_versions: Per group, its main weights' versions after the last update checked
-            (``None``: none checked yet).
-    """
-
-    def __init__(
-        self, key: tuple[int, ...], groups: Sequence[Any], names: Sequence[str], table: Sequence[ParamSlot]
-    ) -> None:
-        self.key = key
-        self.mains = [main_tensors(group) for group in groups]
-        before: list[tuple[str, torch.Tensor, str, str]] = []
-        after: list[tuple[str, torch.Tensor, str, str]] = []
-        for index, group in enumerate(groups):
-            mains = weights_of(group, None).mains
-            before.extend(
-                (slot.name, mains[slot.tensor][slot.start : slot.start + slot.length], BEFORE, names[index])
-                for slot in table
-                if slot.group == index
-            )
-            after.extend((names[index], main, AFTER, "") for main in mains)
-        self.before = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, before)
-        self.after = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, after)
-        self.accumulation = [(names[index], _accumulation_dtype(group)) for index, group in enumerate(groups)]
-        self.after_versions: list[list[int]] | None = None
-
-    def record_versions(self) -> None:
-        """The main weights as the update left them (after their check)."""
-        self.after_versions = [list(map(_VERSION, mains)) for mains in self.mains]
-
-    def written(self) -> list[int]:
-        """The groups whose main weights were written in place since the update checked last."""
-        if self.after_versions is None:
-            return []
-        return [
-            index
-            for index, (mains, versions) in enumerate(zip(self.mains, self.after_versions, strict=True))
-            if list(map(_VERSION, mains)) != versions
-        ]
-
-
-# Read of every main weight at every step (torch FSDP2 holds one per parameter): C-level calls.
-_VERSION = operator.attrgetter("_version")
-
-
-def _tensors_key(groups: Sequence[Any]) -> tuple[int, ...]:
-    mains = [t for group in groups for t in main_tensors(group)]
-    return (*map(id, mains), *map(torch.Tensor.data_ptr, mains))
-
-
-def _accumulation_dtype(group: Any) -> torch.dtype | None:
-    """The dtype a group's grads sum microbatches in: ``fully_shard``'s main-grad dtype, torch
-    FSDP2's reduce dtype."""
-    if hasattr(group, "fsdp_group"):
-        # FSDP2 keeps no reduce dtype where it equals the parameters' compute dtype.
-        return getattr(group.fsdp_group, "_reduce_dtype", None) or group.compute_dtype
-    return getattr(group, "grads_dtype", None)
 
 
 class IterationWatch:
@@ -167,9 +90,9 @@ class IterationWatch:
         self._observer = observer
         self._buffers_audited = False
         self._audited_state: Any = None
-        self._rates: list[float | None] = []
-        self._tensors: _StepTensors | None = None
-        self._step_tensors: _StepTensors | None = None  # the running step's, from begin_step to end_step
+        self._lr_jumps = LearningRateJumps()
+        self._tensors: StepTensors | None = None
+        self._step_tensors: StepTensors | None = None  # the running step's, from begin_step to end_step
         self.watches: list[ModelWatch] = []
         self.audits = OperationAudits.from_environment(optimizer, bool(every))
         self.shadows = ModuleShadows.from_environment(optimizer, bool(every))
@@ -222,17 +145,17 @@ class IterationWatch:
             # forward: read the names at the first step.
             self._named = True
             self._table = [slot for slot in param_table(self._groups) if slot.length]
-            self._names = [_group_name(group) for group in self._groups]
+            self._names = [group_name(group) for group in self._groups]
             self._tensors = None
         return self._groups
 
-    def _step_tensors_now(self) -> _StepTensors:
+    def _step_tensors_now(self) -> StepTensors:
         """The step's tensors as the groups hold them now: their buffers may have been re-made
         since the last step."""
         groups = self._optimizer_groups()
-        key = _tensors_key(groups)
+        key = tensors_key(groups)
         if self._tensors is None or self._tensors.key != key:
-            self._tensors = _StepTensors(key, groups, self._names, self._table)
+            self._tensors = StepTensors(key, groups, self._names, self._table)
         return self._tensors
 
     # -- the step -------------------------------------------------------------------------------
@@ -246,7 +169,9 @@ class IterationWatch:
         self._report(results, span, rank)
         if self._observer.precision_due(self._closed_step):
             self._forecast_headroom(results, span, rank)
-        self._watch_learning_rates(step, span, rank)
+        optimizer = self._optimizer_ref()
+        if optimizer is not None and span is not None:
+            self._lr_jumps.watch(optimizer.param_groups, step, span, rank)
         if not self.watches:
             return
         tensors = self._step_tensors = self._step_tensors_now()
@@ -256,31 +181,6 @@ class IterationWatch:
         ]
         for watch in self.watches:
             watch.check_step_begin(grads, tensors.before)
-
-    def _watch_learning_rates(self, step: int, span: Span | None, rank: int) -> None:
-        """Event ``fsdp.optimizer.lr_jump`` where a param group's lr rose by LR_JUMP_FACTOR or more
-        since the previous step: the report ties a NaN/Inf that begins soon after to it."""
-        optimizer = self._optimizer_ref()
-        if optimizer is None or span is None:
-            return
-        rates = [_learning_rate(group) for group in optimizer.param_groups]
-        previous, self._rates = self._rates, rates
-        if len(previous) != len(rates):
-            return  # a param group added: nothing to compare with
-        for index, (before, after) in enumerate(zip(previous, rates, strict=True)):
-            if before is None or after is None or before <= 0.0:
-                continue
-            if after >= semconv.LR_JUMP_FACTOR * before:
-                span.add_event(
-                    semconv.EVENT_LR_JUMP,
-                    {
-                        semconv.ATTR_STEP: step,
-                        semconv.ATTR_RANK: rank,
-                        semconv.ATTR_PARAM_GROUP: index,
-                        semconv.ATTR_LR_BEFORE: before,
-                        semconv.ATTR_LR_AFTER: after,
-                    },
-                )
 
     def end_step(self, span: Span | None, completed: bool) -> None:
         """At the end of the step: the main weights after the update; the iteration closed; its
@@ -358,7 +258,7 @@ class IterationWatch:
             detail=finding.detail,
         )
 
-    def _audit_model(self, step: int, span: Span | None, tensors: _StepTensors) -> None:
+    def _audit_model(self, step: int, span: Span | None, tensors: StepTensors) -> None:
         """Buffers at the first step; the loss and the normalization statistics once checked;
         main weights rebuilt from their compute copy at the first step and after each load of the
         optimizer's state (``load_state_dict`` replaces ``optimizer.state``)."""
@@ -421,7 +321,7 @@ class IterationWatch:
         if anywhere and not self._in_episode:
             for r in found:
                 if r.origin is not None and span is not None:
-                    attributes = self._origin_attributes(r.origin, step, rank, False, r.checks)
+                    attributes = origin_attributes(r.origin, step, rank, False, self._optimizer_groups, r.checks)
                     span.add_event(semconv.EVENT_ORIGIN, attributes)
             if self.escalation and self._step > self.escalated_until:
                 self.escalated_until = self._step + self.escalation - 1
@@ -458,7 +358,9 @@ class IterationWatch:
                 if key in self._refined_named or span is None:
                     continue
                 self._refined_named.add(key)
-                span.add_event(semconv.EVENT_ORIGIN, self._origin_attributes(origin, step, rank, True))
+                span.add_event(
+                    semconv.EVENT_ORIGIN, origin_attributes(origin, step, rank, True, self._optimizer_groups)
+                )
         if self._step > self.escalated_until:
             for watch in self.watches:
                 watch.de_escalate()
@@ -485,100 +387,6 @@ class IterationWatch:
                 semconv.ATTR_HEADROOM_FROM_AMAX: forecast.first_amax,
             }
             span.add_event(semconv.EVENT_HEADROOM_FORECAST, attributes)
-
-    def _origin_attributes(
-        self, origin: Origin, step: int, rank: int, refined: bool, checks: Sequence[Checked] = ()
-    ) -> dict[str, AttributeValue]:
-        where, detail = origin.where, origin.detail
-        if origin.stage == semconv.ORIGIN_OPTIMIZER:
-            # Read before this step's update: the weights as the update that made them non-finite left them.
-            where, detail = self._locate(origin, detail)
-        elif origin.stage == semconv.ORIGIN_WEIGHT_WRITE:
-            detail = self._written_elements(origin, detail, checks)
-        attrs: dict[str, AttributeValue] = {
-            semconv.ATTR_STEP: step,
-            semconv.ATTR_RANK: rank,
-            semconv.ATTR_ORIGIN_STAGE: origin.stage,
-            semconv.ATTR_ORIGIN_WHERE: where,
-            semconv.ATTR_ORIGIN_DTYPE: origin.dtype,
-            semconv.ATTR_NONFINITE_KIND: semconv.NONFINITE_NAN if origin.nan else semconv.NONFINITE_INF,
-            semconv.ATTR_MICROBATCH: origin.microbatch,
-            semconv.ATTR_ORIGIN_REFINED: refined,
-        }
-        if detail:
-            attrs[semconv.ATTR_ORIGIN_DETAIL] = detail
-        return attrs
-
-    def _written_elements(self, origin: Origin, detail: str, checks: Sequence[Checked]) -> str:
-        """``detail`` with how many elements of the parameter written hold NaN/Inf on this rank.
-
-        Counted now, after the update of the step whose checks saw the write (a count when it
-        was checked would cost one more pass over every main weight at every step): when that
-        iteration's grads of the parameter's group were finite (the forward ran on a copy the
-        write missed), the update kept the count; when they were not (the forward gathered the
-        weight written), the update spread it, and the count says so.
-        """
-        group = next(
-            (
-                c.probe.group
-                for c in checks
-                if c.probe.stage == semconv.ORIGIN_WEIGHT_WRITE and c.probe.where == origin.where and c.probe.group
-            ),
-            "",
-        )
-        groups = self._optimizer_groups()
-        names = [_group_name(g) for g in groups]
-        slots = [slot for slot in param_table(groups) if slot.name == origin.where and names[slot.group] == group]
-        if not slots:
-            return detail
-        slot = slots[0]
-        main = weights_of(groups[slot.group], None).mains[slot.tensor]
-        segment = main[slot.start : slot.start + slot.length]
-        count = int((~torch.isfinite(segment)).sum())
-        grads_finite = all(
-            c.finite
-            for c in checks
-            if c.probe.where == group and c.probe.stage in (semconv.ORIGIN_REDUCE, semconv.ORIGIN_GRAD_WRITE)
-        )
-        if grads_finite:
-            counted = f"{count} of its {slot.length} element(s) on this rank"
-        else:
-            counted = (
-                f"{count} of its {slot.length} element(s) on this rank after that step's update, which spread "
-                "it (the step's grads already held NaN/Inf: the forward ran on the weight written)"
-            )
-        return f"{detail}; {counted}" if detail else counted
-
-    def _locate(self, origin: Origin, detail: str) -> tuple[str, str]:
-        """The first parameter of the named unit whose main weight holds NaN/Inf now, and how many
-        elements (a sync on each parameter: only once, for an origin)."""
-        groups = self._optimizer_groups()
-        names = [_group_name(g) for g in groups]
-        wanted = [i for i, name in enumerate(names) if name == origin.where]
-        table = [slot for slot in param_table(groups) if slot.group in wanted]
-        bad: list[tuple[str, int]] = []
-        for slot in table:
-            main = weights_of(groups[slot.group], None).mains[slot.tensor]
-            segment = main[slot.start : slot.start + slot.length]
-            count = int((~torch.isfinite(segment)).sum())
-            if count:
-                bad.append((slot.name, count))
-        if not bad:
-            return origin.where, detail
-        name, count = bad[0]
-        others = f"; {len(bad) - 1} other parameter(s) of the unit too" if len(bad) > 1 else ""
-        return name, f"{detail}; {count} element(s) on this rank{others}".lstrip("; ")
-
-
-def _learning_rate(group: dict[str, Any]) -> float | None:
-    """A param group's lr as a number; ``None`` when it has none, or keeps it in a device tensor
-    (reading that would wait for the device)."""
-    lr = group.get("lr")
-    if isinstance(lr, torch.Tensor):
-        if lr.device.type != "cpu" or lr.numel() != 1:
-            return None
-        lr = lr.item()
-    return float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) else None
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[tuple[str, str, torch.Tensor]]:
