@@ -36,6 +36,8 @@ def _report(args: argparse.Namespace) -> int:
 
     if args.lines < 1:
         raise UsageError(f"fsdp-patch report: --lines {args.lines} is too small; expected an integer >= 1")
+    if args.html is not None:
+        _write_html(args.trace_dir, args.lines, args.html)
     if args.json:
         import json
 
@@ -43,6 +45,16 @@ def _report(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write(report(args.trace_dir, args.lines))
     return 0
+
+
+def _write_html(trace_dir: str, lines: int, out: str) -> None:
+    from fsdp_patch.telemetry.offline.html_report import HtmlOutputError, write_report_html
+
+    try:
+        write_report_html(trace_dir, out, lines)
+    except HtmlOutputError as exc:
+        raise UsageError(f"fsdp-patch report: --html {exc}") from None
+    print(f"html report: {out}", file=sys.stderr)
 
 
 def _trace(args: argparse.Namespace) -> int:

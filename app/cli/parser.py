@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("trace_dir", metavar="TRACE_DIR", help="directory of rank*.trace.json files")
     report.add_argument("--lines", type=int, default=10, help="most step ranges (default 10)")
     report.add_argument("--json", action="store_true", help="the same report as JSON, for machines")
+    report.add_argument(
+        "--html",
+        metavar="OUT.html",
+        help="also write the report as one self-contained HTML page of per-step plots (opens in any browser, offline)",
+    )
     trace = commands.add_parser(
         "trace", help="merge trace files, or convert them for Jaeger", description="Trace-file tools."
     )

@@ -22,6 +22,9 @@ from .progress import Progress
 from .scenarios import GROWTH_PER_STEP, LAYER_LR_FACTOR, ORIGIN_PLANTS, SCENARIOS, UNDERFLOW_SCALE
 from .schedule import WarmupCosine
 
+# The demo's HTML report, beside the trace files it plots.
+HTML_REPORT = "report.html"
+
 
 def _device() -> torch.device:
     if dist.get_backend() == "nccl":
@@ -276,6 +279,7 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
         print("no precision report: telemetry is off", flush=True)
         return
     from fsdp_patch.telemetry.export.selection import trace_files_off_reason
+    from fsdp_patch.telemetry.offline.html_report import write_report_html
     from fsdp_patch.telemetry.offline.precision_report import report
     from fsdp_patch.telemetry.offline.trace_reading import TraceFileError
 
@@ -284,13 +288,16 @@ def _finish(options: RunOptions, rank: int, start_step: int, elapsed: float) -> 
     if reason is not None:
         print(f"no precision report: {reason} (the report reads {options.trace_dir}).", flush=True)
         return
+    page = os.path.join(options.trace_dir, HTML_REPORT)
     try:
         text = report(options.trace_dir, options.report_lines, step_offset=start_step)
+        write_report_html(options.trace_dir, page, options.report_lines, step_offset=start_step)
     except TraceFileError as exc:
         print(f"no precision report: {exc}", flush=True)
         return
     print(
-        f"\n{text}traces: {options.trace_dir}{os.sep} (Perfetto: rank*.trace.json; Jaeger upload: rank*.jaeger.json; "
-        f"again: fsdp-patch report {options.trace_dir})",
+        f"\n{text}plots: {page} (open it in a browser; it needs no network)\n"
+        f"traces: {options.trace_dir}{os.sep} (Perfetto: rank*.trace.json; Jaeger upload: rank*.jaeger.json; "
+        f"again: fsdp-patch report {options.trace_dir} --html {page})",
         flush=True,
     )

@@ -19,6 +19,7 @@ four demo runs and four other runs of the command, all in the first test's setup
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,7 @@ def runs(fresh_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         work,
     )
     out["nan:json"] = _run([command, "report", "--json", "t_nan"], work)
+    out["nan:html"] = work / "t_nan" / "report.html"
     out["bad"] = _run([command, "demo", "--main-dtype", "fp8"], work, check=False)
     out["module_help"] = _run([str(fresh_venv / "bin" / "python"), "-m", "fsdp_patch", "--help"], work)
     out["telemetry_file"] = _run(
@@ -250,6 +252,14 @@ def test_report_names_the_planted_nan_and_where_it_began(runs: dict[str, Any]) -
     assert want in stdout and "where to look next:" in stdout, f"the report does not say {want!r}:\n{stdout}"
     named = "first NaN/Inf: step 3, rank 0, blocks.1.fc1.weight (unit 'blocks.1'), main_grad: 1 NaN element"
     assert named in stdout, f"the report does not name {named!r}:\n{stdout}"
+
+
+def test_the_installed_demo_writes_the_html_report_with_its_page(runs: dict[str, Any]) -> None:
+    # The page's template, style and script are package data: a wheel without them fails here.
+    page = runs["nan:html"].read_text(encoding="utf-8")
+    for part in ('id="report-data"', "function plot(", "figure.plot"):
+        assert part in page, f"the installed demo's report.html lacks {part!r} (package data missing from the wheel?)"
+    assert f"plots: t_nan{os.sep}report.html" in runs["nan:demo"].stdout, runs["nan:demo"].stdout[-2000:]
 
 
 def test_report_json_names_the_first_bad_tensor(runs: dict[str, Any]) -> None:
