@@ -36,7 +36,7 @@ OPENTELEMETRY_SEAM_TESTS := tests/telemetry tests/test_sdk_exporter_entry_points
 	tests/integration/test_opentelemetry_instrument.py
 OLDEST_STAMP := .venv-oldest/.fsdp_patch-setup-torch$(OLDEST_TORCH)
 
-.PHONY: setup demo test test-torch test-oldest test-long lint typecheck bench gpu-check
+.PHONY: setup demo test test-torch test-oldest test-long lint typecheck docs bench gpu-check
 
 setup: $(SETUP_STAMP)
 
@@ -56,10 +56,10 @@ $(OLDEST_STAMP): pyproject.toml scripts/setup.sh $(OLDEST_OPENTELEMETRY)
 demo: setup
 	$(VENV)/bin/fsdp-patch demo
 
-# Sets up (with promtool, which the dashboard tests run), checks lint, formatting and types, then
-# runs the test suite but its `long` tests, then the torch-range and OpenTelemetry-seam tests on the
-# oldest supported releases.
-test: setup lint typecheck
+# Sets up (with promtool, which the dashboard tests run), checks lint, formatting, types and the
+# documentation's build, then runs the test suite but its `long` tests, then the torch-range and
+# OpenTelemetry-seam tests on the oldest supported releases.
+test: setup lint typecheck docs
 	bash dashboards/install_promtool.sh
 	$(VENV_PYTHON) -m pytest -m "not long"
 ifneq ($(OLDEST_TORCH),)
@@ -75,6 +75,11 @@ lint: setup
 
 typecheck: setup
 	$(VENV)/bin/mypy
+
+# The documentation (mkdocs.yml, docs/) built in strict mode: a broken link or anchor, a page left
+# out of the navigation, or a results table whose JSON is missing fails it. The site goes to site/.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 test-oldest:
 	$(MAKE) --no-print-directory $(OLDEST_STAMP)
