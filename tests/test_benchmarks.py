@@ -1,4 +1,4 @@
-"""The benchmark suite runs end to end (small sizes) and writes what the README quotes.
+"""The benchmark suite runs end to end (small sizes) and writes what docs/benchmarks.md renders.
 
 No time is asserted: the figures depend on the machine. What must hold is that every case runs, fills its rows (a finite value, a verdict wherever there is a target) and lands in
 the JSON document with its raw samples, and that bad arguments are refused with a clear message.

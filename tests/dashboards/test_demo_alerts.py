@@ -1,6 +1,6 @@
 """The demo's planted scenarios fire their alerts in a real Prometheus evaluating rules.yml.
 
-Runs ``dashboards/demo_alerts.py`` (the script the README quotes, at 300 steps there) with short
+Runs ``dashboards/demo_alerts.py`` (the script docs/report.md quotes; 300 steps per scenario by default) with short
 runs: Prometheus on loopback scraping every second, ``fsdp-patch demo --exporter prometheus`` per
 scenario. The Prometheus server is installed here when it is missing (Debian's package, as
 ``dashboards/install_promtool.sh prometheus`` does). Slow: four demo runs of 2 ranks.

@@ -1,4 +1,4 @@
-"""The README's multi-node recipe, as two torchrun "nodes" on the loopback interface.
+"""The multi-node recipe of docs/multi-node.md, as two torchrun "nodes" on the loopback interface.
 
 ``tests/integration/multi_node/hsdp_script.py`` builds its HSDP mesh from the node layout
 torchrun gives (nodes replicate, each node's ranks shard). Run as 2 agents of 2 ranks each with

@@ -1,4 +1,4 @@
-"""The README's multi-node recipe: HSDP, the mesh built from the node layout torchrun gives.
+"""The multi-node recipe of docs/multi-node.md: HSDP, the mesh built from the node layout torchrun gives.
 
 Run on every node (``torchrun --nnodes N --node-rank i --nproc-per-node G ...``): each node's G
 ranks shard the model among them, the N nodes replicate it. ``--mesh R S`` sets the mesh's shape
