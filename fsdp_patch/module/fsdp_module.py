@@ -106,7 +106,7 @@ class FSDPModule:
             state.reshard_after_forward_setting = reshard_after_forward
             state.reshard_after_forward = reshard_after_forward
             for group in state.groups:
-                group.post_forward_group = None  # an int given to fully_shard no longer applies
+                group.unsharding.post_forward_group = None  # an int given to fully_shard no longer applies
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters' storage after a backward without gradient
@@ -138,7 +138,7 @@ class FSDPModule:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expected a positive number, got {factor!r}")
         for group in self._fsdp_state.groups:
-            group.reduction.divide_factor = float(factor)
+            group.grad_reduce.reduction.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated name of :meth:`set_gradient_divide_factor`, as in FSDP2."""
@@ -154,7 +154,7 @@ class FSDPModule:
         factor) is a separate step (FSDP2's method). Not recursive, as FSDP2's."""
         _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for group in self._fsdp_state.groups:
-            group.reduction.force_sum = enable
+            group.grad_reduce.reduction.force_sum = enable
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Runs ``hook(reduce_output)`` on this rank's reduced grad shard (the reduce-scatter's
@@ -174,7 +174,7 @@ class FSDPModule:
                 "reduce-scatter; stream= is not supported (leave it None)"
             )
         for group in self._fsdp_state.groups:
-            group.all_reduce_hook = hook
+            group.grad_reduce.all_reduce_hook = hook
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """All-gathers go through ``comm``, FSDP2's ``AllGather`` interface: ``comm.allocate``
@@ -182,7 +182,7 @@ class FSDPModule:
         async_op=True)`` runs the collective (FSDP2's method)."""
         _check_comm("set_custom_all_gather", comm)
         for group in self._fsdp_state.groups:
-            group.all_gather_comm = comm
+            group.unsharding.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatters go through ``comm``, FSDP2's ``ReduceScatter`` interface:
@@ -191,7 +191,7 @@ class FSDPModule:
         follows it (FSDP2's method)."""
         _check_comm("set_custom_reduce_scatter", comm)
         for group in self._fsdp_state.groups:
-            group.reduction.comm = comm
+            group.grad_reduce.reduction.comm = comm
 
     def set_post_optim_event(self, event: Any) -> None:
         """An event recorded after the optimizer step that the next forward's all-gathers wait
@@ -215,7 +215,7 @@ class FSDPModule:
         _check_bool("set_separate_reduce_scatter_group", "enable", enable)
         for module in _units(self, recurse):
             for group in module._fsdp_state.groups:
-                group.reduction.process_group = separate_group(group.process_group) if enable else None
+                group.grad_reduce.reduction.process_group = separate_group(group.process_group) if enable else None
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Refused when enabled: fully_shard allocates its communication buffers itself.

@@ -383,7 +383,7 @@ def fully_shard(
     if post_forward_size is not None:
         regather_group, position = post_forward_group(dims, post_forward_size)
         for group in groups:
-            group.post_forward_group = (regather_group, position, post_forward_size)
+            group.unsharding.post_forward_group = (regather_group, position, post_forward_size)
 
     state = UnitState(modules[0], mesh, mp_policy, reshard_after_forward, groups, group_locations)
     state.modules = modules

@@ -10,8 +10,11 @@ Each layer imports only the ones listed before it:
 - :mod:`.main_grads`: the main-grad buffer, its ownership, and per-parameter grad presence;
 - :mod:`.compute_copy` and :mod:`.replacement`: the compute-dtype copy the gathers read, and
   the values a group takes from tensors that replaced its parameters;
+- :mod:`.unsharding` and :mod:`.grad_reduce`: the all-gathers into the unsharded parameters
+  (kept, partly kept after forward, freed), and the reduces of their grads into ``main_grad``
+  (reduce-scatter, HSDP's all-reduce, microbatches without sync);
 - :mod:`.parameter_group`: the policy composing them (compute-copy freshness and refresh,
-  overwrite or accumulate, when to gather and free);
+  when to gather, free and reduce);
 - :mod:`.registry`: which group manages a sharded parameter, and which originals sharding replaced.
 
 The unit above (:mod:`fsdp_patch.module.unit`) drives groups through an iteration; the optimizer

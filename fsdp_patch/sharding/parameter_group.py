@@ -1,8 +1,10 @@
 """Parameter groups: the policy composing the sharding layers for a set of same-dtype parameters.
 
-One class, kept whole though over 400 lines: it is only the policy (each method decides when,
-and hands the work to a layer below, the modules beside this one), and its gathers and refreshes
-share the refresh count the freshness note below rests on, which a split would separate.
+The group is only the policy: each method decides when, and hands the work to a layer below,
+the modules beside this one. Its two moving parts are layers of their own, which it drives:
+:attr:`ParameterGroup.unsharding` (:mod:`.unsharding`: the all-gathers into the unsharded
+parameters and their freeing) and :attr:`ParameterGroup.grad_reduce` (:mod:`.grad_reduce`: the
+reduce-scatters and HSDP's all-reduces of their grads into ``main_grad``).
 
 A group owns, for this rank, three sharded flat buffers in one layout and decides when each is
 written: ``main_weight`` (``main_params_dtype``), which the optimizer updates through the
@@ -23,8 +25,8 @@ adapted (``foreach`` or not), ``p.data.mul_()``, ``torch._foreach_lerp_`` (EMA),
 version counter of its own), so no version counter sees them, and freshness does not rest on
 one: each root forward (and an explicit ``unshard``) invalidates the compute copy
 (:meth:`ParameterGroup.invalidate_compute_copy`), and the group's next all-gather casts it
-again. A refresh is counted and every gather carries the count it was issued at, so a gather
-made before a refresh (an explicit ``unshard`` before an optimizer step) is never taken for
+again. A refresh is counted (by :class:`~.compute_copy.ComputeCopy`) and every gather carries the
+count it was issued at (:class:`~.unsharding.Unsharding`), so a gather made before a refresh (an explicit ``unshard`` before an optimizer step) is never taken for
 current; one made since the last refresh is used as gathered, as FSDP2 uses it.
 
 Alternatives considered:
@@ -38,7 +40,6 @@ Alternatives considered:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -50,20 +51,16 @@ from torch.utils.hooks import RemovableHandle
 
 from ..mixed_precision import MixedPrecisionPolicy
 from ..torch_interop.profiling import labelled
-from .collectives import AllGather, ReduceScatter, Reduction
 from .compute_copy import ComputeCopy
 from .dtensors import ShardSpecs
 from .flat_buffer import ShardedBuffer, UnshardedBuffer
+from .grad_reduce import GradReduce, ReduceHook
 from .layout import GroupLayout
 from .main_grads import MainGrads
 from .placement import MeshDims
 from .replacement import adopted_shard, check_replacement
 from .tensor_parallel import TensorParallel
-
-# The stages of a reduce-scatter a reduce hook sees (ParameterGroup.register_reduce_hook).
-REDUCE_INPUT = "input"
-REDUCE_OUTPUT = "output"
-REDUCE_COPIED = "copied"
+from .unsharding import Unsharding
 
 __all__ = ["ParameterGroup"]
 
@@ -106,16 +103,10 @@ class ParameterGroup:
         self.process_group = self.dims.shard_group
         self.world_size = self.dims.shard_size
         self.rank = self.dims.shard_rank
-        # HSDP with the all-reduce skipped (FSDPModule.set_requires_all_reduce(False)): the
-        # reduce-scattered grads held until a backward that all-reduces, as FSDP2 holds them.
-        self._partial: torch.Tensor | None = None
         self.compute_dtype = policy.compute_dtype_for(params[0].dtype)
         self.main_dtype = policy.main_params_dtype
         self.grads_dtype = policy.grads_dtype_for(self.compute_dtype)
         self.compute_copy = policy.compute_copy
-        # Accumulating microbatches with gradient sync off happens in the main-grad dtype when it
-        # is wider than the compute dtype (FSDP2 accumulates in its reduce dtype likewise).
-        self._accumulate_wide = torch.finfo(self.grads_dtype).bits > torch.finfo(self.compute_dtype).bits
         self._device = device
         self.layout = GroupLayout.build([d.shape for d in data], self.world_size, self.rank)
         self._specs = ShardSpecs(mesh, self.layout.params, self.dims.placements, self.tensor_parallel)
@@ -136,32 +127,16 @@ class ParameterGroup:
         self._index_of = {id(param): index for index, param in enumerate(self.params)}
         self._grads = MainGrads(self.layout, self._specs, self.grads_dtype, device)
 
-        self._unsharded = UnshardedBuffer(
+        unsharded = UnshardedBuffer(
             self.layout, self.compute_dtype, device, [p.requires_grad for p in params], self.tensor_parallel
         )
-        self.unsharded_params = self._unsharded.params
-        self._gathered_refresh: int | None = None  # the refresh count the unsharded params hold
-        self._gather: AllGather | None = None  # issued, not yet waited
-        # reshard_after_forward=<int> (see [Note: resharding to a smaller group after forward]):
-        # the group of ranks that re-gathers in backward and this rank's position in it, and the
-        # rows this rank kept after forward with the refresh count they hold.
-        self.post_forward_group: tuple[Any, int, int] | None = None  # (process group, position, size)
-        self._post_forward_rows: torch.Tensor | None = None
-        self._post_forward_refresh: int | None = None
-
-        self._reduced_since_finalize = False
-        # Unsharded grads of microbatches accumulated with gradient sync off, packed as the
-        # reduce-scatter reads them, in the main-grad dtype; only when that is wider.
-        self._accumulated: torch.Tensor | None = None
-        self._reduces: list[ReduceScatter] = []  # issued, not yet applied, in issue order
-        # FSDP2's communication settings (FSDPModule.set_gradient_divide_factor and the rest).
-        self.reduction = Reduction()
-        self.all_gather_comm: Any = None
-        # Runs on this rank's reduced shard before it is added into main_grad, and may change it
-        # (FSDPModule.set_all_reduce_hook: an all-reduce over another dimension, say).
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        # An OrderedDict: RemovableHandle refers to it weakly, which a plain dict does not allow.
-        self._reduce_hooks: OrderedDict[int, Callable[[ParameterGroup, str, torch.Tensor], None]] = OrderedDict()
+        self.unsharded_params = unsharded.params
+        # The layers below that this policy drives: the gathers into the unsharded parameters,
+        # the reduces of their grads into main_grad (each with FSDP2's communication settings).
+        self.unsharding = Unsharding(unsharded, self._copy, self.compute_dtype, self.layout, self.dims, device)
+        self.grad_reduce = GradReduce(
+            self, self._grads, self.params, self.unsharded_params, self.layout, self.dims, self.compute_dtype
+        )
 
     # ------------------------------------------------------------------ identity and buffers
     @property
@@ -247,7 +222,7 @@ class ParameterGroup:
         """Marks the compute copy stale unless the unsharded parameters hold (or are gathering)
         weights cast since the last refresh (see the freshness note): run at each root forward
         and explicit ``unshard``, before any all-gather of the iteration is issued."""
-        if not self._holds_current_gather():
+        if not self.unsharding.holds_current_gather():
             self._copy.stale = True
 
     @labelled("cast_compute_weight")
@@ -286,11 +261,11 @@ class ParameterGroup:
     @property
     def is_unsharded(self) -> bool:
         """Whether the unsharded parameters hold the gathered weights (or a gather is in flight)."""
-        return self._gathered_refresh is not None or self._gather is not None
+        return self.unsharding.is_unsharded
 
     @property
     def gather_in_flight(self) -> bool:
-        return self._gather is not None
+        return self.unsharding.gather_in_flight
 
     def unshard(self) -> None:
         """All-gathers the compute copy into the unsharded parameters."""
@@ -299,112 +274,35 @@ class ParameterGroup:
 
     @labelled("all_gather")
     def start_unshard(self) -> None:
-        """Issues the all-gather without waiting for it (a prefetch); :meth:`wait_unshard`
-        completes it. A no-op when the current weights are gathered or in flight."""
+        """Issues the all-gather without waiting for it (a prefetch), the compute copy refreshed
+        first where it is stale; :meth:`wait_unshard` completes it. A no-op when the current
+        weights are gathered or in flight."""
         if self._copy.stale:
             self.refresh_compute_weight()
-        if self._holds_current_gather():
-            return
-        refresh = self._copy.refreshes
-        self._cancel_gather()
-        if self._post_forward_rows is not None and self._post_forward_refresh == refresh:
-            self._start_post_forward_unshard(refresh)
-            return
-        if self.world_size == 1:
-            self._unsharded.copy_single(self._copy.single_rank_source)
-            self._gathered_refresh = refresh
-            return
-        self._gathered_refresh = None
-        comm = self.all_gather_comm
-        output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device, comm)
-        shard = self._copy.gather_input(output, self.world_size, self.rank)
-        self._gather = AllGather.issue(output, shard, self.process_group, refresh, comm)
+        self.unsharding.start()
 
-    def _start_post_forward_unshard(self, refresh: int) -> None:
-        """Gathers the rows each rank of the post-forward group kept into a whole all-gather
-        output: the group's positions hold consecutive runs of rank-major rows."""
-        assert self.post_forward_group is not None and self._post_forward_rows is not None
-        process_group, _, _ = self.post_forward_group
-        comm = self.all_gather_comm
-        output = AllGather.allocate_output(self.layout.unsharded_numel, self.compute_dtype, self._device, comm)
-        self._gathered_refresh = None
-        self._gather = AllGather.issue(output, self._post_forward_rows.view(-1), process_group, refresh, comm)
-
-    def reshard_after_forward(self) -> None:
-        """Frees the unsharded parameters after forward: all of them, or with a post-forward
-        group, all but the part this rank keeps for backward's re-gather.
-
-        [Note: resharding to a smaller group after forward]
-        With ``reshard_after_forward=<int>`` (FSDP2's), a unit keeps after forward a
-        ``1/size`` part of its unsharded parameters instead of freeing them all: the rows, in the
-        all-gather's rank-major order, that its position in a group of ``size`` consecutive
-        ranks contributes when the group re-gathers in backward. That all-gather runs over
-        ``size`` ranks instead of the whole mesh (within a node, say), at the cost of the kept
-        part's memory between forward and backward. The kept rows are used only while they
-        hold the current refresh; otherwise backward gathers from the compute copy as usual."""
-        if self.post_forward_group is None:
-            self.reshard()
-            return
-        if self._gather is not None:
-            self.wait_unshard()
-        if self._gathered_refresh is None:
-            self.reshard()
-            return
-        _, position, size = self.post_forward_group
-        per_position = self.world_size // size
-        rows = self._unsharded.pack_rows(slice(position * per_position, (position + 1) * per_position))
-        refresh = self._gathered_refresh
-        self.reshard()
-        self._post_forward_rows, self._post_forward_refresh = rows, refresh
-
-    def _holds_current_gather(self) -> bool:
-        """Whether the unsharded parameters hold, or an all-gather in flight brings, the compute
-        copy of the latest refresh."""
-        refresh = self._copy.refreshes
-        return self._gathered_refresh == refresh or (self._gather is not None and self._gather.tag == refresh)
-
-    @labelled("all_gather_wait")
     def wait_unshard(self) -> None:
         """Completes an all-gather :meth:`start_unshard` issued: waits for it and copies the
         ranks' slots out into the unsharded parameters."""
-        gather, self._gather = self._gather, None
-        if gather is None:
-            return
-        # The unsharded storage is allocated only at the copy-out, as FSDP2 allocates its
-        # unsharded parameters: while the all-gather is in flight only its output exists.
-        self._unsharded.copy_out(gather.wait())
-        gather.free()
-        self._gathered_refresh = gather.tag
-        self._post_forward_rows = self._post_forward_refresh = None  # the unsharded parameters hold them
+        self.unsharding.wait()
 
-    def _cancel_gather(self) -> None:
-        gather, self._gather = self._gather, None
-        if gather is not None:
-            gather.cancel()
+    def reshard_after_forward(self) -> None:
+        """Frees the unsharded parameters after forward: all of them, or with a post-forward
+        group, all but the part this rank keeps for backward's re-gather (see
+        [Note: resharding to a smaller group after forward] in :mod:`.unsharding`)."""
+        self.unsharding.reshard_after_forward()
 
-    @labelled("reshard")
     def reshard(self) -> None:
         """Frees the unsharded parameters' storage (after an all-gather in flight completes)
         and the rows kept after forward."""
-        self._post_forward_rows = self._post_forward_refresh = None
-        if self.is_unsharded:
-            self._cancel_gather()
-            self._unsharded.free()
-            self._gathered_refresh = None
+        self.unsharding.reshard()
 
     def unsharded_storage_bytes(self) -> int:
         """Bytes held for the unsharded state: the unsharded parameters' storage and the output
         of an all-gather in flight (whose copy-out allocates the former)."""
-        in_flight = 0 if self._gather is None else self._gather.nbytes
-        kept = 0 if self._post_forward_rows is None else self._post_forward_rows.untyped_storage().nbytes()
-        return self._unsharded.storage_bytes + in_flight + kept
+        return self.unsharding.storage_bytes()
 
     # ------------------------------------------------------------------ grads
-    def has_unsharded_grads(self) -> bool:
-        """Whether backward left grads on the unsharded parameters (or accumulated some)."""
-        return self._accumulated is not None or any(p.grad is not None for p in self.unsharded_params)
-
-    @labelled("reduce_scatter")
     def post_backward(self, sync: bool, all_reduce: bool = True) -> None:
         """Reduce-scatters the unsharded grads into ``main_grad`` (``sync``), or keeps them for
         the next synced backward; a no-op when backward produced no grads for this group.
@@ -419,115 +317,27 @@ class ParameterGroup:
         presence flag of 0), so every rank takes part in the same collectives whatever its
         control flow inside the group.
         """
-        if not self.has_unsharded_grads():
-            return
-        with torch.no_grad():
-            if not sync:
-                if self._accumulate_wide:
-                    # Autograd would accumulate the next microbatch into the compute-dtype grads.
-                    # Added in the compute dtype (widened exactly by the add): a packed copy in
-                    # the main-grad dtype beside the accumulated one would double the peak.
-                    if self._accumulated is None:
-                        self._accumulated = self._grads.pack(self.unsharded_params)
-                    else:
-                        self._accumulated.add_(self._grads.pack(self.unsharded_params, self.compute_dtype))
-                    self._drop_unsharded_grads()
-                return
-            replicas = self.dims.replicate_size
-            if replicas > 1 and not all_reduce:
-                partial = ReduceScatter.issue(
-                    self._packed_grads(), self.process_group, self.world_size, False, self.reduction, replicas
-                )
-                self._hold_partial(partial.wait())
-                partial.free()
-                self._drop_unsharded_grads()
-                return
-            if not self._reduced_since_finalize:
-                self._grads.before_write()
-                self._grads.begin(self.params)
-            overwrite = self._grads.next_reduce_overwrites()
-            packed = self._packed_grads()
-            self._run_reduce_hooks(REDUCE_INPUT, packed)
-            self._reduces.append(
-                ReduceScatter.issue(packed, self.process_group, self.world_size, overwrite, self.reduction, replicas)
-            )
-            if self.world_size == 1:
-                self.advance_reduce()
-        self._drop_unsharded_grads()
-        self._reduced_since_finalize = True
-
-    def _packed_grads(self) -> torch.Tensor:
-        """This backward's unsharded grads packed as the reduce-scatter reads them, plus what
-        microbatches without sync accumulated (then dropped)."""
-        if self._accumulated is None:
-            return self._grads.pack(self.unsharded_params)
-        packed, self._accumulated = self._accumulated, None
-        return packed.add_(self._grads.pack(self.unsharded_params, self.compute_dtype))
+        self.grad_reduce.post_backward(sync, all_reduce)
 
     @property
     def reduce_in_flight(self) -> bool:
-        return bool(self._reduces)
+        return self.grad_reduce.in_flight
 
     def advance_reduce(self) -> None:
-        """Moves the reduces :meth:`post_backward` issued on: completes them into ``main_grad``;
-        under HSDP completes their reduce-scatters and starts their all-reduces over the
-        replicas instead, which :meth:`wait_reduce` (at the latest :meth:`finalize_grads`)
-        completes, so that they overlap the rest of backward."""
-        if self.dims.replicate_group is None:
-            self.wait_reduce()
-            return
-        for reduce in self._reduces:
-            self._start_all_reduce(reduce)
+        """Moves the reduces :meth:`post_backward` issued on (see :meth:`.GradReduce.advance`):
+        under HSDP their all-reduces then overlap the rest of backward."""
+        self.grad_reduce.advance()
 
-    @labelled("all_reduce")
-    def _start_all_reduce(self, reduce: ReduceScatter) -> None:
-        if not reduce.all_reducing:
-            reduce.all_reduce(self.dims.replicate_group, self._partial)
-            self._partial = None
-
-    @labelled("reduce_scatter_wait")
     def wait_reduce(self) -> None:
         """Completes the reduce-scatters :meth:`post_backward` issued (and HSDP's all-reduces),
         in order, into ``main_grad``."""
-        while self._reduces:
-            reduce = self._reduces.pop(0)
-            if self.dims.replicate_group is not None:
-                self._start_all_reduce(reduce)
-            if self.all_reduce_hook is not None:
-                self.all_reduce_hook(reduce.wait()[: self.layout.shard_numel])
-            if self._reduce_hooks:
-                self._run_reduce_hooks(REDUCE_OUTPUT, reduce.wait()[: self.layout.shard_numel])
-            self._grads.apply(reduce)
-            if self._reduce_hooks and reduce.overwrite and self.main_grad is not None:
-                self._run_reduce_hooks(REDUCE_COPIED, self.main_grad)
+        self.grad_reduce.wait()
 
-    def _hold_partial(self, reduced: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._partial = reduced.clone() if self._partial is None else self._partial.add_(reduced)
+    def register_reduce_hook(self, hook: ReduceHook) -> RemovableHandle:
+        """Runs ``hook(group, stage, grads)`` around each reduce-scatter of the group's grads (see
+        :meth:`.GradReduce.register_hook`)."""
+        return self.grad_reduce.register_hook(hook)
 
-    def register_reduce_hook(self, hook: Callable[[ParameterGroup, str, torch.Tensor], None]) -> RemovableHandle:
-        """Runs ``hook(group, stage, grads)`` around each reduce-scatter of the group's grads.
-
-        ``stage`` is :data:`REDUCE_INPUT` with the packed unsharded grads about to be reduced
-        (``(world_size, shard_numel + len(params))`` rows in the main-grad dtype, presence flags
-        last) and :data:`REDUCE_OUTPUT` with this rank's reduced shard before it is added into
-        ``main_grad``, and :data:`REDUCE_COPIED` with ``main_grad`` where that shard replaced what
-        it held (the first reduce of an accumulation: ``main_grad`` then holds exactly the shard
-        the hook saw). A hook reads; it must not write any of them.
-        """
-        handle = RemovableHandle(self._reduce_hooks)
-        self._reduce_hooks[handle.id] = hook
-        return handle
-
-    def _run_reduce_hooks(self, stage: str, grads: torch.Tensor) -> None:
-        for hook in tuple(self._reduce_hooks.values()):
-            hook(self, stage, grads)
-
-    def _drop_unsharded_grads(self) -> None:
-        for param in self.unsharded_params:
-            param.grad = None
-
-    @labelled("finalize_grads")
     def finalize_grads(self) -> None:
         """Completes the reduce-scatters in flight, installs DTensor views of ``main_grad`` as
         the ``.grad`` of the trainable sharded parameters that have a grad (see
@@ -535,17 +345,7 @@ class ParameterGroup:
         post-accumulate-grad hooks registered on the sharded parameters whose grad the backward
         changed, once each, as FSDP2 runs them after its reduce (an optimizer step inside
         backward)."""
-        self.wait_reduce()
-        if not self._reduced_since_finalize:
-            return
-        updated = self._grads.finish(self.params)
-        self._reduced_since_finalize = False
-        for index in updated:
-            param = self.params[index]
-            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-            if hooks:
-                for hook in tuple(hooks.values()):
-                    hook(param)
+        self.grad_reduce.finalize()
 
     def install_zero_grads(self) -> None:
         """Gives trainable parameters without a grad a zeroed main-grad view as ``.grad``."""
@@ -562,15 +362,7 @@ class ParameterGroup:
         ``main_grad``, the buffer no longer holds what the parameters' ``.grad`` held before,
         so their grads become ``None``: the next backward then overwrites the buffer.
         """
-        self._grads.before_write()
-        self._drop_unsharded_grads()
-        self._accumulated = None
-        self._partial = None
-        for reduce in self._reduces:
-            reduce.cancel()
-        self._reduces.clear()
-        self._grads.abandon(self.params, accumulating=self._reduced_since_finalize)
-        self._reduced_since_finalize = False
+        self.grad_reduce.reset()
         self.reshard()
 
     # ------------------------------------------------------------------ lending grads

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_patch.module.model_units import ShardedModel, user_name
-from fsdp_patch.sharding.parameter_group import REDUCE_COPIED, REDUCE_INPUT
+from fsdp_patch.sharding.grad_reduce import REDUCE_COPIED, REDUCE_INPUT
 
 from .. import semconv
 from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precision

@@ -822,7 +822,7 @@ def reshard_after_forward_arguments_script() -> dict[str, str]:
         try:
             fully_shard(model, reshard_after_forward=value)  # type: ignore[arg-type]
             state = model._fsdp_state
-            to_group = any(group.post_forward_group is not None for group in state.groups)
+            to_group = any(group.unsharding.post_forward_group is not None for group in state.groups)
             got[repr(value)] = f"reshard {state.reshard_after_forward_setting}, to group {to_group}"
         except (ValueError, TypeError) as error:
             got[repr(value)] = type(error).__name__

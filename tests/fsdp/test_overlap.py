@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_patch.sharding.parameter_group import REDUCE_INPUT
+from fsdp_patch.sharding.grad_reduce import REDUCE_INPUT
 from tests.fsdp.sharded_views import full_params, rank0, unsharded_bytes, world
 from tests.models import TinyTransformer, lm_loss, make_batches, rank_slice, shard_model
 

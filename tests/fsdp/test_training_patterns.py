@@ -135,8 +135,7 @@ def _accumulators(model: nn.Module) -> list[tuple[str, int] | None]:
     from fsdp_patch import parameter_groups
 
     return [
-        None if g._accumulated is None else (str(g._accumulated.dtype), g._accumulated.numel())
-        for g in parameter_groups(model)
+        None if (a := g.grad_reduce.accumulated) is None else (str(a.dtype), a.numel()) for g in parameter_groups(model)
     ]
 
 
