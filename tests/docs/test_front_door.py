@@ -16,7 +16,7 @@ README_MOST_LINES = 250
 COMMIT = re.compile(r"(?<![\w/.#-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/-])")
 # What pytest (or a person quoting it) prints of a run: "1384 passed", "5 skipped", "29 tests".
 RUN_COUNT = re.compile(r"\b\d+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed|tests)\b")
-DOC_LINK = re.compile(r"\]\((docs/[\w./-]+\.md)(#[\w-]+)?\)")
+DOC_LINK = re.compile(r"\]\((docs/[\w./-]+\.(?:md|png))(#[\w-]+)?\)")
 
 
 def _lines_matching(pattern: re.Pattern[str]) -> list[str]:
@@ -50,9 +50,9 @@ def test_the_patterns_catch_what_they_are_for() -> None:
     assert RUN_COUNT.search("1235 passed, 5 skipped") and RUN_COUNT.search("(29 tests, about"), "expected counts"
 
 
-def test_the_readme_links_to_pages_that_exist() -> None:
+def test_the_readme_links_to_pages_and_pictures_that_exist() -> None:
     # MkDocs checks links between the pages; the README is outside docs/, so its links are checked here.
     text = README.read_text(encoding="utf-8")
     links = DOC_LINK.findall(text)
     missing = [target for target, _ in links if not (REPO / target).is_file()]
-    assert links and missing == [], f"expected every docs/ page the README links to, got missing {missing}"
+    assert links and missing == [], f"expected every docs/ file the README links to, got missing {missing}"
