@@ -13,12 +13,13 @@ first access. See ``telemetry/README.md`` for variables, exporters and the instr
 the names of spans, metrics and attributes are in :mod:`.semconv`.
 
 Layers, each importing only those below it (``tests/test_telemetry_layers.py``), from the bottom:
-the names and settings (:mod:`.semconv`, :mod:`.env`, :mod:`.precision_thresholds`,
-:mod:`.trace_limits`); :mod:`.offline` (trace files read back and the reports: no OpenTelemetry,
-no torch); :mod:`.diagnostics` (the precision statistics: torch, no OpenTelemetry);
-:mod:`.export` (the embedded SDK defaults); :mod:`.instrumentation` (the instrumentor, the
-observer, the instruments, the adapter's observer source, whether telemetry is active). This
-facade re-exports; no module of the package imports it back.
+the names and settings (:mod:`.semconv`, :mod:`.env`, :mod:`.precision_thresholds` with
+:mod:`.verdicts` and :mod:`.event_thresholds`, :mod:`.trace_limits`); :mod:`.offline` (trace
+files read back and the reports: no OpenTelemetry, no torch); :mod:`.diagnostics` (the precision
+statistics: torch, no OpenTelemetry); :mod:`.export` (the embedded SDK defaults);
+:mod:`.instrumentation` (the instrumentor, the observer, the instruments, the adapter's observer
+source, whether telemetry is active). This facade re-exports; no module of the package imports
+it back.
 """
 
 from __future__ import annotations
