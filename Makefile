@@ -8,9 +8,10 @@ VENV_PYTHON := $(VENV)/bin/python
 SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 
 # The oldest releases fsdp_patch supports: torch OLDEST_TORCH and the OpenTelemetry releases pinned
-# in OLDEST_OPENTELEMETRY (pyproject.toml's floors). `make test` also runs, in the environment
-# .venv-oldest of its own (`make test-oldest`), TORCH_RANGE_TESTS and OPENTELEMETRY_SEAM_TESTS on
-# them; the main environment has the newest releases the package index offers at set-up.
+# in OLDEST_OPENTELEMETRY (pyproject.toml's floors). `make test-oldest` runs, in the environment
+# .venv-oldest of its own (a CUDA build of torch, a few GB to download once), TORCH_RANGE_TESTS and
+# OPENTELEMETRY_SEAM_TESTS on them; CI (.ci/run) runs it after `make test`. The main environment
+# has the newest releases the package index offers at set-up.
 # TORCH_RANGE_TESTS: the tests of what reads torch's internals or depends on how a torch release
 # behaves (torch_compat's features; fully_shard's collectives, DTensors, hooks, meta init, DCP and
 # torch.compile; the adapter's foreach ops; telemetry's hooks into FSDP2's parameter groups and
@@ -24,8 +25,7 @@ SETUP_STAMP := $(VENV)/.fsdp_patch-setup
 # test (it builds its own environment), the end-to-end runs of the benchmark suite and the GPU
 # check, the `long` and `slow` tests (inductor's compile among them: torch.compile stays, through
 # aot_eager), and the 4-rank variants (uneven shards are the same on any torch; 2 ranks exercise
-# the collectives). `make test OLDEST_TORCH=` leaves that out (a machine with no package registry
-# to install it from); `make test-torch TORCH=X.Y.Z` runs TORCH_RANGE_TESTS on any other torch
+# the collectives). `make test-torch TORCH=X.Y.Z` runs TORCH_RANGE_TESTS on any other torch
 # release, with the newest OpenTelemetry, in .venv-torchX.Y.Z.
 OLDEST_TORCH ?= 2.11.0
 OLDEST_OPENTELEMETRY := scripts/oldest-opentelemetry.txt
@@ -56,15 +56,13 @@ $(OLDEST_STAMP): pyproject.toml scripts/setup.sh $(OLDEST_OPENTELEMETRY)
 demo: setup
 	$(VENV)/bin/fsdp-patch demo
 
-# Sets up (with promtool, which the dashboard tests run), checks lint, formatting, types and the
-# documentation's build, then runs the test suite but its `long` tests, then the torch-range and
-# OpenTelemetry-seam tests on the oldest supported releases.
+# Sets up (with promtool, which the dashboard tests run, and Chromium, which opens the HTML report),
+# checks lint, formatting, types and the documentation's build, then runs the test suite but its
+# `long` tests: a few minutes on 2 cores. CI (.ci/run) then runs `make test-oldest` and `make test-long`.
 test: setup lint typecheck docs
 	bash dashboards/install_promtool.sh
+	bash scripts/install_chromium.sh
 	$(VENV_PYTHON) -m pytest -m "not long"
-ifneq ($(OLDEST_TORCH),)
-	$(MAKE) --no-print-directory test-oldest
-endif
 
 # ruff's rules and formatting (`make lint`) and mypy over fsdp_patch/ and telemetry/ (`make
 # typecheck`), both part of `make test`, configured in pyproject.toml; the tools come with the dev
@@ -92,10 +90,14 @@ test-torch:
 	@echo "== the torch-range tests on torch $(TORCH) (.venv-torch$(TORCH))"
 	.venv-torch$(TORCH)/bin/python -m pytest -m "not long and not slow" -k "not ws4" $(TORCH_RANGE_TESTS)
 
-# The tests that run past the suite's budget (marked `long`: every demo scenario through the
-# command, the healthy controls diagnosed every step, the determinism soak at a small size, one
-# node and two), about two and a half minutes on 2 cores.
+# The tests marked `long`, past `make test`'s budget: what runs another program end to end (the
+# installed package in a fresh environment, the demo against Prometheus and against a collector that
+# stops answering, HF Accelerate/Trainer and Lightning with the variable alone, torchrun as two
+# nodes, the benchmark suite's every case, the GPU check script), every demo scenario through the
+# command, the healthy controls diagnosed every step, and the determinism soak at a small size.
+# CI (.ci/run) runs it after `make test`.
 test-long: setup
+	bash dashboards/install_promtool.sh promtool prometheus
 	$(VENV_PYTHON) -m pytest -m long
 
 # The benchmark suite: every case's table of side-by-side ratios; JSON into benchmarks/results/.

@@ -25,6 +25,7 @@ def _suite(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.long
 def test_every_case_runs_and_lands_in_the_table_and_the_json(tmp_path: Path) -> None:
     out = tmp_path / "suite.json"
     run = _suite("--quick", "--json", str(out))

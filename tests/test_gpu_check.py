@@ -29,7 +29,7 @@ def _parts(summary: str) -> dict[str, tuple[str, str]]:
     return {part: (status, detail) for part, status, detail in rows}
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_gpu_check_script_runs(tmp_path: Path) -> None:
     wheels, out = tmp_path / "wheels", tmp_path / "out"
     made = subprocess.run(

@@ -18,7 +18,7 @@ import pytest
 
 from tests.silent_collector import BOUND_S, EXPORTER_TIMEOUT_S, SilentCollector
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long  # the demo against a collector that stops answering
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 2.0

@@ -31,7 +31,7 @@ import torch
 from tests.package_source import copy_package_source
 
 # The session's runs happen in the first test's setup, which the default per-test timeout counts.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.long, pytest.mark.timeout(2400)]  # a fresh virtual environment
 
 TIMEOUT_S = 300
 

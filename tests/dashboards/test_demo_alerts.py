@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from dashboards_support import DASHBOARDS  # conftest.py puts this folder on sys.path
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long  # a Prometheus server and the demo per scenario
 
 STEPS = 20  # the planted bugs land at step 10; tiny-lr's third diagnosed step is step 10
 DASHBOARD = DASHBOARDS / "grafana" / "fsdp_optimizer.json"

@@ -20,7 +20,7 @@ import pytest
 
 from tests.integration.report_json import report_json
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long  # torchrun as two nodes
 
 SCRIPT = Path(__file__).resolve().parent / "multi_node" / "hsdp_script.py"
 TIMEOUT_S = 600

@@ -26,7 +26,14 @@ from tests.integration.zero_code import common
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).resolve().parent / "zero_code"
-CLIENTS = ("fsdp2", "fully_shard", "accelerate", "trainer", "lightning")
+# The frameworks' runs (each imports its framework, about 30 s on 2 cores) are `long`: `make test-long`.
+CLIENTS = (
+    "fsdp2",
+    "fully_shard",
+    pytest.param("accelerate", marks=pytest.mark.long),
+    pytest.param("trainer", marks=pytest.mark.long),
+    pytest.param("lightning", marks=pytest.mark.long),
+)
 # How each is launched: torchrun, or plain python where the framework starts its ranks itself.
 PLAIN_PYTHON = ("lightning",)
 TIMEOUT_S = 600
