@@ -2,14 +2,23 @@
 
 Semantic-convention style (as ``opentelemetry.semconv`` does for the standard names): every
 span name, metric name, attribute key and enumerated attribute value that the package emits is
-a constant here, and nothing else spells them: the observer, the instrument table, the tests and
-the dashboards' checks import them. The values are fixed by docs/conventions.md;
+a constant of this module, and nothing else spells them: the observer, the instrument table, the
+tests and the dashboards' checks import them. The values are fixed by docs/conventions.md;
 dashboards and alert rules query them, so a change here is a change of that contract.
 
-Imports nothing (no torch, no OpenTelemetry): naming a constant costs nothing.
+The step's names and the attribution's are spelled here; two families of findings are spelled in
+modules of their own and re-exported here, so that code reads every name as ``semconv.NAME``:
+:mod:`.semconv_iterations` (the per-iteration checks: origin, step accounting, lr jumps,
+escalation) and :mod:`.semconv_audits` (the operation audit, the float32 shadow, the headroom
+forecast).
+
+Imports nothing else (no torch, no OpenTelemetry): naming a constant costs nothing.
 """
 
 from __future__ import annotations
+
+from .semconv_audits import *  # noqa: F403
+from .semconv_iterations import *  # noqa: F403
 
 # -- instrumentation scope -------------------------------------------------------------------
 
@@ -311,190 +320,3 @@ SETTING_PRECISION_WINDOW = "FSDP_PATCH_PRECISION_WINDOW"
 DETAIL_OFF = "off"
 DETAIL_UNIT = "unit"
 DETAILS = (DETAIL_OFF, DETAIL_UNIT)
-
-# -- the origin of an iteration's first NaN/Inf (docs/conventions.md, "Origin") ----------------------
-
-EVENT_ORIGIN = "fsdp.precision.origin"
-"""On SPAN_STEP (or SPAN_SKIPPED_STEP) of the step after it: where the first NaN/Inf of an
-iteration began, once per run of iterations that hold one (and again when escalation refines it)."""
-ATTR_ORIGIN_STAGE = "fsdp.origin.stage"
-"""One of ORIGIN_STAGES: the part of the iteration where it began."""
-ATTR_ORIGIN_WHERE = "fsdp.origin.where"
-"""The module (forward, backward), parameter (weight_write, optimizer) or unit (reduce,
-grad_write) named, as ``model.named_modules()`` / ``named_parameters()`` name it, ``model`` the outermost
-module holding the sharded root (``fsdp_patch.module.model_units.holder_prefix``); ``""`` is that module."""
-ATTR_ORIGIN_DTYPE = "fsdp.origin.dtype"
-"""The dtype of the tensor where it was seen (``float16``)."""
-ATTR_ORIGIN_DETAIL = "fsdp.origin.detail"
-"""What else the checks know: the value that overflowed, the reduce dtype, the clip norm."""
-ATTR_ORIGIN_REFINED = "fsdp.origin.refined"
-"""True when module-level checks of an escalated iteration found it (else a unit-level check did)."""
-ATTR_MICROBATCH = "fsdp.microbatch"
-"""Which backward pass of the iteration (0 before the first; gradient accumulation counts up)."""
-
-ORIGIN_WEIGHT_WRITE = "weight_write"
-ORIGIN_FORWARD = "forward"
-ORIGIN_LOSS = "loss"
-ORIGIN_BACKWARD = "backward"
-ORIGIN_REDUCE = "reduce"
-ORIGIN_GRAD_WRITE = "grad_write"
-ORIGIN_OPTIMIZER = "optimizer"
-ORIGIN_WHERE_CLIP = "clip_grad_norm_"
-"""``fsdp.origin.where`` of the total norm ``torch.nn.utils.clip_grad_norm_`` returned (stage grad_write)."""
-ORIGIN_STAGES = (
-    ORIGIN_WEIGHT_WRITE,
-    ORIGIN_FORWARD,
-    ORIGIN_LOSS,
-    ORIGIN_BACKWARD,
-    ORIGIN_REDUCE,
-    ORIGIN_GRAD_WRITE,
-    ORIGIN_OPTIMIZER,
-)
-"""In the order an iteration runs them: a write between steps, then forward, loss, backward, the
-reduce-scatter, what changed the grads between backward and step, and the optimizer's update."""
-
-EVENT_GRADS_ZEROED = "fsdp.precision.grads_zeroed"
-"""On SPAN_STEP of the step after it: every unit's grads were non-zero after the backward and its
-reduce, and all exactly 0 at the optimizer's step (something between multiplied them by 0)."""
-ATTR_GRADS_ZEROED_UNITS = "fsdp.grads_zeroed.units"
-"""The units whose grads were zeroed, comma-separated (``(root)`` is the root)."""
-
-# -- step accounting -----------------------------------------------------------------------------------
-
-SPAN_CHECKS = "fsdp.optimizer.checks"
-"""The last iteration's checks, read at a flush or at exit when no later step read them (its
-origin event, if any)."""
-SPAN_SKIPPED_STEP = "fsdp.optimizer.skipped_step"
-"""An iteration whose ``torch.amp.GradScaler.step(optimizer)`` did not step the optimizer (its
-grads held NaN/Inf); parent: the caller's span."""
-ATTR_BACKWARD_COUNT = "fsdp.backward.count"
-"""On SPAN_STEP and SPAN_SKIPPED_STEP: backward passes since the previous step or skipped step; on
-SPAN_CHECKS at exit: those no step followed."""
-ATTR_GRAD_SCALER_SCALE = "fsdp.grad_scaler.scale"
-"""On SPAN_SKIPPED_STEP: the GradScaler's scale in that iteration (before its update halves it)."""
-METRIC_OPTIMIZER_SKIPPED_STEPS = "fsdp.optimizer.skipped_steps"
-"""Counter, ``{step}``: iterations a GradScaler skipped (no optimizer step ran)."""
-
-EVENT_LR_JUMP = "fsdp.optimizer.lr_jump"
-"""On SPAN_STEP: a param group's learning rate at this step is at least LR_JUMP_FACTOR times the
-one the previous step used (a previous lr of 0 is no jump: a warm-up from 0)."""
-ATTR_PARAM_GROUP = "fsdp.param_group"
-"""The index of the optimizer's param group."""
-ATTR_LR_BEFORE = "fsdp.lr.before"
-"""The learning rate the previous step used."""
-ATTR_LR_AFTER = "fsdp.lr.after"
-"""The learning rate this step uses."""
-LR_JUMP_FACTOR = 10.0
-
-# -- escalation -----------------------------------------------------------------------------------------
-
-EVENT_ESCALATION = "fsdp.precision.escalation"
-"""On SPAN_STEP: a NaN/Inf was seen at ``fsdp.step``; the next ``fsdp.precision.escalation.steps``
-iterations run module-level checks and diagnostics every step."""
-ATTR_ESCALATION_STEPS = "fsdp.precision.escalation.steps"
-SETTING_PRECISION_ORIGIN = "FSDP_PATCH_PRECISION_ORIGIN"
-"""``on`` (default) or ``off``: the per-iteration checks that find where a NaN/Inf began (off:
-escalation off too; skipped steps are still counted)."""
-SETTING_PRECISION_ESCALATION = "FSDP_PATCH_PRECISION_ESCALATION"
-"""Iterations of full detail after a NaN/Inf is seen (default 3; 0 turns escalation off)."""
-
-# -- the operation audit (docs/conventions.md, "Operation audit") ---------------------------------------
-
-EVENT_OP = "fsdp.precision.op"
-"""On SPAN_STEP of the step that ends an audited iteration: one low-precision operation judged
-against float32 on the same inputs, once per run for each (kind, operation, source line, phase)."""
-ATTR_OP_KIND = "fsdp.op.kind"
-"""One of OP_KINDS: what was found."""
-ATTR_OP_NAME = "fsdp.op.name"
-"""The ATen operation (``aten.sin``)."""
-ATTR_OP_DTYPE = "fsdp.op.dtype"
-"""The low-precision dtype it computed in (``bfloat16``)."""
-ATTR_OP_PHASE = "fsdp.op.phase"
-"""One of OP_PHASES: the part of the iteration it ran in."""
-ATTR_OP_MODULE = "fsdp.op.module"
-"""The running module as the model names it (``blocks.1.attn``; ``""`` the root), or its class name
-in angle brackets for a module outside the watched model, or absent outside any module."""
-ATTR_OP_SITE = "fsdp.op.site"
-"""The source line that called it: ``file:line in function``."""
-ATTR_OP_CALLER = "fsdp.op.caller"
-"""The caller of that line, likewise (``""``: none in the user's code)."""
-ATTR_OP_DETAIL = "fsdp.op.detail"
-"""What was measured, in words (ranges against the dtype's, errors against float32, shares)."""
-ATTR_OP_FIX = "fsdp.op.fix"
-"""What to change there."""
-ATTR_OP_SHARE = "fsdp.op.share"
-"""The measured share the finding is about (of results, updates or rows), or the relative error."""
-ATTR_OP_FP32_FINITE = "fsdp.op.fp32_finite"
-"""For OP_KIND_NONFINITE: whether float32 on the same inputs stays finite (a precision problem)."""
-ATTR_OP_ORDER = "fsdp.op.order"
-"""The operation's place among the iteration's measured operations (0: the first)."""
-OP_KIND_NONFINITE = "nonfinite"
-OP_KIND_HEADROOM = "headroom"
-OP_KIND_PRECISION_LOSS = "precision_loss"
-OP_KIND_ILL_CONDITIONED = "ill_conditioned"
-OP_KIND_LOST_UPDATE = "lost_update"
-OP_KIND_CONSTANT = "constant"
-OP_KIND_TIES = "ties"
-OP_KINDS = (
-    OP_KIND_NONFINITE,
-    OP_KIND_HEADROOM,
-    OP_KIND_PRECISION_LOSS,
-    OP_KIND_ILL_CONDITIONED,
-    OP_KIND_LOST_UPDATE,
-    OP_KIND_CONSTANT,
-    OP_KIND_TIES,
-)
-OP_PHASES = ("between_steps", "forward", "loss", "backward", "after_backward", "optimizer")
-SETTING_PRECISION_AUDIT_EVERY = "FSDP_PATCH_PRECISION_AUDIT_EVERY"
-"""Iterations between operation audits (default 1000; 0 turns the audit off). The second iteration is
-audited too, and so is every escalated one."""
-
-# -- float32 shadow -------------------------------------------------------------------------------------
-
-EVENT_SHADOW = "fsdp.precision.shadow"
-"""On SPAN_STEP of the step that ends a shadowed iteration: one module of the
-``FSDP_PATCH_PRECISION_TOP_K`` whose float32 recompute (from the fp32 main weights, on its own inputs)
-differs most from its output, in units of its dtype's rounding; one event per module and rank."""
-ATTR_SHADOW_MODULE = "fsdp.shadow.module"
-"""The module's qualified name."""
-ATTR_SHADOW_MODULE_TYPE = "fsdp.shadow.module_type"
-"""Its class's name."""
-ATTR_SHADOW_DTYPE = "fsdp.shadow.dtype"
-"""Its output's dtype (``bfloat16``)."""
-ATTR_SHADOW_ERROR = "fsdp.shadow.error"
-"""``||out - ref|| / ||ref||``, ``ref`` the module recomputed in float32 from the fp32 main weights on
-its own inputs: the error the module adds."""
-ATTR_SHADOW_WEIGHT_ERROR = "fsdp.shadow.weight_error"
-"""``||ref_compute - ref|| / ||ref||``: the part its compute weights (widened) make."""
-ATTR_SHADOW_ROUNDING = "fsdp.shadow.rounding"
-"""The output dtype's unit roundoff (2^-8 for bfloat16): the error of rounding the result alone."""
-ATTR_SHADOW_HEADROOM = "fsdp.shadow.headroom"
-"""Its largest finite ``|output|`` over the dtype's largest finite value."""
-ATTR_SHADOW_UNDERFLOW = "fsdp.shadow.underflow"
-"""Share of its output elements non-zero in float32 and below the dtype's smallest normal."""
-ATTR_SHADOW_NONFINITE = "fsdp.shadow.nonfinite"
-"""Output elements NaN/Inf where float32 is finite."""
-ATTR_SHADOW_ORDER = "fsdp.shadow.order"
-"""Its place in the ranking, costliest first (0)."""
-SETTING_PRECISION_SHADOW_EVERY = "FSDP_PATCH_PRECISION_SHADOW_EVERY"
-"""Iterations between float32 shadows of the forward (default 1000; 0 turns the shadow off). The second
-iteration is shadowed too; escalated ones are not (the shadow gathers weights: ranks must agree)."""
-
-# -- headroom forecast ----------------------------------------------------------------------------------
-
-EVENT_HEADROOM_FORECAST = "fsdp.precision.headroom_forecast"
-"""On SPAN_STEP of a diagnosed step: a unit's output (``fsdp.unit``) grows steadily over the diagnosed
-steps and reaches its dtype's largest finite value in ``fsdp.headroom.steps_left`` steps at that
-rate; once per unit and dtype per run."""
-ATTR_HEADROOM_DTYPE = "fsdp.headroom.dtype"
-"""The output's dtype (``float16``)."""
-ATTR_HEADROOM_AMAX = "fsdp.headroom.amax"
-"""Its largest finite magnitude at ``fsdp.step``."""
-ATTR_HEADROOM_LIMIT = "fsdp.headroom.limit"
-"""The dtype's largest finite value."""
-ATTR_HEADROOM_STEPS_LEFT = "fsdp.headroom.steps_left"
-"""Steps until the output reaches the limit at the rate fitted over the last diagnosed steps."""
-ATTR_HEADROOM_FROM_STEP = "fsdp.headroom.from_step"
-"""The first diagnosed step of the fit."""
-ATTR_HEADROOM_FROM_AMAX = "fsdp.headroom.from_amax"
-"""The output's largest finite magnitude then."""

@@ -27,7 +27,7 @@ def _semconv_names() -> dict[str, str]:
 def test_every_name_semconv_spells_is_on_the_page():
     text = conventions_text()
     missing = {k: v for k, v in _semconv_names().items() if f"`{v}`" not in text}
-    assert not missing, f"telemetry/semconv.py names not in docs/conventions.md: {missing}"
+    assert not missing, f"semconv names not in docs/conventions.md: {missing}"
 
 
 def test_metric_table_is_the_instrument_table():
