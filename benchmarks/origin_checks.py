@@ -28,7 +28,7 @@ milliseconds of kernels), so there the checks cost what their Python and launche
 ``--host-bound`` measures that on a CPU: case 5's structure (6 blocks of the same modules and
 parameters, the same units) at width 16, whose kernels cost next to nothing, with lists of tensors
 checked by the fused reduction a GPU uses ([Note: one fused reduction per list on a GPU] in
-``telemetry/diagnostics/origin.py``). Its own time per step is the host time the checks add to a
+``telemetry/diagnostics/probes.py``). Its own time per step is the host time the checks add to a
 step of that shape, the figure that tells one change of the checks' Python from another without a GPU;
 what it is on a given GPU's host (a launch costs more than a CPU kernel of 16 elements) is measured
 there.
@@ -58,8 +58,9 @@ import torch.distributed as dist
 from fsdp_patch.app.demo.data import synthetic_batches
 from fsdp_patch.app.demo.launch import run_ranks
 from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
-from fsdp_patch.telemetry.diagnostics import origin
-from fsdp_patch.telemetry.diagnostics.origin import ProbeLog
+from fsdp_patch.telemetry.diagnostics import probes
+from fsdp_patch.telemetry.diagnostics.probes import ProbeLog
+from fsdp_patch.telemetry.instrumentation.fsdp2_reduce_checks import FSDP2ReduceChecks
 from fsdp_patch.telemetry.instrumentation.iterations import IterationWatch
 from fsdp_patch.telemetry.instrumentation.model_watch import ModelWatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -142,15 +143,15 @@ def _pair(
 class _OwnTime:
     """Wall time inside the checks' entry points, counted at the outermost call only."""
 
-    # (class, method) pairs: the model watch's hooks and step checks, the probe log (what torch
-    # FSDP2's patched reduce calls), the iteration watch's step entry points.
+    # (class, method) pairs: the model watch's hooks and step checks, what torch FSDP2's patched
+    # reduce calls, the probe log, the iteration watch's step entry points.
     ENTRY_POINTS = (
         (ModelWatch, "_model_input"),
         (ModelWatch, "_unit_output"),
         (ModelWatch, "_unit_output_grad"),
         (ModelWatch, "_reduced"),
-        (ModelWatch, "_before_fsdp2_reduce"),
-        (ModelWatch, "_after_fsdp2_reduce"),
+        (FSDP2ReduceChecks, "_before_reduce"),
+        (FSDP2ReduceChecks, "_after_reduce"),
         (ModelWatch, "before_backward"),
         (ModelWatch, "after_backward"),
         (ProbeLog, "check"),
@@ -272,7 +273,7 @@ def _own_share(kind: str, config: GPTConfig, steps: int, warmup: int) -> dict[st
 @contextlib.contextmanager
 def _fused_on_cpu() -> Iterator[None]:
     """Lists of CPU tensors checked by the fused reduction, as on a GPU (``--host-bound``)."""
-    with mock.patch.object(origin, "FUSED_DEVICE_TYPES", origin.FUSED_DEVICE_TYPES | {"cpu"}):
+    with mock.patch.object(probes, "FUSED_DEVICE_TYPES", probes.FUSED_DEVICE_TYPES | {"cpu"}):
         yield
 
 

@@ -94,7 +94,7 @@ def test_origin_checks_own_time_counts_outermost_calls_once_and_restores_exactly
     """``benchmarks.origin_checks``' own-time timer: a check made inside a timed hook is counted
     with the hook, not again; every entry point is the original again afterwards."""
     from fsdp_patch.telemetry import semconv
-    from fsdp_patch.telemetry.diagnostics.origin import ProbeLog
+    from fsdp_patch.telemetry.diagnostics.probes import ProbeLog
 
     from benchmarks.origin_checks import _OwnTime
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import semconv
-from .origin import Checked
+from .probes import Checked
 
 __all__ = ["HORIZON", "POINTS", "HeadroomForecast", "HeadroomTrend"]
 

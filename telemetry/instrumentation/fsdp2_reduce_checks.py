@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .. import semconv
-from ..diagnostics.origin import AFTER, BEFORE, WIDE_REDUCE_DTYPES, PreparedChecks, ProbeLog
+from ..diagnostics.origin import WIDE_REDUCE_DTYPES
+from ..diagnostics.probes import AFTER, BEFORE, PreparedChecks, ProbeLog
 
 __all__ = ["FSDP2ReduceChecks", "ReduceLog"]
 

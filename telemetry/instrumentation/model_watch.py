@@ -6,7 +6,8 @@ An optimizer observer sees the optimizer boundary only. To say where a NaN/Inf b
 unit's output and its grad, the loss (the tensors ``torch.autograd.backward`` is called on, through
 :mod:`.training_calls`), each group's grads before and after its reduce-scatter (torch FSDP2's
 through :mod:`.fsdp2_reduce_checks`), and, from the observer, the main grads at the step and the
-main weights before and after the update (:mod:`..diagnostics.origin`). One ``aminmax`` per
+main weights before and after the update (:mod:`..diagnostics.probes`; what they say:
+:mod:`..diagnostics.origin`). One ``aminmax`` per
 checked tensor, kept on the device; the iteration's log is read after the next step begins (a
 CUDA event, no stall), and the ranks agree on whether any of them saw a NaN/Inf through one small
 all-reduce issued with it, so that they escalate together (:class:`IterationCheck`).
@@ -37,18 +38,8 @@ from fsdp_patch.sharding.grad_reduce import REDUCE_COPIED, REDUCE_INPUT
 
 from .. import semconv
 from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precision
-from ..diagnostics.origin import (
-    AFTER,
-    BEFORE,
-    INPUT,
-    Checked,
-    Origin,
-    PreparedChecks,
-    ProbeLog,
-    find_origin,
-    floating_tensors,
-    zeroed_groups,
-)
+from ..diagnostics.origin import Origin, find_origin, zeroed_groups
+from ..diagnostics.probes import AFTER, BEFORE, INPUT, Checked, PreparedChecks, ProbeLog, floating_tensors
 from .fsdp2_reduce_checks import FSDP2ReduceChecks
 from .module_checks import ModuleChecks
 

@@ -23,7 +23,8 @@ from torch import nn
 from fsdp_patch.module.model_units import user_name
 
 from .. import semconv
-from ..diagnostics.origin import Origin, dtype_name, floating_tensors
+from ..diagnostics.origin import Origin
+from ..diagnostics.probes import dtype_name, floating_tensors
 
 __all__ = ["ModuleChecks"]
 

@@ -20,7 +20,8 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import semconv
 from ..diagnostics.groups import weights_of
-from ..diagnostics.origin import Checked, Origin
+from ..diagnostics.origin import Origin
+from ..diagnostics.probes import Checked
 from ..diagnostics.rows import param_table
 from .step_tensors import group_name
 

@@ -19,7 +19,7 @@ from fsdp_patch.module.model_units import group_prefix, user_name
 
 from .. import semconv
 from ..diagnostics.groups import main_tensors, weights_of
-from ..diagnostics.origin import AFTER, BEFORE, PreparedChecks
+from ..diagnostics.probes import AFTER, BEFORE, PreparedChecks
 from ..diagnostics.rows import ParamSlot
 
 __all__ = ["StepTensors", "group_name", "tensors_key"]

@@ -26,7 +26,7 @@ import torch
 import wrapt
 
 from .. import semconv
-from ..diagnostics.origin import CLIP
+from ..diagnostics.probes import CLIP
 from .model_watch import ModelWatch
 
 __all__ = ["listen_before_backward", "watch_optimizer_steps"]

@@ -6,7 +6,7 @@ import math
 
 from fsdp_patch.telemetry import semconv
 from fsdp_patch.telemetry.diagnostics.headroom import HeadroomTrend
-from fsdp_patch.telemetry.diagnostics.origin import Checked, Probe
+from fsdp_patch.telemetry.diagnostics.probes import Checked, Probe
 
 
 def _checks(unit: str, magnitude: float, dtype: str = "float16") -> list[Checked]:

@@ -14,19 +14,8 @@ from typing import Any
 import pytest
 import torch
 from fsdp_patch.telemetry import semconv
-from fsdp_patch.telemetry.diagnostics.origin import (
-    AFTER,
-    BEFORE,
-    CLIP,
-    INPUT,
-    Checked,
-    Origin,
-    PreparedChecks,
-    Probe,
-    ProbeLog,
-    find_origin,
-    zeroed_groups,
-)
+from fsdp_patch.telemetry.diagnostics.origin import Origin, find_origin, zeroed_groups
+from fsdp_patch.telemetry.diagnostics.probes import AFTER, BEFORE, CLIP, INPUT, Checked, PreparedChecks, Probe, ProbeLog
 
 NAN, INF = math.nan, math.inf
 FWD, LOSS, BWD, RED, GW, WW = (
@@ -258,11 +247,11 @@ def test_fused_lists_read_as_one_check_per_tensor() -> None:
     among the single checks around it ([Note: the values kept per dtype])."""
     from unittest import mock
 
-    from fsdp_patch.telemetry.diagnostics import origin
+    from fsdp_patch.telemetry.diagnostics import probes
 
     unfused = check_all_against_check("cpu")
     with (
-        mock.patch.object(origin, "FUSED_DEVICE_TYPES", origin.FUSED_DEVICE_TYPES | {"cpu"}),
+        mock.patch.object(probes, "FUSED_DEVICE_TYPES", probes.FUSED_DEVICE_TYPES | {"cpu"}),
         mock.patch.object(torch, "_foreach_norm", wraps=torch._foreach_norm) as fused,
     ):
         got = check_all_against_check("cpu")
