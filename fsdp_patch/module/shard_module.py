@@ -31,8 +31,9 @@ from ..sharding.tensor_parallel import TensorParallel, tensor_parallel_of
 from .dcp_optimizer_state import track_grad_dtype_mismatch
 from .fsdp_module import FSDPModule, fsdp_class, owned_modules
 from .grad_scaler_hint import track_fp16_main_grads
+from .parameter_placement import Location
 from .state_dict_hooks import register_state_dict_hooks
-from .unit import Location, UnitState
+from .unit import UnitState
 
 __all__ = ["fully_shard", "parameter_groups", "unit_name_of"]
 

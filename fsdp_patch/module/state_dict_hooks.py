@@ -19,14 +19,15 @@ from torch import nn
 
 from ..sharding import ParameterGroup
 from .fsdp_module import owned_modules
-from .unit import Location, UnitState
+from .parameter_placement import Location
+from .unit import UnitState
 
 __all__ = ["register_state_dict_hooks"]
 
 
 def register_state_dict_hooks(module: nn.Module, state: UnitState) -> None:
     """Registers on ``module``, the unit of ``state``, the hooks described above."""
-    module.register_load_state_dict_post_hook(lambda module, incompatible: state.adopt_replaced_parameters())
+    module.register_load_state_dict_post_hook(lambda module, incompatible: state.placement.adopt_replaced())
     module.register_state_dict_post_hook(_state_dict_aliases(module, state.groups, state.locations))
     module.register_state_dict_pre_hook(lambda *args: state.release_kept_parameters())
     module.register_load_state_dict_pre_hook(lambda *args: state.release_kept_parameters())

@@ -24,6 +24,8 @@ Every backward pass (``backward`` any number of times per iteration, ``retain_gr
 reduces what it produced; ``torch.autograd.grad``, which fills no ``.grad``, reduces nothing.
 What a root shares with its units over an iteration (the order units are entered in, the final
 callback, the reduce-scatters in flight) is :class:`~.root_context.RootContext`.
+Which parameters the modules hold, and the tensors that replaced sharded ones there, is
+:class:`~.parameter_placement.ParameterPlacement`.
 
 Alternatives considered:
     - Counting ``post_accumulate_grad`` hooks to detect the end of a unit's backward: breaks
@@ -47,13 +49,11 @@ from ..mixed_precision import MixedPrecisionPolicy
 from ..sharding import ParameterGroup
 from .compile_boundary import outside_dynamo
 from .output_tensors import grad_tensors
+from .parameter_placement import Location, ParameterPlacement, Replacement
 from .root_context import RootContext
 from .training_state import TrainingState
 
-__all__ = ["Location", "UnitState"]
-
-Location = tuple[nn.Module, str]
-Replacement = tuple[ParameterGroup, int, Any]  # (group, index in the group, what stood there)
+__all__ = ["UnitState"]
 
 
 def _in_backward() -> bool:
@@ -88,11 +88,11 @@ class UnitState:
         # once), every other unit reshards.
         self.reshard_after_forward_setting = reshard_after_forward
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
-        # Whether the modules hold the unsharded parameters (inside forward and backward, and
-        # between them for a unit that keeps them after forward).
-        self.unsharded_in_module = False
         self.groups = groups
         self.locations = locations
+        # Which parameters the modules hold: the unsharded ones inside forward and backward, and
+        # between them for a unit that keeps them after forward.
+        self.placement = ParameterPlacement(groups, locations)
         self.requires_gradient_sync = True
         self.context: RootContext | None = None
         self.training_state = TrainingState.IDLE
@@ -119,31 +119,9 @@ class UnitState:
 
     # ------------------------------------------------------------------ parameters in the module
     def swap(self, unsharded: bool, sync_requires_grad: bool = False) -> list[Replacement]:
-        """Registers the unsharded (or sharded) parameters in the modules.
-
-        With ``sync_requires_grad`` an unsharded parameter trains exactly when its sharded one
-        does (``requires_grad_`` after ``fully_shard`` is honoured from the next forward on).
-
-        Returns:
-            What stood where a sharded parameter was expected when swapping the unsharded
-            ones in: tensors that replaced sharded parameters (see :meth:`adopt`).
-        """
-        replaced: list[Replacement] = []
-        for group, group_locations in zip(self.groups, self.locations, strict=True):
-            params = group.unsharded_params if unsharded else group.params
-            for index, (param, places) in enumerate(zip(params, group_locations, strict=True)):
-                if sync_requires_grad:
-                    wanted = group.params[index].requires_grad
-                    if param.requires_grad is not wanted:
-                        param.requires_grad_(wanted)
-                for owner, name in places:
-                    if unsharded:
-                        current = owner._parameters.get(name)
-                        if current is not group.params[index] and current is not param:
-                            replaced.append((group, index, current))
-                    owner._parameters[name] = param
-        self.unsharded_in_module = unsharded
-        return replaced
+        """Registers the unsharded (or sharded) parameters in the modules (see
+        :meth:`.ParameterPlacement.swap`)."""
+        return self.placement.swap(unsharded, sync_requires_grad)
 
     def release_kept_parameters(self) -> None:
         """Puts the sharded parameters back into the modules of a unit that kept its unsharded
@@ -151,42 +129,8 @@ class UnitState:
 
         Before ``state_dict``, ``load_state_dict`` and ``zero_grad``, which must reach the
         sharded parameters (FSDP2 reshards before saving and loading likewise)."""
-        if self.unsharded_in_module and self.training_state is TrainingState.IDLE:
+        if self.placement.unsharded and self.training_state is TrainingState.IDLE:
             self.swap(unsharded=False)
-
-    def adopt_replaced_parameters(self) -> None:
-        """:meth:`adopt` for whatever replaced sharded parameters in the modules now."""
-        replaced: list[Replacement] = []
-        for group, group_locations in zip(self.groups, self.locations, strict=True):
-            for index, (param, places) in enumerate(zip(group.params, group_locations, strict=True)):
-                for owner, name in places:
-                    current = owner._parameters.get(name)
-                    if current is not param:
-                        replaced.append((group, index, current))
-        if replaced:
-            self.adopt(replaced)
-            self.swap(unsharded=False)
-
-    def adopt(self, replaced: list[Replacement]) -> None:
-        """Takes over the values of tensors that replaced sharded parameters in the module.
-
-        ``load_state_dict(assign=True)`` and attribute assignment put new tensors where the
-        sharded parameters were; their values go into the group buffers and the groups' own
-        parameters stay the modules' parameters. If any replacement is unusable, the modules
-        get the sharded parameters back and nothing is adopted.
-
-        Raises:
-            TypeError, ValueError: A replacement is not a floating-point tensor of the
-                parameter's global shape (see :meth:`ParameterGroup.check_replacement`).
-        """
-        try:
-            for group, index, current in replaced:
-                group.check_replacement(index, current)
-        except BaseException:
-            self.swap(unsharded=False)
-            raise
-        for group, index, current in replaced:
-            group.adopt(index, current)
 
     # ------------------------------------------------------------------ gather / free
     def lazy_init_as_root(self) -> None:
@@ -212,7 +156,7 @@ class UnitState:
     def reshard_by_hand(self) -> None:
         """``FSDPModule.reshard``: the sharded parameters back into the modules (of a unit that
         kept its unsharded ones after forward) and the unsharded storage freed."""
-        if self.training_state is TrainingState.IDLE and self.unsharded_in_module:
+        if self.training_state is TrainingState.IDLE and self.placement.unsharded:
             self.swap(unsharded=False)
         self.reshard()
 
@@ -278,7 +222,7 @@ class UnitState:
                     group.invalidate_compute_copy()
         replaced = self.swap(unsharded=True, sync_requires_grad=True)
         if replaced:
-            self.adopt(replaced)
+            self.placement.adopt(replaced)
         self.prefetched = False
         self.unshard()
         self.training_state = TrainingState.FORWARD
@@ -413,7 +357,7 @@ class UnitState:
             return
         self._pending_backwards = 0
         self._stop_awaiting_final()
-        if self.unsharded_in_module:
+        if self.placement.unsharded:
             self.swap(unsharded=False)
         # Kept only across microbatches without sync: after a synced backward the optimizer
         # step changes the weights the kept storage holds, which the next forward would use
@@ -436,7 +380,7 @@ class UnitState:
         if self.training_state is TrainingState.PRE_BACKWARD or self._awaiting_final is not None:
             self.post_backward(final=True)
         elif self.training_state is TrainingState.IDLE:
-            if self.unsharded_in_module:
+            if self.placement.unsharded:
                 self.swap(unsharded=False)  # kept after a forward this backward did not reach
             if self.reshard_after_backward or self.requires_gradient_sync:
                 self.reshard()
