@@ -1,5 +1,5 @@
 """Update jumps: each parameter's update against its own history and against Adam's bound, with
-what changed at that step (telemetry/diagnostics/attribution.py ``UpdateHistory``)."""
+what changed at that step (telemetry/diagnostics/update_jumps.py ``UpdateHistory``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from fsdp_patch.telemetry import semconv
 from fsdp_patch.telemetry.diagnostics import rows as row_spec
-from fsdp_patch.telemetry.diagnostics.attribution import UpdateHistory
 from fsdp_patch.telemetry.diagnostics.optimizer_state import ParamContext, adam_update_bound, contexts_for
 from fsdp_patch.telemetry.diagnostics.rows import ParamSlot
+from fsdp_patch.telemetry.diagnostics.update_jumps import UpdateHistory
 
 
 def _row(before: torch.Tensor, after: torch.Tensor, grad: torch.Tensor) -> list[float]:
