@@ -41,6 +41,7 @@ from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precisi
 from ..diagnostics.origin import Origin, find_origin, zeroed_groups
 from ..diagnostics.probes import AFTER, BEFORE, INPUT, Checked, PreparedChecks, ProbeLog, floating_tensors
 from .fsdp2_reduce_checks import FSDP2ReduceChecks
+from .host_copies import HostCopy
 from .module_checks import ModuleChecks
 
 __all__ = ["IterationCheck", "ModelWatch"]
@@ -89,34 +90,30 @@ class IterationCheck:
 
 
 class _Pending:
-    """An iteration's log on its way to the host, and the ranks' flag on its way back."""
+    """An iteration's log on its way to the host, and the ranks' flag on its way back.
 
-    def __init__(
-        self,
-        log: ProbeLog,
-        values: torch.Tensor | None,
-        flag: torch.Tensor | None,
-        work: Any,
-        event: Any,
-        refined: list[Origin],
-        backward_count: int,
-    ) -> None:
+    [Note: reading an iteration's checks without synchronizing]
+    The probes' values and the flag are copied to the host without blocking as the iteration
+    closes (:class:`.host_copies.HostCopy`) and read as the next step begins, one iteration later,
+    on every rank at the same step (their escalation must agree). By then the copy is done unless
+    the device runs more than an iteration behind the host; waiting for it then costs the device
+    nothing, since the next iteration's work is already queued. No value of a device tensor is
+    read on an undiagnosed step.
+    """
+
+    def __init__(self, log: ProbeLog, copies: HostCopy, work: Any, refined: list[Origin], backward_count: int) -> None:
         self.log = log
-        self._values = values
-        self._flag = flag
+        self._copies = copies
         self._work = work
-        self._event = event
         self.refined = refined
         self.backward_count = backward_count
 
     def result(self) -> tuple[list[float], bool | None]:
         """The values on the host, and whether any rank held a NaN/Inf (``None``: no other rank agreed)."""
         if self._work is not None:
-            self._work.wait()
-        if self._event is not None:
-            self._event.synchronize()
-        values = [] if self._values is None else self._values.tolist()
-        return values, None if self._flag is None else not math.isfinite(self._flag.item())
+            self._work.wait()  # gloo: the host's own collective, a step old
+        values, flag = self._copies.values(wait=True)
+        return [] if values is None else values.tolist(), None if flag is None else not math.isfinite(flag.item())
 
 
 class ModelWatch:
@@ -271,7 +268,7 @@ class ModelWatch:
         log, self.log = self.log, ProbeLog()
         self._grad_versions.clear()
         values = log.stacked()
-        work = event = flag = None
+        work = flag = None
         device = values.device if values is not None else torch.device("cpu")
         if agree and self._has_peers():
             # 0 where every value is finite, NaN where any is not (0 x Inf is NaN); summed over
@@ -283,15 +280,10 @@ class ModelWatch:
             if device.type == "cpu" and _backend(self._process_group) == "nccl":
                 flag = flag.cuda()
             work = dist.all_reduce(flag, group=self._process_group, async_op=True)
-        if (flag is not None and flag.device.type == "cuda") or device.type == "cuda":
-            if work is not None:
-                work.wait()  # on the stream: the copy below is ordered after the collective
-                work = None
-            values = None if values is None else values.to("cpu", non_blocking=True)
-            flag = None if flag is None else flag.to("cpu", non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return _Pending(log, values, flag, work, event, refined, count)
+        if work is not None and ((flag is not None and flag.device.type == "cuda") or device.type == "cuda"):
+            work.wait()  # on the stream, not the host: the copy below is ordered after the collective
+            work = None
+        return _Pending(log, HostCopy([values, flag]), work, refined, count)
 
     def _has_peers(self) -> bool:
         """Whether other ranks agree on each iteration's flag (a group of this rank alone needs no collective)."""

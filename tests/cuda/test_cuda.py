@@ -208,3 +208,19 @@ def test_fused_checks_read_as_one_check_per_tensor_on_cuda(on_cuda: Any) -> None
     assert got["many"] == got["one"], f"fused {got['many']} != one check per tensor {got['one']}"
     assert got["mixed"] == got["one"] + got["one"][-1:], f"fused among single checks: {got['mixed']}"
     assert len(got["one"]) == 6, f"want 6 checked tensors (empty and integer skipped), got {got['one']}"
+
+
+@pytest.mark.parametrize("kind", ["fully_shard", "fsdp2"])
+def test_undiagnosed_steps_add_no_cuda_synchronization(on_cuda: Any, tmp_path: Any, kind: str) -> None:
+    """What tests/integration/test_host_reads.py counts on the CPU, on a GPU: the reads of device
+    values and the synchronizations CUDA itself reports (``torch.cuda.set_sync_debug_mode``) on
+    the steps telemetry at its defaults does not diagnose, against the same steps with it off."""
+    from tests.integration.test_host_reads import STEPS, added, counted_training, diagnosed_steps
+
+    on = on_cuda(counted_training, kind, str(tmp_path / "traces"), "cuda")
+    off = on_cuda(counted_training, kind, "", "cuda")
+    undiagnosed = [s for s in range(1, STEPS + 1) if s not in diagnosed_steps(tmp_path / "traces") and s != 2]
+    reads = {step: added(on, off, step) for step in undiagnosed}
+    assert all(not r for r in reads.values()), f"{kind}: device values read on undiagnosed steps: {reads}"
+    syncs = {step: on["syncs"][step] - off["syncs"][step] for step in undiagnosed}
+    assert all(n <= 0 for n in syncs.values()), f"{kind}: CUDA synchronizations added per undiagnosed step: {syncs}"
