@@ -66,61 +66,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import op_stats
+from .measured_ops import is_selection, measured
 from .op_judgement import STATS, OpFinding, OpRecord, judge
 from .op_sites import SITE_KEY, ModuleStack, Site, site_here
 from .op_stats import LOW_PRECISION, floats, local
 
 __all__ = ["OpAudit"]
-
-# Operations that compute nothing (views and metadata), read uninitialized memory, or only move
-# values: never judged, though shadows pass through them.
-_MOVES = frozenset(
-    {
-        "detach",
-        "alias",
-        "lift_fresh",
-        "lift_fresh_copy",
-        "_local_scalar_dense",
-        "set_",
-        "resize_",
-        "_unsafe_view",
-        "clone",
-        "contiguous",
-        "_to_dense",
-        "cat",
-        "stack",
-        "index",
-        "index_select",
-        "gather",
-        "t",
-        "unsqueeze",
-        "squeeze",
-        "expand",
-        "permute",
-        "view",
-        "reshape",
-        "split",
-        "split_with_sizes",
-        "unbind",
-        "select_backward",
-        "slice_backward",
-        "equal",
-        "is_same_size",
-        "record_stream",
-        "_has_compatible_shallow_copy_type",
-        "_pin_memory",
-        "_copy_from_and_resize",
-    }
-)
-_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-_CREATES = frozenset({"zero_", "zeros", "zeros_like", "ones", "ones_like", "new_zeros", "new_ones"})
-_SELECTIONS = frozenset({"topk", "max", "min", "argmax", "argmin"})
-
-
-def _is_selection(func: Any, name: str) -> bool:
-    if name in ("max", "min"):
-        return bool(func._overloadname == "dim")
-    return name in _SELECTIONS
 
 
 class OpAudit(TorchDispatchMode):
@@ -238,7 +189,7 @@ class OpAudit(TorchDispatchMode):
             self._backward_seen = True
         name = func.__name__.split(".")[0]
         random = torch.Tag.nondeterministic_seeded in func.tags
-        measured = not (func.is_view or name in _MOVES or name in _UNINITIALIZED or name in _CREATES or random)
+        is_measured = measured(func, name)
         if len(self.records) >= self.max_ops:
             # An iteration this long (an evaluation loop between two steps, a step that never
             # comes): the rest of it passes through, shadows and all.
@@ -246,7 +197,7 @@ class OpAudit(TorchDispatchMode):
             return func(*args, **kwargs)
         shadowing = node is None
         mutated = op_stats.mutated_arguments(func, args, kwargs)
-        before = {id(t): local(t).clone() for t in mutated} if mutated and (measured or shadowing) else {}
+        before = {id(t): local(t).clone() for t in mutated} if mutated and (is_measured or shadowing) else {}
         # A written tensor's shadow is written as the tensor is, in place: its views' shadows see it.
         written_shadows = {id(t): self._shadows[t] for t in mutated if t in self._shadows} if shadowing else {}
         out = func(*args, **kwargs)
@@ -259,7 +210,7 @@ class OpAudit(TorchDispatchMode):
             shadows = (
                 self._shadow(func, args, kwargs, out, owners, before, written_shadows, random) if shadowing else []
             )
-            if measured:
+            if is_measured:
                 self._measure(func, name, args, kwargs, results, mutated, before, shadows, tensors, low_dtype, site)
             else:
                 self._pass_on(tensors, owners)
@@ -410,7 +361,7 @@ class OpAudit(TorchDispatchMode):
             made_from=tuple(sorted({self._made_by[t] for t in tensors if t in self._made_by})),
             constants_only=name.rstrip("_") in op_stats.FILLS or not inputs,
         )
-        if _is_selection(func, name) and lows:
+        if is_selection(func, name) and lows:
             op_stats.tie_stats(stats, name, args, kwargs)
             record = dataclasses.replace(record, selection=True)
         finite: dict[int, torch.Tensor] = {}
