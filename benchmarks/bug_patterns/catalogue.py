@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from . import nonfinite_catalogue, op_catalogue, plants
 from .expectations import HEALTHY, PROBLEM, WARNING, Expect, Judgement, OpWant, OriginWant, Pattern, judge
-from .training import Settings
+from .tiny_lm import Settings
 
 __all__ = [
     "CATALOGUE",

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .training import Plant, Settings
+from .tiny_lm import Settings
+from .training import Plant
 
 __all__ = ["Expect", "Judgement", "OpWant", "OriginWant", "Pattern", "judge"]
 

@@ -13,7 +13,7 @@ import torch
 
 from . import plants
 from .expectations import PROBLEM, Expect, OriginWant, Pattern
-from .training import Settings
+from .tiny_lm import Settings
 
 __all__ = ["NONFINITE_PATTERNS"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from . import op_plants
 from .expectations import HEALTHY, PROBLEM, WARNING, Expect, OpWant, OriginWant, Pattern
-from .training import Settings
+from .tiny_lm import Settings
 
 __all__ = ["OP_CONTROLS", "OP_PATTERNS"]
 

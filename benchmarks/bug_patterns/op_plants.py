@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .plants import _local
-from .training import DIM, HIDDEN, Context, Plant, TinyLM
+from .tiny_lm import DIM, HIDDEN, TinyLM
+from .training import Context, Plant
 
 __all__ = [
     "Activation",

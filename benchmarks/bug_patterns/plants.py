@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .training import Context, Plant, TinyLM
+from .tiny_lm import DIM, TinyLM
+from .training import Context, Plant
 
 __all__ = [
     "BatchGain",
@@ -136,8 +137,6 @@ class LowPrecisionBuffer(Plant):
     dtype: torch.dtype = torch.bfloat16
 
     def before_shard(self, ctx: Context, model: TinyLM) -> None:
-        from .training import DIM
-
         inv_freq = 1.0 / (10000 ** (torch.arange(0, DIM, 2, dtype=torch.float32) / DIM))
         model.register_buffer("inv_freq", inv_freq.to(self.dtype))
 

@@ -271,7 +271,8 @@ def two_episodes_training(trace_dir: str) -> dict[str, Any]:
     so its module-level checks refine that origin)."""
     from benchmarks.bug_patterns import plants
     from benchmarks.bug_patterns.run import quiet_warnings
-    from benchmarks.bug_patterns.training import FULLY_SHARD, Context, Plant, Settings, train_on_rank
+    from benchmarks.bug_patterns.tiny_lm import Settings
+    from benchmarks.bug_patterns.training import FULLY_SHARD, Context, Plant, train_on_rank
 
     class Both(Plant):
         def __init__(self, *each: Plant) -> None:
