@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mixed_precision import MixedPrecisionPolicy, as_policy
 from ..sharding import ParameterGroup, parameter_group_of, record_replaced, register_group, replaced_original
+from ..sharding.all_gather_extension import refuse_all_gather_extension
 from ..sharding.placement import MeshDims, mesh_device, post_forward_group, resolve_mesh
 from ..sharding.tensor_parallel import TensorParallel, tensor_parallel_of
 from .dcp_optimizer_state import track_grad_dtype_mismatch
@@ -117,6 +118,7 @@ def _collect_parameters(
             if id(param) in locations:
                 locations[id(param)].append((owner, name))
                 continue
+            refuse_all_gather_extension(fqn, param)
             # A DTensor already: placed by tensor parallelism (refused, naming why, if not as supported).
             tensor_parallel = tensor_parallel_of(fqn, param, dims) if isinstance(param, DTensor) else None
             if param.dim() == 0:
@@ -333,7 +335,10 @@ def fully_shard(
         NotImplementedError: ``mesh`` has more than 2 dimensions; a parameter is a DTensor
             already (tensor parallel); ``shard_placement_fn`` places a parameter other than on
             dim 0; ``offload_policy`` offloads; ``dp_mesh_dims`` is given.
-        TypeError: An argument has the wrong type.
+        TypeError: An argument has the wrong type; a parameter's tensor defines FSDP2's
+            all-gather extension (``fsdp_pre_all_gather``/``fsdp_post_all_gather``: torchao's
+            float8 weights with ``enable_fsdp_float8_all_gather=True``), which ``fully_shard``
+            does not call (see :mod:`fsdp_patch.sharding.all_gather_extension`).
     """
     modules = _modules_of(module)
     mp_policy = as_policy(mp_policy)

@@ -2,6 +2,8 @@
 
 Each layer imports only the ones listed before it:
 
+- :mod:`.all_gather_extension`: FSDP2's all-gather extension on a parameter's tensor, which the
+  layers below cannot honor, found and refused before anything is sharded;
 - :mod:`.layout`: where each parameter's ``Shard(0)`` rows lie in a flat buffer (pure geometry);
 - :mod:`.dtensors`: cached ``DTensorSpec`` objects and the DTensor wrapper over a buffer's views;
 - :mod:`.flat_buffer`: buffers whose storage is freed and re-materialized in place, with local,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from .all_gather_extension import refuse_all_gather_extension
 from .layout import ParamLayout
 from .tensor_parallel import TensorParallel
 
@@ -23,7 +24,8 @@ def check_replacement(name: str, layout: ParamLayout, sharded: DTensor, replacem
     """Raises if ``replacement`` cannot stand in for the sharded parameter ``sharded`` (``name``).
 
     Raises:
-        TypeError: ``replacement`` is not a floating-point tensor.
+        TypeError: ``replacement`` is not a floating-point tensor, or defines FSDP2's
+            all-gather extension (see :mod:`.all_gather_extension`).
         ValueError: Its shape differs from the parameter's, or it is a DTensor on another mesh.
     """
     if not isinstance(replacement, torch.Tensor) or not replacement.is_floating_point():
@@ -32,6 +34,7 @@ def check_replacement(name: str, layout: ParamLayout, sharded: DTensor, replacem
             f"{'' if not isinstance(replacement, torch.Tensor) else f' of dtype {replacement.dtype}'}; "
             "expected a floating-point tensor"
         )
+    refuse_all_gather_extension(name, replacement, replacement=True)
     if tuple(replacement.shape) != tuple(sharded.shape):
         raise ValueError(
             f"fully_shard: parameter '{name}' was replaced by a tensor of shape {tuple(replacement.shape)}; "
