@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.fsdp.test_fsdp2_api import CountingReduceScatter
+from tests.fsdp.fsdp2_api import CountingReduceScatter
 
 # Neither a shard group's size (2) nor the data-parallel world's (4), nor their product: a divisor
 # taken from any of those instead of the factor shows in the grads.
