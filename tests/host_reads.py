@@ -3,7 +3,7 @@ synchronization (``item``, ``tolist``, ``bool``, ``nonzero``, ...), which stops 
 running ahead of the device.
 
 On a CPU every tensor is on the host, so the count treats every tensor as a device tensor except
-the host copies telemetry reads on purpose (:func:`fsdp_patch.telemetry.instrumentation.host_copies.is_host_copy`):
+the host copies telemetry reads on purpose (:func:`fsdp_patch.telemetry.diagnostics.host_copies.is_host_copy`):
 what a GPU run would synchronize on is what this counts.
 """
 
@@ -42,7 +42,7 @@ TORCH_DIR = "/torch/"
 def _site() -> str:
     """The innermost frame outside torch that made the read (torch's own code, such as an
     optimizer reading its step count, is named by the code that called into it)."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
+    for frame in reversed(traceback.extract_stack()[:-2]):
         if TORCH_DIR not in frame.filename and not frame.filename.endswith("host_reads.py"):
             return (
                 f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
@@ -62,7 +62,7 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
         if name in READS and args and isinstance(args[0], torch.Tensor):
-            from fsdp_patch.telemetry.instrumentation.host_copies import is_host_copy
+            from fsdp_patch.telemetry.diagnostics.host_copies import is_host_copy
 
             if not is_host_copy(args[0]):
                 self.reads.append((name, _site()))

@@ -73,3 +73,9 @@ class HostCopy:
                 raise RuntimeError("the host copies are not ready: ask ready() first, or wait")
             self._event.synchronize()
         return self._copies
+
+    def tensors(self, wait: bool = False) -> list[torch.Tensor]:
+        """:meth:`values` of copies made of tensors alone (no ``None`` given)."""
+        copies = self.values(wait)
+        assert all(t is not None for t in copies), "tensors() of a copy that was given None"
+        return [t for t in copies if t is not None]

@@ -203,16 +203,22 @@ def slot_count(groups: Sequence[Any], per_parameter: bool = True) -> int:
 STATUS_RANK = 1
 """The column of a payload's status row that holds the global rank whose payload it is (summed,
 and so meaningless, in a reduced payload)."""
+STATUS_SECOND = 2
+"""The column of a payload's status row that is 1 where the rank's rows need round 2 of
+:mod:`~.param_stats` (a NaN/Inf to count or repair): summed, the ranks that need it."""
 
 
-def payload(rows: torch.Tensor) -> torch.Tensor:
+def payload(rows: torch.Tensor, second: torch.Tensor | None = None) -> torch.Tensor:
     """What a rank contributes to the collective: its rows and a status row (column 0: 1,
-    computed; :data:`STATUS_RANK`: this rank)."""
+    computed; :data:`STATUS_RANK`: this rank; :data:`STATUS_SECOND`: ``second``, a device scalar,
+    where given)."""
     import torch.distributed as dist
 
     status = torch.zeros((1, ROW), dtype=torch.float64, device=rows.device)
     status[0, 0] = 1.0
     status[0, STATUS_RANK] = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if second is not None:
+        status[0, STATUS_SECOND] = second
     return torch.cat([rows, status])
 
 

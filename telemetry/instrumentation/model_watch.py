@@ -37,11 +37,11 @@ from fsdp_patch.module.model_units import ShardedModel, user_name
 from fsdp_patch.sharding.grad_reduce import REDUCE_COPIED, REDUCE_INPUT
 
 from .. import semconv
+from ..diagnostics.host_copies import HostCopy
 from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precision
 from ..diagnostics.origin import Origin, find_origin, zeroed_groups
 from ..diagnostics.probes import AFTER, BEFORE, INPUT, Checked, PreparedChecks, ProbeLog, floating_tensors
 from .fsdp2_reduce_checks import FSDP2ReduceChecks
-from .host_copies import HostCopy
 from .module_checks import ModuleChecks
 
 __all__ = ["IterationCheck", "ModelWatch"]

@@ -26,6 +26,7 @@ from ..diagnostics import attribution, dtype_contract, optimizer_state, param_st
 from ..diagnostics import rows as row_spec
 from ..diagnostics.groups import PrecisionSnapshot, take_snapshot
 from ..diagnostics.op_sites import site_here
+from ..diagnostics.reduced_rows import reduce_on_host
 from ..export.isolation import WarnOnce
 from .instruments import AttributeCache, dtype_name
 
@@ -167,15 +168,17 @@ class PrecisionRecorder:
         optimizer = self._optimizer_ref()
         table: list[row_spec.ParamSlot] | None = None
         keys: list[tuple[str, ...]] = []
+        first: param_stats.FirstRound | None = None
         try:
             table = row_spec.param_table(groups, self._default_compute_dtype, per_parameter=detail)
             states = None
             if self._attribution is not None and optimizer is not None:
                 states, keys = self._state_tensors.read(optimizer, table)
             underflow_below = self._underflow_below(table)
-            local = row_spec.payload(
-                param_stats.local_rows(snapshot, groups, table, states, detail=detail, underflow_below=underflow_below)
+            first = param_stats.first_round(
+                snapshot, groups, table, states, detail=detail, underflow_below=underflow_below
             )
+            local = row_spec.payload(first.matrix, first.needs_second)
         except Exception as exc:
             self._warn(
                 "precision",
@@ -186,15 +189,17 @@ class PrecisionRecorder:
             )
             count = len(table) if table is not None else row_spec.slot_count(groups, per_parameter=detail)
             local = row_spec.failed_payload(count, self._device())
-        combined = replicas.reduce_payload(local, table, groups)
-        reduced, complete = row_spec.split_status(combined.reduced)
-        stats = precision.stats_from_vector(row_spec.totals(reduced))
-        if not (complete and stats.complete) or table is None:
+            first = None
+        reduced = reduce_on_host(local, table, groups, first)
+        if reduced is None or table is None:
             return
-        rows = reduced.tolist()
+        stats = precision.stats_from_values(reduced.totals)
+        if not stats.complete:
+            return
+        rows = reduced.rows
         self._record_stats(stats, table, rows)
-        if combined.divergence is not None:
-            self._record_divergence(step, table, combined.divergence)
+        if reduced.divergence is not None:
+            self._record_divergence(step, table, reduced.divergence)
         if self._attribution is None or optimizer is None:
             return
         if not keys:
@@ -202,8 +207,8 @@ class PrecisionRecorder:
         contexts = optimizer_state.contexts_for(optimizer, table, keys)
 
         def ranks_of(slot: int, slots: Sequence[int]) -> tuple[int, ...]:
-            counts = combined.blocks[:, slot, list(slots)].sum(dim=1).tolist()
-            return tuple(sorted(rank for rank, count in zip(combined.ranks, counts, strict=True) if count))
+            counts = [sum(block[slot][k] for k in slots) for block in reduced.blocks]
+            return tuple(sorted(rank for rank, count in zip(reduced.ranks, counts, strict=True) if count))
 
         loaded, self._loaded_since = self._loaded_since, False
         findings = self._attribution.analyze(

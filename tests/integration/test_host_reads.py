@@ -3,15 +3,20 @@
 Counted per step by :class:`tests.host_reads.HostReads` (``item``, ``tolist``, ``bool``,
 ``nonzero``, ... of any tensor but the host copies telemetry reads on purpose), on 2 gloo ranks
 under ``fully_shard`` and torch FSDP2 with the origin checks on (the default), against the same
-training with telemetry off: on the undiagnosed steps, zero reads added. The diagnosed steps are
-read from the run's own trace files. On a GPU, tests/cuda/test_host_reads_cuda.py counts the
+training with telemetry off: on the undiagnosed steps, zero reads added. What telemetry reads, it
+reads through host copies: each iteration's checks a step late, and a diagnosed step's rows once
+(one wait for the device on a healthy step). The diagnosed steps are read from the run's own trace
+files. On a GPU, tests/cuda/test_host_reads_cuda.py counts the
 synchronizations CUDA reports (``torch.cuda.set_sync_debug_mode``) the same way.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +62,7 @@ def counted_training(kind: str, trace_dir: str, device: str = "cpu") -> dict[str
         fully_shard_optimizer(optimizer)
         reads: dict[int, list[list[str]]] = {}
         syncs: dict[int, int] = {}
+        host_waits: dict[int, dict[str, int]] = {}
         for step, tokens in enumerate(models.make_batches(STEPS), start=1):
             counter = HostReads()
             with warnings.catch_warnings(record=True) as caught:
@@ -64,22 +70,48 @@ def counted_training(kind: str, trace_dir: str, device: str = "cpu") -> dict[str
                 if device == "cuda":
                     torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    with counter:
+                    with counter, _waits_counted() as waits:
                         loss = models.lm_loss(model, models.rank_slice(tokens, rank, world).to(device))
                         loss.backward()
                         optimizer.step()
                         optimizer.zero_grad()
+                        loss.item()  # the script's own read, as a training loop logs its loss
                 finally:
                     if device == "cuda":
                         torch.cuda.set_sync_debug_mode("default")
             reads[step] = [list(read) for read in counter.reads]
+            host_waits[step] = waits
             syncs[step] = sum("synchronizing" in str(w.message) for w in caught)
         if device == "cuda":
             torch.cuda.synchronize()
         from fsdp_patch import telemetry
 
         telemetry.shutdown()
-    return {"reads": reads, "syncs": syncs}
+    return {"reads": reads, "syncs": syncs, "waits": host_waits}
+
+
+@contextlib.contextmanager
+def _waits_counted() -> Iterator[dict[str, int]]:
+    """Each wait for host copies (:meth:`HostCopy.values` with ``wait``: on a GPU, one wait for the
+    device at most), by the module that asked."""
+    from fsdp_patch.telemetry.diagnostics.host_copies import HostCopy
+
+    counts: dict[str, int] = {}
+    original = HostCopy.values
+
+    def values(self: HostCopy, wait: bool = False) -> Any:
+        if wait:
+            caller = sys._getframe(1).f_code.co_filename.rsplit("/", 1)[-1]
+            if caller == "host_copies.py":
+                caller = sys._getframe(2).f_code.co_filename.rsplit("/", 1)[-1]
+            counts[caller] = counts.get(caller, 0) + 1
+        return original(self, wait)
+
+    HostCopy.values = values  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        HostCopy.values = original  # type: ignore[method-assign]
 
 
 def diagnosed_steps(trace_dir: Path) -> set[int]:
@@ -109,7 +141,17 @@ def test_undiagnosed_steps_read_no_device_value(dist_pool, tmp_path: Path, kind:
             f"{kind}, rank {rank}: telemetry read device values on undiagnosed steps: "
             f"{ {step: reads for step, reads in got.items() if reads} }"
         )
-        # The counter sees telemetry's reads where it makes them: a diagnosed step reads its
-        # diagnostics back (so an empty count above is not a counter that sees nothing).
-        seen = added(on[rank], off[rank], max(diagnosed))
-        assert seen, f"{kind}, rank {rank}: no read counted on diagnosed step {max(diagnosed)}"
+        # The counter sees reads where they are made: the script's own loss.item(), every step.
+        items = [by_read(on[rank]["reads"][step]).get("item", 0) for step in range(1, STEPS + 1)]
+        assert all(n >= 1 for n in items), f"{kind}, rank {rank}: the script's loss.item() not counted: {items}"
+        # What telemetry reads, it reads through host copies: the iteration's checks a step later
+        # (model_watch), and a diagnosed step's reduced rows once (reduced_rows: a healthy step
+        # needs no second round).
+        waits = on[rank]["waits"]
+        got_rows = {step: waits[step].get("reduced_rows.py", 0) for step in range(1, STEPS + 1)}
+        want_rows = {step: int(step in diagnosed) for step in range(1, STEPS + 1)}
+        assert got_rows == want_rows, (
+            f"{kind}, rank {rank}: waits for reduced rows per step {got_rows}, want {want_rows}"
+        )
+        later = {step: waits[step].get("model_watch.py", 0) for step in range(2, STEPS + 1)}
+        assert set(later.values()) == {1}, f"{kind}, rank {rank}: the checks read once a step, a step late: {later}"

@@ -6,8 +6,8 @@ import gc
 
 import pytest
 import torch
-from fsdp_patch.telemetry.instrumentation import host_copies
-from fsdp_patch.telemetry.instrumentation.host_copies import HostCopy, is_host_copy
+from fsdp_patch.telemetry.diagnostics import host_copies
+from fsdp_patch.telemetry.diagnostics.host_copies import HostCopy, is_host_copy
 
 
 def test_host_tensors_are_ready_at_once_and_known_as_host_copies() -> None:
