@@ -1,6 +1,6 @@
 """Event ``fsdp.optimizer.lr_jump``: a param group's learning rate rising tenfold or more from one
 step to the next, read from the optimizer's param groups at each step (the report ties a NaN/Inf
-that follows to it: test_precision_report.py)."""
+that follows to it: test_precision_report_iterations.py)."""
 
 from __future__ import annotations
 
