@@ -21,6 +21,9 @@ from fsdp_patch.telemetry import semconv
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
+# The Grafana dashboard and the folder Grafana's provisioning reads.
+MAIN_DASHBOARD = "fsdp_optimizer.json"
+PROVISIONED = DASHBOARDS / "grafana" / "provisioning"
 INSTALL_PROMTOOL = "dashboards/install_promtool.sh"
 
 RANKS = ("0", "1")
