@@ -1,0 +1,51 @@
+"""``benchmarks.host_cost``: telemetry's host cost per step by the number of parameter tensors."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.host_cost import _fit
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fit_finds_the_fixed_part_and_the_part_per_tensor() -> None:
+    got = _fit([10, 100, 1000], [150e-6 + 1e-6 * n for n in (10, 100, 1000)])
+    assert math.isclose(got[0], 150e-6, rel_tol=1e-9) and math.isclose(got[1], 1e-6, rel_tol=1e-9), got
+
+
+def test_host_cost_measures_every_size_and_sharding_and_writes_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    args = ["--rounds", "2", "--layers", "0", "1", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_cost", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
+    document = json.loads(out.read_text(encoding="utf-8"))
+    assert document["benchmark"] == "host_cost" and document["rounds"] == 2, document
+    for kind in ("fully_shard", "fsdp2"):
+        sizes = document[kind]["sizes"]
+        got = [(s["layers"], s["tensors"]) for s in sizes]
+        assert got == [(0, 6), (1, 18)], f"{kind}: (layers, tensors) {got}"
+        for s in sizes:
+            ratios = (s["ratio_on_off"], s["ratio_diagnosed_off"], s["step_s_off"])
+            assert all(math.isfinite(v) and v > 0 for v in ratios), f"{kind}: {s}"
+        fit = (document[kind]["added_fixed_s"], document[kind]["added_per_tensor_s"])
+        assert all(math.isfinite(v) for v in fit), f"{kind}: fit {fit}"
+        assert f"{kind} added per undiagnosed step" in run.stdout, run.stdout
+
+
+def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_cost", "--rounds", "60"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, f"--rounds 60: exit {run.returncode}"
+    assert "--rounds 60: expected 1 to 46 (the measured steps stay undiagnosed)" in run.stderr, run.stderr
