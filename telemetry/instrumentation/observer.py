@@ -68,12 +68,15 @@ class StepScope:
         step_number: 1 for the optimizer's first step, then counting up.
     """
 
-    __slots__ = ("step_number", "_span", "cast_bytes")
+    __slots__ = ("step_number", "_span", "cast_bytes", "casts")
 
     def __init__(self, step_number: int, span: Span | None) -> None:
         self.step_number = step_number
         self._span = span
         self.cast_bytes = 0
+        # The step's casts by their metric attributes, added to the counter once as the step ends
+        # (one measurement per kind and dtype pair, not one per group).
+        self.casts: dict[tuple[Any, ...], tuple[Mapping[str, AttributeValue], int]] = {}
 
     def set_attribute(self, key: str, value: AttributeValue) -> None:
         """Set an attribute on the step span (no-op on ranks that do not trace)."""
@@ -245,6 +248,7 @@ class OptimizerObserver:
                     yield scope
                     completed = True
                 finally:
+                    self._end_casts(scope)
                     self._iterations.end_step(span, completed)
                 self._precision.audit_if_due(step_number, span)
         finally:
@@ -290,7 +294,6 @@ class OptimizerObserver:
         scope = self._scope
         if scope is not None:
             scope.cast_bytes += event.nbytes
-            scope.set_attribute(semconv.ATTR_CAST_BYTES, scope.cast_bytes)
 
     def weights_refreshed(self, event: GroupCast) -> None:
         """One group's compute-weight refresh: bytes into ``fsdp.optimizer.cast.size``."""
@@ -324,15 +327,30 @@ class OptimizerObserver:
 
     def _record_cast(self, kind: str, event: GroupCast) -> None:
         self._ensure_ready()
+        key = ("cast", kind, event.source, event.target)
         attrs = self._attrs.get(
-            ("cast", kind, event.source, event.target),
+            key,
             lambda: {
                 semconv.ATTR_CAST_KIND: kind,
                 semconv.ATTR_DTYPE_SOURCE: dtype_name(event.source),
                 semconv.ATTR_DTYPE_TARGET: dtype_name(event.target),
             },
         )
-        self._cast_size.add(event.nbytes, attrs)
+        scope = self._scope
+        if scope is None:
+            self._cast_size.add(event.nbytes, attrs)
+            return
+        held = scope.casts.get(key)
+        scope.casts[key] = (attrs, event.nbytes + (held[1] if held is not None else 0))
+
+    def _end_casts(self, scope: StepScope) -> None:
+        """The step's casts into ``fsdp.optimizer.cast.size`` and its span's ``fsdp.cast.bytes``,
+        once each (also for a step that raised: what was cast before it raised)."""
+        for attrs, nbytes in scope.casts.values():
+            self._cast_size.add(nbytes, attrs)
+        scope.casts.clear()
+        if scope.cast_bytes:
+            scope.set_attribute(semconv.ATTR_CAST_BYTES, scope.cast_bytes)
 
     def _record_mismatches(
         self, param_dtype: torch.dtype, grad_dtype: torch.dtype, action: MismatchAction, count: int
