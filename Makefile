@@ -77,7 +77,7 @@ typecheck: setup
 # The documentation (mkdocs.yml, docs/) built in strict mode: a broken link or anchor, a page left
 # out of the navigation, or a results table whose JSON is missing fails it. The site goes to site/.
 docs: setup
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 test-oldest:
 	$(MAKE) --no-print-directory $(OLDEST_STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,10 +14,23 @@ REPO = Path(__file__).resolve().parents[2]
 HOOK = REPO / "docs" / "hooks" / "results_tables.py"
 
 
+def make_docs_arguments() -> list[str]:
+    """The arguments ``make docs`` gives mkdocs, read from the Makefile's recipe, so that the tests
+    build exactly as it does (an option such as ``--quiet`` would hide the warnings strict mode
+    fails on)."""
+    lines = (REPO / "Makefile").read_text(encoding="utf-8").splitlines()
+    recipe = shlex.split(lines[lines.index("docs: setup") + 1])
+    assert recipe[0].endswith("/bin/mkdocs"), f"expected `make docs` to run mkdocs, its recipe is {recipe}"
+    return recipe[1:]
+
+
 def build(root: Path, site: Path) -> subprocess.CompletedProcess[str]:
-    """``mkdocs build --strict`` of the project at ``root`` into ``site``, its output captured."""
+    """The project at ``root`` built into ``site`` as ``make docs`` builds it, its output captured."""
+    arguments = make_docs_arguments()
+    at = arguments.index("--site-dir")
+    arguments[at + 1] = str(site)
     return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        [sys.executable, "-m", "mkdocs", *arguments],
         cwd=root,
         capture_output=True,
         text=True,
