@@ -231,7 +231,40 @@ def _bug_patterns(doc: Document) -> tuple[str, str]:
     return _table(header, rows), note
 
 
+def _host_cost(doc: Document) -> tuple[str, str]:
+    """``python -m benchmarks.host_cost``: telemetry's host cost per undiagnosed step by model size."""
+    header = ["sharding", "tensors", "step, off", "on / off", "added", "diagnosed / off"]
+    rows = []
+    for key, name in (("fully_shard", "`fully_shard`"), ("fsdp2", "torch FSDP2")):
+        if key not in doc:
+            continue
+        for size in doc[key]["sizes"]:
+            rows.append(
+                [
+                    name,
+                    str(size["tensors"]),
+                    _ms(size["step_s_off"]),
+                    _ratio(size["ratio_on_off"]),
+                    f"{size['added_s'] * 1e6:.0f} us",
+                    _ratio(size["ratio_diagnosed_off"]),
+                ]
+            )
+        fit = doc[key]
+        rows.append(
+            [
+                name,
+                "fit",
+                "",
+                "",
+                f"{fit['added_fixed_s'] * 1e6:.0f} us + {fit['added_per_tensor_s'] * 1e6:.2f} us per tensor",
+                "",
+            ]
+        )
+    return _table(header, rows), f"width {doc.get('width', 16)}, {doc['rounds']} paired steps per size"
+
+
 RENDERERS: dict[str, Callable[[Document], tuple[str, str]]] = {
+    "host_cost": _host_cost,
     "suite": _suite,
     "origin_checks": _origin_checks,
     "op_audit_cost": _op_audit_cost,

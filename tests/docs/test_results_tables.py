@@ -120,3 +120,25 @@ def test_every_recorded_result_renders() -> None:
         table = hook.render(path.name, results)
         assert table.startswith("| "), f"expected a table for {path.name}, got:\n{table[:300]}"
         assert "Measured on" in table, f"expected {path.name}'s table to state its machine, got:\n{table[-300:]}"
+
+
+def test_a_host_cost_record_renders_each_size_and_the_fit(tmp_path: Path) -> None:
+    size = {"layers": 0, "tensors": 6, "step_s_off": 0.004, "ratio_on_off": 1.04, "added_s": 2e-4}
+    document = {
+        "benchmark": "host_cost",
+        "device": "cpu-x86_64-2cores",
+        "torch": "2.13.0+cpu",
+        "rounds": 40,
+        "width": 16,
+        "fully_shard": {
+            "sizes": [{**size, "ratio_diagnosed_off": 1.2}],
+            "added_fixed_s": 1.5e-4,
+            "added_per_tensor_s": 1e-6,
+        },
+    }
+    out = hook.render_markers("<!-- results-table: host.json -->\n", _results(tmp_path, "host.json", document))
+    for row in (
+        "| `fully_shard` | 6 | 4.00 ms | 1.040x | 200 us | 1.200x |",
+        "| `fully_shard` | fit |  |  | 150 us + 1.00 us per tensor |  |",
+    ):
+        assert row in out, f"expected the row {row!r}, got:\n{out}"
