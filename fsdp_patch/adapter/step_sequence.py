@@ -229,7 +229,7 @@ class StepSequence:
                     continue
                 nbytes = group.refresh_compute_weight()
                 if nbytes:
-                    observer.weights_refreshed(GroupCast(group.main_dtype, group.compute_dtype, nbytes))
+                    observer.weights_refreshed(GroupCast(group.main_dtype, group.compute_weight.dtype, nbytes))
 
     # ------------------------------------------------------------------ cast buffers
     def _default_keep(self) -> bool:

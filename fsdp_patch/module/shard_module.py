@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mixed_precision import MixedPrecisionPolicy, as_policy
 from ..sharding import ParameterGroup, parameter_group_of, record_replaced, register_group, replaced_original
-from ..sharding.all_gather_extension import refuse_all_gather_extension
+from ..sharding.all_gather_extension import Float8Weight, check_all_gather_extension, float8_weight_of
 from ..sharding.placement import MeshDims, mesh_device, post_forward_group, resolve_mesh
 from ..sharding.tensor_parallel import TensorParallel, tensor_parallel_of
 from .dcp_optimizer_state import track_grad_dtype_mismatch
@@ -87,11 +87,12 @@ def _modules_of(module: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
 
 
 def _collect_parameters(
-    modules: list[nn.Module], dims: MeshDims, ignored: frozenset[int] = frozenset()
+    modules: list[nn.Module], dims: MeshDims, ignored: frozenset[int] = frozenset(), compute_copy: str = "persistent"
 ) -> tuple[list[nn.Parameter], list[str], dict[int, list[Location]], list[int], list[TensorParallel | None]]:
     """The parameters the unit will own (not owned by an FSDP child), their names from their
     module, their places in the module tree, which of ``modules`` each came from, and how tensor
-    parallelism placed each (``None``: a plain parameter)."""
+    parallelism placed each (``None``: a plain parameter); a parameter whose all-gather extension
+    fully_shard cannot honor under the policy's ``compute_copy`` is refused."""
     params: list[nn.Parameter] = []
     names: list[str] = []
     owners: list[int] = []
@@ -118,7 +119,7 @@ def _collect_parameters(
             if id(param) in locations:
                 locations[id(param)].append((owner, name))
                 continue
-            refuse_all_gather_extension(fqn, param)
+            check_all_gather_extension(fqn, param, compute_copy)
             # A DTensor already: placed by tensor parallelism (refused, naming why, if not as supported).
             tensor_parallel = tensor_parallel_of(fqn, param, dims) if isinstance(param, DTensor) else None
             if param.dim() == 0:
@@ -336,9 +337,10 @@ def fully_shard(
             already (tensor parallel); ``shard_placement_fn`` places a parameter other than on
             dim 0; ``offload_policy`` offloads; ``dp_mesh_dims`` is given.
         TypeError: An argument has the wrong type; a parameter's tensor defines FSDP2's
-            all-gather extension (``fsdp_pre_all_gather``/``fsdp_post_all_gather``: torchao's
-            float8 weights with ``enable_fsdp_float8_all_gather=True``), which ``fully_shard``
-            does not call (see :mod:`fsdp_patch.sharding.all_gather_extension`).
+            all-gather extension (``fsdp_pre_all_gather``/``fsdp_post_all_gather``) and is not
+            torchao's tensorwise float8 weight on a plain parameter under a persistent compute
+            copy, the one extension ``fully_shard`` honors, by a float8 compute copy (see
+            :mod:`fsdp_patch.sharding.all_gather_extension`).
     """
     modules = _modules_of(module)
     mp_policy = as_policy(mp_policy)
@@ -358,21 +360,24 @@ def fully_shard(
     dims = MeshDims.of(mesh)
     reshard_after_forward, post_forward_size = _post_forward_size(reshard_after_forward, dims.shard_size)
 
-    params, names, locations, owners, placed = _collect_parameters(modules, dims, ignored)
+    params, names, locations, owners, placed = _collect_parameters(modules, dims, ignored, mp_policy.compute_copy)
     if shard_placement_fn is not None:
         _check_placements(shard_placement_fn, params, names)
     # A group per compute dtype, trainability and TP split: a group's flat buffers then hold
     # either elements tensor parallelism splits over its ranks or elements every TP rank holds
     # alike, which the precision diagnostics count differently (summed over TP ranks, or once).
-    by_key: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
+    # torchao's float8 weights form groups of their own, whose compute copy is in float8.
+    float8 = [float8_weight_of(param) for param in params]
+    by_key: dict[tuple[torch.dtype, bool, bool, Float8Weight | None], list[int]] = {}
     for index, param in enumerate(params):
         split = placed[index] is not None and placed[index].splits  # type: ignore[union-attr]
-        by_key.setdefault((mp_policy.compute_dtype_for(param.dtype), param.requires_grad, split), []).append(index)
+        key = (mp_policy.compute_dtype_for(param.dtype), param.requires_grad, split, float8[index])
+        by_key.setdefault(key, []).append(index)
 
     # Everything that can fail happens before the module is touched.
     groups: list[ParameterGroup] = []
     group_locations: list[list[list[Location]]] = []
-    for indices in by_key.values():
+    for (*_, group_float8), indices in by_key.items():
         groups.append(
             ParameterGroup(
                 [params[i] for i in indices],
@@ -381,6 +386,7 @@ def fully_shard(
                 mp_policy,
                 device,
                 [placed[i] for i in indices],
+                group_float8,
             )
         )
         group_locations.append([locations[id(params[i])] for i in indices])

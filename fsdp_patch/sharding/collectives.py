@@ -43,12 +43,14 @@ class AllGather:
         output: Every rank's shard, rank-major (valid once :meth:`wait` returned).
         tag: What the caller gathered (the group's refresh count): a gather issued before the
             source changed is recognizably out of date.
+        metadata: What the caller keeps beside the gathered data (float8 scales), or ``None``.
     """
 
-    def __init__(self, work: Any, output: torch.Tensor, tag: int) -> None:
+    def __init__(self, work: Any, output: torch.Tensor, tag: int, metadata: Any = None) -> None:
         self._work = work
         self.output = output
         self.tag = tag
+        self.metadata = metadata
 
     @staticmethod
     def allocate_output(numel: int, dtype: torch.dtype, device: torch.device, comm: Any = None) -> torch.Tensor:
@@ -60,13 +62,19 @@ class AllGather:
 
     @classmethod
     def issue(
-        cls, output: torch.Tensor, shard: torch.Tensor, process_group: Any, tag: int, comm: Any = None
+        cls,
+        output: torch.Tensor,
+        shard: torch.Tensor,
+        process_group: Any,
+        tag: int,
+        comm: Any = None,
+        metadata: Any = None,
     ) -> AllGather:
         """Starts gathering every rank's ``shard`` into ``output`` (``shard`` may be a slice of
         ``output``: this rank's slot, gathered in place), through ``comm`` where one is set."""
         if comm is not None:
-            return cls(_Completed.of(comm(output, shard, process_group, async_op=True)), output, tag)
-        return cls(all_gather_flat(output, shard, group=process_group, async_op=True), output, tag)
+            return cls(_Completed.of(comm(output, shard, process_group, async_op=True)), output, tag, metadata)
+        return cls(all_gather_flat(output, shard, group=process_group, async_op=True), output, tag, metadata)
 
     @property
     def nbytes(self) -> int:

@@ -10,10 +10,15 @@ from the main weights' (otherwise the main weights themselves are gathered):
   casts into its all-gather input, so the copy needs no memory of its own.
 
 When it is refreshed is the parameter group's policy; this class counts the refreshes, so
-that a gather can say which one it read.
+that a gather can say which one it read. A third kind, torchao's float8 weights kept in float8
+with their scales, is :class:`~.float8_copy.Float8ComputeCopy`; what the gathers ask of a copy
+beyond its buffer (the dtype the all-gather moves, what travels beside a gather, what the
+unsharded parameters are over their views) is asked here, so that they need not know which.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -83,6 +88,31 @@ class ComputeCopy:
         with torch.no_grad():
             slot.copy_(self.main.tensor)
         return slot
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype the all-gathers move (the buffer's, or bytes of the same size)."""
+        return self.buffer.dtype
+
+    def to_gathered(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, in the buffer's dtype, as the all-gather moves it (a view)."""
+        return tensor if tensor.dtype == self.gather_dtype else tensor.view(self.gather_dtype)
+
+    def from_gathered(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An all-gather's output read back in the buffer's dtype (a view)."""
+        return tensor if tensor.dtype == self.buffer.dtype else tensor.view(self.buffer.dtype)
+
+    def gather_metadata(self) -> Any:
+        """What a gather issued now carries beside the data, for :meth:`post_gather` (none)."""
+        return None
+
+    def post_gather(self, metadata: Any) -> None:
+        """Called when a gather carrying ``metadata`` completed into the unsharded parameters."""
+
+    def unsharded_data(self, index: int, view: torch.Tensor) -> torch.Tensor:
+        """What parameter ``index``'s unsharded parameter is over its ``view`` of the unsharded
+        buffer: the view itself."""
+        return view
 
     @property
     def single_rank_source(self) -> torch.Tensor:

@@ -23,7 +23,7 @@ Alternatives considered:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -121,6 +121,8 @@ class UnshardedBuffer(FlatBuffer):
         requires_grad: Per parameter, whether its unsharded parameter starts out trainable.
         tensor_parallel: Per parameter, how tensor parallelism placed it (``None``: a plain
             parameter); such an unsharded parameter is the DTensor on the TP mesh over its view.
+        data: ``data(index, view)``: what parameter ``index``'s unsharded parameter is over its
+            view (``None``: the view itself; torchao's float8 weights: a ``Float8TrainingTensor``).
     """
 
     def __init__(
@@ -130,20 +132,20 @@ class UnshardedBuffer(FlatBuffer):
         device: torch.device,
         requires_grad: Sequence[bool],
         tensor_parallel: Sequence[TensorParallel | None] = (),
+        data: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__(torch.empty(layout.unsharded_numel, dtype=dtype, device=device))
         self.layout = layout
         flat = self.tensor
         world_size = layout.params[0].world_size if layout.params else 1
         placed = tuple(tensor_parallel) or (None,) * len(layout.params)
+        views = [
+            param.unsharded_view(flat) if data is None else data(index, param.unsharded_view(flat))
+            for index, param in enumerate(layout.params)
+        ]
         self.params: list[nn.Parameter] = [
-            nn.Parameter(
-                param.unsharded_view(flat)
-                if tp is None
-                else shard_dtensor(param.unsharded_view(flat), tp.spec_in(dtype)),
-                requires_grad=trains,
-            )
-            for param, trains, tp in zip(layout.params, requires_grad, placed, strict=True)
+            nn.Parameter(view if tp is None else shard_dtensor(view, tp.spec_in(dtype)), requires_grad=trains)
+            for view, trains, tp in zip(views, requires_grad, placed, strict=True)
         ]
         # Per parameter, its slots of every rank as (world_size, slot_numel): the copy-out's targets.
         self._slots = [

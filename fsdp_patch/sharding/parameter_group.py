@@ -10,7 +10,8 @@ A group owns, for this rank, three sharded flat buffers in one layout and decide
 written: ``main_weight`` (``main_params_dtype``), which the optimizer updates through the
 group's DTensor ``Shard(0)`` parameters (views into it); ``compute_weight``, the compute-dtype
 copy forward and backward all-gather (see :mod:`.compute_copy` for its two lifetimes; the main
-weights themselves when the dtypes agree); ``main_grad`` (``main_grads_dtype``), which backward
+weights themselves when the dtypes agree; torchao's float8 weights in float8 with their scales,
+:mod:`.float8_copy`); ``main_grad`` (``main_grads_dtype``), which backward
 reduce-scatters into and whose views become the parameters' ``.grad`` (ownership and presence:
 :mod:`.main_grads`). Collectives are :mod:`.collectives` handles; the unsharded parameters are
 views of an :class:`~.flat_buffer.UnshardedBuffer`. Whether a parameter trains is read from its
@@ -51,9 +52,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ..mixed_precision import MixedPrecisionPolicy
 from ..torch_interop.profiling import labelled
+from .all_gather_extension import Float8Weight
 from .compute_copy import ComputeCopy
 from .dtensors import ShardSpecs
 from .flat_buffer import ShardedBuffer, UnshardedBuffer
+from .float8_copy import Float8ComputeCopy
 from .grad_reduce import GradReduce, ReduceHook
 from .layout import GroupLayout
 from .main_grads import MainGrads
@@ -81,6 +84,9 @@ class ParameterGroup:
         tensor_parallel: Per parameter, how tensor parallelism placed it, or ``None`` (all
             plain): such a parameter's TP-local tensor is what the group shards (see
             :mod:`.tensor_parallel`).
+        float8: torchao's float8 weights (every parameter one of the kind given): the compute
+            copy is kept and gathered in float8 (:mod:`.float8_copy`), the unsharded parameters
+            are ``Float8TrainingTensor`` s; ``None``: a copy in the compute dtype.
     """
 
     def __init__(
@@ -91,8 +97,10 @@ class ParameterGroup:
         policy: MixedPrecisionPolicy,
         device: torch.device,
         tensor_parallel: Sequence[TensorParallel | None] | None = None,
+        float8: Float8Weight | None = None,
     ) -> None:
         self.names = list(names)
+        self.float8 = float8
         self.tensor_parallel: tuple[TensorParallel | None, ...] = tuple(tensor_parallel or (None,) * len(params))
         # What the group shards: each parameter's TP-local tensor, or the parameter itself.
         data = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
@@ -116,7 +124,11 @@ class ParameterGroup:
             for index, tensor in enumerate(data):
                 if not tensor.is_meta:  # a meta-built model is initialized after fully_shard
                     self._main.local(index).copy_(tensor.detach()[self.layout.params[index].local_rows_slice])
-        self._copy = ComputeCopy(self._main, self.compute_dtype, self.compute_copy)
+        self._copy = (
+            ComputeCopy(self._main, self.compute_dtype, self.compute_copy)
+            if float8 is None
+            else Float8ComputeCopy(self._main, float8, self.compute_dtype, self.process_group)
+        )
         self.params: list[nn.Parameter] = [
             self._main.dtensor(index, requires_grad=param.requires_grad)  # type: ignore[misc]
             for index, param in enumerate(params)
@@ -128,12 +140,17 @@ class ParameterGroup:
         self._grads = MainGrads(self.layout, self._specs, self.grads_dtype, device)
 
         unsharded = UnshardedBuffer(
-            self.layout, self.compute_dtype, device, [p.requires_grad for p in params], self.tensor_parallel
+            self.layout,
+            self._copy.buffer.dtype,
+            device,
+            [p.requires_grad for p in params],
+            self.tensor_parallel,
+            self._copy.unsharded_data,
         )
         self.unsharded_params = unsharded.params
         # The layers below that this policy drives: the gathers into the unsharded parameters,
         # the reduces of their grads into main_grad (each with FSDP2's communication settings).
-        self.unsharding = Unsharding(unsharded, self._copy, self.compute_dtype, self.layout, self.dims, device)
+        self.unsharding = Unsharding(unsharded, self._copy, self.layout, self.dims, device)
         self.grad_reduce = GradReduce(
             self, self._grads, self.params, self.unsharded_params, self.layout, self.dims, self.compute_dtype
         )
@@ -239,7 +256,9 @@ class ParameterGroup:
     def check_replacement(self, index: int, replacement: object) -> None:
         """Raises if ``replacement`` cannot stand in for ``params[index]`` (see
         :func:`~.replacement.check_replacement`)."""
-        check_replacement(self.names[index], self.layout.params[index], cast(DTensor, self.params[index]), replacement)
+        check_replacement(
+            self.names[index], self.layout.params[index], cast(DTensor, self.params[index]), replacement, self.float8
+        )
 
     def adopt(self, index: int, replacement: torch.Tensor) -> None:
         """Copies the values of a tensor that replaced ``params[index]`` in its module into the

@@ -13,15 +13,18 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .all_gather_extension import refuse_all_gather_extension
+from .all_gather_extension import Float8Weight, check_all_gather_extension
 from .layout import ParamLayout
 from .tensor_parallel import TensorParallel
 
 __all__ = ["adopted_shard", "check_replacement"]
 
 
-def check_replacement(name: str, layout: ParamLayout, sharded: DTensor, replacement: object) -> None:
-    """Raises if ``replacement`` cannot stand in for the sharded parameter ``sharded`` (``name``).
+def check_replacement(
+    name: str, layout: ParamLayout, sharded: DTensor, replacement: object, float8: Float8Weight | None = None
+) -> None:
+    """Raises if ``replacement`` cannot stand in for the sharded parameter ``sharded`` (``name``),
+    of a group whose compute copy is torchao's ``float8`` weights' (``None``: a plain one).
 
     Raises:
         TypeError: ``replacement`` is not a floating-point tensor, or defines FSDP2's
@@ -34,7 +37,7 @@ def check_replacement(name: str, layout: ParamLayout, sharded: DTensor, replacem
             f"{'' if not isinstance(replacement, torch.Tensor) else f' of dtype {replacement.dtype}'}; "
             "expected a floating-point tensor"
         )
-    refuse_all_gather_extension(name, replacement, replacement=True)
+    check_all_gather_extension(name, replacement, float8=float8, replacement=True)
     if tuple(replacement.shape) != tuple(sharded.shape):
         raise ValueError(
             f"fully_shard: parameter '{name}' was replaced by a tensor of shape {tuple(replacement.shape)}; "

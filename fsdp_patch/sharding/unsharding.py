@@ -31,8 +31,8 @@ class Unsharding:
 
     Args:
         buffer: The unsharded parameters' storage.
-        copy: The compute copy the gathers read.
-        dtype: The compute dtype.
+        copy: The compute copy the gathers read (and the dtype they move: see
+            :attr:`~.compute_copy.ComputeCopy.gather_dtype`).
         layout: The group's layout.
         dims: Its mesh's dimensions (gathers run over the shard dimension).
         device: This rank's device.
@@ -47,14 +47,12 @@ class Unsharding:
         self,
         buffer: UnshardedBuffer,
         copy: ComputeCopy,
-        dtype: torch.dtype,
         layout: GroupLayout,
         dims: MeshDims,
         device: torch.device,
     ) -> None:
         self._unsharded = buffer
         self._copy = copy
-        self._dtype = dtype
         self._layout = layout
         self._dims = dims
         self._device = device
@@ -94,13 +92,15 @@ class Unsharding:
         dims = self._dims
         if dims.shard_size == 1:
             self._unsharded.copy_single(self._copy.single_rank_source)
+            self._copy.post_gather(self._copy.gather_metadata())
             self._gathered_refresh = refresh
             return
         self._gathered_refresh = None
         comm = self.all_gather_comm
-        output = AllGather.allocate_output(self._layout.unsharded_numel, self._dtype, self._device, comm)
+        output = AllGather.allocate_output(self._layout.unsharded_numel, self._copy.gather_dtype, self._device, comm)
         shard = self._copy.gather_input(output, dims.shard_size, dims.shard_rank)
-        self._gather = AllGather.issue(output, shard, dims.shard_group, refresh, comm)
+        metadata = self._copy.gather_metadata()
+        self._gather = AllGather.issue(output, shard, dims.shard_group, refresh, comm, metadata)
 
     def _start_post_forward(self, refresh: int) -> None:
         """Gathers the rows each rank of the post-forward group kept into a whole all-gather
@@ -108,9 +108,11 @@ class Unsharding:
         assert self.post_forward_group is not None and self._post_forward_rows is not None
         process_group, _, _ = self.post_forward_group
         comm = self.all_gather_comm
-        output = AllGather.allocate_output(self._layout.unsharded_numel, self._dtype, self._device, comm)
+        output = AllGather.allocate_output(self._layout.unsharded_numel, self._copy.gather_dtype, self._device, comm)
         self._gathered_refresh = None
-        self._gather = AllGather.issue(output, self._post_forward_rows.view(-1), process_group, refresh, comm)
+        # The rows hold the refresh the unsharded parameters held: no metadata to hand over.
+        rows = self._copy.to_gathered(self._post_forward_rows.view(-1))
+        self._gather = AllGather.issue(output, rows, process_group, refresh, comm)
 
     @labelled("all_gather_wait")
     def wait(self) -> None:
@@ -121,7 +123,8 @@ class Unsharding:
             return
         # The unsharded storage is allocated only at the copy-out, as FSDP2 allocates its
         # unsharded parameters: while the all-gather is in flight only its output exists.
-        self._unsharded.copy_out(gather.wait())
+        self._unsharded.copy_out(self._copy.from_gathered(gather.wait()))
+        self._copy.post_gather(gather.metadata)
         gather.free()
         self._gathered_refresh = gather.tag
         self._post_forward_rows = self._post_forward_refresh = None  # the unsharded parameters hold them

@@ -37,7 +37,9 @@ class PrecisionView(Protocol):
         compute_weight: 1-D flat buffer in the compute dtype, same layout and numel; may be the
             same tensor object as ``main_weight`` when the dtypes are equal. A group whose
             ``compute_per_gather`` is true keeps none between all-gathers: the diagnostics
-            then derive it by casting ``main_weight``, as each all-gather does.
+            then derive it by casting ``main_weight``, as each all-gather does. A group whose
+            ``float8`` is set keeps it in float8 with scales, which the diagnostics do not
+            compare with the main weights (read as a group without a copy).
         main_grad: 1-D flat buffer in the main-grad dtype, same numel; ``None`` for frozen groups.
         process_group: Group the shards are split over; ``None`` when not distributed.
     """
@@ -141,6 +143,11 @@ def weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> GroupWe
     if getattr(group, "compute_per_gather", False):
         # No copy is kept: every all-gather casts exactly this.
         return GroupWeights((main,), None, group.compute_weight.dtype, grads)
+    if getattr(group, "float8", None) is not None:
+        # A float8 copy holds each weight scaled (fsdp_patch.sharding.float8_copy). The refresh
+        # checks' thresholds are a bf16/fp16 copy's, whose rounding, lost updates and flushed
+        # small weights a float8 copy exceeds by design: its main weights and grads are read alone.
+        return GroupWeights((main,), None, None, grads)
     computes: tuple[torch.Tensor, ...] | None = None
     if group.compute_weight is not group.main_weight:
         compute = _flat(group.compute_weight)

@@ -1,14 +1,18 @@
 """FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a
-parameter's tensor) is never dropped silently: ``fully_shard`` refuses a parameter whose tensor
-defines it, naming the parameter, the class, the methods and the alternatives, with the module
-left as it was (same parameter objects of the same types, same class, no hooks, no FSDP state; a
-retry with plain tensors then shards it); a tensor defining it that replaces a sharded parameter
-is refused at the next forward, the sharded parameter put back.
+parameter's tensor) is never dropped silently. torchao's tensorwise float8 weight is honored by
+a float8 compute copy (``test_float8_compute_copy.py``); every other tensor defining it, and
+torchao's weights where that copy does not apply (``compute_copy="per_gather"``, a weight tensor
+parallelism placed), is refused by ``fully_shard`` naming the parameter, the class, the methods
+and the alternatives, with the module left as it was (same parameter objects of the same types,
+same class, no hooks, no FSDP state; a retry with plain tensors then shards it); such a tensor
+replacing a sharded parameter is refused at the next forward, the sharded parameter put back.
 
-On 2 gloo ranks, with torchao's ``Float8Linear`` weights (``enable_fsdp_float8_all_gather=True``,
-emulated fp8) and with a minimal hand-written subclass that FSDP2 calls (the control: the
-extension is a working one). torchao's float8 training without the fp8 all-gather, the
-alternative the refusal names, trains under ``fully_shard`` as under FSDP2.
+On 2 gloo ranks, with torchao's ``Float8Linear`` weights (emulated fp8) and with a minimal
+hand-written subclass that FSDP2 calls (the control: the extension is a working one). torchao's
+float8 training without the fp8 all-gather trains under ``fully_shard`` as under FSDP2, and so
+does rowwise scaling, for which torchao has no float8 all-gather (its config refuses
+``enable_fsdp_float8_all_gather`` with rowwise): its weights gather in bf16 and are cast rowwise
+in forward, under either.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tests.fsdp import float8_models
 from tests.fsdp.sharded_views import rank0, world
@@ -105,9 +110,11 @@ def _subclassed_linear() -> nn.Linear:
 
 
 def _plain_weights(model: nn.Module) -> None:
-    """The fix a retry gets: each subclassed weight replaced by a plain tensor of its values."""
+    """The fix a retry gets: each weight that is not a plain tensor replaced by one of its values."""
     for layer in float8_models.linears(model):
         weight = layer.weight
+        if isinstance(weight, DTensor):
+            weight = weight._local_tensor
         if type(weight) is not nn.Parameter:
             inner = getattr(weight, "_data", getattr(weight, "_tensor", None))
             layer.weight = nn.Parameter(inner.detach().clone())
@@ -117,15 +124,24 @@ def _types(module: nn.Module) -> list[tuple[str, str]]:
     return [(name, type(p).__name__) for name, p in module.named_parameters()]
 
 
+def _torchao_weight(tensor: torch.Tensor) -> torch.Tensor:
+    """torchao's tensorwise float8 weight over ``tensor``, as ``Float8Linear.from_float`` makes it."""
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return WeightWithDynamicFloat8CastTensor(tensor, LinearMMConfig(), torch.float8_e4m3fn)
+
+
 def refusals_run() -> dict[str, Any]:
     """Each refused case: the exception, what it changed (``module_snapshot`` and the parameters'
     types before and after), and whether a retry with plain weights shards and runs a step."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
 
-    from fsdp_patch import fully_shard
+    from fsdp_patch import MixedPrecisionPolicy, fully_shard
 
     _, world_size = world()
+    mesh = init_device_mesh("cpu", (world_size,))
     cases: dict[str, Any] = {}
 
     def case(name: str, build: Callable[[], nn.Module], call: Callable[[nn.Module], Any]) -> None:
@@ -144,27 +160,36 @@ def refusals_run() -> dict[str, Any]:
         outcome["retry_is_fsdp"] = type(module).__name__.startswith("FSDP")
         cases[name] = outcome
 
-    case("torchao", lambda: float8_models.float8_mlp(fp8_all_gather=True), lambda m: float8_models.shard(m, "ours"))
     case("subclass", _subclassed_linear, fully_shard)
+
+    def per_gather(model: nn.Module) -> None:
+        policy = MixedPrecisionPolicy(compute_copy="per_gather")
+        for layer in float8_models.linears(model):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+
+    case("torchao_per_gather", lambda: float8_models.float8_mlp(fp8_all_gather=True), per_gather)
+
+    def tensor_parallel() -> nn.Module:
+        # As torchao's tensor parallelism leaves a weight: a DTensor over its float8 weight.
+        layer = float8_models.float8_mlp(fp8_all_gather=True)[0]
+        layer.weight = nn.Parameter(DTensor.from_local(layer.weight, mesh, [Replicate()], run_check=False))
+        return layer
+
+    case("torchao_tensor_parallel", tensor_parallel, lambda m: fully_shard(m, mesh=mesh))
 
     def pre_only() -> nn.Linear:
         layer = nn.Linear(8, 6)
         layer.weight = nn.Parameter(torch.Tensor._make_subclass(PreOnly, layer.weight.detach()))
         return layer
 
-    def pre_only_fix(m: nn.Module) -> Any:
-        m.weight = nn.Parameter(m.weight.detach().as_subclass(torch.Tensor))
-        return fully_shard(m)
-
     module = pre_only()
     try:
         fully_shard(module)
     except TypeError as exc:
         cases["pre_only"] = {"type": "TypeError", "message": str(exc), "is_fsdp": type(module).__name__}
-    pre_only_fix(module)
 
     # A DTensor parameter (as tensor parallelism leaves one) whose local tensor defines it.
-    mesh = init_device_mesh("cpu", (world_size,))
     layer = nn.Linear(8, 6)
     local = GatheredInBf16(layer.weight.detach().clone())
     layer.weight = nn.Parameter(DTensor.from_local(local, mesh, [Replicate()], run_check=False))
@@ -174,17 +199,18 @@ def refusals_run() -> dict[str, Any]:
         cases["dtensor"] = {"type": "TypeError", "message": str(exc), "is_fsdp": type(layer).__name__}
 
     # Replacing a sharded parameter: refused at the next forward, the sharded one put back.
-    layer = fully_shard(nn.Linear(8, 6))
-    sharded = layer.weight
-    values = sharded.full_tensor().clone()
-    layer.weight = nn.Parameter(GatheredInBf16(torch.zeros(6, 8)))
-    try:
-        layer(torch.randn(2, 8))
-    except TypeError as exc:
-        cases["replaced"] = {"type": "TypeError", "message": str(exc)}
-    cases["replaced"]["put_back"] = layer.weight is sharded
-    cases["replaced"]["values_kept"] = torch.equal(layer.weight.full_tensor(), values)
-    layer(torch.randn(2, 8)).sum().backward()  # the next forward runs
+    for name, replacement in (("replaced", GatheredInBf16), ("replaced_torchao", _torchao_weight)):
+        layer = fully_shard(nn.Linear(8, 6))
+        sharded = layer.weight
+        values = sharded.full_tensor().clone()
+        layer.weight = nn.Parameter(replacement(torch.zeros(6, 8)))
+        try:
+            layer(torch.randn(2, 8))
+        except TypeError as exc:
+            cases[name] = {"type": "TypeError", "message": str(exc)}
+        cases[name]["put_back"] = layer.weight is sharded
+        cases[name]["values_kept"] = torch.equal(layer.weight.full_tensor(), values)
+        layer(torch.randn(2, 8)).sum().backward()  # the next forward runs
 
     # Left out by ignored_params: not sharded, so nothing of it is dropped.
     layer = _subclassed_linear()
@@ -216,33 +242,44 @@ def cases(run_once) -> dict[str, Any]:
 
 
 EXTENSION = "FSDP2's all-gather extension"
+BOTH = "fsdp_pre_all_gather, fsdp_post_all_gather"
+TORCHAO = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"
 
 
-@pytest.mark.parametrize("name", ["torchao", "subclass"])
-def test_a_parameter_defining_the_extension_is_refused_and_the_module_left_untouched(cases, name: str) -> None:
+@pytest.mark.parametrize("name", ["subclass", "torchao_per_gather", "torchao_tensor_parallel"])
+def test_an_extension_fully_shard_cannot_honor_is_refused_and_the_module_left_untouched(cases, name: str) -> None:
     outcome = cases[name]
     assert outcome["type"] == "TypeError", f"expected a TypeError, got {outcome}"
-    for words in ("parameter '", EXTENSION, "fsdp_pre_all_gather, fsdp_post_all_gather", "Nothing was changed"):
+    for words in ("parameter '", EXTENSION, BOTH, "Nothing was changed"):
         assert words in outcome["message"], f"expected {words!r} in {outcome['message']!r}"
     assert outcome["changed"] is False, f"{name}: the refused fully_shard changed the module"
     assert outcome["retry_is_fsdp"] is True, f"{name}: a retry with plain weights did not shard"
 
 
-def test_torchao_refusal_names_the_parameter_class_and_alternatives(cases) -> None:
-    message = cases["torchao"]["message"]
+def test_hand_written_subclass_refusal_names_its_class_and_what_is_honored(cases) -> None:
+    message = cases["subclass"]["message"]
     for words in (
-        "parameter 'weight' is a torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor",
-        "Float8LinearConfig(enable_fsdp_float8_all_gather=False)",
+        f"parameter 'weight' is a {__name__}.GatheredInBf16",
+        "honors no all-gather extension but torchao's tensorwise float8 weight",
         "torch.distributed.fsdp.fully_shard",
     ):
         assert words in message, f"expected {words!r} in {message!r}"
+    assert "enable_fsdp_float8_all_gather=False" not in message, f"a torchao hint for another class: {message!r}"
 
 
-def test_hand_written_subclass_refusal_names_its_class(cases) -> None:
-    message = cases["subclass"]["message"]
-    want = f"parameter 'weight' is a {__name__}.GatheredInBf16"
-    assert want in message, f"expected {want!r} in {message!r}"
-    assert "enable_fsdp_float8_all_gather" not in message, f"a torchao hint for another class: {message!r}"
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("torchao_per_gather", ["parameter 'weight' is a " + TORCHAO, "compute_copy='per_gather'", "persistent"]),
+        ("torchao_tensor_parallel", ["is a DTensor whose local tensor is a " + TORCHAO, "tensor parallelism"]),
+    ],
+)
+def test_torchao_weights_the_float8_copy_cannot_keep_are_refused_naming_why_and_alternatives(
+    cases, name: str, words: list[str]
+) -> None:
+    message = cases[name]["message"]
+    for want in [*words, "Float8LinearConfig(enable_fsdp_float8_all_gather=False)", "torch.distributed.fsdp"]:
+        assert want in message, f"expected {want!r} in {message!r}"
 
 
 def test_half_an_extension_is_refused_naming_the_method_defined(cases) -> None:
@@ -258,10 +295,19 @@ def test_a_dtensor_whose_local_tensor_defines_it_is_refused(cases) -> None:
     assert outcome["is_fsdp"] == "Linear", f"expected the module's class kept, got {outcome['is_fsdp']}"
 
 
-def test_a_replacement_defining_it_is_refused_and_the_sharded_parameter_put_back(cases) -> None:
-    outcome = cases["replaced"]
-    for words in ("parameter 'weight' was replaced by a", EXTENSION, "The sharded parameter was put back"):
-        assert words in outcome["message"], f"expected {words!r} in {outcome['message']!r}"
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("replaced", ["was replaced by a " + __name__ + ".GatheredInBf16"]),
+        ("replaced_torchao", ["was replaced by a " + TORCHAO, "a plain one", "asks for a float8 all-gather"]),
+    ],
+)
+def test_a_replacement_defining_it_is_refused_and_the_sharded_parameter_put_back(
+    cases, name: str, words: list[str]
+) -> None:
+    outcome = cases[name]
+    for want in ["parameter 'weight'", EXTENSION, "The sharded parameter was put back", *words]:
+        assert want in outcome["message"], f"expected {want!r} in {outcome['message']!r}"
     assert outcome["put_back"] and outcome["values_kept"], f"expected the sharded parameter back as it was: {outcome}"
 
 
@@ -276,15 +322,27 @@ def test_fsdp2_calls_the_hand_written_extension(run_once) -> None:
         assert got == want, f"expected FSDP2 to keep the subclass and call its extension once each: {want}, got {got}"
 
 
-def float8_training_run() -> dict[str, Any]:
-    """torchao float8 training without the fp8 all-gather: fully_shard against FSDP2."""
-    got = float8_models.train(float8_models.shard(float8_models.float8_mlp(fp8_all_gather=False), "ours"), "ours")
-    want = float8_models.train(float8_models.shard(float8_models.float8_mlp(fp8_all_gather=False), "fsdp2"), "fsdp2")
-    assert_same_training(Run(**got), Run(**want), 0.0, "fully_shard against FSDP2, float8 without fp8 all-gather")
-    return rank0(global_losses(got["losses"]))
+def float8_training_run(recipe: str) -> dict[str, Any]:
+    """torchao float8 training without a float8 all-gather (tensorwise with it turned off, or
+    rowwise): fully_shard against FSDP2."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=False)
+    else:
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    runs = {
+        impl: float8_models.train(float8_models.shard(float8_models.float8_mlp(False, config=config), impl), impl)
+        for impl in ("ours", "fsdp2")
+    }
+    assert_same_training(Run(**runs["ours"]), Run(**runs["fsdp2"]), 0.0, f"fully_shard against FSDP2, {recipe}")
+    return rank0(global_losses(runs["ours"]["losses"]))
 
 
-def test_float8_training_without_the_fp8_all_gather_trains_as_fsdp2(run_once) -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_training_without_a_float8_all_gather_trains_as_fsdp2(run_once, recipe: str) -> None:
     float8_models.require_torchao()
-    losses = run_once(2, float8_training_run)[0]
+    losses = run_once(2, float8_training_run, recipe)[0]
     assert losses[-1] < losses[0], f"expected the loss to fall, got {losses}"

@@ -327,3 +327,26 @@ def test_user_given_compute_dtype_applies_where_the_policy_names_none():
         results[default] = precision.compute_stats(snapshot, [group])
     assert (results[None].changed, results[None].lost) == (64, 0), results[None]
     assert (results[torch.bfloat16].changed, results[torch.bfloat16].lost) == (64, 64), results[torch.bfloat16]
+
+
+@dataclass
+class Float8Group(Group):
+    """A stand-in for a ``fully_shard`` group of torchao's float8 weights: its compute weight is
+    float8 data scaled by a per-weight scale (``fsdp_patch.sharding.float8_copy``)."""
+
+    float8: object = "torch.float8_e4m3fn"
+
+
+def test_a_float8_groups_copy_is_not_compared_with_its_main_weights():
+    """Its scaled float8 values would read as refresh errors, lost updates and flushed weights far
+    past a bf16 copy's thresholds: the diagnostics read its main weights and grads alone."""
+    main = torch.tensor([0.5, -1.0, 1e-6, 2.0])
+    scale = torch.finfo(torch.float8_e4m3fn).max / main.abs().max()
+    group = Float8Group(main.clone(), (main * scale).to(torch.float8_e4m3fn), torch.tensor([1.0, NAN, 0.0, 0.0]))
+    snapshot = take_snapshot([group])
+    group.main_weight.add_(1e-7)  # every update below float8's resolution
+    stats = precision.compute_stats(snapshot, [group])
+    want = {(semconv.TENSOR_MAIN_GRAD, semconv.NONFINITE_NAN): 1}
+    assert {k: v for k, v in stats.nonfinite.items() if v} == want, f"expected {want}, got {stats.nonfinite}"
+    got = (stats.lost, stats.underflow, stats.overflow, stats.refresh_error)
+    assert got == (0, 0, 0, 0.0), f"expected no refresh checks on the float8 copy, got (lost, under, over, error) {got}"
