@@ -1,8 +1,8 @@
 """The float8 compute copy of torchao's tensorwise ``Float8Linear`` weights
 (``enable_fsdp_float8_all_gather=True``): kept in float8 with one scale per weight, refreshed
-after the optimizer step with one amax all-reduce per group, all-gathered as bytes (gloo has no
-float8 type), half the bytes of a bf16 gather; the unsharded weights are torchao's
-``Float8TrainingTensor``.
+after the optimizer step with one amax all-reduce per group (and again at the iteration's first
+all-gather, as every compute copy is), all-gathered as bytes (gloo has no float8 type), half the
+bytes of a bf16 gather; the unsharded weights are torchao's ``Float8TrainingTensor``.
 
 Training on 2 and 4 gloo ranks (even and uneven shards) is held to the same model gathered in
 bf16 (torchao's cast in forward instead), within float8 noise, and to FSDP2 with torchao's float8
