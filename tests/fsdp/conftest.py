@@ -20,7 +20,8 @@ def run_once(dist_pool: Callable[[int], Any]) -> Callable[..., list[Any]]:
     """
 
     def run(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        key = (world_size, fn.__name__, repr(args))
+        # By module and name: two test modules may each name their scenario ``refusals_run``.
+        key = (world_size, f"{fn.__module__}.{fn.__qualname__}", repr(args))
         if key not in _CACHE:
             _CACHE[key] = dist_pool(world_size).run(fn, *args)
         return _CACHE[key]
