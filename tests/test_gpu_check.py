@@ -23,6 +23,20 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _cuda_test_count() -> int:
+    """How many tests ``pytest -m cuda`` collects (what the GPU check runs first)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests/cuda"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", done.stdout)
+    assert found is not None, f"pytest --collect-only said:\n{done.stdout[-2000:]}"
+    return int(found.group(1))
+
+
 def _parts(summary: str) -> dict[str, tuple[str, str]]:
     """summary.md's table: part -> (status, detail)."""
     rows = re.findall(r"^\| (\d [^|]*?) \| (PASS|FAIL|SKIP) \| (.*) \|$", summary, re.MULTILINE)
@@ -109,10 +123,10 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
         return
     assert "no CUDA device: running what runs without one, skipping the CUDA parts" in log, log[:2000]
     tests_log = (out / "logs" / "1-cuda-tests.log").read_text()
-    assert "4 skipped" in tests_log and "scripts/gpu_check.sh runs the CUDA tests on a GPU machine" in tests_log, (
-        tests_log
-    )
-    assert parts["1 CUDA tests"] == ("SKIP", "no CUDA device: 4 skipped, each saying why"), parts
+    cuda_tests = _cuda_test_count()
+    assert f"{cuda_tests} skipped" in tests_log, f"want all {cuda_tests} CUDA tests skipped:\n{tests_log}"
+    assert "scripts/gpu_check.sh runs the CUDA tests on a GPU machine" in tests_log, tests_log
+    assert parts["1 CUDA tests"] == ("SKIP", f"no CUDA device: {cuda_tests} skipped, each saying why"), parts
     for part in ("2 demo, torchrun", "2 demo, torchrun --resume"):
         status, detail = parts[part]
         assert status == "PASS" and "telemetry on, overall: healthy, last step" in detail, f"{part}: {status} {detail}"
