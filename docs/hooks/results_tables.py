@@ -263,7 +263,38 @@ def _host_cost(doc: Document) -> tuple[str, str]:
     return _table(header, rows), f"width {doc.get('width', 16)}, {doc['rounds']} paired steps per size"
 
 
+def _float8_gather(doc: Document) -> tuple[str, str]:
+    """``python -m benchmarks.float8_gather``: the float8 compute copy against the bf16 one."""
+    header = ["compute copy", "gathered per step", "all-gathers", "live before the step", "peak", "step"]
+    rows = []
+    for key, name in (("bf16", "bf16"), ("float8", "float8 (torchao tensorwise)")):
+        r = doc[key]
+        rows.append(
+            [
+                name,
+                f"{r['gathered_bytes'] / 2**20:.2f} MiB",
+                str(r["gathers"]),
+                f"{r['live_bytes'] / 2**20:.1f} MiB",
+                f"{r['peak_bytes'] / 2**20:.1f} MiB",
+                _ms(r["step_s"]),
+            ]
+        )
+    rows.append(
+        [
+            "float8 / bf16",
+            _ratio(doc["ratio_gathered"]),
+            "",
+            _ratio(doc["float8"]["live_bytes"] / doc["bf16"]["live_bytes"]),
+            _ratio(doc["ratio_peak"]),
+            _ratio(doc["ratio_step"]),
+        ]
+    )
+    note = f"{doc['layers']} layers of width {doc['width']}, {_params(doc.get('params'))}, {doc['steps']} paired steps"
+    return _table(header, rows), note
+
+
 RENDERERS: dict[str, Callable[[Document], tuple[str, str]]] = {
+    "float8_gather": _float8_gather,
     "host_cost": _host_cost,
     "suite": _suite,
     "origin_checks": _origin_checks,
