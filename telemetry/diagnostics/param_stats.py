@@ -224,6 +224,7 @@ class FirstRound:
             flushed-to-zero counts of ``exp_avg_sq``.
         needs_second: 1.0 where a sum or probe is NaN/Inf (round 2 has something to count or
             repair on this rank), else 0.0: a device scalar, reduced with the rows.
+        probe_values: Every probe's values, in :attr:`probes`' order (float64, on the device).
     """
 
     segments: list[Segment]
@@ -231,10 +232,11 @@ class FirstRound:
     needs_second: torch.Tensor
     detail: bool
     probes: Probes
+    probe_values: torch.Tensor
 
     def host_tensors(self) -> list[torch.Tensor]:
         """What round 2 reads on the host: the rows and the probes (see :meth:`read`)."""
-        return [self.matrix, self.probes.stacked(self.matrix)]
+        return [self.matrix, self.probe_values]
 
     def read(
         self, host: Sequence[torch.Tensor] | None = None
@@ -275,9 +277,10 @@ def first_round(
             probes.add_many(normed, list(torch._foreach_norm(normed_tensors)))
         matrix = first.matrix()
         sums = matrix[:, list(_SUMS)].reshape(-1)
-        checked = torch.cat([sums, probes.stacked(matrix)]) if probes else sums
+        probe_values = probes.stacked(matrix)
+        checked = torch.cat([sums, probe_values]) if probes else sums
         needs_second = torch.logical_not(torch.isfinite(checked).all()).to(torch.float64)
-    return FirstRound(found_segments, matrix, needs_second, detail, probes)
+    return FirstRound(found_segments, matrix, needs_second, detail, probes, probe_values)
 
 
 def second_round(first: FirstRound, host: list[list[float]], found: dict[tuple[Any, ...], list[float]]) -> torch.Tensor:
