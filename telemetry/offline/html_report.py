@@ -34,7 +34,8 @@ from .findings import DEFAULT_MAX_LINES, range_lines
 from .precision_report import render, run_json
 from .run_trace import COLUMNS, RunTrace, read_run
 
-# Labels of the diagnostics that are not report columns: the attribution's whole-model values.
+# The report columns' headers label their plots; the other diagnostics (the attribution's
+# whole-model values) are labelled from their names.
 _LABELS = {key: header for key, header, _ in COLUMNS}
 PAGE_FILES = "report_page"
 SKIPPED_SERIES = "gradscaler.skipped.scale"

@@ -90,6 +90,20 @@ def test_the_page_is_self_contained_and_its_data_survives_any_name(tmp_path: Pat
         assert fetching not in page, f"the page must load nothing from outside; it holds {fetching!r}"
 
 
+def test_skipped_iterations_are_a_series_of_their_own_per_rank_where_ranks_differ(tmp_path: Path) -> None:
+    from fsdp_patch.telemetry.offline.origin_report import RankSteps
+
+    _write(tmp_path, {0: {1: {AMAX: 0.5}}, 1: {1: {AMAX: 0.5}}}, steps=1)
+    run = read_run(str(tmp_path))
+    run.iterations.ranks[0] = RankSteps(skipped=[(1.0, 1024.0, 2), (2.0, 512.0, 3)])
+    run.iterations.ranks[1] = RankSteps(skipped=[(1.0, 1024.0, 2)])
+    (skipped,) = [s for s in html_report.series(run) if s["key"] == html_report.SKIPPED_SERIES]
+
+    assert skipped["points"] == [[2, 1024.0], [3, 512.0]], f"every skipped step's scale: {skipped['points']}"
+    want = {"0": [[2, 1024.0], [3, 512.0]], "1": [[2, 1024.0]]}
+    assert skipped.get("ranks") == want and skipped["scatter"], f"per rank, as points: {skipped}"
+
+
 def test_page_data_marks_the_origin_escalations_and_failed_steps(tmp_path: Path) -> None:
     _write(tmp_path, {0: {1: {AMAX: 0.5}, 2: {AMAX: math.inf}}}, steps=3)
     run = read_run(str(tmp_path))
