@@ -35,6 +35,7 @@ from .event_thresholds import (
     SCALER_SKIPS_WARN_SHARE,
     SHADOW_PRECISION,
 )
+from .float8_thresholds import FLOAT8_CHECKS
 from .verdicts import ALERT_SEVERITY, HEALTHY, PROBLEM, SEVERITY_ORDER, WARNING, Threshold, worst
 
 __all__ = [
@@ -288,6 +289,7 @@ BY_CHECK = {
         HEADROOM_FORECAST,
         *THRESHOLDS,
         *OP_CHECKS.values(),
+        *FLOAT8_CHECKS,
         SHADOW_PRECISION,
         FAILED_STEPS,
         DTYPE_CONTRACT,

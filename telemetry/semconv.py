@@ -6,11 +6,11 @@ a constant of this module, and nothing else spells them: the observer, the instr
 tests and the dashboards' checks import them. The values are fixed by docs/conventions.md;
 dashboards and alert rules query them, so a change here is a change of that contract.
 
-The step's names and the attribution's are spelled here; two families of findings are spelled in
+The step's names and the attribution's are spelled here; three families of findings are spelled in
 modules of their own and re-exported here, so that code reads every name as ``semconv.NAME``:
 :mod:`.semconv_iterations` (the per-iteration checks: origin, step accounting, lr jumps,
-escalation) and :mod:`.semconv_audits` (the operation audit, the float32 shadow, the headroom
-forecast).
+escalation), :mod:`.semconv_audits` (the operation audit, the float32 shadow, the headroom
+forecast) and :mod:`.semconv_float8` (the float8 cast watch).
 
 Imports nothing else (no torch, no OpenTelemetry): naming a constant costs nothing.
 """
@@ -18,6 +18,7 @@ Imports nothing else (no torch, no OpenTelemetry): naming a constant costs nothi
 from __future__ import annotations
 
 from .semconv_audits import *  # noqa: F403
+from .semconv_float8 import *  # noqa: F403
 from .semconv_iterations import *  # noqa: F403
 
 # -- instrumentation scope -------------------------------------------------------------------

@@ -142,3 +142,30 @@ def contexts_for(
                 decay = float(held.get("weight_decay") or 0.0)
         out.append(ParamContext(held is not None or slot.param is None, value, state_keys, bound, decay))
     return out
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[tuple[str, str, torch.Tensor]]:
+    """``(parameter name, state key, local tensor)`` of every floating state tensor the optimizer
+    holds (``names``: parameter names by identity; others are named by their place)."""
+    out = []
+    for index, (param, state) in enumerate(optimizer.state.items()):
+        if not isinstance(state, dict):
+            continue
+        name = names.get(id(param), f"parameter {index}")
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                local = value.to_local() if hasattr(value, "to_local") else value
+                out.append((name, str(key), local))
+    return out
+
+
+def resumed_at(optimizer: torch.optim.Optimizer) -> int:
+    """The largest step count the optimizer's state holds (0: a state no step has written)."""
+    largest = 0
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if isinstance(step, int | float):
+            largest = max(largest, int(step))
+    return largest

@@ -52,7 +52,9 @@ from ..diagnostics.model_audit import (
     rebuilt_from_compute,
     state_through_low_precision,
 )
+from ..diagnostics.optimizer_state import resumed_at, state_tensors
 from ..diagnostics.rows import param_table
+from .float8_watch import Float8Watch
 from .learning_rates import LearningRateJumps
 from .model_watch import IterationCheck, ModelWatch
 from .module_shadows import ModuleShadows
@@ -96,6 +98,7 @@ class IterationWatch:
         self.watches: list[ModelWatch] = []
         self.audits = OperationAudits.from_environment(optimizer, bool(every))
         self.shadows = ModuleShadows.from_environment(optimizer, bool(every))
+        self.float8 = Float8Watch(optimizer, bool(every))
         self._headroom = HeadroomTrend()
         if sdk_disabled:
             self._unregister = None
@@ -110,7 +113,8 @@ class IterationWatch:
         self._unregister = watch_optimizer_steps(self.watches, optimizer, observer)
         watches = list(self.watches)
         unregister = self._unregister
-        weakref.finalize(optimizer, _release, watches, unregister, self.audits, self.shadows)
+        weakref.finalize(optimizer, _release, watches, unregister, self.audits, self.shadows, self.float8)
+        self.float8.start()  # the first iteration is diagnosed on every schedule
 
     @property
     def escalated(self) -> bool:
@@ -213,11 +217,14 @@ class IterationWatch:
         """The ending iteration's operation audit read onto ``span``; the next one's begun if due."""
         self.audits.finish(self._step, span, self._observer.rank)
         self.shadows.finish(self._step, span, self._observer.rank)
+        self.float8.finish(self._step, span, self._observer.rank)
         following = self._step + 1
         if self.audits.due(following, escalated=following <= self.escalated_until):
             self.audits.start()
         if self.shadows.due(following):
             self.shadows.start()
+        if self._observer.precision_due(following) or following <= self.escalated_until:
+            self.float8.start()
 
     def _close(self, span: Span | None, step: int, agree: bool = True) -> None:
         if span is not None:
@@ -237,10 +244,11 @@ class IterationWatch:
     def flush(self, rank: int, span: Span | None = None) -> None:
         """Read the last iteration's checks (at a flush or exit) and report them on ``span``."""
         self._report([w.resolve() for w in self.watches], span, rank)
+        self.float8.flush(span, rank)
 
     def close(self) -> None:
         """Remove every model check and registration (telemetry turned off for the optimizer)."""
-        _release(self.watches, self._unregister, self.audits, self.shadows)
+        _release(self.watches, self._unregister, self.audits, self.shadows, self.float8)
         self.watches = []
 
     # -- the model audit ---------------------------------------------------------------------------
@@ -276,10 +284,10 @@ class IterationWatch:
         rebuilt = None
         if optimizer is not None and optimizer.state is not self._audited_state:
             self._audited_state = optimizer.state
-            resumed_at = _resumed_at(optimizer)
-            if resumed_at:
+            resumed = resumed_at(optimizer)
+            if resumed:
                 loaded_at = self._observer.state_loaded_at
-                since = f"a resume from step {resumed_at}" + (f" (load_state_dict at {loaded_at})" if loaded_at else "")
+                since = f"a resume from step {resumed}" + (f" (load_state_dict at {loaded_at})" if loaded_at else "")
                 rebuilt = rebuilt_from_compute(self._lossy_params(), since)
                 names = {
                     id(param): user_name(watch.prefix, name)
@@ -287,7 +295,7 @@ class IterationWatch:
                     if watch.root is not None
                     for name, param in watch.root.named_parameters()
                 }
-                held = _state_tensors(optimizer, names)
+                held = state_tensors(optimizer, names)
                 state = state_through_low_precision(held, since) or moments_inconsistent(held, since)
                 if state is not None:
                     findings.append(state)
@@ -389,36 +397,16 @@ class IterationWatch:
             span.add_event(semconv.EVENT_HEADROOM_FORECAST, attributes)
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[tuple[str, str, torch.Tensor]]:
-    """``(parameter name, state key, local tensor)`` of every floating state tensor the optimizer
-    holds (``names``: parameter names by identity; others are named by their place)."""
-    out = []
-    for index, (param, state) in enumerate(optimizer.state.items()):
-        if not isinstance(state, dict):
-            continue
-        name = names.get(id(param), f"parameter {index}")
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                local = value.to_local() if hasattr(value, "to_local") else value
-                out.append((name, str(key), local))
-    return out
-
-
-def _resumed_at(optimizer: torch.optim.Optimizer) -> int:
-    """The largest step count the optimizer's state holds (0: a state no step has written)."""
-    largest = 0
-    for state in optimizer.state.values():
-        step = state.get("step") if isinstance(state, dict) else None
-        if isinstance(step, torch.Tensor) and step.numel() == 1:
-            step = step.item()
-        if isinstance(step, int | float):
-            largest = max(largest, int(step))
-    return largest
-
-
-def _release(watches: Sequence[ModelWatch], unregister: Any, audits: OperationAudits, shadows: ModuleShadows) -> None:
+def _release(
+    watches: Sequence[ModelWatch],
+    unregister: Any,
+    audits: OperationAudits,
+    shadows: ModuleShadows,
+    float8: Float8Watch,
+) -> None:
     audits.close()
     shadows.close()
+    float8.close()
     for watch in watches:
         watch.remove()
     if unregister is not None:

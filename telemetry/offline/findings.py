@@ -1,6 +1,6 @@
 """What the precision report finds in a run: thresholds crossed per step range, what the
 per-iteration checks, the operation audit, the headroom forecast and the float32 shadow found, in
-order of precedence, each with its text, its advice and the lines that say where it began.
+order of precedence (the float8 casts' among them), each with its text, its advice and the lines that say where it began.
 
 Judged with :mod:`fsdp_patch.telemetry.precision_thresholds` (the thresholds of the Prometheus
 alerts). The text report (:mod:`.precision_report`) and the HTML report (:mod:`.html_report`)
@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from .. import float8_thresholds, semconv
 from .. import precision_thresholds as thresholds
-from .. import semconv
 from .attribution_report import details
+from .float8_report import CastSeen, cast_text, fix, layer_text, trend_text
 from .headroom_report import forecast_text
 from .op_report import OpSeen, op_text, place
 from .origin_report import OriginSeen, advice, divergence_text, origin_text
@@ -128,6 +129,8 @@ def iteration_findings(run: RunTrace) -> list[Finding]:
     costly = run.shadow.costly()
     if costly:
         found.append(Finding(thresholds.SHADOW_PRECISION, costly[0].step))
+    for threshold, seen in run.float8.findings():
+        found.append(Finding(threshold, seen.step))
     for kind in run.ops.kinds():
         if kind == semconv.OP_KIND_NONFINITE and origin_operation(run) is not None:
             continue  # named with the origin it refines
@@ -144,6 +147,13 @@ def origin_operation(run: RunTrace) -> OpSeen | None:
 
 
 _OP_KIND_OF_CHECK = {threshold.check: kind for kind, threshold in thresholds.OP_CHECKS.items()}
+_FLOAT8_CHECKS = frozenset(t.check for t in float8_thresholds.FLOAT8_CHECKS)
+
+
+def float8_cast(run: RunTrace, check: str) -> CastSeen | None:
+    """The float8 cast a float8 finding leads with: the first it fired on."""
+    named = run.float8.named(check)
+    return named[0] if named else None
 
 
 def origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
@@ -159,6 +169,14 @@ def origin_lines(run: RunTrace, check: str, step_offset: int) -> list[str]:
             lines.append(f"fix: {operation.fix}")
     elif check == thresholds.HEADROOM_FORECAST.check:
         lines.extend(forecast_text(f, step_offset) for f in run.headroom.forecasts()[:NAMED_PER_FINDING])
+    elif check == float8_thresholds.FLOAT8_SENSITIVE_LAYER.check:
+        lines.extend(layer_text(run.float8, seen, step_offset) for seen in run.float8.named(check))
+    elif check in _FLOAT8_CHECKS:
+        named = run.float8.named(check)
+        lines.extend(cast_text(seen, step_offset) for seen in named[:NAMED_PER_FINDING])
+        trend = trend_text(run.float8, named[0], step_offset) if named else None
+        if trend is not None:
+            lines.append(trend)
     elif check == thresholds.SHADOW_PRECISION.check:
         lines.extend(shadow_text(seen, step_offset) for seen in run.shadow.costly()[:NAMED_PER_FINDING])
     elif check in _OP_KIND_OF_CHECK:
@@ -204,6 +222,8 @@ NO_FP32_MASTER_ADVICE = (
 
 
 def advice_for(run: RunTrace, finding: Finding) -> str:
+    if finding.threshold.check in _FLOAT8_CHECKS and (seen := float8_cast(run, finding.threshold.check)) is not None:
+        return fix(finding.threshold, seen)
     if finding.threshold.check in _OP_KIND_OF_CHECK:
         return run.ops.of_kind(_OP_KIND_OF_CHECK[finding.threshold.check])[0].fix
     first = run.iterations.first()
@@ -215,6 +235,11 @@ def advice_for(run: RunTrace, finding: Finding) -> str:
 
 
 def finding_text(run: RunTrace, finding: Finding) -> str:
+    if finding.threshold.check == float8_thresholds.FLOAT8_SENSITIVE_LAYER.check:
+        layers = ", ".join(f"{s.module} ({s.position})" for s in run.float8.named(finding.threshold.check))
+        return f"{finding.threshold.finding}: {layers}"
+    if finding.threshold.check in _FLOAT8_CHECKS and (seen := float8_cast(run, finding.threshold.check)) is not None:
+        return f"{finding.threshold.finding}: {seen.module}'s {seen.role.replace('_', ' ')}"
     if finding.threshold.check in _OP_KIND_OF_CHECK:
         return f"{finding.threshold.finding}: {place(run.ops.of_kind(_OP_KIND_OF_CHECK[finding.threshold.check])[0])}"
     first = run.iterations.first()

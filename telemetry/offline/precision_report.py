@@ -28,6 +28,7 @@ from .findings import (
     origin_operation,
     range_lines,
 )
+from .float8_report import cast_json
 from .headroom_report import forecast_json
 from .op_report import op_json
 from .origin_report import divergence_json, origin_json
@@ -216,6 +217,7 @@ def run_json(run: RunTrace, lines: list[RangeLine], source: str, step_offset: in
         "ops": [op_json(seen, step_offset) for kind in run.ops.kinds() for seen in run.ops.of_kind(kind)],
         "headroom_forecasts": [forecast_json(f, step_offset) for f in run.headroom.forecasts()],
         "shadow": [shadow_json(seen, step_offset) for step in run.shadow.steps() for seen in run.shadow.at(step)],
+        "float8": [cast_json(seen, run.float8, step_offset) for seen in run.float8.latest()],
         "mesh_coordinates": {str(rank): c for rank, c in sorted(run.iterations.coordinates.items())},
         "replica_divergence": divergence_json(diverged, step_offset) if diverged else None,
         "iterations": {

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .. import semconv
 from .attribution_report import AttributionTrace
+from .float8_report import Float8Trace
 from .headroom_report import HeadroomTrace
 from .op_report import OpTrace
 from .origin_report import OriginTrace
@@ -66,6 +67,7 @@ class RunTrace:
         ops: What the operation audits named.
         headroom: The units forecast to reach their dtype's largest value.
         shadow: What the float32 shadows measured of each module.
+        float8: What the float8 casts of each float8 module kept.
         rank_samples: Diagnostics by rank, then step, as each rank's file holds them (they are
             reduced over ranks, so they differ only where a rank's diagnostics did not run).
     """
@@ -84,6 +86,7 @@ class RunTrace:
     ops: OpTrace = field(default_factory=OpTrace)
     headroom: HeadroomTrace = field(default_factory=HeadroomTrace)
     shadow: ShadowTrace = field(default_factory=ShadowTrace)
+    float8: Float8Trace = field(default_factory=Float8Trace)
     rank_samples: dict[int, dict[int, dict[str, float]]] = field(default_factory=dict)
 
 
@@ -156,6 +159,7 @@ def read_run(directory: str) -> RunTrace:
                 run.ops.feed_instant(args, str(event.get("name", "")))
                 run.headroom.feed_instant(args, str(event.get("name", "")))
                 run.shadow.feed_instant(args, str(event.get("name", "")))
+                run.float8.feed_instant(args, str(event.get("name", "")))
     for parent, values, rank in precision:
         # The step span ends after its precision child, possibly in the next (still kept) segment;
         # a parent rotated away belongs to the oldest, dropped steps.
