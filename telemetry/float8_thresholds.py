@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 
 from . import semconv
 from .verdicts import PROBLEM, WARNING, Threshold
@@ -107,6 +108,17 @@ FLOAT8_SENSITIVE_LAYER = Threshold(
         "convert_to_float8_training a module_filter_fn that returns False for the module named, by its name."
     ),
 )
+# The flush checks' findings where most elements are left subnormal rather than flushed: a warning.
+_SUBNORMAL_FINDING = {
+    FLOAT8_FLUSH.check: (
+        "a float8 cast leaves most of a layer's input or weight below float8's smallest normal, with 2 mantissa "
+        "bits or fewer: one outlier sets the scale"
+    ),
+    FLOAT8_GRAD_UNDERFLOW.check: (
+        "a layer's grad output is left mostly subnormal by its float8 cast, with 2 mantissa bits or fewer: a few "
+        "grads set the scale"
+    ),
+}
 FLOAT8_CHECKS = (FLOAT8_NONFINITE, FLOAT8_FLUSH, FLOAT8_GRAD_UNDERFLOW, FLOAT8_SATURATION, FLOAT8_SENSITIVE_LAYER)
 
 
@@ -116,14 +128,17 @@ def fired(role: str, values: Mapping[str, float], position: str = semconv.FLOAT8
     left subnormal rather than flushed."""
     found: list[Threshold] = []
     nonfinite = values.get("nonfinite", 0.0)
-    scale = values.get("scale", 1.0)
-    if (not math.isnan(nonfinite) and nonfinite > 0) or not math.isfinite(scale):
+    # A tensor that already held NaN/Inf has a non-finite amax and scale, and makes every element
+    # NaN: not the cast's doing.
+    if math.isfinite(values.get("amax", 0.0)) and (
+        not math.isfinite(values.get("scale", 1.0)) or (not math.isnan(nonfinite) and nonfinite > 0)
+    ):
         found.append(FLOAT8_NONFINITE)
     flush = FLOAT8_GRAD_UNDERFLOW if role == semconv.FLOAT8_ROLE_GRAD_OUTPUT else FLOAT8_FLUSH
     if values.get("flushed", 0.0) > FLUSH_SHARE:
         found.append(flush)
     elif values.get("subnormal", 0.0) > SUBNORMAL_SHARE:
-        found.append(Threshold(**{**flush.__dict__, "severity": WARNING}))
+        found.append(replace(flush, severity=WARNING, finding=_SUBNORMAL_FINDING[flush.check]))
     if values.get("saturated", 0.0) > SATURATED_SHARE:
         found.append(FLOAT8_SATURATION)
     if position != semconv.FLOAT8_POSITION_MIDDLE:

@@ -35,7 +35,7 @@ from .event_thresholds import (
     SCALER_SKIPS_WARN_SHARE,
     SHADOW_PRECISION,
 )
-from .float8_thresholds import FLOAT8_CHECKS
+from .float8_thresholds import FLOAT8_CHECKS, FLOAT8_NONFINITE
 from .verdicts import ALERT_SEVERITY, HEALTHY, PROBLEM, SEVERITY_ORDER, WARNING, Threshold, worst
 
 __all__ = [
@@ -283,13 +283,14 @@ BY_CHECK = {
     threshold.check: threshold
     for threshold in (
         LR_JUMP,
+        FLOAT8_NONFINITE,
         NAN_ORIGIN,
         REPLICA_DIVERGENCE,
         GRADS_ZEROED,
         HEADROOM_FORECAST,
         *THRESHOLDS,
         *OP_CHECKS.values(),
-        *FLOAT8_CHECKS,
+        *(check for check in FLOAT8_CHECKS if check is not FLOAT8_NONFINITE),
         SHADOW_PRECISION,
         FAILED_STEPS,
         DTYPE_CONTRACT,

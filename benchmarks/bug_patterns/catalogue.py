@@ -12,13 +12,13 @@ An expectation is the diagnosis a correct report gives, whether or not the repor
 
 The catalogue is assembled here, in its numbers' order: the patterns that make NaN/Inf (1 to 7b,
 :mod:`.nonfinite_catalogue`), those of gradients, master weights, clipping and dtypes (8 to 16,
-here), those that live in one line of a user's code (17 on, :mod:`.op_catalogue`), then the
-healthy controls.
+here), those that live in one line of a user's code (17 to 29, :mod:`.op_catalogue`), those of
+torchao's float8 casts (30 on, :mod:`.float8_catalogue`), then the healthy controls.
 """
 
 from __future__ import annotations
 
-from . import nonfinite_catalogue, op_catalogue, plants
+from . import float8_catalogue, nonfinite_catalogue, op_catalogue, plants
 from .expectations import HEALTHY, PROBLEM, WARNING, Expect, Judgement, OpWant, OriginWant, Pattern, judge
 from .tiny_lm import Settings
 
@@ -253,7 +253,7 @@ CONTROLS: tuple[Pattern, ...] = tuple(
     for index, (compute, lr) in enumerate((("bf16", 1e-4), ("bf16", 3e-3), ("fp16", 1e-4), ("fp16", 3e-3)), start=1)
 )
 
-PATTERNS += op_catalogue.OP_PATTERNS
-CONTROLS += op_catalogue.OP_CONTROLS
+PATTERNS += op_catalogue.OP_PATTERNS + float8_catalogue.FLOAT8_PATTERNS
+CONTROLS += op_catalogue.OP_CONTROLS + float8_catalogue.FLOAT8_CONTROLS
 
 CATALOGUE: dict[str, Pattern] = {p.name: p for p in (*PATTERNS, *CONTROLS)}

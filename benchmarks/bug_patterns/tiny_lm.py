@@ -18,7 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BATCH", "BLOCKS", "DIM", "DTYPES", "HIDDEN", "SEQ", "VOCAB", "Settings", "TinyLM", "batch", "loss_of"]
+__all__ = [
+    "BATCH",
+    "BLOCKS",
+    "DIM",
+    "DTYPES",
+    "HIDDEN",
+    "SEQ",
+    "VOCAB",
+    "Settings",
+    "TinyLM",
+    "batch",
+    "loss_of",
+    "to_float8",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Small enough for 2 CPU ranks to run hundreds of steps in seconds; the rule the tokens follow
@@ -53,6 +66,11 @@ class Settings:
         loss: ``ce`` (cross entropy on float32 logits), ``ce_low`` (on the compute-dtype logits),
             ``log_softmax_naive`` (``-log(softmax(logits)).gather``, in the compute dtype).
         aux_sqrt: Add ``1e-3 * sqrt(sum(h**2))``, per token of the embedding output, to the loss.
+        float8: Which linear layers torchao's ``convert_to_float8_training`` swaps for
+            ``Float8Linear`` (fp8 matmuls emulated): ``off``, ``blocks`` (every block's fc1 and fc2:
+            the recipes' choice, first and last layers kept in bf16) or ``all`` (the head too).
+        float8_recipe: ``tensorwise`` (torchao's default: e4m3 forward, e5m2 grads), ``rowwise``
+            (torchao's rowwise recipe) or ``all_e4m3`` (tensorwise, grads cast to e4m3 too).
         seed: Seed of the weights and the data.
     """
 
@@ -71,6 +89,8 @@ class Settings:
     norm: Literal["torch", "naive"] = "torch"
     loss: Literal["ce", "ce_low", "log_softmax_naive"] = "ce"
     aux_sqrt: bool = False
+    float8: Literal["off", "blocks", "all"] = "off"
+    float8_recipe: Literal["tensorwise", "rowwise", "all_e4m3"] = "tensorwise"
     seed: int = 0
 
     def describe(self) -> str:
@@ -90,6 +110,8 @@ class Settings:
             parts.append(f"loss {self.loss}")
         if self.aux_sqrt:
             parts.append("sqrt aux loss")
+        if self.float8 != "off":
+            parts.append(f"float8 {self.float8_recipe} ({'blocks' if self.float8 == 'blocks' else 'blocks and head'})")
         parts.append(f"{self.steps} steps")
         return ", ".join(parts)
 
@@ -156,7 +178,8 @@ class TinyLM(nn.Module):
 
     Plants act through plain attributes read in forward (set per rank and step):
     ``embed_gain`` and ``final_gain`` scale the embedding output and the final norm's input (an
-    outlier batch, large residuals); ``zeroed`` is a (sequence, token) whose embedding row the
+    outlier batch, large residuals); ``first_token_gain`` scales each sequence's first token's
+    embedding output (a massive activation on one token); ``zeroed`` is a (sequence, token) whose embedding row the
     aux loss sees as exactly zero (a padded or zeroed token); ``aux`` is the aux loss the last
     forward made (``None`` without ``aux_sqrt``). A buffer ``inv_freq`` (``DIM / 2`` inverse
     frequencies), where a plant registers one, adds sinusoidal positions to the embedding output.
@@ -170,6 +193,7 @@ class TinyLM(nn.Module):
         self.head = Head(DIM, VOCAB)
         self.aux_sqrt = settings.aux_sqrt
         self.embed_gain = 1.0
+        self.first_token_gain = 1.0
         self.final_gain = 1.0
         self.zeroed: tuple[int, int] | None = None
         self.aux: torch.Tensor | None = None
@@ -183,6 +207,10 @@ class TinyLM(nn.Module):
             h = h + torch.cat([angles.sin(), angles.cos()], dim=-1).to(h.dtype)
         if self.embed_gain != 1.0:
             h = h * self.embed_gain
+        if self.first_token_gain != 1.0:
+            gain = torch.ones(h.shape[1], 1, dtype=h.dtype, device=h.device)
+            gain[0] = self.first_token_gain
+            h = h * gain
         self.aux = None
         if self.aux_sqrt:
             seen = h
@@ -197,6 +225,27 @@ class TinyLM(nn.Module):
         if self.final_gain != 1.0:
             h = h * self.final_gain
         return self.head(self.final_norm(h))
+
+
+def to_float8(model: TinyLM, settings: Settings) -> None:
+    """Swaps the linear layers ``settings.float8`` names for torchao ``Float8Linear`` s, as
+    ``settings.float8_recipe`` configures them (emulated: the CPU has no float8 matmul)."""
+    import dataclasses
+
+    from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
+
+    if settings.float8_recipe == "rowwise":
+        config = Float8LinearConfig.from_recipe_name("rowwise")
+    else:
+        config = Float8LinearConfig()
+        if settings.float8_recipe == "all_e4m3":
+            e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
+            config = dataclasses.replace(
+                config, cast_config_grad_output=e4m3, cast_config_grad_output_for_grad_weight=e4m3
+            )
+    config = dataclasses.replace(config, emulate=True)
+    keep = (lambda module, fqn: True) if settings.float8 == "all" else (lambda module, fqn: fqn != "head")
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
 
 
 def batch(step: int, microbatch: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

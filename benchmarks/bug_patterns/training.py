@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .tiny_lm import DTYPES, Settings, TinyLM, batch, loss_of
+from .tiny_lm import DTYPES, Settings, TinyLM, batch, loss_of, to_float8
 
 __all__ = [
     "FSDP2",
@@ -111,6 +111,9 @@ class Plant:
     def between_steps(self, ctx: Context) -> None:
         """After ``optimizer.step()`` and ``zero_grad()``, before the next step's forward."""
 
+    def undo(self) -> None:
+        """After the run, also one that raised: what the plant changed outside the model, restored."""
+
 
 # -- the run ---------------------------------------------------------------------------------------
 
@@ -126,6 +129,8 @@ def environment(values: dict[str, str | None]) -> Iterator[None]:
 
 def _shard(model: TinyLM, kind: str, settings: Settings) -> None:
     compute, main, grads = DTYPES[settings.compute], DTYPES[settings.main], DTYPES[settings.grads]
+    if settings.float8 != "off":
+        to_float8(model, settings)
     units: list[nn.Module] = [*model.blocks, model]
     if kind == FULLY_SHARD:
         from fsdp_patch import MixedPrecisionPolicy, fully_shard
@@ -180,6 +185,14 @@ def telemetry_environment(trace_dir: str, precision_every: int | None) -> dict[s
     }
 
 
+@contextlib.contextmanager
+def _undone(plant: Plant) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        plant.undo()
+
+
 def train_on_rank(
     kind: str, settings: Settings, plant: Plant, trace_dir: str, precision_every: int | None
 ) -> dict[str, Any]:
@@ -200,7 +213,7 @@ def train_on_rank(
     ctx = Context(kind, rank, world, settings)
     losses: list[float] = []
     scales: list[float] = []
-    with environment(telemetry_environment(trace_dir, precision_every)):
+    with environment(telemetry_environment(trace_dir, precision_every)), _undone(plant):
         torch.manual_seed(settings.seed)
         model = TinyLM(settings)
         plant.before_shard(ctx, model)

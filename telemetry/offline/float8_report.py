@@ -164,9 +164,10 @@ def cast_text(seen: CastSeen, step_offset: int = 0) -> str:
     if seen.position != semconv.FLOAT8_POSITION_MIDDLE:
         where += f" (the {seen.position} module with parameters in the forward)"
     cast = f"{seen.granularity} {seen.dtype}" + (", gathered in float8" if seen.gathered else "")
+    ratio = f" ({v['amax_ratio']:.3g}x the median |x|)" if math.isfinite(v["amax_ratio"]) else ""
     return (
-        f"{where}, step {seen.step + step_offset}: {cast}; amax {v['amax']:.4g} ({v['amax_ratio']:.3g}x the median "
-        f"|x|), scale {v['scale']:.4g}; flushed to 0 {_share(v['flushed'])}, subnormal {_share(v['subnormal'])}, "
+        f"{where}, step {seen.step + step_offset}: {cast}; amax {v['amax']:.4g}{ratio}, scale {v['scale']:.4g}; "
+        f"flushed to 0 {_share(v['flushed'])}, subnormal {_share(v['subnormal'])}, "
         f"saturated {_share(v['saturated'])}, SQNR {v['sqnr']:.3g} dB, NaN/Inf made {v['nonfinite']:.0f}; ranks {ranks}"
     )
 
@@ -198,6 +199,13 @@ def fix(threshold: Threshold, seen: CastSeen) -> str:
     """The fix for ``seen``, chosen from what was measured; the check's advice otherwise."""
     name = seen.module
     in_bf16 = f"module_filter_fn=lambda module, fqn: fqn != {name!r}"
+    if threshold.check == checks.FLOAT8_GRAD_UNDERFLOW.check and seen.dtype.startswith("float8_e4m3"):
+        return (
+            f"{name}'s grad output is cast to {seen.dtype}, whose range (448 down to 2^-9) is 2^14 narrower than "
+            "e5m2's: its largest grads set the scale and the rest flush. Cast grad outputs to float8_e5m2 (torchao's "
+            "default tensorwise config; Transformer Engine's HYBRID format), and look for the loss term that makes "
+            f"a few grads {seen.values['amax_ratio']:.3g}x the median."
+        )
     if threshold.check in (checks.FLOAT8_FLUSH.check, checks.FLOAT8_GRAD_UNDERFLOW.check):
         rowwise = seen.values["rowwise_flushed"]
         role = seen.role.replace("_", " ")
@@ -215,7 +223,7 @@ def fix(threshold: Threshold, seen: CastSeen) -> str:
     if threshold.check == checks.FLOAT8_SENSITIVE_LAYER.check:
         return (
             f"keep it in bf16: convert_to_float8_training(model, {in_bf16}) (and so for each module named; combine "
-            "with any filter you pass). " + threshold.advice.split(". ")[0] + "."
+            "with any filter you pass). " + threshold.advice.split(". ")[0].capitalize() + "."
         )
     if threshold.check == checks.FLOAT8_NONFINITE.check and seen.values["amax"] == 0:
         return (
