@@ -94,7 +94,7 @@ class FSDP2Group:
     @property
     def local_grads(self) -> list[torch.Tensor | None]:
         """This rank's grad shard of each of :attr:`members` (``None`` where it has none)."""
-        return [None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad) for p in self.members]
+        return [None if (g := p.grad) is None else getattr(g, "_local_tensor", g) for p in self.members]
 
     @property
     def unit_name(self) -> str:

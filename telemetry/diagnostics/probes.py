@@ -2,10 +2,11 @@
 
 A :class:`ProbeLog` takes the checks of one iteration in the order they run: each tensor's least
 and greatest element (``torch.aminmax``: NaN propagates through it, an Inf is its min or max), or,
-for a list of tensors on a GPU, each one's largest magnitude in one fused reduction. Nothing is read
-on the host until the iteration's log is stacked and read after the optimizer step, as
-:class:`Checked` values, one per :class:`Probe` (what was checked: its stage, where, dtype and
-microbatch). :class:`PreparedChecks` makes the probes of a list checked at every step once.
+for a list of tensors, what its :class:`~.probe_plans.ReductionPlan` makes of them in a few calls
+(one reduction per flat buffer, or one fused reduction per list). Nothing is read on the host
+until the iteration's log is stacked and read after the optimizer step, as :class:`Checked`
+values, one per :class:`Probe` (what was checked: its stage, where, dtype and microbatch).
+:class:`PreparedChecks` plans a list checked at every step, and makes its probes, once.
 
 What the checks mean (where a NaN/Inf began) is :mod:`.origin`'s. No OpenTelemetry here.
 """
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import semconv
+from .probe_plans import ReductionPlan
 
 # Which side of a step or a reduce a check was made on (Probe.when), and the model's own input.
 BEFORE = "before"
@@ -30,7 +32,7 @@ CLIP = semconv.ORIGIN_WHERE_CLIP
 
 
 # The device types whose checks are bound by the host (each a launch): a list of tensors on one
-# such device is checked by one fused reduction ([Note: one fused reduction per list on a GPU]).
+# such device is always checked by one fused reduction ([Note: one fused reduction per list on a GPU]).
 FUSED_DEVICE_TYPES = frozenset({"cuda"})
 
 
@@ -108,7 +110,8 @@ def floating_tensors(value: Any, limit: int = 64) -> Iterator[torch.Tensor]:
 
 class PreparedChecks:
     """A list of tensors checked together at every step (each parameter's main weight, a group's
-    main weights): the data it reads and its probes made once, for as long as those tensors last.
+    main weights): the data it reads, how it is reduced (:class:`~.probe_plans.ReductionPlan`, one
+    per dtype and device) and its probes made once, for as long as those tensors last.
 
     Args:
         stage: The probes' stage.
@@ -126,21 +129,34 @@ class PreparedChecks:
                 self.tensors.append(data)
                 self._kept.append(item_index)
                 self._keys.append((where, dtype_name(tensor.dtype), when, group))
-        # The tensors of each dtype and device (and their places in :attr:`tensors`): one fused
-        # reduction each, whose values join the log's list of that dtype ([Note: the values kept per dtype]).
+        # The tensors of each dtype and device (and their places in :attr:`tensors`): reduced
+        # together, their values joining the log's values of that dtype ([Note: the values kept per dtype]).
         parts: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for index, data in enumerate(self.tensors):
             parts.setdefault((data.dtype, data.device), []).append(index)
-        self.parts = [[self.tensors[i] for i in indices] for indices in parts.values()]
         self.part_indices = list(parts.values())
+        self.plans = [
+            ReductionPlan([self.tensors[i] for i in indices], FUSED_DEVICE_TYPES) for indices in self.part_indices
+        ]
+        # Per probe, in order: its part and its places in that part's values.
+        self.places: list[tuple[int, int, int, bool]] = [(0, 0, 0, False)] * len(self.tensors)
+        for part, (indices, plan) in enumerate(zip(self.part_indices, self.plans, strict=True)):
+            for index, (low, high, peak) in zip(indices, plan.places, strict=True):
+                self.places[index] = (part, low, high, peak)
         self.grads_at_step = any(_grads_at_step(stage, where) for where, _, _, _ in self._keys)
         self._probes: dict[int, list[Probe]] = {}
+
+    @property
+    def parts(self) -> list[list[torch.Tensor]]:
+        """The tensors of each dtype and device."""
+        return [plan.tensors for plan in self.plans]
 
     def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
         """Check ``tensors`` from now on: new tensors standing for the same items (the same
         places, dtypes and sizes: the caller knows), each a plain tensor as :attr:`tensors` holds."""
         self.tensors = [tensors[i] for i in self._kept]
-        self.parts = [[self.tensors[i] for i in indices] for indices in self.part_indices]
+        for indices, plan in zip(self.part_indices, self.plans, strict=True):
+            plan.retarget([self.tensors[i] for i in indices])
 
     def probes(self, microbatch: int) -> list[Probe]:
         """The probes of a check made after ``microbatch`` backward passes."""
@@ -155,99 +171,117 @@ class PreparedChecks:
         return probes
 
 
+class _Values:
+    """The values of one dtype and device in an iteration's log: single checks' 0-d results
+    (stacked at the end) and lists' 1-d chunks, after them."""
+
+    __slots__ = ("scalars", "chunks", "chunk_width")
+
+    def __init__(self) -> None:
+        self.scalars: list[torch.Tensor] = []
+        self.chunks: list[torch.Tensor] = []
+        self.chunk_width = 0
+
+    def joined(self) -> torch.Tensor:
+        parts = [torch.stack(self.scalars)] if self.scalars else []
+        parts.extend(self.chunks)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _Block:
+    """A prepared list's checks in a log: its probes, and where each part's chunks begin."""
+
+    __slots__ = ("prepared", "probes", "starts")
+
+    def __init__(self, prepared: PreparedChecks, probes: list[Probe], starts: list[tuple[int, int]]) -> None:
+        self.prepared = prepared
+        self.probes = probes
+        self.starts = starts  # per part: (values index, place of its first chunk among the chunks)
+
+
 class ProbeLog:
     """The probes of one iteration, in the order they ran; their values stay on the device until read.
 
     Each :meth:`check` launches one reduction (``torch.aminmax``) and keeps its two 0-d results;
     :meth:`check_all` and :meth:`check_prepared` check a list of tensors (a model's parameters,
-    their grads) at once, on a GPU in one fused reduction; :meth:`stacked` joins every value in
-    a few calls and :meth:`read` gives them back as :class:`Checked`, once on the host.
-
-    [Note: one fused reduction per list on a GPU]
-    On a GPU a step's checks cost host time, not device time: each ``aminmax`` is a launch and
-    the Python around it (tens of microseconds), against a pass over memory that takes
-    microseconds. A list of tensors on one CUDA device is therefore checked by one
-    ``torch._foreach_norm(tensors, inf)``, each tensor's largest magnitude (NaN when it holds a
-    NaN, Inf when an Inf), read back as the pair ``(-peak, peak)``: finite, NaN, magnitude and
-    all-zero read the same as from ``aminmax``. On a CPU that call is 13x slower than one
-    ``aminmax`` per tensor, which stays.
+    their grads) at once, as its :class:`~.probe_plans.ReductionPlan` says, with no Python per
+    tensor where the plan is fused or per flat buffer; :meth:`stacked` joins every value in a few
+    calls and :meth:`read` gives them back as :class:`Checked`, once on the host.
 
     [Note: the values kept per dtype]
     Stacking 0-d tensors of one dtype is one copy; of several dtypes (a bf16 model's outputs
     beside its fp32 main weights) it converts input by input, on a GPU a launch each. So the
-    values are kept in one list per dtype and device, each stacked on its own and widened to
-    float64, and each probe knows its list and place.
+    values are kept per dtype and device, each joined on its own and widened to float64, and each
+    probe knows its values and place.
     """
 
     def __init__(self) -> None:
-        self._probes: list[Probe] = []
-        # Per probe: its values' list, the place of its first value there, and whether it holds one
-        # peak magnitude (a fused list's) rather than a least and a greatest element.
-        self._places: list[tuple[int, int, bool]] = []
-        self._lists: list[list[torch.Tensor]] = []  # 0-d values, one list per (dtype, device)
-        self._list_of: dict[tuple[torch.dtype, torch.device], int] = {}
+        # In the order checked: a single check's (probe, values index, place among the scalars),
+        # or a prepared list's block.
+        self._entries: list[tuple[Probe, int, int] | _Block] = []
+        self._count = 0
+        self._values: list[_Values] = []  # one per (dtype, device)
+        self._values_of: dict[tuple[torch.dtype, torch.device], int] = {}
         self.microbatch = 0
         # Whether main grads were checked at the step (what :func:`zeroed_groups` reads).
         self.grads_at_step = False
 
     def __len__(self) -> int:
-        return len(self._probes)
+        return self._count
 
-    def _list(self, data: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    def _values_for(self, data: torch.Tensor) -> tuple[int, _Values]:
         key = (data.dtype, data.device)
-        index = self._list_of.get(key)
+        index = self._values_of.get(key)
         if index is None:
-            index = self._list_of[key] = len(self._lists)
-            self._lists.append([])
-        return index, self._lists[index]
+            index = self._values_of[key] = len(self._values)
+            self._values.append(_Values())
+        return index, self._values[index]
 
     def check(self, stage: str, where: str, tensor: torch.Tensor, when: str = "", group: str = "") -> None:
         """Add ``tensor``'s check; tensors that are empty or not floating point are skipped."""
         data = _checkable(tensor)
         if data is None:
             return
-        index, values = self._list(data)
-        self._places.append((index, len(values), False))
-        values.extend(torch.aminmax(data))
-        self._probes.append(Probe(stage, where, dtype_name(tensor.dtype), when, self.microbatch, group))
-        self.grads_at_step = self.grads_at_step or _grads_at_step(stage, where)
+        index, values = self._values_for(data)
+        scalars = values.scalars
+        self._entries.append(
+            (Probe(stage, where, dtype_name(tensor.dtype), when, self.microbatch, group), index, len(scalars))
+        )
+        scalars.extend(torch.aminmax(data))
+        self._count += 1
+        if stage == semconv.ORIGIN_GRAD_WRITE:
+            self.grads_at_step = self.grads_at_step or _grads_at_step(stage, where)
 
     def check_all(self, stage: str, items: Sequence[tuple[str, torch.Tensor, str, str]]) -> None:
         """Add the checks of ``(where, tensor, when, group)`` each, in order, as :meth:`check`
-        would; fused on a GPU ([Note: one fused reduction per list on a GPU])."""
+        would; reduced as :meth:`check_prepared` reduces a list."""
         self.check_prepared(PreparedChecks(stage, items))
 
     def check_prepared(self, prepared: PreparedChecks) -> None:
         """Add the checks of ``prepared``'s tensors as they are now (see :meth:`check_all`)."""
-        tensors = prepared.tensors
-        if not tensors:
+        if not prepared.tensors:
             return
-        probes = prepared.probes(self.microbatch)
-        self._probes.extend(probes)
+        starts: list[tuple[int, int]] = []
+        for plan in prepared.plans:
+            index, values = self._values_for(plan.tensors[0])
+            starts.append((index, values.chunk_width))
+            values.chunks.extend(plan.reduce())
+            values.chunk_width += plan.width
+        self._entries.append(_Block(prepared, prepared.probes(self.microbatch), starts))
+        self._count += len(prepared.tensors)
         self.grads_at_step = self.grads_at_step or prepared.grads_at_step
-        places: list[tuple[int, int, bool]] = [(0, 0, False)] * len(tensors)
-        for part, indices in zip(prepared.parts, prepared.part_indices, strict=True):
-            index, values = self._list(part[0])
-            if part[0].device.type in FUSED_DEVICE_TYPES:
-                for place, probe_index in enumerate(indices, start=len(values)):
-                    places[probe_index] = (index, place, True)
-                values.extend(torch._foreach_norm(part, math.inf))
-                continue
-            for data, probe_index in zip(part, indices, strict=True):
-                places[probe_index] = (index, len(values), False)
-                values.extend(torch.aminmax(data))
-        self._places.extend(places)
 
     def stacked(self) -> torch.Tensor | None:
-        """Every check's values (an aminmax probe's min and max, a fused probe's peak) as one 1-d
-        float64 tensor on the first check's device (``None`` when nothing was checked): one stack
-        per dtype ([Note: the values kept per dtype]); copies nothing to the host unless checks
-        ran on several devices."""
-        if not self._lists:
+        """Every check's values as one 1-d float64 tensor on the first check's device (``None``
+        when nothing was checked): joined per dtype ([Note: the values kept per dtype]); copies
+        nothing to the host unless checks ran on several devices."""
+        if not self._values:
             return None
-        device = self._lists[0][0].device
-        parts = [torch.stack(values).to(device=device, dtype=torch.float64) for values in self._lists]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts = [values.joined() for values in self._values]
+        device = parts[0].device
+        if len(parts) == 1:
+            return parts[0].to(dtype=torch.float64)
+        return torch.cat([part.to(device=device, dtype=torch.float64) for part in parts])
 
     def read(
         self, stacked: torch.Tensor | Sequence[float] | None, stages: Container[str] | None = None
@@ -257,15 +291,32 @@ class ProbeLog:
         if stacked is None:
             return []
         host = stacked.tolist() if isinstance(stacked, torch.Tensor) else stacked
-        offsets = [0]
-        for values in self._lists:
-            offsets.append(offsets[-1] + len(values))
-        checked = []
-        for probe, (index, place, peak) in zip(self._probes, self._places, strict=True):
+        # Where each dtype's scalars and chunks begin in the joined values.
+        scalars_at: list[int] = []
+        chunks_at: list[int] = []
+        offset = 0
+        for values in self._values:
+            scalars_at.append(offset)
+            chunks_at.append(offset + len(values.scalars))
+            offset += len(values.scalars) + values.chunk_width
+        checked: list[Checked] = []
+        for entry in self._entries:
+            if isinstance(entry, _Block):
+                if stages is not None and entry.prepared.stage not in stages:
+                    continue
+                bases = [chunks_at[index] + start for index, start in entry.starts]
+                for probe, (part, low, high, peak) in zip(entry.probes, entry.prepared.places, strict=True):
+                    base = bases[part]
+                    if peak:
+                        checked.append(Checked(probe, -host[base + low], host[base + high]))
+                    else:
+                        checked.append(Checked(probe, host[base + low], host[base + high]))
+                continue
+            probe, index, place = entry
             if stages is not None and probe.stage not in stages:
                 continue
-            at = offsets[index] + place
-            checked.append(Checked(probe, -host[at], host[at]) if peak else Checked(probe, host[at], host[at + 1]))
+            at = scalars_at[index] + place
+            checked.append(Checked(probe, host[at], host[at + 1]))
         return checked
 
 

@@ -37,7 +37,7 @@ class ReduceLog(Protocol):
 
     log: ProbeLog
 
-    def seen_grad(self, tensor: torch.Tensor) -> None: ...
+    def seen_grads(self, tensors: Sequence[torch.Tensor]) -> None: ...
 
 
 class _ReducedGrads:
@@ -161,15 +161,15 @@ class FSDP2ReduceChecks:
         if owner is None:
             return
         wheres: list[str] = []
-        grads: list[torch.Tensor] = []
+        seen: list[torch.Tensor] = []
         for name, group in units:
             for fsdp_param in group.fsdp_params:
                 grad = fsdp_param.sharded_param.grad
                 if grad is not None:
-                    local = getattr(grad, "_local_tensor", grad)
                     wheres.append(name)
-                    grads.append(local.detach() if local.requires_grad else local)
-                    owner.seen_grad(local)
+                    seen.append(getattr(grad, "_local_tensor", grad))
+        owner.seen_grads(seen)
+        grads = [local.detach() if local.requires_grad else local for local in seen]
         owner.log.check_prepared(self._reduced.prepared(wheres, grads))
 
 

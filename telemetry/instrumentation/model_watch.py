@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -241,6 +242,11 @@ class ModelWatch:
         local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
         self._grad_versions[id(local)] = (weakref.ref(local), local._version)
 
+    def seen_grads(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Record ``tensors`` (plain grads: local shards) as checked now, in C-level calls."""
+        held = zip(map(weakref.ref, tensors), map(_VERSION, tensors), strict=True)
+        self._grad_versions.update(zip(map(id, tensors), held, strict=True))
+
     def _unchanged_grad(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` was checked and not written since."""
         local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
@@ -348,6 +354,9 @@ class ModelWatch:
             handle.remove()
         self._handles.clear()
         self._fsdp2.remove()
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def _backend(group: Any) -> str:
