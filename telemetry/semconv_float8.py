@@ -64,8 +64,8 @@ per row."""
 ATTR_FLOAT8_SCALE_MAX = "fsdp.float8.scale_max"
 """The largest scale (the same as ``fsdp.float8.scale`` for tensorwise scaling)."""
 ATTR_FLOAT8_AMAX_RATIO = "fsdp.float8.amax_ratio"
-"""``amax / median |x|``: how far the tensor's largest element stands above a typical one (an
-outlier that sets a tensorwise scale)."""
+"""``amax / median |x|`` over the non-zero elements: how far the tensor's largest element stands
+above a typical one (an outlier that sets a tensorwise scale); NaN where every element is 0."""
 ATTR_FLOAT8_FLUSHED = "fsdp.float8.flushed"
 """Share of the non-zero elements the cast made 0."""
 ATTR_FLOAT8_SUBNORMAL = "fsdp.float8.subnormal"
@@ -76,13 +76,19 @@ ATTR_FLOAT8_ROWWISE_FLUSHED = "fsdp.float8.rowwise_flushed"
 torchao's rowwise recipe scales) would flush to 0. Low where rowwise scaling is the fix (an outlier
 token), as high as ``fsdp.float8.flushed`` where it is not (an outlier feature, in every row)."""
 ATTR_FLOAT8_SATURATED = "fsdp.float8.saturated"
-"""Share of the elements whose scaled value is beyond the dtype's largest finite value: clamped to it."""
+"""Share of the elements whose scaled value is beyond the dtype's largest finite value: clamped to it.
+For a gathered weight (no high-precision tensor to compare with), estimated from the count at the
+largest value beyond what rounding puts there (the value below's count): 0 under a scale from the
+weight's own amax."""
 ATTR_FLOAT8_SQNR = "fsdp.float8.sqnr"
 """The cast's signal to quantization noise ratio in dB, ``10 log10(sum x^2 / sum (x - dequant)^2)``,
 against the high-precision tensor (float32 holds ``x`` exactly); about 31 dB for e4m3 and 25 dB for
-e5m2 on Gaussian values; NaN where the cast made NaN/Inf."""
+e5m2 on Gaussian values; ``inf`` where nothing was lost (an all-zero tensor, a gathered weight: no
+high-precision tensor to compare with); NaN where the cast made NaN/Inf. An outlier's energy
+dominates both sums: a tensor whose other elements were flushed can read high."""
 ATTR_FLOAT8_NONFINITE = "fsdp.float8.nonfinite"
-"""Elements NaN/Inf after the cast where the high-precision tensor is finite (a non-finite scale)."""
+"""Elements NaN/Inf after the cast where the high-precision tensor is finite (a non-finite scale);
+0 where that tensor holds NaN/Inf itself (its amax and scale are NaN: the cast did not make them)."""
 ATTR_FLOAT8_CALLS = "fsdp.float8.calls"
 """Casts of this module and role in the iteration."""
 ATTR_FLOAT8_POSITION = "fsdp.float8.position"

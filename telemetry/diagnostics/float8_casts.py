@@ -28,6 +28,7 @@ Alternatives considered:
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -149,32 +150,62 @@ def measure(module: nn.Module, role: str, tensor: torch.Tensor) -> torch.Tensor 
 def measure_gathered(tensor: Any) -> torch.Tensor:
     """The values of a weight that arrived in float8 (its data and scale): the amax and SQNR of
     what it holds, against itself (no high-precision weight to compare with: SQNR ``inf``), the
-    share of its values at the dtype's largest value (saturated) and at 0 (flushed)."""
+    share of its values at 0 (flushed), and the share clamped at the dtype's largest value
+    (saturated), estimated (:func:`_clamped`)."""
     with torch.no_grad():
         data = tensor._data
         scale = tensor._scale.float()
         values = data.float() / scale
         finfo = torch.finfo(data.dtype)
-        at_max = (data.float().abs() >= finfo.max).sum().float()
         numel = float(max(data.numel(), 1))
-        amax = values.abs().amax()
-        zero = torch.zeros((), device=data.device)
-        # A clamped weight lands on the largest value; an unclamped one has its amax there, once.
-        saturated = (at_max - 1).clamp(min=0) / numel
+        magnitude = values.abs()
+        amax = magnitude.amax()
         return torch.stack(
             [
                 amax,
                 scale.amin(),
                 scale.amax(),
-                amax / values.abs().flatten().median(),
+                amax / _typical(magnitude, torch.isfinite(values) & (values != 0)),
                 (data.float() == 0).sum().float() / numel,
                 (data.float().abs() < finfo.smallest_normal).sum().float() / numel,
-                saturated,
+                _clamped(data.float().abs(), finfo) / numel,
                 torch.full((), float("inf"), device=data.device),
-                (~torch.isfinite(values)).sum().float() + zero,
+                (~torch.isfinite(values)).sum().float(),
                 torch.full((), float("nan"), device=data.device),
             ]
         )
+
+
+def _clamped(codes: torch.Tensor, finfo: torch.finfo) -> torch.Tensor:
+    """How many of a float8 tensor's values (``codes``: their magnitudes) were clamped at the
+    dtype's largest value, estimated without the high-precision tensor they came from.
+
+    A scale from the tensor's own amax maps that amax to the largest value, which then holds the
+    amax and the elements rounded up to it, from half a unit below: half as wide a band as the
+    value below it holds, and where the elements are not denser toward the max (weights: uniform
+    or bell-shaped) no fuller. A scale from an older, smaller amax rounds a full unit's band onto
+    the largest value and clamps every element beyond it there too. The estimate: the largest
+    value's count less the amax's own element and the count of the value below; 0 under a fresh
+    scale, about the clamped count under a stale one where the elements are spread evenly near the
+    top. Counting every element at the largest value instead calls a fresh uniform weight's top 4%
+    (e4m3) clamped.
+    """
+    mantissa_bits = round(-math.log2(finfo.eps))
+    below = finfo.max - 2.0 ** (math.floor(math.log2(finfo.max)) - mantissa_bits)
+    at_max = (codes >= finfo.max).sum().float()
+    at_below = (codes == below).sum().float()
+    return (at_max - 1 - at_below).clamp(min=0)
+
+
+def _typical(magnitude: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
+    """The median of the non-zero magnitudes (``magnitude`` 0 where ``nonzero`` is not), on the
+    device without a read: the zeros of a ReLU's output would make the median of them all 0 and
+    the amax ratio infinite. NaN where none is non-zero."""
+    flat = torch.where(nonzero, magnitude, torch.zeros((), device=magnitude.device)).flatten()
+    count = nonzero.sum()
+    index = (flat.numel() - count + (count - 1).clamp(min=0) // 2).clamp(max=flat.numel() - 1)
+    median = flat.sort().values.gather(0, index.reshape(1)).squeeze(0)
+    return torch.where(count > 0, median, torch.full((), float("nan"), device=magnitude.device))
 
 
 def _values(
@@ -192,7 +223,7 @@ def _values(
     nan = torch.full((), float("nan"), device=hp.device)
     amax = torch.where(finite.all(), magnitude.amax(), nan)
     # The median, not the mean: an outlier column raises the mean with it.
-    typical = magnitude.flatten().median()
+    typical = _typical(magnitude, nonzero)
     rowwise_flushed = nan
     if axis is not None:
         # Below half the smallest subnormal a value rounds to 0.
@@ -205,7 +236,11 @@ def _values(
     saturated = (((hp * scale).abs() > clamp_above) & finite).sum().float() / max(hp.numel(), 1)
     error = torch.where(finite, hp - dequantized, torch.zeros((), device=hp.device))
     signal = torch.where(finite, hp, torch.zeros((), device=hp.device)).square().sum()
-    sqnr = 10 * torch.log10(signal / error.square().sum())
+    noise = error.square().sum()
+    # Nothing lost (an all-zero tensor, values float8 holds exactly): inf, not 0/0.
+    sqnr = torch.where(noise == 0, torch.full((), float("inf"), device=hp.device), 10 * torch.log10(signal / noise))
+    # A tensor holding NaN/Inf has a NaN amax and scale and comes out all NaN: the cast made none.
+    made = torch.where(finite.all(), (~torch.isfinite(dequantized) & finite).sum().float(), 0.0)
     return torch.stack(
         [
             amax,
@@ -216,7 +251,7 @@ def _values(
             ((bits.abs() < finfo.smallest_normal) & nonzero).sum().float() / count,
             saturated,
             sqnr,
-            (~torch.isfinite(dequantized) & finite).sum().float(),
+            made,
             rowwise_flushed,
         ]
     )
