@@ -17,9 +17,10 @@ step it measured. Not every cast becomes an event: per role, the ``FSDP_PATCH_PR
 modules whose cast keeps the least (the most elements flushed or subnormal, the lowest SQNR), every
 one a report check would name, and the first and last modules.
 
-Process-wide while a measured iteration runs: those hooks, all removed, exactly, when it ends and by
-:meth:`Float8Watch.close`. A model with ``torch.compile``d modules is not measured (hooks would
-break its graphs).
+Process-wide while a measured iteration runs: those hooks, all removed, exactly, when it ends, at a
+flush (:meth:`Float8Watch.flush`: the exit, ``destroy_process_group``; what runs after it is not
+training) and by :meth:`Float8Watch.close`. A model with ``torch.compile``d modules is not measured
+(hooks would break its graphs).
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ class Float8Watch:
     def running(self) -> bool:
         return self._running is not None
 
+    @property
+    def pending(self) -> bool:
+        """Whether a flush has something to do: values waiting to be read, or hooks on the models."""
+        return self._pending is not None or self._running is not None
+
     def start(self) -> None:
         """Measure the iteration that starts now, where the models hold float8 modules."""
         if not self.on or self._running is not None:
@@ -155,7 +161,9 @@ class Float8Watch:
         return reported
 
     def flush(self, span: Span | None, rank: int) -> list[CastRow]:
-        """Report the last iteration measured (a flush, the exit)."""
+        """Report the last iteration measured (a flush, the exit), and remove the hooks of one
+        running: what the process does after the flush is not training's."""
+        self.close()
         return self._report(span, rank)
 
     def close(self) -> None:

@@ -238,8 +238,8 @@ class IterationWatch:
         return sum(w.backward_count for w in self.watches)
 
     def pending(self) -> bool:
-        """Whether an iteration's checks wait to be read."""
-        return any(w.pending for w in self.watches)
+        """Whether an iteration's checks wait to be read (the float8 casts' too, or their hooks to go)."""
+        return any(w.pending for w in self.watches) or self.float8.pending
 
     def flush(self, rank: int, span: Span | None = None) -> None:
         """Read the last iteration's checks (at a flush or exit) and report them on ``span``."""
