@@ -207,19 +207,7 @@ def fix(threshold: Threshold, seen: CastSeen) -> str:
             f"a few grads {seen.values['amax_ratio']:.3g}x the median."
         )
     if threshold.check in (checks.FLOAT8_FLUSH.check, checks.FLOAT8_GRAD_UNDERFLOW.check):
-        rowwise = seen.values["rowwise_flushed"]
-        role = seen.role.replace("_", " ")
-        if seen.granularity == "tensorwise" and not math.isnan(rowwise) and rowwise < seen.values["flushed"] / 4:
-            return (
-                f"a scale per row would flush {_share(rowwise)} of {name}'s {role}, not "
-                f"{_share(seen.values['flushed'])}: the outlier is in a few rows (tokens). Use rowwise scaling "
-                f"(Float8LinearConfig.from_recipe_name('rowwise')), or keep {name} in bf16 ({in_bf16})."
-            )
-        return (
-            f"a scale per row would flush as much ({_share(rowwise)}): the outlier is in every row (a feature "
-            f"{seen.values['amax_ratio']:.3g}x the median). Keep {name} in bf16 ({in_bf16} in "
-            "convert_to_float8_training), or remove what makes that feature large (a missing norm before it)."
-        )
+        return _flush_fix(seen, in_bf16)
     if threshold.check == checks.FLOAT8_SENSITIVE_LAYER.check:
         return (
             f"keep it in bf16: convert_to_float8_training(model, {in_bf16}) (and so for each module named; combine "
@@ -232,6 +220,40 @@ def fix(threshold: Threshold, seen: CastSeen) -> str:
             f"({in_bf16})."
         )
     return threshold.advice
+
+
+def _flush_fix(seen: CastSeen, in_bf16: str) -> str:
+    """Rowwise scaling where a scale per row would keep what the tensorwise one flushes; the layer
+    in bf16 where it would not (the outlier in every row) or the scales are per row already; where
+    the elements are left subnormal rather than flushed, the choice is the user's, from the ratio."""
+    name, role, v = seen.module, seen.role.replace("_", " "), seen.values
+    rows = "output rows" if seen.role == semconv.FLOAT8_ROLE_WEIGHT else "rows (tokens)"
+    ratio = f"{v['amax_ratio']:.3g}x the median" if math.isfinite(v["amax_ratio"]) else "far above the rest"
+    if v["flushed"] <= checks.FLUSH_SHARE:
+        return (
+            f"{_share(v['subnormal'])} of {name}'s {role} is left below float8's smallest normal (flushed "
+            f"{_share(v['flushed'])}): its largest element is {ratio}. Where that element is in a few {rows}, "
+            f"rowwise scaling (Float8LinearConfig.from_recipe_name('rowwise')) keeps the others; where it is in "
+            f"every row, keep {name} in bf16 ({in_bf16})."
+        )
+    if seen.granularity != "tensorwise":
+        return (
+            f"{name}'s {role} is scaled per row ({seen.granularity}) and still flushes {_share(v['flushed'])}: the "
+            f"outlier is in every row (a feature {ratio}). Keep {name} in bf16 ({in_bf16} in "
+            "convert_to_float8_training), or remove what makes that feature large (a missing norm before it)."
+        )
+    rowwise = v["rowwise_flushed"]
+    if not math.isnan(rowwise) and rowwise < v["flushed"] / 4:
+        return (
+            f"a scale per row would flush {_share(rowwise)} of {name}'s {role}, not {_share(v['flushed'])}: the "
+            f"outlier is in a few {rows}. Use rowwise scaling (Float8LinearConfig.from_recipe_name('rowwise')), or "
+            f"keep {name} in bf16 ({in_bf16})."
+        )
+    return (
+        f"a scale per row would flush as much ({_share(rowwise)}): the outlier is in every row (a feature {ratio}). "
+        f"Keep {name} in bf16 ({in_bf16} in convert_to_float8_training), or remove what makes that feature large "
+        "(a missing norm before it)."
+    )
 
 
 def cast_json(seen: CastSeen, trace: Float8Trace, step_offset: int = 0) -> dict[str, Any]:
