@@ -227,7 +227,7 @@ class StepSequence:
                 if group.compute_per_gather:
                     group.mark_weights_changed()
                     continue
-                nbytes = group.refresh_compute_weight()
+                nbytes = group.refresh_compute_weight(after_step=True)
                 if nbytes:
                     observer.weights_refreshed(GroupCast(group.main_dtype, group.compute_weight.dtype, nbytes))
 

@@ -27,10 +27,16 @@ __all__ = ["register_state_dict_hooks"]
 
 def register_state_dict_hooks(module: nn.Module, state: UnitState) -> None:
     """Registers on ``module``, the unit of ``state``, the hooks described above."""
-    module.register_load_state_dict_post_hook(lambda module, incompatible: state.placement.adopt_replaced())
+    module.register_load_state_dict_post_hook(lambda module, incompatible: _loaded(state))
     module.register_state_dict_post_hook(_state_dict_aliases(module, state.groups, state.locations))
     module.register_state_dict_pre_hook(lambda *args: state.release_kept_parameters())
     module.register_load_state_dict_pre_hook(lambda *args: state.release_kept_parameters())
+
+
+def _loaded(state: UnitState) -> None:
+    state.placement.adopt_replaced()
+    for group in state.groups:
+        group.mark_weights_changed()  # a float8 copy's scales are the loaded weights' to compute
 
 
 def _state_dict_aliases(

@@ -52,6 +52,15 @@ class ComputeCopy:
         self.stale = False
         self.refreshes = 0
 
+    def invalidate(self) -> None:
+        """Anything may have written the main weights since the last refresh (a root forward):
+        the next gather casts again."""
+        self.stale = True
+
+    def weights_changed(self) -> None:
+        """The main weights were written (a load, an adopted replacement): the next gather casts again."""
+        self.stale = True
+
     @property
     def aliases_main(self) -> bool:
         return self.buffer is self.main
@@ -66,9 +75,10 @@ class ComputeCopy:
         """Bytes the copy holds now (0 when it is the main weights, or none is kept)."""
         return 0 if self.aliases_main else self.buffer.storage_bytes
 
-    def refresh(self) -> int:
+    def refresh(self, after_step: bool = False) -> int:
         """Casts the main weights into the persistent copy (one cast for the whole group) and
-        counts the refresh; returns the bytes written (0 when nothing is kept or cast)."""
+        counts the refresh; returns the bytes written (0 when nothing is kept or cast).
+        ``after_step``: the optimizer adapter's refresh after a step (not a gather's)."""
         written = 0
         if not self.aliases_main and not self.per_gather:
             compute = self.buffer.tensor

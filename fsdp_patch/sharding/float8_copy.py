@@ -18,7 +18,14 @@ What FSDP2 does through torchao's extension, here as a lifetime of the compute c
   FSDP2 gathers after ``precompute_float8_dynamic_scale_for_fsdp``. The copy is refreshed when
   every compute copy is ([Note: compute-copy freshness] in :mod:`.parameter_group`): by the
   optimizer adapter after the step, and at the iteration's first all-gather, so that writes to
-  the main weights outside the optimizer reach forward; each refresh runs the one all-reduce;
+  the main weights outside the optimizer reach forward. The all-reduce runs once per step: after
+  the adapter's refresh, the gathers of the iteration's forwards cast again with the scales it
+  reduced (as FSDP2 casts with the precomputed scale), and reduce anew only where no adapter
+  refreshed (an optimizer fully_shard_optimizer did not adapt), or the weights were loaded
+  (``load_state_dict``, an adopted replacement).
+  A write outside the optimizer that grows a weight past its amax is then clamped at float8's
+  largest value until the next step, as under FSDP2; the float8 cast watch of the telemetry
+  reports it (``float8_saturation``);
 - the all-gather moves the buffer's bytes as ``uint8`` on every backend (gloo has no float8
   type; the bytes are the same on NCCL), and the gathered output is read back as float8;
 - the scales are the same on every rank after the all-reduce, so they are not gathered: each
@@ -38,6 +45,10 @@ Alternatives considered:
       all-reduce; a copy at issue costs 4 bytes per weight and no collective.
     - Gathering float8 where the backend has the type: the byte view costs nothing and is the
       same on every backend.
+    - Reducing the amax again at the first gather of every iteration: a second all-reduce per
+      step for what is, but for writes outside the optimizer, the step's amax.
+    - Each rank deciding whether its weights changed since the refresh: the ranks would disagree
+      on whether to run the all-reduce.
 """
 
 from __future__ import annotations
@@ -92,23 +103,34 @@ class Float8ComputeCopy(ComputeCopy):
         # Cast at the first gather: the scales need an all-reduce, which fully_shard does not run.
         self.stale = True
         self.refreshes = 0
+        self.amax_reductions = 0
+        self._step_scales = False  # the scales are those the adapter's refresh reduced after a step
+        self._recast_only = False  # the next refresh keeps the scales
+
+    def invalidate(self) -> None:
+        """A root forward: cast again at the next gather, with the scales of the adapter's refresh
+        after the last step (no all-reduce), else with new ones."""
+        self.stale = True
+        self._recast_only = self._step_scales
+
+    def weights_changed(self) -> None:
+        self.stale = True
+        self._recast_only = self._step_scales = False
 
     @property
     def gather_dtype(self) -> torch.dtype:
         return torch.uint8
 
-    def refresh(self) -> int:
-        """Reduces every weight's amax over the shard group (one all-reduce), and casts the main
-        weights into the copy with the scales it gives; returns the bytes written."""
+    def refresh(self, after_step: bool = False) -> int:
+        """Reduces every weight's amax over the shard group (one all-reduce; none where a gather
+        casts again after the adapter's refresh, see the note), and casts the main weights into
+        the copy with the scales it gives; returns the bytes written."""
         finfo = torch.finfo(self.weight.dtype)
         with torch.no_grad():
-            if self._main_views:
-                amax = torch.stack(torch._foreach_norm(self._main_views, ord=float("inf"))).float()
-            else:
-                amax = torch.zeros(0, dtype=torch.float32, device=self.scales.device)
-            if self._process_group is not None and dist.get_world_size(self._process_group) > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self._process_group)
-            self.scales.copy_(finfo.max / amax.double().clamp(min=_AMAX_FLOOR))
+            if after_step or not self._recast_only:
+                self._reduce_scales(finfo.max)
+                self._step_scales = after_step
+            self._recast_only = False
             if self._main_views:
                 wide = [view.float() for view in self._main_views]
                 scaled = torch._foreach_mul(wide, list(self.scales.unbind()))
@@ -118,6 +140,16 @@ class Float8ComputeCopy(ComputeCopy):
         self.stale = False
         self.refreshes += 1
         return self.buffer.full_nbytes
+
+    def _reduce_scales(self, largest: float) -> None:
+        if self._main_views:
+            amax = torch.stack(torch._foreach_norm(self._main_views, ord=float("inf"))).float()
+        else:
+            amax = torch.zeros(0, dtype=torch.float32, device=self.scales.device)
+        if self._process_group is not None and dist.get_world_size(self._process_group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self._process_group)
+        self.scales.copy_(largest / amax.double().clamp(min=_AMAX_FLOOR))
+        self.amax_reductions += 1
 
     def gather_input(self, output: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
         return self.to_gathered(self.buffer.tensor)

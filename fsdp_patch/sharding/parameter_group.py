@@ -233,24 +233,25 @@ class ParameterGroup:
 
     def mark_weights_changed(self) -> None:
         """Notes a write to the main weights: the next gather casts the compute copy again."""
-        self._copy.stale = True
+        self._copy.weights_changed()
 
     def invalidate_compute_copy(self) -> None:
         """Marks the compute copy stale unless the unsharded parameters hold (or are gathering)
         weights cast since the last refresh (see the freshness note): run at each root forward
         and explicit ``unshard``, before any all-gather of the iteration is issued."""
         if not self.unsharding.holds_current_gather():
-            self._copy.stale = True
+            self._copy.invalidate()
 
     @labelled("cast_compute_weight")
-    def refresh_compute_weight(self) -> int:
+    def refresh_compute_weight(self, after_step: bool = False) -> int:
         """Refreshes the compute copy from the main weights (one cast for the group; a
         ``per_gather`` group only counts the refresh, so that gathers made before it are redone).
+        ``after_step``: the optimizer adapter's refresh after a step, not a gather's.
 
         Returns:
             Bytes written by the cast (0 when the compute copy is the main weight, or none is kept).
         """
-        return self._copy.refresh()
+        return self._copy.refresh(after_step)
 
     # ------------------------------------------------------------------ tensors that replaced parameters
     def check_replacement(self, index: int, replacement: object) -> None:
@@ -273,7 +274,7 @@ class ParameterGroup:
                     replacement,
                 )
             )
-        self._copy.stale = True
+        self._copy.weights_changed()
         self.params[index].requires_grad_(replacement.requires_grad)
 
     # ------------------------------------------------------------------ unsharded parameters
