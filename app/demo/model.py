@@ -74,3 +74,23 @@ def shard(model: GPT, **kwargs: Any) -> GPT:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def to_float8(model: GPT, device: torch.device) -> GPT:
+    """The blocks' linear layers swapped for torchao ``Float8Linear`` s (tensorwise scaling, gathered
+    in float8 by ``fully_shard``): the embedding and the head stay in the compute dtype, as the
+    float8 recipes keep a model's first and last layers. The fp8 matmuls are emulated where the
+    device has none (the CPU; GPUs before compute capability 8.9).
+
+    Raises:
+        RuntimeError: torchao is not installed.
+    """
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the float8 scenarios need torchao's float8 training (pip install torchao): {exc}"
+        ) from None
+    native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    config = Float8LinearConfig(emulate=not native, enable_fsdp_float8_all_gather=True)
+    return convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn.startswith("blocks."))

@@ -10,7 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GROWTH_PER_STEP", "LAYER_LR_FACTOR", "ORIGIN_PLANTS", "SCENARIOS", "UNDERFLOW_SCALE", "Scenario"]
+__all__ = [
+    "FLOAT8_OUTLIER",
+    "GROWTH_PER_STEP",
+    "LAYER_LR_FACTOR",
+    "ORIGIN_PLANTS",
+    "SCENARIOS",
+    "UNDERFLOW_SCALE",
+    "Scenario",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,10 @@ class Scenario:
         layer: The parameter the bug is planted in (``None``: the whole model).
         plant_from_start: The default plant step is 1 (the bug is there from the start), not
             half of the run.
+        float8: The blocks' linear layers are torchao ``Float8Linear`` s (tensorwise scaling),
+            gathered in float8 by ``fully_shard``'s float8 compute copy (torchao required).
+            ``"float8_outlier"``: one feature of the layer's output set far above the rest from the
+            plant step on (the float8 cast of the next layer's input flushes the others to 0).
     """
 
     compute_dtype: torch.dtype
@@ -50,9 +62,11 @@ class Scenario:
     description: str
     layer: str | None = None
     plant_from_start: bool = False
+    float8: bool = False
 
 
 LAYER_LR_FACTOR = 1e-3
+FLOAT8_OUTLIER = 1e6
 GROWTH_PER_STEP = 4.0
 UNDERFLOW_SCALE = 1e-30
 
@@ -158,6 +172,23 @@ SCENARIOS: dict[str, Scenario] = {
         "optimizer_nan",
         "a NaN learning rate for one param group: origin in the optimizer",
         "blocks.1.fc2.weight",
+    ),
+    "fp8": Scenario(
+        torch.bfloat16,
+        3e-3,
+        None,
+        "nothing planted, the blocks' linear layers in float8 (torchao, tensorwise), gathered in float8: every verdict "
+        "healthy",
+        float8=True,
+    ),
+    "fp8-outlier": Scenario(
+        torch.bfloat16,
+        3e-3,
+        "float8_outlier",
+        f"one feature of its output {FLOAT8_OUTLIER:g} from then on: the float8 cast of blocks.0.fc2's input flushes "
+        "the rest to 0",
+        "blocks.0.fc1",
+        float8=True,
     ),
 }
 

@@ -17,9 +17,9 @@ from fsdp_patch.optimizer import fully_shard_optimizer
 from . import checkpoint
 from .config import RunOptions, TrainingConfig
 from .data import tokens_at
-from .model import GPT, lm_loss, shard
+from .model import GPT, lm_loss, shard, to_float8
 from .progress import Progress
-from .scenarios import GROWTH_PER_STEP, LAYER_LR_FACTOR, ORIGIN_PLANTS, SCENARIOS, UNDERFLOW_SCALE
+from .scenarios import FLOAT8_OUTLIER, GROWTH_PER_STEP, LAYER_LR_FACTOR, ORIGIN_PLANTS, SCENARIOS, UNDERFLOW_SCALE
 from .schedule import WarmupCosine
 
 # The demo's HTML report, beside the trace files it plots.
@@ -38,6 +38,8 @@ def build(
     """The sharded model, its adapted AdamW and the warm-up + cosine schedule, as at step 0."""
     torch.manual_seed(training.seed)
     model = GPT(training.gpt_config()).to(device=device, dtype=training.dtype("compute_dtype"))
+    if SCENARIOS[training.scenario].float8:
+        to_float8(model, device)
     policy = MixedPrecisionPolicy(
         main_params_dtype=training.dtype("main_dtype"),
         main_grads_dtype=training.dtype("grad_dtype"),
@@ -101,7 +103,7 @@ def _plant_in_forward(model: GPT, training: TrainingConfig, now: dict[str, int])
         "backward_nan": _NaNInBackward.apply,
         "reduce_overflow": _LargeGrad.apply,
     }
-    planted_here = scenario.plant == "growth" or scenario.plant in effects
+    planted_here = scenario.plant in ("growth", "float8_outlier") or scenario.plant in effects
     module = model.get_submodule(scenario.layer) if planted_here and scenario.layer is not None else None
     if scenario.plant == "growth" and module is not None:
         # The module's output grows by GROWTH_PER_STEP every step from the plant step on.
@@ -113,10 +115,22 @@ def _plant_in_forward(model: GPT, training: TrainingConfig, now: dict[str, int])
             )
         )
         return
+    if scenario.plant == "float8_outlier" and module is not None:
+        # From the plant step on, one feature of the layer's output far above the rest.
+        module.register_forward_hook(
+            lambda m, a, out: _with_outlier_feature(out) if now["step"] >= training.plant_step else out
+        )
+        return
     effect = effects.get(scenario.plant or "")
     if effect is None or module is None:
         return
     module.register_forward_hook(lambda m, a, out: effect(out) if now["step"] == training.plant_step else out)
+
+
+def _with_outlier_feature(out: torch.Tensor, feature: int = 7) -> torch.Tensor:
+    outlier = torch.zeros(out.shape[-1], dtype=out.dtype, device=out.device)
+    outlier[feature] = FLOAT8_OUTLIER
+    return out + outlier
 
 
 def _update_ema(ema: list[torch.Tensor], model: GPT, decay: float = 0.999) -> None:
@@ -145,7 +159,7 @@ def _plant(model: GPT, optimizer: torch.optim.Optimizer, training: TrainingConfi
     if plant == "optimizer_nan":
         optimizer.param_groups[1]["lr"] = float("nan")
         return
-    if plant in ORIGIN_PLANTS or plant in ("ema_bf16", "growth"):  # planted elsewhere
+    if plant in ORIGIN_PLANTS or plant in ("ema_bf16", "growth", "float8_outlier"):  # planted elsewhere
         return
     if scenario.layer is None:
         raise ValueError(f"scenario {training.scenario!r} plants {plant!r} but names no layer")

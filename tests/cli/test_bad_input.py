@@ -66,7 +66,7 @@ CASES = {
     "negative-lr": (["demo", "--lr", "-1"], "--lr -1.0 must be a positive number"),
     "unknown-scenario": (
         ["demo", "--scenario", "bogus"],
-        "--scenario 'bogus' is not known; expected one of healthy, tiny-lr, nan, fp16-overflow, layer-lr, left-out, bf16-state, state-underflow, ema-bf16, fp16-growth, forward-overflow, loss-nan, backward-nan, weight-write, reduce-overflow, clip-inf, optimizer-nan",
+        "--scenario 'bogus' is not known; expected one of healthy, tiny-lr, nan, fp16-overflow, layer-lr, left-out, bf16-state, state-underflow, ema-bf16, fp16-growth, forward-overflow, loss-nan, backward-nan, weight-write, reduce-overflow, clip-inf, optimizer-nan, fp8, fp8-outlier",
     ),
     "unknown-compute-copy": (
         ["demo", "--compute-copy", "lazy"],
