@@ -35,7 +35,15 @@ from .event_thresholds import (
     SCALER_SKIPS_WARN_SHARE,
     SHADOW_PRECISION,
 )
-from .float8_thresholds import FLOAT8_CHECKS, FLOAT8_NONFINITE
+from .float8_thresholds import (
+    FLOAT8_CHECKS,
+    FLOAT8_FLUSH,
+    FLOAT8_GRAD_UNDERFLOW,
+    FLOAT8_NONFINITE,
+    FLOAT8_SATURATION,
+    FLOAT8_SENSITIVE_LAYER,
+    SUBNORMAL_SHARE,
+)
 from .verdicts import ALERT_SEVERITY, HEALTHY, PROBLEM, SEVERITY_ORDER, WARNING, Threshold, worst
 
 __all__ = [
@@ -313,6 +321,19 @@ def _condition(threshold: Threshold) -> str:
     return condition
 
 
+# What each float8 check reads of a float8-cast event (float8_thresholds.fired).
+_FLOAT8_VALUES = {
+    FLOAT8_NONFINITE.check: "float8-cast events: `fsdp.float8.nonfinite`, or a non-finite `fsdp.float8.scale` of a "
+    "finite tensor",
+    FLOAT8_FLUSH.check: "float8-cast events of an input or weight: `fsdp.float8.flushed` (a warning where "
+    f"`fsdp.float8.subnormal` > {SUBNORMAL_SHARE:g} instead)",
+    FLOAT8_GRAD_UNDERFLOW.check: "float8-cast events of a grad output: `fsdp.float8.flushed` (a warning where "
+    f"`fsdp.float8.subnormal` > {SUBNORMAL_SHARE:g} instead)",
+    FLOAT8_SATURATION.check: "float8-cast events: `fsdp.float8.saturated`",
+    FLOAT8_SENSITIVE_LAYER.check: "float8-cast events of the first or last module (`fsdp.float8.position`)",
+}
+
+
 def markdown_table() -> str:
     """The thresholds as Markdown, the form ``telemetry/README.md`` embeds (a test keeps them equal)."""
     rows = [
@@ -331,6 +352,9 @@ def markdown_table() -> str:
         REPLICA_DIVERGENCE.check: "replica-divergence events (HSDP)",
         HEADROOM_FORECAST.check: "headroom-forecast events",
         **{threshold.check: f"operation-audit events of kind `{kind}`" for kind, threshold in OP_CHECKS.items()},
+        **_FLOAT8_VALUES,
+        SHADOW_PRECISION.check: "float32-shadow events of a module whose local error is 8x its dtype's rounding "
+        "and over 5%, or NaN/Inf where float32 is finite",
     }
     for threshold in (
         *THRESHOLDS,
@@ -344,6 +368,8 @@ def markdown_table() -> str:
         NO_OPTIMIZER_STEPS,
         HEADROOM_FORECAST,
         *OP_CHECKS.values(),
+        *FLOAT8_CHECKS,
+        SHADOW_PRECISION,
     ):
         value = special.get(threshold.check, f"`{threshold.metric}`")
         unless = f" (unless `{threshold.unless}` fired)" if threshold.unless else ""
