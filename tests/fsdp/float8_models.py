@@ -58,14 +58,17 @@ def linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def shard(model: nn.Sequential, impl: str, reshard_after_forward: bool | int | None = None) -> nn.Sequential:
-    """Each linear layer a unit, then the root: ``fully_shard`` (``"ours"``) or FSDP2."""
+def shard(
+    model: nn.Sequential, impl: str, reshard_after_forward: bool | int | None = None, mesh: Any = None
+) -> nn.Sequential:
+    """Each linear layer a unit, then the root: ``fully_shard`` (``"ours"``, on ``mesh`` where
+    given: HSDP's 2-D) or FSDP2."""
     if impl == "ours":
         from fsdp_patch import fully_shard
 
         for layer in linears(model):
-            fully_shard(layer, reshard_after_forward=reshard_after_forward)
-        fully_shard(model)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

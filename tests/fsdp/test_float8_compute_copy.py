@@ -50,15 +50,19 @@ def _relative_differences(got: dict[str, torch.Tensor], want: dict[str, torch.Te
     return {name: ((got[name] - want[name]).norm() / (want[name] - start[name]).norm()).item() for name in want}
 
 
-def training_run(rows: tuple[int, int, int]) -> dict[str, Any]:
-    """The float8-gathered model, the bf16-gathered one and, on even shards, FSDP2's float8 all-gather."""
+def training_run(rows: tuple[int, int, int], hsdp: bool = False) -> dict[str, Any]:
+    """The float8-gathered model, the bf16-gathered one and, on even shards of a 1-D mesh, FSDP2's
+    float8 all-gather; ``hsdp``: ``fully_shard``'s on a 2 x 2 mesh (replicated over the first)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     start = {n: p.detach().float() for n, p in float8_models.float8_mlp(True, rows).named_parameters()}
     runs = {"float8": ("ours", True), "bf16": ("ours", False)}
-    if rows == EVEN:
+    if rows == EVEN and not hsdp:
         runs["fsdp2"] = ("fsdp2", True)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     got = {}
     for label, (impl, fp8) in runs.items():
-        model = float8_models.shard(float8_models.float8_mlp(fp8, rows), impl)
+        model = float8_models.shard(float8_models.float8_mlp(fp8, rows), impl, mesh=mesh)
         got[label] = float8_models.train(model, impl)
     losses = {label: global_losses(run["losses"]) for label, run in got.items()}
     out = {
@@ -72,13 +76,17 @@ def training_run(rows: tuple[int, int, int]) -> dict[str, Any]:
     return rank0(out)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    ("world_size", "hsdp"), [(2, False), (4, False), pytest.param(4, True, id="4-hsdp")], ids=["2", "4", "4-hsdp"]
+)
 @pytest.mark.parametrize("rows", [EVEN, UNEVEN], ids=["even", "uneven"])
 def test_float8_gathered_training_is_within_float8_noise_of_bf16_and_matches_fsdp2(
-    run_once, world_size: int, rows: tuple[int, int, int]
+    run_once, world_size: int, hsdp: bool, rows: tuple[int, int, int]
 ) -> None:
+    """On 2 and 4 ranks, and on HSDP's 2 x 2 mesh (each weight's amax reduced over its shard group,
+    the grads over the replicas too)."""
     float8_models.require_torchao()
-    got = run_once(world_size, training_run, rows)[0]
+    got = run_once(world_size, training_run, rows, hsdp)[0]
     losses = got["losses"]
     for step, (fp8, bf16) in enumerate(zip(losses["float8"], losses["bf16"], strict=True)):
         assert abs(fp8 - bf16) <= LOSS_NOISE * abs(bf16), (
@@ -89,7 +97,7 @@ def test_float8_gathered_training_is_within_float8_noise_of_bf16_and_matches_fsd
         f"expected every parameter within {FLOAT8_NOISE} of the bf16-gathered run's update, got {worst[1]:.3g} "
         f"in {worst[0]} ({got['against_bf16']})"
     )
-    if rows != EVEN:
+    if rows != EVEN or hsdp:
         return
     if world_size == 2:
         assert losses["float8"] == losses["fsdp2"], f"expected FSDP2's losses {losses['fsdp2']}, got {losses['float8']}"
