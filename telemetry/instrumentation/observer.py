@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from opentelemetry import context as context_api
 from opentelemetry import metrics, trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
 from fsdp_patch.adapter.events import GroupCast, MismatchAction, Phase, StepPlanned
@@ -31,6 +32,7 @@ from . import instruments
 from .instruments import AttributeCache, dtype_name
 from .iterations import IterationWatch
 from .precision_recorder import PrecisionRecorder
+from .step_spans import StepScope, emit_phases, fail_span
 from .timing import DurationRecorder, duration_recorder_for
 
 _logger = logging.getLogger(__name__)
@@ -42,53 +44,13 @@ _PHASE_SPANS = {
     Phase.REFRESH: semconv.SPAN_REFRESH,
     Phase.PRECISION: semconv.SPAN_PRECISION,
 }
+# Phases whose spans are current while they run (see :mod:`.step_spans`).
+_LIVE_PHASES = frozenset({Phase.INNER_STEP, Phase.PRECISION})
 _MISMATCH_ACTIONS = {
     MismatchAction.CAST: semconv.MISMATCH_CAST,
     MismatchAction.PASSTHROUGH: semconv.MISMATCH_PASSTHROUGH,
     MismatchAction.REJECTED: semconv.MISMATCH_REJECTED,
 }
-
-
-def public_type_name(exc: BaseException) -> str:
-    """The exception's class name, or that of its first public base class.
-
-    Internal subclasses (``_MismatchError(TypeError)``) are reported as the public class a
-    caller catches (``TypeError``): for ``error.type``, the status and the exception event.
-    """
-    for cls in type(exc).__mro__:
-        if not cls.__name__.startswith("_"):
-            return cls.__qualname__
-    return type(exc).__qualname__  # pragma: no cover - object is always public
-
-
-class StepScope:
-    """Handle on the running ``fsdp.optimizer.step`` span, yielded by :meth:`OptimizerObserver.step`.
-
-    Attributes:
-        step_number: 1 for the optimizer's first step, then counting up.
-    """
-
-    __slots__ = ("step_number", "_span", "cast_bytes", "casts")
-
-    def __init__(self, step_number: int, span: Span | None) -> None:
-        self.step_number = step_number
-        self._span = span
-        self.cast_bytes = 0
-        # The step's casts by their metric attributes, added to the counter once as the step ends
-        # (one measurement per kind and dtype pair, not one per group).
-        self.casts: dict[tuple[Any, ...], tuple[Mapping[str, AttributeValue], int]] = {}
-
-    def set_attribute(self, key: str, value: AttributeValue) -> None:
-        """Set an attribute on the step span (no-op on ranks that do not trace)."""
-        if self._span is not None:
-            self._span.set_attribute(key, value)
-
-
-def _fail(span: Span, exc: BaseException) -> None:
-    public = public_type_name(exc)
-    span.record_exception(exc, attributes={semconv.ATTR_EXCEPTION_TYPE: public}, escaped=True)
-    span.set_attribute(semconv.ATTR_ERROR_TYPE, public)
-    span.set_status(Status(StatusCode.ERROR, f"{public}: {exc}"))
 
 
 class OptimizerObserver:
@@ -215,7 +177,7 @@ class OptimizerObserver:
         try:
             yield span
         except BaseException as exc:
-            _fail(span, exc)
+            fail_span(span, exc)
             raise
         finally:
             context_api.detach(token)
@@ -248,6 +210,8 @@ class OptimizerObserver:
                     yield scope
                     completed = True
                 finally:
+                    if self._tracer is not None:
+                        emit_phases(self._tracer, scope)
                     self._end_casts(scope)
                     self._iterations.end_step(span, completed)
                 self._precision.audit_if_due(step_number, span)
@@ -301,19 +265,32 @@ class OptimizerObserver:
 
     @contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:
-        """Child span of the step for ``phase``; ``REFRESH`` is also timed into its histogram."""
+        """Child span of the step for ``phase``; ``REFRESH`` is also timed into its histogram.
+        The inner step and the diagnostics run in their span; the other phases' spans are made
+        as the step ends, from the times noted here (:mod:`.step_spans`)."""
         self._ensure_ready()
         span_name = _PHASE_SPANS[phase]
-        if phase is not Phase.REFRESH:
-            with self._span(span_name, None):
-                yield
-            return
-        token = self._refresh_timer.start()
+        scope = self._scope
+        token = self._refresh_timer.start() if phase is Phase.REFRESH else None
         try:
-            with self._span(span_name, None):
+            if phase in _LIVE_PHASES or scope is None:
+                if scope is not None and self._tracer is not None:
+                    emit_phases(self._tracer, scope)  # the phases before it end first, as they ran
+                with self._span(span_name, None):
+                    yield
+            elif self._tracer is None:
                 yield
+            else:
+                start = time.time_ns()
+                try:
+                    yield
+                except BaseException as exc:
+                    scope.phases.append((span_name, start, time.time_ns(), exc))
+                    raise
+                scope.phases.append((span_name, start, time.time_ns(), None))
         finally:
-            self._refresh_timer.stop(token)
+            if token is not None:
+                self._refresh_timer.stop(token)
 
     @contextmanager
     def zero_grad(self, set_to_none: bool) -> Iterator[None]:
