@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter
 from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -133,7 +134,13 @@ def _build() -> _Embedded:
         service = resource.attributes.get(SERVICE_NAME)
         header = f"fsdp_patch telemetry summary: rank {info.rank} of {info.world_size} (service {service})"
         setup = build_metric_readers(info, header)
-        state.meter_provider = SdkMeterProvider(resource=resource, metric_readers=setup.readers, shutdown_on_exit=False)
+        # No exemplars unless OTEL_METRICS_EXEMPLAR_FILTER asks: the SDK's default samples one
+        # for each measurement made inside a span (every one of a step's), which none of the
+        # embedded exporters reads.
+        exemplars = None if os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER") else AlwaysOffExemplarFilter()
+        state.meter_provider = SdkMeterProvider(
+            resource=resource, metric_readers=setup.readers, exemplar_filter=exemplars, shutdown_on_exit=False
+        )
         state.metric_setup = setup
     return state
 
