@@ -127,11 +127,13 @@ def test_a_tensor_already_holding_nan_is_not_the_cast_s_nan() -> None:
 
 
 def test_the_amax_ratio_of_a_relu_output_is_over_its_non_zero_elements() -> None:
+    """The median is estimated on an evenly strided sample of at most 4096 elements: within a few
+    percent of the exact one on a Gaussian's half."""
     relu = torch.relu(gaussian().float()).to(torch.bfloat16)  # half the elements 0: the median of all is 0
     got = values_of(float8_linear(), INPUT, relu)
     nonzero = relu.float()[relu != 0].abs()
     want = (nonzero.max() / nonzero.sort().values[(nonzero.numel() - 1) // 2]).item()
-    assert got["amax_ratio"] == pytest.approx(want, rel=1e-6), f"want {want:.4g}, got {got['amax_ratio']}"
+    assert got["amax_ratio"] == pytest.approx(want, rel=0.05), f"want {want:.4g} within 5%, got {got['amax_ratio']}"
 
 
 def gathered_weight(module: nn.Module, amax: float) -> Any:
