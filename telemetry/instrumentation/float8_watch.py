@@ -13,9 +13,10 @@ Nothing here runs a collective: each rank measures its own batch, and the report
 The values stay on the device until the iteration ends, are copied to the host then without
 blocking (:class:`~..diagnostics.host_copies.HostCopy`), and are read at the next iteration's end
 (or at a flush): events ``fsdp.precision.float8`` on the span of the step then, each carrying the
-step it measured. Not every cast becomes an event: per role, the ``FSDP_PATCH_PRECISION_TOP_K``
-modules whose cast keeps the least (the most elements flushed or subnormal, the lowest SQNR), every
-one a report check would name, and the first and last modules.
+step it measured. Up to :data:`ALL_ROWS_UP_TO` casts an iteration, every cast becomes an event; past
+it, per role, the ``FSDP_PATCH_PRECISION_TOP_K`` modules whose cast keeps the least (the most
+elements flushed or subnormal, the lowest SQNR), every one a report check would name, the first and
+last modules, and every cast shown at an earlier diagnosed step (its scale's trend goes on).
 
 Process-wide while a measured iteration runs: those hooks, all removed, exactly, when it ends, at a
 flush (:meth:`Float8Watch.flush`: the exit, ``destroy_process_group``; what runs after it is not
@@ -45,6 +46,9 @@ from .op_audits import compiled
 
 __all__ = ["CastRow", "Float8Watch", "event_attributes"]
 
+# Up to this many casts an iteration (16 float8 modules), every one is an event; past it, the
+# selection the module's docstring describes.
+ALL_ROWS_UP_TO = 48
 # How each value of a module's several casts in one iteration is merged: the worst of them.
 _LOWEST = frozenset({"scale", "sqnr"})
 
@@ -105,6 +109,7 @@ class Float8Watch:
         self._running: _Measured | None = None
         self._pending: _Pending | None = None
         self._top_k = max(env.precision_top_k(), 1)
+        self._followed: set[tuple[str, str]] = set()
         self.rows: list[tuple[int, CastRow]] = []  # what was reported, in order (tests read it)
 
     @property
@@ -224,14 +229,23 @@ class Float8Watch:
         return shown
 
     def _shown(self, rows: list[CastRow]) -> list[CastRow]:
+        if len(rows) <= ALL_ROWS_UP_TO:
+            return rows
         chosen: dict[tuple[str, str], CastRow] = {}
         for role in semconv.FLOAT8_ROLES:
             ranked = sorted((r for r in rows if r.role == role), key=lambda r: r.kept_least, reverse=True)
             for row in ranked[: self._top_k]:
                 chosen[(row.module, row.role)] = row
         for row in rows:
-            if row.position != semconv.FLOAT8_POSITION_MIDDLE or float8_thresholds.fired(row.role, row.values):
-                chosen[(row.module, row.role)] = row
+            key = (row.module, row.role)
+            if (
+                key in self._followed
+                or row.position != semconv.FLOAT8_POSITION_MIDDLE
+                or float8_thresholds.fired(row.role, row.values)
+            ):
+                chosen[key] = row
+        # A cast shown once is shown at every later diagnosed step: its scale's trend goes on.
+        self._followed.update(chosen)
         return [row for row in rows if (row.module, row.role) in chosen]
 
 
