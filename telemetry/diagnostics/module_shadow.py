@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_patch.module.model_units import ShardedModel, is_sharded_unit, user_name
 
+from .full_weights import full_weight
 from .op_stats import LOW_PRECISION
 
 __all__ = ["ModuleCost", "ModuleShadow"]
@@ -280,7 +281,7 @@ class ModuleShadow:
         try:
             with torch.no_grad(), _disable_current_modes():
                 for module_id, name, param in self._unit_params.get(id(unit), ()):
-                    self._full[(module_id, name)] = param.full_tensor().to(torch.float32)
+                    self._full[(module_id, name)] = full_weight(param).to(torch.float32)
         except Exception as exc:  # a layout the gather cannot read (offloaded shards): never raised
             # A failure of this kind is every rank's alike, so they all stop gathering here; the
             # leaves go on from their compute weights.

@@ -148,9 +148,8 @@ def _shadow_on_ranks(kind: str, gather_fails: bool = False) -> list[ModuleCost]:
     if gather_fails:
         from unittest import mock
 
-        from torch.distributed.tensor import DTensor
-
-        with mock.patch.object(DTensor, "full_tensor", side_effect=RuntimeError("offloaded")):
+        gather = "fsdp_patch.telemetry.diagnostics.module_shadow.full_weight"
+        with mock.patch(gather, side_effect=RuntimeError("offloaded")):
             model(x).float().sum().backward()
         costs = shadow.finish()
         assert list(shadow.failed) == ["(the main weights' gather)"], shadow.failed
@@ -183,3 +182,35 @@ def test_a_gather_that_fails_is_never_raised_and_the_leaves_go_on_from_their_com
         assert got == (["0", "1", "2"], 0.0), (
             f"rank {rank}: every leaf measured, the gain from its compute weights alone (no error seen): got {got}"
         )
+
+
+def full_weights_run() -> list[tuple[str, bool]]:
+    """Uneven shards of fully_shard's and FSDP2's parameters (and HSDP's on 4 ranks): the shadow's
+    gather against ``full_tensor()``, bitwise."""
+    import torch.distributed as dist
+    from fsdp_patch.telemetry.diagnostics.full_weights import full_weight
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_patch import fully_shard
+
+    world = dist.get_world_size()
+    meshes = {"1-D": None}
+    if world == 4:
+        meshes["HSDP"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = []
+    for label, mesh in meshes.items():
+        for kind, shard in (("fully_shard", fully_shard), ("fsdp2", torch_fully_shard)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 7), torch.nn.Linear(7, 3))
+            shard(model, **({"mesh": mesh} if mesh is not None else {}))
+            for name, param in model.named_parameters():
+                out.append((f"{label} {kind} {name}", torch.equal(full_weight(param), param.full_tensor())))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_shadow_gathers_uneven_shards_as_full_tensor_does(dist_pool, world_size: int) -> None:
+    got = dist_pool(world_size).run(full_weights_run)[0]
+    differ = [name for name, same in got if not same]
+    assert got and not differ, f"gathered weights that differ from full_tensor(): {differ} (of {len(got)})"
