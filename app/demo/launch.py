@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 from collections.abc import Callable
@@ -21,6 +22,8 @@ def _entry(
     rank: int, world_size: int, init_file: str, device: str, fn: Callable[..., Any], args: tuple[Any, ...]
 ) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    # A rank that dies in native code (a signal) says where its Python threads were, on stderr.
+    faulthandler.enable(all_threads=True)
     if device == "cuda":
         torch.cuda.set_device(rank)
     else:
