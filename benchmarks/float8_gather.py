@@ -8,7 +8,10 @@ conversion, ``enable_fsdp_float8_all_gather``:
 - ``bf16``: off: the compute copy is bf16 and each forward gathers it, torchao casting to float8
   after the gather;
 - ``float8``: on: the compute copy is float8 with one scale per weight (``fsdp_patch`` keeps it,
-  :mod:`fsdp_patch.sharding.float8_copy`), gathered as bytes.
+  :mod:`fsdp_patch.sharding.float8_copy`), gathered as bytes;
+- on CUDA also ``fsdp2_float8``: the same model under torch FSDP2 with torchao's float8 all-gather
+  (fp32 parameters, bf16 compute, ``precompute_float8_dynamic_scale_for_fsdp`` after each step),
+  the step time to hold ``float8`` to (FSDP2's float8 all-gather does not run on gloo).
 
 Per model, over one training step after warm-up: the bytes every all-gather of the step moved (the
 gathered outputs, on this rank), the live bytes of storages at the step's peak and before it
@@ -38,19 +41,33 @@ from .common import Clock, median, paired, paired_ratio, write_results
 from .memory import StorageMeter
 
 SETTINGS = ("bf16", "float8")
+# torch FSDP2 with torchao's float8 all-gather, on NCCL only (its float8 all-gather fails on gloo).
+FSDP2 = "fsdp2_float8"
 BATCH = 32
 
 
 def _model(setting: str, layers: int, width: int, device: torch.device) -> nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from fsdp_patch import fully_shard
-
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
     model = model.to(device=device, dtype=torch.bfloat16)
-    config = Float8LinearConfig(emulate=device.type != "cuda", enable_fsdp_float8_all_gather=setting == "float8")
+    native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    config = Float8LinearConfig(emulate=not native, enable_fsdp_float8_all_gather=setting != "bf16")
     convert_to_float8_training(model, config=config)
+    if setting == FSDP2:
+        # torch FSDP2 with torchao's float8 all-gather: fp32 parameters, bf16 compute.
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        model.float()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for block in model:
+            torch_fully_shard(block, mp_policy=policy)
+        torch_fully_shard(model, mp_policy=policy)
+        return model
+    from fsdp_patch import fully_shard
+
     for block in model:
         fully_shard(block)
     fully_shard(model)
@@ -81,9 +98,10 @@ def bench(layers: int, width: int, steps: int, json_path: str | None, device_kin
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    settings = (*SETTINGS, FSDP2) if device_kind == "cuda" else SETTINGS
     meters: dict[str, StorageMeter] = {}
     built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
-    for setting in SETTINGS:
+    for setting in settings:
         meters[setting] = meter = StorageMeter()
         with meter:
             model = _model(setting, layers, width, device)
@@ -101,12 +119,16 @@ def bench(layers: int, width: int, steps: int, json_path: str | None, device_kin
         F.mse_loss(model(x).float(), y).backward()
         optimizer.step()
         optimizer.zero_grad()
+        if setting == FSDP2:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)  # the scales, once per step, as torchao advises
         return clock.seconds_since(start)
 
-    for setting in SETTINGS:
+    for setting in settings:
         step(setting)
     results: dict[str, Any] = {"layers": layers, "width": width, "params": layers * (width * width + width)}
-    for setting in SETTINGS:
+    for setting in settings:
         meter = meters[setting]
         with meter, _gathered_bytes() as seen:
             before = meter.live
@@ -118,14 +140,16 @@ def bench(layers: int, width: int, steps: int, json_path: str | None, device_kin
             "live_bytes": before,
             "peak_bytes": meter.peak,
         }
-    times = paired({s: (lambda s=s: step(s)) for s in SETTINGS}, rounds=steps)
-    for setting in SETTINGS:
+    times = paired({s: (lambda s=s: step(s)) for s in settings}, rounds=steps)
+    for setting in settings:
         results[setting]["step_s"] = median(times[setting])
+    if FSDP2 in settings:
+        results["ratio_step_against_fsdp2"] = paired_ratio(times, "float8", FSDP2)
     results["ratio_gathered"] = results["float8"]["gathered_bytes"] / results["bf16"]["gathered_bytes"]
     results["ratio_peak"] = results["float8"]["peak_bytes"] / results["bf16"]["peak_bytes"]
     results["ratio_step"] = paired_ratio(times, "float8", "bf16")
     if rank == 0:
-        for setting in SETTINGS:
+        for setting in settings:
             r = results[setting]
             print(
                 f"{setting:>7}: {r['gathered_bytes'] / 2**20:.2f} MiB gathered in {r['gathers']} all-gathers, "
@@ -135,7 +159,12 @@ def bench(layers: int, width: int, steps: int, json_path: str | None, device_kin
             )
         print(
             f"float8 / bf16: gathered {results['ratio_gathered']:.3f}, peak {results['ratio_peak']:.3f}, "
-            f"step {results['ratio_step']:.3f}",
+            f"step {results['ratio_step']:.3f}"
+            + (
+                f"; float8 / FSDP2's float8: step {results['ratio_step_against_fsdp2']:.3f}"
+                if FSDP2 in settings
+                else ""
+            ),
             flush=True,
         )
         if json_path:

@@ -89,6 +89,12 @@ BENCH_CASES=(
     "suite-6-end_to_end|75|-m benchmarks --device cuda --case 6"
     "op-audit-cost|60|-m benchmarks.op_audit_cost --device cuda --world-size 1 --steps 4"
 )
+# Cases that need torchao's float8 training (real float8 matmuls on a GPU of compute capability
+# 8.9 or more, emulated below it): run where torchao imports, else recorded as skipped.
+FLOAT8_CASES=(
+    "float8-gather|40|-m benchmarks.float8_gather --device cuda --world-size 1 --layers 8 --width 4096 --steps 6"
+    "float8-watch-cost|60|-m benchmarks.float8_watch_cost --device cuda --layers 8 --width 4096 --rounds 12"
+)
 
 export PYTHONUNBUFFERED=1
 SCRATCH=$(mktemp -d)
@@ -270,8 +276,13 @@ check() {
         record "3 GPU benchmarks" SKIP "no CUDA device"
         return
     fi
-    local case name limit args
-    for case in "${BENCH_CASES[@]}"; do
+    local case name limit args cases=("${BENCH_CASES[@]}")
+    if "$PY" -c "import torchao.float8" >/dev/null 2>&1; then
+        cases+=("${FLOAT8_CASES[@]}")
+    else
+        record "3 bench float8" SKIP "torchao.float8 does not import here (the float8 benchmarks need it)"
+    fi
+    for case in "${cases[@]}"; do
         IFS='|' read -r name limit args <<<"$case"
         # shellcheck disable=SC2086 # the case's arguments are words by design
         run_part "3 bench $name" "$limit" "$PY" $args --json "$OUT_DIR/$name-$SLUG.json"
