@@ -289,12 +289,48 @@ def _float8_gather(doc: Document) -> tuple[str, str]:
             _ratio(doc["ratio_step"]),
         ]
     )
+    if "fsdp2_float8" in doc:
+        r = doc["fsdp2_float8"]
+        rows.append(
+            [
+                "FSDP2, torchao's float8 all-gather",
+                f"{r['gathered_bytes'] / 2**20:.2f} MiB",
+                str(r["gathers"]),
+                f"{r['live_bytes'] / 2**20:.1f} MiB",
+                f"{r['peak_bytes'] / 2**20:.1f} MiB",
+                _ms(r["step_s"]),
+            ]
+        )
+        rows.append(["float8 / FSDP2's float8", "", "", "", "", _ratio(doc["ratio_step_against_fsdp2"])])
     note = f"{doc['layers']} layers of width {doc['width']}, {_params(doc.get('params'))}, {doc['steps']} paired steps"
+    return _table(header, rows), note
+
+
+def _float8_watch_cost(doc: Document) -> tuple[str, str]:
+    """``python -m benchmarks.float8_watch_cost``: the float8 cast watch's cost."""
+    header = ["", "step", "against off"]
+    rows = [
+        ["telemetry off", _ms(doc["step_s_off"]), ""],
+        ["at the defaults, undiagnosed steps", _ms(doc["step_s_on"]), _ratio(doc["ratio_on_off"])],
+        [
+            "diagnosed, the watch off",
+            _ms(doc["step_s_diagnosed_no_watch"]),
+            _ratio(doc["ratio_diagnosed_no_watch_off"]),
+        ],
+        ["diagnosed, the watch on", _ms(doc["step_s_diagnosed"]), _ratio(doc["ratio_diagnosed_off"])],
+        [
+            "the watch, spread over the default interval (100 steps)",
+            _ms(doc["watch_s_per_diagnosed_step"]) + " a diagnosed step",
+            f"{doc['ratio_default_interval']:.4f}x",
+        ],
+    ]
+    note = f"{doc['layers']} Float8Linear layers of width {doc['width']}, {doc['rounds']} paired rounds"
     return _table(header, rows), note
 
 
 RENDERERS: dict[str, Callable[[Document], tuple[str, str]]] = {
     "float8_gather": _float8_gather,
+    "float8_watch_cost": _float8_watch_cost,
     "host_cost": _host_cost,
     "suite": _suite,
     "origin_checks": _origin_checks,
