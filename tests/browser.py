@@ -52,10 +52,15 @@ class Elements(HTMLParser):
     def __init__(self, markup: str) -> None:
         super().__init__()
         self.found: list[tuple[str, dict[str, str]]] = []
+        self.texts: list[tuple[str, str]] = []  # (the tag last opened, its text), in document order
         self.feed(markup)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.found.append((tag, {key: value or "" for key, value in attrs}))
+
+    def handle_data(self, data: str) -> None:
+        if data.strip() and self.found:
+            self.texts.append((self.found[-1][0], data.strip()))
 
     def with_class(self, name: str) -> list[dict[str, str]]:
         return [attrs for _, attrs in self.found if name in attrs.get("class", "").split()]

@@ -20,16 +20,14 @@ ORIGIN_RED = (214, 39, 40)  # --origin in report.css
 LINE_BLUE = (31, 119, 180)  # --line
 
 
-@pytest.fixture(scope="module")
-def page(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("html")
+def _demo_page(work: Any, scenario: str, *args: str) -> dict[str, Any]:
     command = [
         sys.executable,
         "-m",
         "fsdp_patch",
         "demo",
         "--scenario",
-        "nan",
+        scenario,
         "--steps",
         "6",
         "--precision-every",
@@ -38,6 +36,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "traces",
         "--progress",
         "lines",
+        *args,
     ]
     done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}"
@@ -46,6 +45,31 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     found = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', text, re.S)
     assert found is not None, "report.html holds no report-data script"
     return {"path": path, "data": json.loads(found.group(1)), "dom": Elements(dump_dom(path)), "work": work}
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _demo_page(tmp_path_factory.mktemp("html"), "nan")
+
+
+def test_the_float8_casts_are_tabled_with_the_flushed_input(tmp_path: Any) -> None:
+    """The demo's fp8-outlier run (a feature of blocks.0.fc1's output 1e6 from step 3): the page
+    tables every float8 cast the JSON holds, blocks.0.fc2's input among them with its share flushed
+    and its scale's fall over the run."""
+    from tests.fsdp.float8_models import require_torchao
+
+    require_torchao()
+    page = _demo_page(tmp_path, "fp8-outlier", "--plant-step", "3")
+    casts, texts = page["data"]["float8"], page["dom"].texts
+    captions = [text for tag, text in texts if tag == "h3" and text.startswith("Float8 casts")]
+    assert len(captions) == 1, f"want the float8 table's caption once, got {captions}"
+    cells = [text for tag, text in texts if tag == "td"]
+    rows = [(cells[i], cells[i + 1]) for i in range(len(cells) - 1) if cells[i].startswith("blocks.")]
+    want = {(c["module"], c["role"]) for c in casts}
+    assert want and want <= set(rows), f"every cast of the JSON tabled: missing {sorted(want - set(rows))}"
+    flushed = next(c for c in casts if (c["module"], c["role"]) == ("blocks.0.fc2", "input"))
+    assert flushed["flushed"] > 0.9 and len(flushed["scale_trend"]) == 6, f"blocks.0.fc2's input: {flushed}"
+    assert any("(step 1) to" in text for tag, text in texts if tag == "td"), "no scale trend drawn in the table"
 
 
 def test_every_series_is_drawn_once_with_all_its_points(page: dict[str, Any]) -> None:

@@ -240,7 +240,17 @@
       ["dtype", (m) => m.dtype, "text"], ["error / rounding", (m) => m.cost], ["from weights", (m) => m.weight_error],
       ["|max| / dtype max", (m) => m.headroom], ["below normal", (m) => m.underflow],
     ], shadow);
-    if (!audits.children.length) el("p", {}, audits, "no operation audit, headroom forecast or shadow in these traces");
+    const trend = (c) => c.scale_trend.length > 1
+      ? c.scale_trend[0][1] + " (step " + c.scale_trend[0][0] + ") to " + c.scale_trend[c.scale_trend.length - 1][1]
+        + " (step " + c.scale_trend[c.scale_trend.length - 1][0] + ")"
+      : "";
+    table(audits, "Float8 casts: what each float8 module's casts kept, at the last diagnosed step", [
+      ["module", (c) => c.module, "text"], ["cast", (c) => c.role, "text"], ["dtype", (c) => c.dtype, "text"],
+      ["scaling", (c) => c.granularity, "text"], ["amax", (c) => c.amax], ["scale", (c) => c.scale],
+      ["flushed", (c) => c.flushed], ["subnormal", (c) => c.subnormal], ["saturated", (c) => c.saturated],
+      ["SQNR dB", (c) => c.sqnr], ["NaN/Inf made", (c) => c.nonfinite], ["scale over the run", trend, "text"],
+    ], data.float8 || []);
+    if (!audits.children.length) el("p", {}, audits, "no operation audit, headroom forecast, shadow or float8 cast in these traces");
     document.getElementById("text-report").textContent = data.text_report;
   }
 
