@@ -114,6 +114,20 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def adapt_in_environment(optimizer: torch.optim.Optimizer, values: dict[str, str]) -> None:
+    """``fully_shard_optimizer(optimizer)`` with the telemetry settings ``values`` (and no other
+    ``FSDP_PATCH_TELEMETRY`` or ``FSDP_PATCH_PRECISION_*`` of the caller's): models adapted side by
+    side each get their own, read once, at adaptation."""
+    from unittest import mock
+
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("FSDP_PATCH_PRECISION_")}
+    environment.pop("FSDP_PATCH_TELEMETRY", None)
+    with mock.patch.dict(os.environ, {**environment, **values}, clear=True):
+        fully_shard_optimizer(optimizer)
+
+
 def paired_ratio(times: dict[Any, list[float]], numerator: Any, denominator: Any) -> float:
     """Median over rounds of ``numerator / denominator``: drift of the machine cancels out."""
     return statistics.median(a / b for a, b in zip(times[numerator], times[denominator], strict=True))

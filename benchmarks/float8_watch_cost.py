@@ -36,7 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import Clock, median, paired, paired_ratio, process_group, write_results
+from .common import (
+    Clock,
+    adapt_in_environment,
+    median,
+    paired,
+    paired_ratio,
+    process_group,
+    training_steps,
+    write_results,
+)
 
 SETTINGS: dict[str, dict[str, str]] = {
     "off": {},
@@ -55,7 +64,6 @@ def _built(setting: str, layers: int, width: int, device: torch.device) -> tuple
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from fsdp_patch import fully_shard
-    from fsdp_patch.optimizer import fully_shard_optimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
@@ -66,10 +74,7 @@ def _built(setting: str, layers: int, width: int, device: torch.device) -> tuple
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_PATCH_PRECISION_")}
-    environment.pop("FSDP_PATCH_TELEMETRY", None)
-    with mock.patch.dict(os.environ, {**environment, **SETTINGS[setting]}, clear=True):
-        fully_shard_optimizer(optimizer)
+    adapt_in_environment(optimizer, SETTINGS[setting])
     if setting == "diagnosed_no_watch":
         _watch_of(model).on = False
     return model, optimizer
@@ -98,17 +103,7 @@ def bench(layers: int, width: int, rounds: int, json_path: str | None, device_ki
         built = {setting: _built(setting, layers, width, device) for setting in SETTINGS}
         generator = torch.Generator().manual_seed(1)
         batches = [torch.randn(BATCH, width, generator=generator).to(device, torch.bfloat16) for _ in range(8)]
-        cursor = dict.fromkeys(built, 0)
-
-        def step(setting: str) -> float:
-            model, optimizer = built[setting]
-            x = batches[cursor[setting] % len(batches)]
-            cursor[setting] += 1
-            start = clock.start()
-            F.mse_loss(model(x).float(), x.float()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return clock.seconds_since(start)
+        step = training_steps(built, batches, clock, lambda model, x: F.mse_loss(model(x).float(), x.float()))
 
         for setting in SETTINGS:
             for _ in range(WARMUP_STEPS):
