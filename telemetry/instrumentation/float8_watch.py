@@ -110,6 +110,10 @@ class Float8Watch:
         self._pending: _Pending | None = None
         self._top_k = max(env.precision_top_k(), 1)
         self._followed: set[tuple[str, str]] = set()
+        # The float8 modules and the modules holding parameters, found at the first measured
+        # iteration: the model's structure does not change in training, and the walk costs a
+        # diagnosed step of a model without float8 modules more than anything else here.
+        self._found: tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]] | None = None
         self.rows: list[tuple[int, CastRow]] = []  # what was reported, in order (tests read it)
 
     @property
@@ -125,21 +129,18 @@ class Float8Watch:
         """Measure the iteration that starts now, where the models hold float8 modules."""
         if not self.on or self._running is not None:
             return
-        models = [m for m in sharded_models(self._params) if not compiled(m.root)]
-        found = [(user_name(m.prefix, name), module) for m in models for name, module in float8_modules(m.root)]
-        if not found:
+        if self._found is None:
+            self._found = _watched(self._params)
+        float8, holders = self._found
+        if not float8:
             return
         measured = _Measured()
-        for name, module in found:
+        for name, module in float8:
             measured.names[id(module)] = name
             measured.handles.append(module.register_forward_pre_hook(self._forward_hook(measured, name)))
             measured.handles.append(module.register_forward_hook(self._output_hook(measured, name)))
-        for model in models:
-            for name, module in model.root.named_modules():
-                if any(True for _ in module.parameters(recurse=False)):
-                    measured.handles.append(
-                        module.register_forward_pre_hook(_order_hook(measured.order, user_name(model.prefix, name)))
-                    )
+        for name, module in holders:
+            measured.handles.append(module.register_forward_pre_hook(_order_hook(measured.order, name)))
         self._running = measured
 
     def finish(self, step: int, span: Span | None, rank: int) -> list[CastRow]:
@@ -247,6 +248,22 @@ class Float8Watch:
         # A cast shown once is shown at every later diagnosed step: its scale's trend goes on.
         self._followed.update(chosen)
         return [row for row in rows if (row.module, row.role) in chosen]
+
+
+def _watched(params: list[torch.Tensor]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """The float8 modules of the sharded models holding ``params`` (none compiled), and every
+    module of them holding parameters of its own, each with its user's name."""
+    models = [m for m in sharded_models(params) if not compiled(m.root)]
+    float8 = [(user_name(m.prefix, name), module) for m in models for name, module in float8_modules(m.root)]
+    if not float8:
+        return [], []
+    holders = [
+        (user_name(m.prefix, name), module)
+        for m in models
+        for name, module in m.root.named_modules()
+        if any(True for _ in module.parameters(recurse=False))
+    ]
+    return float8, holders
 
 
 def _record(measured: _Measured, module: nn.Module, name: str, role: str, tensor: torch.Tensor) -> None:
