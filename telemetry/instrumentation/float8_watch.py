@@ -183,6 +183,8 @@ class Float8Watch:
 
     def _forward_hook(self, measured: _Measured, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not torch.is_grad_enabled():
+                return  # an evaluation between steps is no part of the training iteration measured
             if args and isinstance(args[0], torch.Tensor):
                 hp = args[0]
                 if torch.is_autocast_enabled():  # as Float8Linear's forward casts it

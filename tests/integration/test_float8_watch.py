@@ -78,7 +78,8 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, 
 
 def watched_training(impl: str, telemetry: bool, fp8_all_gather: bool, rows: tuple[int, int, int]) -> dict[str, Any]:
     """STEPS steps of the float8 MLP sharded by ``impl`` (``"ours"``: ``fully_shard``, ``"fsdp2"``),
-    the optimizer adapted, telemetry on or off. This rank's losses and final parameters, the
+    the optimizer adapted, telemetry on or off, a no_grad evaluation forward after each step. This
+    rank's losses and final parameters, the
     watch's hooks after adapting, after each step and after the run, every hook counted before
     adapting and after each step, and the float8 events."""
     from torchao.float8.float8_linear import Float8Linear
@@ -97,9 +98,13 @@ def watched_training(impl: str, telemetry: bool, fp8_all_gather: bool, rows: tup
         fully_shard_optimizer(optimizer)
         out["watch_hooks_adapted"] = watch_hooks(model)
 
+        evaluation = float8_models.my_rows(float8_models.batches(1, seed=3)[0][0]).to(BF16)
+
         def count(step: int) -> None:
             out["watch_hooks"][step] = watch_hooks(model)
             out["hooks"][step] = all_hooks(model)
+            with torch.no_grad():  # an evaluation between steps: no part of the iteration measured
+                model(evaluation)
 
         out["losses"] = train_steps(model, optimizer, STEPS, count)
         fsdp_telemetry.shutdown()  # reads what the last diagnosed iteration measured
