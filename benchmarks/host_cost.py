@@ -35,7 +35,16 @@ from unittest import mock
 import torch
 from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
 
-from .common import Clock, median, paired, paired_ratio, process_group, training_steps, write_results
+from .common import (
+    Clock,
+    adapt_in_environment,
+    median,
+    paired,
+    paired_ratio,
+    process_group,
+    training_steps,
+    write_results,
+)
 
 KINDS = ("fully_shard", "fsdp2")
 SETTINGS: dict[str, dict[str, str]] = {
@@ -55,8 +64,6 @@ def _config(layers: int) -> GPTConfig:
 
 
 def _built(kind: str, layers: int, setting: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from fsdp_patch.optimizer import fully_shard_optimizer
-
     torch.manual_seed(0)
     model = GPT(_config(layers))
     if kind == "fully_shard":
@@ -72,10 +79,7 @@ def _built(kind: str, layers: int, setting: str) -> tuple[torch.nn.Module, torch
             fully_shard(block)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    environment = {key: value for key, value in os.environ.items() if not key.startswith("FSDP_PATCH_PRECISION_")}
-    environment.pop("FSDP_PATCH_TELEMETRY", None)
-    with mock.patch.dict(os.environ, {**environment, **SETTINGS[setting]}, clear=True):
-        fully_shard_optimizer(optimizer)
+    adapt_in_environment(optimizer, SETTINGS[setting])
     return model, optimizer
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "SATURATED_SHARE",
     "SUBNORMAL_SHARE",
     "fired",
+    "worst",
 ]
 
 FLUSH_SHARE = 0.25
@@ -144,3 +145,19 @@ def fired(role: str, values: Mapping[str, float], position: str = semconv.FLOAT8
     if position != semconv.FLOAT8_POSITION_MIDDLE:
         found.append(FLOAT8_SENSITIVE_LAYER)
     return found
+
+
+# The values of a cast where less is worse (a smaller scale, a lower SQNR); more is worse elsewhere.
+_LOWER_IS_WORSE = frozenset({"scale", "sqnr"})
+
+
+def worst(key: str, values: list[float]) -> float:
+    """The worst of several measurements of one cast's value ``key`` (calls of an iteration, ranks):
+    NaN where any is NaN (a NaN amax, scale or SQNR is the finding), but for ``rowwise_flushed``,
+    NaN where the cast was not tensorwise, which any measured value outranks."""
+    if key != "rowwise_flushed" and any(math.isnan(v) for v in values):
+        return math.nan
+    measured = [v for v in values if not math.isnan(v)]
+    if not measured:
+        return math.nan
+    return min(measured) if key in _LOWER_IS_WORSE else max(measured)

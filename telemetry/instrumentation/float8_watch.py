@@ -49,8 +49,6 @@ __all__ = ["CastRow", "Float8Watch", "event_attributes"]
 # Up to this many casts an iteration (16 float8 modules), every one is an event; past it, the
 # selection the module's docstring describes.
 ALL_ROWS_UP_TO = 48
-# How each value of a module's several casts in one iteration is merged: the worst of them.
-_LOWEST = frozenset({"scale", "sqnr"})
 
 
 @dataclass
@@ -290,15 +288,7 @@ def _order_hook(order: dict[str, int], name: str) -> Callable[..., None]:
 
 
 def _merge(calls: list[list[float]]) -> dict[str, float]:
-    merged: dict[str, float] = {}
-    for index, key in enumerate(VALUES):
-        column = [call[index] for call in calls]
-        if any(math.isnan(v) for v in column) and key != "rowwise_flushed":
-            merged[key] = math.nan  # a NaN amax, scale or SQNR is the finding: keep it
-        else:
-            finite = [v for v in column if not math.isnan(v)] or [math.nan]
-            merged[key] = min(finite) if key in _LOWEST else max(finite)
-    return merged
+    return {key: float8_thresholds.worst(key, [call[index] for call in calls]) for index, key in enumerate(VALUES)}
 
 
 def event_attributes(row: CastRow, step: int, rank: int) -> dict[str, AttributeValue]:

@@ -34,7 +34,6 @@ _VALUE_KEYS = {
     "nonfinite": semconv.ATTR_FLOAT8_NONFINITE,
     "rowwise_flushed": semconv.ATTR_FLOAT8_ROWWISE_FLUSHED,
 }
-_LOWEST = frozenset({"scale", "sqnr"})
 
 
 def _number(value: object) -> float:
@@ -63,14 +62,7 @@ class CastSeen:
 
     def merge(self, other: CastSeen) -> None:
         for key, value in other.values.items():
-            mine = self.values.get(key, math.nan)
-            if math.isnan(value) and key != "rowwise_flushed":
-                self.values[key] = value
-            elif not math.isnan(mine) or key == "rowwise_flushed":
-                if math.isnan(mine):
-                    self.values[key] = value
-                elif not math.isnan(value):
-                    self.values[key] = min(mine, value) if key in _LOWEST else max(mine, value)
+            self.values[key] = checks.worst(key, [self.values.get(key, value), value])
         self.ranks |= other.ranks
 
 
