@@ -1,25 +1,46 @@
-"""How a list of tensors checked at every step is reduced: planned once, one call a step.
+"""How a list of tensors checked at every step is reduced: planned once, a few calls a step.
 
 A :class:`ReductionPlan` takes the tensors of one dtype and device that a step checks together
-(each parameter's main weight, a group's reduced grads) and decides once how to reduce them:
+(each parameter's main weight, a group's reduced grads, ``fully_shard``'s flat buffers of main
+weights) and decides once how to reduce them:
 
-- ``FUSED``: a list on a GPU, or of small tensors on a CPU, by one
-  ``torch._foreach_norm(tensors, inf)`` (each tensor's largest magnitude: NaN when it holds a NaN,
-  Inf when an Inf), read back as ``(-peak, peak)``, with no Python per tensor;
-- ``EACH``: one ``torch.aminmax`` per tensor (large tensors on a CPU, where ``_foreach_norm(inf)``
-  is about ten times slower than ``aminmax`` per element and a call's Python is small beside it).
+- ``FUSED``: a list on a GPU, by one ``torch._foreach_norm(tensors, inf)`` (each tensor's largest
+  magnitude: NaN when it holds a NaN, Inf when an Inf), read back as ``(-peak, peak)``, with no
+  Python per tensor;
+- ``CONCATENATED``: a list of small tensors on a CPU whose values may be pooled
+  (:class:`~.probes.PreparedChecks`' ``pooled``: the main weights, read only as finite or not; a
+  unit's reduced grads), copied by one ``torch.cat`` into a staging buffer the plan keeps and
+  reduced by one ``torch.aminmax``: the pool's least and greatest value. Only where that is not
+  finite are the tensors told apart, on the host, from the staging buffer, which still holds them
+  as they were checked (:meth:`ReductionPlan.each_value`);
+- ``EACH``: one ``torch.aminmax`` per tensor (on a CPU, a list not pooled or of large tensors:
+  there ``_foreach_norm(inf)`` costs as much per tensor and is about ten times slower per element);
+- ``LOCATED``: a flat buffer holding several parameters (where it is not concatenated: there the
+  staging buffer places a non-finite element as the host reads it), by ``torch.min`` and ``torch.max``
+  along it, which give where the least and greatest values are as well: a NaN's place (both
+  reductions propagate it, with its index), an Inf's. So one reduction per buffer still names the
+  parameter a non-finite element belongs to (:class:`~.probes.PreparedChecks`' segments), as it
+  was when checked: by the time the host reads it, a forward may have spread it to every parameter.
 
-Either way the output is one 1-d tensor (a "chunk") and, per tensor, where its least and greatest
-values are in it. Finite, NaN, magnitude and all-zero read the same from both.
+The output is one or two 1-d tensors (the "chunks": the values, and a ``LOCATED`` plan's int64
+indices, kept apart so that an index past float32's exact integers stays exact) and, per tensor,
+where its least and greatest values are in the first. Finite, NaN, magnitude and all-zero read the
+same from every kind.
 
 [Note: one fused reduction per list on a GPU]
 On a GPU a step's checks cost host time, not device time: each ``aminmax`` is a launch and the
 Python around it (tens of microseconds), against a pass over memory that takes microseconds. A
-list of tensors on one CUDA device is therefore checked by one ``_foreach_norm`` call. On a CPU that
-call costs about as much per tensor as one ``aminmax`` at 256 elements and is about ten times
-slower per element, so it is used there only for lists of tensors that small on average. Slices
-of one flat buffer (``fully_shard``'s main weights, parameter by parameter) could be reduced per
-buffer by ``torch.segment_reduce``, but on a CPU that costs as much as one ``aminmax`` per slice.
+list of tensors on one CUDA device is therefore checked by one ``_foreach_norm`` call. On a CPU
+that call costs about 1.5 us per tensor (an output allocated for each) and is about ten times
+slower per element than ``aminmax``, which costs about 2 us a call; a ``torch.cat`` into a kept
+buffer costs 0.2 us per tensor of 256 elements and 1.8 us at 4096, and one ``aminmax`` reads them all.
+
+Alternatives considered:
+    - ``torch.segment_reduce`` over a flat buffer (a value per parameter): on a CPU it costs as
+      much as one ``aminmax`` per segment, where ``LOCATED`` costs two reductions per buffer.
+    - Naming the parameter of a flat buffer from the main weights as the host reads the check,
+      a step later: the forward between has gathered the weight written, and the update spread
+      its NaN over every parameter of the model.
 """
 
 from __future__ import annotations
@@ -32,10 +53,15 @@ import torch
 __all__ = ["ReductionPlan"]
 
 FUSED = "fused"
+CONCATENATED = "concatenated"
 EACH = "each"
+LOCATED = "located"
 
-# Mean elements per tensor up to which a CPU list is fused (see the module's note).
-CPU_FUSED_NUMEL = 256
+# Mean elements per tensor up to which a CPU list is concatenated (see the module's note: past
+# about 8192, copying costs more than an aminmax call per tensor), and the most elements a staging
+# buffer holds.
+CPU_SMALL_NUMEL = 4096
+CPU_STAGING_NUMEL = 1 << 24
 
 
 class ReductionPlan:
@@ -44,37 +70,97 @@ class ReductionPlan:
     Args:
         tensors: The tensors, in the order their values are asked for.
         fused_device_types: Device types whose lists are always fused.
+        located: Each tensor is a flat buffer whose non-finite elements are to be placed
+            (``LOCATED``); else the kind is chosen by device and size.
+        concatenate: Whether a finite tensor may read as the whole list's least and greatest
+            values (``CONCATENATED``, where the list is small and on a CPU).
 
     Attributes:
-        kind: ``FUSED`` or ``EACH``.
+        kind: ``FUSED``, ``CONCATENATED``, ``EACH`` or ``LOCATED``.
         places: Per tensor, ``(low, high, peak)``: the places of its least and greatest values in
-            :meth:`reduce`'s chunks joined; ``peak`` where both are its largest magnitude (its
-            least value is then minus it).
-        width: The number of values :meth:`reduce` makes.
+            the first chunk; ``peak`` where both are its largest magnitude (its least value is
+            then minus it). A ``CONCATENATED`` plan's tensors all share the list's two places.
+        widths: The number of values in each chunk :meth:`reduce` makes.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], fused_device_types: Container[str]) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        fused_device_types: Container[str],
+        located: bool = False,
+        concatenate: bool = False,
+    ) -> None:
         self.tensors = list(tensors)
         device = self.tensors[0].device
-        small = device.type == "cpu" and sum(t.numel() for t in self.tensors) <= CPU_FUSED_NUMEL * len(self.tensors)
-        self.kind = FUSED if device.type in fused_device_types or small else EACH
-        if self.kind == FUSED:
-            self.places = [(i, i, True) for i in range(len(self.tensors))]
-            self.width = len(self.tensors)
+        count = len(self.tensors)
+        total = sum(t.numel() for t in self.tensors)
+        small = device.type == "cpu" and total <= min(CPU_SMALL_NUMEL * count, CPU_STAGING_NUMEL)
+        self._staging: torch.Tensor | None = None
+        if concatenate and small and count > 1:
+            self.kind = CONCATENATED
+            self.tensors = [t.reshape(-1) for t in self.tensors]
+            self._staging = torch.empty(total, dtype=self.tensors[0].dtype, device=device)
+            self.places = [(0, 1, False)] * count
+            self.widths = [2]
+        elif located:
+            self.kind = LOCATED
+            self.tensors = [t.reshape(-1) for t in self.tensors]
+            self.places = [(2 * i, 2 * i + 1, False) for i in range(count)]
+            self.widths = [2 * count, 2 * count]
+        elif device.type in fused_device_types:
+            self.kind = FUSED
+            self.places = [(i, i, True) for i in range(count)]
+            self.widths = [count]
         else:
-            self.places = [(2 * i, 2 * i + 1, False) for i in range(len(self.tensors))]
-            self.width = 2 * len(self.tensors)
+            self.kind = EACH
+            self.places = [(2 * i, 2 * i + 1, False) for i in range(count)]
+            self.widths = [2 * count]
 
     def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
         """Reduce ``tensors`` from now on: new tensors standing for the same ones (same dtypes and
         sizes, so the plan holds)."""
-        self.tensors = list(tensors)
+        self.tensors = [t.reshape(-1) for t in tensors] if self.kind in (LOCATED, CONCATENATED) else list(tensors)
 
     def reduce(self) -> list[torch.Tensor]:
-        """The tensors' values as they are now: 1-d chunks, :attr:`width` values in all."""
+        """The tensors' values as they are now: 1-d chunks of :attr:`widths` values."""
         if self.kind == FUSED:
             return [torch.stack(torch._foreach_norm(self.tensors, math.inf))]
+        if self.kind == CONCATENATED:
+            assert self._staging is not None
+            torch.cat(self.tensors, out=self._staging)
+            return [torch.stack(torch.aminmax(self._staging))]
         values: list[torch.Tensor] = []
+        if self.kind == EACH:
+            for t in self.tensors:
+                values.extend(torch.aminmax(t))
+            return [torch.stack(values)]
+        indices: list[torch.Tensor] = []
         for t in self.tensors:
-            values.extend(torch.aminmax(t))
-        return [torch.stack(values)]
+            low, low_at = torch.min(t, 0)
+            high, high_at = torch.max(t, 0)
+            values += (low, high)
+            indices += (low_at, high_at)
+        return [torch.stack(values), torch.stack(indices)]
+
+    def each_value(self) -> list[tuple[float, float, int]]:
+        """A ``CONCATENATED`` plan's tensors told apart: each one's least and greatest value as
+        the last :meth:`reduce` copied it, and the place of its first NaN (else its first Inf;
+        -1 where it is finite). Read on the host: for a list found non-finite only."""
+        assert self._staging is not None, "each_value() is for a concatenated plan"
+        pieces = torch.split(self._staging, [t.numel() for t in self.tensors])
+        found = torch.stack([value for piece in pieces for value in torch.aminmax(piece)])
+        host = found.double().tolist()
+        out: list[tuple[float, float, int]] = []
+        for i, piece in enumerate(pieces):
+            low, high = host[2 * i], host[2 * i + 1]
+            out.append((low, high, -1 if math.isfinite(low) and math.isfinite(high) else first_nonfinite(piece)))
+        return out
+
+
+def first_nonfinite(values: torch.Tensor) -> int:
+    """The place of the first NaN in 1-d ``values``, else of the first Inf (-1: none)."""
+    for bad in (torch.isnan(values), torch.isinf(values)):
+        places = bad.nonzero()
+        if places.numel():
+            return int(places[0, 0])
+    return -1

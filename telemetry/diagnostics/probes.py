@@ -13,6 +13,7 @@ What the checks mean (where a NaN/Inf began) is :mod:`.origin`'s. No OpenTelemet
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Container, Iterator, Sequence
@@ -22,13 +23,17 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import semconv
-from .probe_plans import ReductionPlan
+from .probe_plans import CONCATENATED, LOCATED, ReductionPlan
 
 # Which side of a step or a reduce a check was made on (Probe.when), and the model's own input.
 BEFORE = "before"
 AFTER = "after"
 INPUT = "input"
 CLIP = semconv.ORIGIN_WHERE_CLIP
+
+# How far a prepared list's tensors may be pooled (PreparedChecks' ``pooled``).
+POOL_WHERE = "where"
+POOL_LIST = "list"
 
 
 # The device types whose checks are bound by the host (each a launch): a list of tensors on one
@@ -116,33 +121,58 @@ class PreparedChecks:
     Args:
         stage: The probes' stage.
         items: ``(where, tensor, when, group)`` each; empty and non-floating tensors are left out.
+        segments: Per item, where it is a flat buffer holding several parameters: each one's first
+            element and name, in order. Such an item is reduced with the place of its least and
+            greatest elements (``LOCATED``), and a non-finite one reads as the probe of the
+            parameter holding it (named ``where`` when finite, or in no segment).
+        pooled: How far a tensor's values may be pooled with others' (``CONCATENATED``, for a
+            list of small tensors on a CPU): ``""`` not at all; ``POOL_WHERE``, with the tensors
+            of the same ``where`` (exact per place: a unit's reduced grads, whose zeros are read
+            unit by unit); ``POOL_LIST``, a finite tensor with the whole list (the main weights,
+            read only as finite or not). A pool holding a NaN/Inf is read tensor by tensor.
     """
 
-    def __init__(self, stage: str, items: Sequence[tuple[str, torch.Tensor, str, str]]) -> None:
+    def __init__(
+        self,
+        stage: str,
+        items: Sequence[tuple[str, torch.Tensor, str, str]],
+        segments: Sequence[Sequence[tuple[int, str]] | None] | None = None,
+        pooled: str = "",
+    ) -> None:
         self.stage = stage
         self.tensors: list[torch.Tensor] = []
         self._keys: list[tuple[str, str, str, str]] = []
         self._kept: list[int] = []  # the items checked, by index
+        self._segments: list[Sequence[tuple[int, str]] | None] = []
         for item_index, (where, tensor, when, group) in enumerate(items):
             data = _checkable(tensor)
             if data is not None:
                 self.tensors.append(data)
                 self._kept.append(item_index)
                 self._keys.append((where, dtype_name(tensor.dtype), when, group))
-        # The tensors of each dtype and device (and their places in :attr:`tensors`): reduced
-        # together, their values joining the log's values of that dtype ([Note: the values kept per dtype]).
-        parts: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+                self._segments.append(segments[item_index] if segments is not None else None)
+        # The tensors of each dtype, device and kind (and their places in :attr:`tensors`):
+        # reduced together, their values joining the log's values of that dtype
+        # ([Note: the values kept per dtype]).
+        if pooled not in ("", POOL_WHERE, POOL_LIST):
+            raise ValueError(f"pooled={pooled!r}: expected '', {POOL_WHERE!r} or {POOL_LIST!r}")
+        parts: dict[tuple[torch.dtype, torch.device, bool, str], list[int]] = {}
         for index, data in enumerate(self.tensors):
-            parts.setdefault((data.dtype, data.device), []).append(index)
+            pool = self._keys[index][0] if pooled == POOL_WHERE else ""
+            key = (data.dtype, data.device, self._segments[index] is not None, pool)
+            parts.setdefault(key, []).append(index)
         self.part_indices = list(parts.values())
         self.plans = [
-            ReductionPlan([self.tensors[i] for i in indices], FUSED_DEVICE_TYPES) for indices in self.part_indices
+            ReductionPlan([self.tensors[i] for i in indices], FUSED_DEVICE_TYPES, located, bool(pooled))
+            for (_, _, located, _), indices in parts.items()
         ]
-        # Per probe, in order: its part and its places in that part's values.
+        # Per probe, in order: its part and its places in that part's first chunk.
         self.places: list[tuple[int, int, int, bool]] = [(0, 0, 0, False)] * len(self.tensors)
+        self.parts_of: list[int] = [0] * len(self.tensors)
         for part, (indices, plan) in enumerate(zip(self.part_indices, self.plans, strict=True)):
             for index, (low, high, peak) in zip(indices, plan.places, strict=True):
                 self.places[index] = (part, low, high, peak)
+                self.parts_of[index] = part
         self.grads_at_step = any(_grads_at_step(stage, where) for where, _, _, _ in self._keys)
         self._probes: dict[int, list[Probe]] = {}
 
@@ -170,6 +200,15 @@ class PreparedChecks:
             self._probes[microbatch] = probes
         return probes
 
+    def located(self, index: int, probe: Probe, at: int) -> Probe:
+        """Probe ``index`` (a flat buffer found non-finite at its element ``at``) as the probe of
+        the parameter holding that element."""
+        segments = self._segments[index]
+        if not segments or at < 0:
+            return probe
+        place = bisect.bisect_right([start for start, _ in segments], at) - 1
+        return probe if place < 0 else probe._replace(where=segments[place][1])
+
 
 class _Values:
     """The values of one dtype and device in an iteration's log: single checks' 0-d results
@@ -193,10 +232,11 @@ class _Block:
 
     __slots__ = ("prepared", "probes", "starts")
 
-    def __init__(self, prepared: PreparedChecks, probes: list[Probe], starts: list[tuple[int, int]]) -> None:
+    def __init__(self, prepared: PreparedChecks, probes: list[Probe], starts: list[list[tuple[int, int]]]) -> None:
         self.prepared = prepared
         self.probes = probes
-        self.starts = starts  # per part: (values index, place of its first chunk among the chunks)
+        # Per part, per chunk: (values index, place of the chunk among that index's chunks).
+        self.starts = starts
 
 
 class ProbeLog:
@@ -261,12 +301,15 @@ class ProbeLog:
         """Add the checks of ``prepared``'s tensors as they are now (see :meth:`check_all`)."""
         if not prepared.tensors:
             return
-        starts: list[tuple[int, int]] = []
+        starts: list[list[tuple[int, int]]] = []
         for plan in prepared.plans:
-            index, values = self._values_for(plan.tensors[0])
-            starts.append((index, values.chunk_width))
-            values.chunks.extend(plan.reduce())
-            values.chunk_width += plan.width
+            part: list[tuple[int, int]] = []
+            for chunk in plan.reduce():
+                index, values = self._values_for(chunk)
+                part.append((index, values.chunk_width))
+                values.chunks.append(chunk)
+                values.chunk_width += chunk.numel()
+            starts.append(part)
         self._entries.append(_Block(prepared, prepared.probes(self.microbatch), starts))
         self._count += len(prepared.tensors)
         self.grads_at_step = self.grads_at_step or prepared.grads_at_step
@@ -304,13 +347,7 @@ class ProbeLog:
             if isinstance(entry, _Block):
                 if stages is not None and entry.prepared.stage not in stages:
                     continue
-                bases = [chunks_at[index] + start for index, start in entry.starts]
-                for probe, (part, low, high, peak) in zip(entry.probes, entry.prepared.places, strict=True):
-                    base = bases[part]
-                    if peak:
-                        checked.append(Checked(probe, -host[base + low], host[base + high]))
-                    else:
-                        checked.append(Checked(probe, host[base + low], host[base + high]))
+                checked.extend(_read_block(entry, host, chunks_at))
                 continue
             probe, index, place = entry
             if stages is not None and probe.stage not in stages:
@@ -318,6 +355,41 @@ class ProbeLog:
             at = scalars_at[index] + place
             checked.append(Checked(probe, host[at], host[at + 1]))
         return checked
+
+
+def _read_block(block: _Block, host: Sequence[float], chunks_at: list[int]) -> list[Checked]:
+    """A prepared list's checks, probe by probe (see :class:`~.probe_plans.ReductionPlan`'s kinds)."""
+    prepared = block.prepared
+    bases = [[chunks_at[index] + start for index, start in part] for part in block.starts]
+    # A concatenated part that held a NaN/Inf is read tensor by tensor from its staging buffer.
+    each: dict[int, list[tuple[float, float, int]]] = {}
+    for part, plan in enumerate(prepared.plans):
+        if plan.kind == CONCATENATED:
+            low, high = host[bases[part][0]], host[bases[part][0] + 1]
+            if not (math.isfinite(low) and math.isfinite(high)):
+                each[part] = plan.each_value()
+    seen: dict[int, int] = {}  # per concatenated part, its tensors read so far
+    checked: list[Checked] = []
+    for index, (probe, (part, low_place, high_place, peak)) in enumerate(
+        zip(block.probes, prepared.places, strict=True)
+    ):
+        base = bases[part][0]
+        at = -1
+        if part in each:
+            count = seen.get(part, 0)
+            seen[part] = count + 1
+            low, high, at = each[part][count]
+        elif peak:
+            low, high = -host[base + low_place], host[base + high_place]
+        else:
+            low, high = host[base + low_place], host[base + high_place]
+        if prepared.plans[part].kind == LOCATED and not (math.isfinite(low) and math.isfinite(high)):
+            # A NaN's place (both reductions give one), else the Inf's.
+            indices = bases[part][1]
+            nan_or_low = math.isnan(low) or (not math.isnan(high) and math.isinf(low))
+            at = int(host[indices + (low_place if nan_or_low else high_place)])
+        checked.append(Checked(prepared.located(index, probe, at) if at >= 0 else probe, low, high))
+    return checked
 
 
 def _grads_at_step(stage: str, where: str) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import semconv
 from ..diagnostics.origin import WIDE_REDUCE_DTYPES
-from ..diagnostics.probes import AFTER, BEFORE, PreparedChecks, ProbeLog
+from ..diagnostics.probes import AFTER, BEFORE, POOL_WHERE, PreparedChecks, ProbeLog
 
 __all__ = ["FSDP2ReduceChecks", "ReduceLog"]
 
@@ -55,8 +55,11 @@ class _ReducedGrads:
             self._prepared.retarget(grads)
             return self._prepared
         self._key = key
+        # Read unit by unit (a unit's grads all 0: zeroed_groups), so pooled per unit.
         self._prepared = PreparedChecks(
-            semconv.ORIGIN_REDUCE, [(where, grad, AFTER, "") for where, grad in zip(wheres, grads, strict=True)]
+            semconv.ORIGIN_REDUCE,
+            [(where, grad, AFTER, "") for where, grad in zip(wheres, grads, strict=True)],
+            pooled=POOL_WHERE,
         )
         return self._prepared
 

@@ -19,7 +19,7 @@ from fsdp_patch.module.model_units import group_prefix, user_name
 
 from .. import semconv
 from ..diagnostics.groups import main_tensors, weights_of
-from ..diagnostics.probes import AFTER, BEFORE, PreparedChecks
+from ..diagnostics.probes import AFTER, BEFORE, POOL_LIST, PreparedChecks
 from ..diagnostics.rows import ParamSlot
 
 __all__ = ["StepTensors", "group_name", "tensors_key"]
@@ -44,7 +44,8 @@ class StepTensors:
     Attributes:
         key: Each main weight's identity and address, group by group.
         mains: Each group's main weights as it holds them (their version counters tell writes).
-        before: Each parameter's main weight, checked before the update.
+        before: Each main weight, checked before the update: a parameter's own, or a flat buffer
+            of several, checked as one and read as the parameter of a non-finite element.
         after: Each group's main weights, checked after it.
         accumulation: Per group, its name and the dtype its grads sum microbatches in.
         after_versions: Per group, its main weights' versions after the last update checked
@@ -57,17 +58,24 @@ class StepTensors:
         self.key = key
         self.mains = [main_tensors(group) for group in groups]
         before: list[tuple[str, torch.Tensor, str, str]] = []
+        segments: list[list[tuple[int, str]] | None] = []
         after: list[tuple[str, torch.Tensor, str, str]] = []
         for index, group in enumerate(groups):
             mains = weights_of(group, None).mains
-            before.extend(
-                (slot.name, mains[slot.tensor][slot.start : slot.start + slot.length], BEFORE, names[index])
-                for slot in table
-                if slot.group == index
-            )
-            after.extend((names[index], main, AFTER, "") for main in mains)
-        self.before = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, before)
-        self.after = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, after)
+            for number, main in enumerate(mains):
+                held = [slot for slot in table if slot.group == index and slot.tensor == number]
+                if len(held) == 1 and held[0].start == 0 and held[0].length == main.numel():
+                    before.append((held[0].name, main, BEFORE, names[index]))
+                    segments.append(None)
+                else:
+                    # A flat buffer: one reduction, which still names the parameter of a
+                    # non-finite element (probe_plans' LOCATED).
+                    before.append((names[index], main, BEFORE, names[index]))
+                    segments.append(sorted((slot.start, slot.name) for slot in held))
+                after.append((names[index], main, AFTER, ""))
+        # What the origin reads of the main weights is whether they are finite.
+        self.before = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, before, segments, pooled=POOL_LIST)
+        self.after = PreparedChecks(semconv.ORIGIN_WEIGHT_WRITE, after, pooled=POOL_LIST)
         self.accumulation = [(names[index], _accumulation_dtype(group)) for index, group in enumerate(groups)]
         self.after_versions: list[list[int]] | None = None
 
