@@ -23,7 +23,7 @@ param group's learning rate rose ``LR_JUMP_FACTOR``-fold since the previous step
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -186,9 +186,12 @@ class IterationWatch:
         for watch in self.watches:
             watch.check_step_begin(grads, tensors.before)
 
-    def end_step(self, span: Span | None, completed: bool) -> None:
+    def end_step(
+        self, span: Span | None, completed: bool, note: Callable[[str, AttributeValue], None] | None = None
+    ) -> None:
         """At the end of the step: the main weights after the update; the iteration closed; its
-        operation audit read, and the next iteration's begun where it is due."""
+        operation audit read, and the next iteration's begun where it is due. ``note`` sets an
+        attribute of the step span (as the step ends), else ``span.set_attribute``."""
         self.audits.optimizer_step(False)
         self._next_audit(span)
         if not self.watches:
@@ -204,7 +207,7 @@ class IterationWatch:
                 self._name(finding, self._step, span)
         # A step that raised (a settings error on every rank, a rejected dtype) closes the
         # iteration on this rank alone: its peers may not have reached this point.
-        self._close(span, self._step, agree=completed)
+        self._close(span, self._step, agree=completed, note=note)
 
     def skipped(self, step: int, span: Span | None, rank: int) -> None:
         """A GradScaler skipped the iteration that step ``step`` would have ended."""
@@ -226,9 +229,17 @@ class IterationWatch:
         if self._observer.precision_due(following) or following <= self.escalated_until:
             self.float8.start()
 
-    def _close(self, span: Span | None, step: int, agree: bool = True) -> None:
+    def _close(
+        self,
+        span: Span | None,
+        step: int,
+        agree: bool = True,
+        note: Callable[[str, AttributeValue], None] | None = None,
+    ) -> None:
+        """Close the watches' iteration; its backward count onto ``span`` (through ``note``, where
+        given: the step's attributes are set on its span at once)."""
         if span is not None:
-            span.set_attribute(semconv.ATTR_BACKWARD_COUNT, sum(w.backward_count for w in self.watches))
+            (note or span.set_attribute)(semconv.ATTR_BACKWARD_COUNT, sum(w.backward_count for w in self.watches))
         for watch in self.watches:
             watch.close_iteration(agree)
         self._closed_step = step

@@ -213,7 +213,8 @@ class OptimizerObserver:
                     if self._tracer is not None:
                         emit_phases(self._tracer, scope)
                     self._end_casts(scope)
-                    self._iterations.end_step(span, completed)
+                    self._iterations.end_step(span, completed, scope.set_attribute)
+                    scope.end_attributes()
                 self._precision.audit_if_due(step_number, span)
         finally:
             self._scope = None

@@ -52,7 +52,7 @@ class StepScope:
         step_number: 1 for the optimizer's first step, then counting up.
     """
 
-    __slots__ = ("step_number", "_span", "cast_bytes", "casts", "phases")
+    __slots__ = ("step_number", "_span", "cast_bytes", "casts", "phases", "attributes")
 
     def __init__(self, step_number: int, span: Span | None) -> None:
         self.step_number = step_number
@@ -64,6 +64,8 @@ class StepScope:
         # The phases run so far whose spans are made as the step ends: (span name, start and
         # end in nanoseconds since the epoch, the exception it raised).
         self.phases: list[tuple[str, int, int, BaseException | None]] = []
+        # The attributes set on the step span during the step, set on it at once as it ends.
+        self.attributes: dict[str, AttributeValue] = {}
 
     @property
     def span(self) -> Span | None:
@@ -71,9 +73,16 @@ class StepScope:
         return self._span
 
     def set_attribute(self, key: str, value: AttributeValue) -> None:
-        """Set an attribute on the step span (no-op on ranks that do not trace)."""
+        """Set an attribute on the step span as it ends (no-op on ranks that do not trace): one
+        call into the span for all of a step's, where each costs a lock and a validation."""
         if self._span is not None:
-            self._span.set_attribute(key, value)
+            self.attributes[key] = value
+
+    def end_attributes(self) -> None:
+        """Set the attributes noted so far on the step span (as it ends, also when the step raised)."""
+        if self._span is not None and self.attributes:
+            self._span.set_attributes(self.attributes)
+            self.attributes = {}
 
 
 def emit_phases(tracer: trace.Tracer, scope: StepScope) -> None:

@@ -148,3 +148,33 @@ def test_step_numbers_count_per_observer(make_observer):
     assert [run_fake_step(first, []) for _ in range(3)] == [1, 2, 3]
     assert run_fake_step(second, []) == 1
     assert first.step_count == 3
+
+
+def test_a_steps_attributes_are_set_on_its_span_in_one_call(otel, make_observer):
+    """What the step learns as it runs (its plan's counts, the bytes cast) goes onto the step span
+    once, as it ends: each call into an SDK span takes its lock and validates its value."""
+    from opentelemetry.sdk.trace import Span as SdkSpan
+
+    observer = make_observer(precision_aware=True)
+    group = small_group()
+    run_fake_step(observer, [group], [group.main_weight], cast_bytes=64)  # providers ready, first step's extras done
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    single, many = SdkSpan.set_attribute, SdkSpan.set_attributes
+
+    def set_attribute(self, key, value):
+        calls.append((self.name, (key,)))
+        return single(self, key, value)
+
+    def set_attributes(self, attributes):
+        calls.append((self.name, tuple(attributes)))
+        return many(self, attributes)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SdkSpan, "set_attribute", set_attribute)
+        patch.setattr(SdkSpan, "set_attributes", set_attributes)
+        run_fake_step(observer, [group], [group.main_weight], cast_bytes=64)
+    on_step = [keys for name, keys in calls if name == semconv.SPAN_STEP]
+    want = {semconv.ATTR_PARAMS_COUNT, semconv.ATTR_GROUPS_COUNT, semconv.ATTR_CAST_BYTES}
+    assert len(on_step) == 1 and want <= set(on_step[0]), (
+        f"want one call setting {sorted(want)} on the step span, got {on_step}"
+    )
