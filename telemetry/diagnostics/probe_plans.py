@@ -63,6 +63,10 @@ LOCATED = "located"
 CPU_SMALL_NUMEL = 4096
 CPU_STAGING_NUMEL = 1 << 24
 
+# A tensor as the 1-d view one reduction along it reads (FSDP2 retargets a list every iteration:
+# a C-level map, no Python frame per tensor).
+_FLAT = torch.Tensor.ravel
+
 
 class ReductionPlan:
     """How ``tensors`` (one dtype, one device; plain tensors, none empty) are reduced at each step.
@@ -98,13 +102,13 @@ class ReductionPlan:
         self._staging: torch.Tensor | None = None
         if concatenate and small and count > 1:
             self.kind = CONCATENATED
-            self.tensors = [t.reshape(-1) for t in self.tensors]
+            self.tensors = list(map(_FLAT, self.tensors))
             self._staging = torch.empty(total, dtype=self.tensors[0].dtype, device=device)
             self.places = [(0, 1, False)] * count
             self.widths = [2]
         elif located:
             self.kind = LOCATED
-            self.tensors = [t.reshape(-1) for t in self.tensors]
+            self.tensors = list(map(_FLAT, self.tensors))
             self.places = [(2 * i, 2 * i + 1, False) for i in range(count)]
             self.widths = [2 * count, 2 * count]
         elif device.type in fused_device_types:
@@ -119,7 +123,7 @@ class ReductionPlan:
     def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
         """Reduce ``tensors`` from now on: new tensors standing for the same ones (same dtypes and
         sizes, so the plan holds)."""
-        self.tensors = [t.reshape(-1) for t in tensors] if self.kind in (LOCATED, CONCATENATED) else list(tensors)
+        self.tensors = list(map(_FLAT, tensors)) if self.kind in (LOCATED, CONCATENATED) else list(tensors)
 
     def reduce(self) -> list[torch.Tensor]:
         """The tensors' values as they are now: 1-d chunks of :attr:`widths` values."""

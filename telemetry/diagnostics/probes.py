@@ -168,11 +168,12 @@ class PreparedChecks:
         ]
         # Per probe, in order: its part and its places in that part's first chunk.
         self.places: list[tuple[int, int, int, bool]] = [(0, 0, 0, False)] * len(self.tensors)
-        self.parts_of: list[int] = [0] * len(self.tensors)
+        # Per probe, its place among its part's tensors (a concatenated part told apart reads there).
+        self.member: list[int] = [0] * len(self.tensors)
         for part, (indices, plan) in enumerate(zip(self.part_indices, self.plans, strict=True)):
-            for index, (low, high, peak) in zip(indices, plan.places, strict=True):
+            for member, (index, (low, high, peak)) in enumerate(zip(indices, plan.places, strict=True)):
                 self.places[index] = (part, low, high, peak)
-                self.parts_of[index] = part
+                self.member[index] = member
         self.grads_at_step = any(_grads_at_step(stage, where) for where, _, _, _ in self._keys)
         self._probes: dict[int, list[Probe]] = {}
 
@@ -304,11 +305,11 @@ class ProbeLog:
         starts: list[list[tuple[int, int]]] = []
         for plan in prepared.plans:
             part: list[tuple[int, int]] = []
-            for chunk in plan.reduce():
+            for chunk, width in zip(plan.reduce(), plan.widths, strict=True):
                 index, values = self._values_for(chunk)
                 part.append((index, values.chunk_width))
                 values.chunks.append(chunk)
-                values.chunk_width += chunk.numel()
+                values.chunk_width += width
             starts.append(part)
         self._entries.append(_Block(prepared, prepared.probes(self.microbatch), starts))
         self._count += len(prepared.tensors)
@@ -368,7 +369,6 @@ def _read_block(block: _Block, host: Sequence[float], chunks_at: list[int]) -> l
             low, high = host[bases[part][0]], host[bases[part][0] + 1]
             if not (math.isfinite(low) and math.isfinite(high)):
                 each[part] = plan.each_value()
-    seen: dict[int, int] = {}  # per concatenated part, its tensors read so far
     checked: list[Checked] = []
     for index, (probe, (part, low_place, high_place, peak)) in enumerate(
         zip(block.probes, prepared.places, strict=True)
@@ -376,9 +376,7 @@ def _read_block(block: _Block, host: Sequence[float], chunks_at: list[int]) -> l
         base = bases[part][0]
         at = -1
         if part in each:
-            count = seen.get(part, 0)
-            seen[part] = count + 1
-            low, high, at = each[part][count]
+            low, high, at = each[part][prepared.member[index]]
         elif peak:
             low, high = -host[base + low_place], host[base + high_place]
         else:

@@ -60,10 +60,13 @@ class StepTensors:
         before: list[tuple[str, torch.Tensor, str, str]] = []
         segments: list[list[tuple[int, str]] | None] = []
         after: list[tuple[str, torch.Tensor, str, str]] = []
+        slots: dict[tuple[int, int], list[ParamSlot]] = {}
+        for slot in table:
+            slots.setdefault((slot.group, slot.tensor), []).append(slot)
         for index, group in enumerate(groups):
             mains = weights_of(group, None).mains
             for number, main in enumerate(mains):
-                held = [slot for slot in table if slot.group == index and slot.tensor == number]
+                held = slots.get((index, number), [])
                 if len(held) == 1 and held[0].start == 0 and held[0].length == main.numel():
                     before.append((held[0].name, main, BEFORE, names[index]))
                     segments.append(None)
