@@ -58,7 +58,7 @@ import torch.distributed as dist
 from fsdp_patch.app.demo.data import synthetic_batches
 from fsdp_patch.app.demo.launch import run_ranks
 from fsdp_patch.app.demo.model import GPT, GPTConfig, lm_loss
-from fsdp_patch.telemetry.diagnostics import probes
+from fsdp_patch.telemetry.diagnostics import prepared_checks
 from fsdp_patch.telemetry.diagnostics.probes import ProbeLog
 from fsdp_patch.telemetry.instrumentation.fsdp2_reduce_checks import FSDP2ReduceChecks
 from fsdp_patch.telemetry.instrumentation.iterations import IterationWatch
@@ -273,7 +273,7 @@ def _own_share(kind: str, config: GPTConfig, steps: int, warmup: int) -> dict[st
 @contextlib.contextmanager
 def _fused_on_cpu() -> Iterator[None]:
     """Lists of CPU tensors checked by the fused reduction, as on a GPU (``--host-bound``)."""
-    with mock.patch.object(probes, "FUSED_DEVICE_TYPES", probes.FUSED_DEVICE_TYPES | {"cpu"}):
+    with mock.patch.object(prepared_checks, "FUSED_DEVICE_TYPES", prepared_checks.FUSED_DEVICE_TYPES | {"cpu"}):
         yield
 
 

@@ -12,7 +12,9 @@ weights) and decides once how to reduce them:
   unit's reduced grads), copied by one ``torch.cat`` into a staging buffer the plan keeps and
   reduced by one ``torch.aminmax``: the pool's least and greatest value. Only where that is not
   finite are the tensors told apart, on the host, from the staging buffer, which still holds them
-  as they were checked (:meth:`ReductionPlan.each_value`);
+  as they were checked (:meth:`ReductionPlan.each_value`): each reduce copies into a buffer of its
+  own, held by the log that keeps its values until that log is read, and given back to the plan
+  for a later reduce only once it was read finite ([Note: a staging buffer per reduce]);
 - ``EACH``: one ``torch.aminmax`` per tensor (on a CPU, a list not pooled or of large tensors:
   there ``_foreach_norm(inf)`` costs as much per tensor and is about ten times slower per element);
 - ``LOCATED``: a flat buffer holding several parameters (where it is not concatenated: there the
@@ -34,6 +36,16 @@ list of tensors on one CUDA device is therefore checked by one ``_foreach_norm``
 that call costs about 1.5 us per tensor (an output allocated for each) and is about ten times
 slower per element than ``aminmax``, which costs about 2 us a call; a ``torch.cat`` into a kept
 buffer costs 0.2 us per tensor of 256 elements and 1.8 us at 4096, and one ``aminmax`` reads them all.
+
+[Note: a staging buffer per reduce]
+A log is read an iteration after its checks ran, and by then the same list has been checked again
+(the next iteration's weights, FSDP2's reduced grads of the next backward, or of the next
+microbatch in the same iteration). A staging buffer kept by the plan and copied into at every
+reduce would then hold the later values, and a list found non-finite would be told apart from
+values that are not the ones checked. So every reduce takes a buffer of its own
+(:attr:`ReductionPlan.staged`), a spare one given back where there is one: the log holding it
+gives it back (:meth:`ReductionPlan.give_back`) once it was read and found finite, when nothing
+will read it again; a buffer of a log found non-finite goes with that log.
 
 Alternatives considered:
     - ``torch.segment_reduce`` over a flat buffer (a value per parameter): on a CPU it costs as
@@ -63,6 +75,10 @@ LOCATED = "located"
 CPU_SMALL_NUMEL = 4096
 CPU_STAGING_NUMEL = 1 << 24
 
+# Staging buffers a plan keeps for its next reduces: one per log in flight (the running
+# iteration's, the one read next) and a microbatch's more.
+_SPARE_BUFFERS = 4
+
 # A tensor as the 1-d view one reduction along it reads (FSDP2 retargets a list every iteration:
 # a C-level map, no Python frame per tensor).
 _FLAT = torch.Tensor.ravel
@@ -85,6 +101,8 @@ class ReductionPlan:
             the first chunk; ``peak`` where both are its largest magnitude (its least value is
             then minus it). A ``CONCATENATED`` plan's tensors all share the list's two places.
         widths: The number of values in each chunk :meth:`reduce` makes.
+        staged: A ``CONCATENATED`` plan's staging buffer of the last :meth:`reduce` (the values
+            as checked; read by :meth:`each_value`), else ``None``.
     """
 
     def __init__(
@@ -99,11 +117,12 @@ class ReductionPlan:
         count = len(self.tensors)
         total = sum(t.numel() for t in self.tensors)
         small = device.type == "cpu" and total <= min(CPU_SMALL_NUMEL * count, CPU_STAGING_NUMEL)
-        self._staging: torch.Tensor | None = None
+        self.staged: torch.Tensor | None = None
+        self._numel = total
+        self._spare: list[torch.Tensor] = []  # staging buffers read finite, for the next reduces
         if concatenate and small and count > 1:
             self.kind = CONCATENATED
             self.tensors = list(map(_FLAT, self.tensors))
-            self._staging = torch.empty(total, dtype=self.tensors[0].dtype, device=device)
             self.places = [(0, 1, False)] * count
             self.widths = [2]
         elif located:
@@ -130,9 +149,12 @@ class ReductionPlan:
         if self.kind == FUSED:
             return [torch.stack(torch._foreach_norm(self.tensors, math.inf))]
         if self.kind == CONCATENATED:
-            assert self._staging is not None
-            torch.cat(self.tensors, out=self._staging)
-            return [torch.stack(torch.aminmax(self._staging))]
+            # A buffer of this reduce's own ([Note: a staging buffer per reduce]).
+            staging = self._spare.pop() if self._spare else None
+            if staging is None:
+                staging = torch.empty(self._numel, dtype=self.tensors[0].dtype, device=self.tensors[0].device)
+            self.staged = torch.cat(self.tensors, out=staging)
+            return [torch.stack(torch.aminmax(staging))]
         values: list[torch.Tensor] = []
         if self.kind == EACH:
             for t in self.tensors:
@@ -146,12 +168,19 @@ class ReductionPlan:
             indices += (low_at, high_at)
         return [torch.stack(values), torch.stack(indices)]
 
-    def each_value(self) -> list[tuple[float, float, int]]:
+    def give_back(self, staging: torch.Tensor) -> None:
+        """``staging`` (a buffer :attr:`staged` once held) was read and will not be again: a later
+        :meth:`reduce` may copy into it."""
+        if self.kind == CONCATENATED and len(self._spare) < _SPARE_BUFFERS:
+            self._spare.append(staging)
+
+    def each_value(self, staging: torch.Tensor) -> list[tuple[float, float, int]]:
         """A ``CONCATENATED`` plan's tensors told apart: each one's least and greatest value as
-        the last :meth:`reduce` copied it, and the place of its first NaN (else its first Inf;
-        -1 where it is finite). Read on the host: for a list found non-finite only."""
-        assert self._staging is not None, "each_value() is for a concatenated plan"
-        pieces = torch.split(self._staging, [t.numel() for t in self.tensors])
+        the reduce that filled ``staging`` (its :attr:`staged`) copied it, and the place of its
+        first NaN (else its first Inf; -1 where it is finite). Read on the host: for a list found
+        non-finite only."""
+        assert self.kind == CONCATENATED, "each_value() is for a concatenated plan"
+        pieces = torch.split(staging, [t.numel() for t in self.tensors])
         found = torch.stack([value for piece in pieces for value in torch.aminmax(piece)])
         host = found.double().tolist()
         out: list[tuple[float, float, int]] = []

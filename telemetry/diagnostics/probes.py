@@ -6,61 +6,37 @@ for a list of tensors, what its :class:`~.probe_plans.ReductionPlan` makes of th
 (one reduction per flat buffer, or one fused reduction per list). Nothing is read on the host
 until the iteration's log is stacked and read after the optimizer step, as :class:`Checked`
 values, one per :class:`Probe` (what was checked: its stage, where, dtype and microbatch).
-:class:`PreparedChecks` plans a list checked at every step, and makes its probes, once.
+:class:`~.prepared_checks.PreparedChecks` plans a list checked at every step, and makes its probes,
+once; :meth:`ProbeLog.hold` keeps a check for a batch made later (:mod:`.held_checks`).
 
 What the checks mean (where a NaN/Inf began) is :mod:`.origin`'s. No OpenTelemetry here.
 """
 
 from __future__ import annotations
 
-import bisect
-import functools
 import math
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .. import semconv
-from .probe_plans import CONCATENATED, LOCATED, ReductionPlan
-
-# Which side of a step or a reduce a check was made on (Probe.when), and the model's own input.
-BEFORE = "before"
-AFTER = "after"
-INPUT = "input"
-CLIP = semconv.ORIGIN_WHERE_CLIP
-
-# How far a prepared list's tensors may be pooled (PreparedChecks' ``pooled``).
-POOL_WHERE = "where"
-POOL_LIST = "list"
-
-
-# The device types whose checks are bound by the host (each a launch): a list of tensors on one
-# such device is always checked by one fused reduction ([Note: one fused reduction per list on a GPU]).
-FUSED_DEVICE_TYPES = frozenset({"cuda"})
-
-
-class Probe(NamedTuple):
-    """One checked tensor (a named tuple: a step makes hundreds).
-
-    Attributes:
-        stage: One of :data:`semconv.ORIGIN_STAGES`; within ``weight``, :attr:`when` tells the
-            weights before the update (``before``) from those after it (``after``).
-        where: The module, parameter or group it belongs to (a fully qualified name).
-        dtype: The checked tensor's dtype (``bfloat16``).
-        when: ``before``/``after`` (weights, reduce), ``input``/``output`` (escalated module
-            probes), else ``""``.
-        microbatch: The backward pass of the iteration it came from (0 before the first one).
-        group: For a parameter's check, the group it belongs to (named as group checks are).
-    """
-
-    stage: str
-    where: str
-    dtype: str
-    when: str = ""
-    microbatch: int = 0
-    group: str = ""
+from .held_checks import HeldBlock, HeldPlans
+from .prepared_checks import (  # noqa: F401 - the names a log's callers make their checks with
+    AFTER,
+    BEFORE,
+    CLIP,
+    INPUT,
+    POOL_LIST,
+    POOL_WHERE,
+    PreparedChecks,
+    Probe,
+    checkable,
+    dtype_name,
+    grads_at_step,
+)
+from .probe_plans import CONCATENATED, LOCATED
 
 
 @dataclass(frozen=True)
@@ -83,11 +59,6 @@ class Checked:
     def magnitude(self) -> float:
         """The largest absolute value (meaningful when :attr:`finite`)."""
         return max(abs(self.low), abs(self.high))
-
-
-@functools.cache
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def floating_tensors(value: Any, limit: int = 64) -> Iterator[torch.Tensor]:
@@ -113,104 +84,6 @@ def floating_tensors(value: Any, limit: int = 64) -> Iterator[torch.Tensor]:
             stack.extend(reversed([getattr(item, name, None) for name in item.__dataclass_fields__]))
 
 
-class PreparedChecks:
-    """A list of tensors checked together at every step (each parameter's main weight, a group's
-    main weights): the data it reads, how it is reduced (:class:`~.probe_plans.ReductionPlan`, one
-    per dtype and device) and its probes made once, for as long as those tensors last.
-
-    Args:
-        stage: The probes' stage.
-        items: ``(where, tensor, when, group)`` each; empty and non-floating tensors are left out.
-        segments: Per item, where it is a flat buffer holding several parameters: each one's first
-            element and name, in order. Such an item is reduced with the place of its least and
-            greatest elements (``LOCATED``), and a non-finite one reads as the probe of the
-            parameter holding it (named ``where`` when finite, or in no segment).
-        pooled: How far a tensor's values may be pooled with others' (``CONCATENATED``, for a
-            list of small tensors on a CPU): ``""`` not at all; ``POOL_WHERE``, with the tensors
-            of the same ``where`` (exact per place: a unit's reduced grads, whose zeros are read
-            unit by unit); ``POOL_LIST``, a finite tensor with the whole list (the main weights,
-            read only as finite or not). A pool holding a NaN/Inf is read tensor by tensor.
-    """
-
-    def __init__(
-        self,
-        stage: str,
-        items: Sequence[tuple[str, torch.Tensor, str, str]],
-        segments: Sequence[Sequence[tuple[int, str]] | None] | None = None,
-        pooled: str = "",
-    ) -> None:
-        self.stage = stage
-        self.tensors: list[torch.Tensor] = []
-        self._keys: list[tuple[str, str, str, str]] = []
-        self._kept: list[int] = []  # the items checked, by index
-        self._segments: list[Sequence[tuple[int, str]] | None] = []
-        for item_index, (where, tensor, when, group) in enumerate(items):
-            data = _checkable(tensor)
-            if data is not None:
-                self.tensors.append(data)
-                self._kept.append(item_index)
-                self._keys.append((where, dtype_name(tensor.dtype), when, group))
-                self._segments.append(segments[item_index] if segments is not None else None)
-        # The tensors of each dtype, device and kind (and their places in :attr:`tensors`):
-        # reduced together, their values joining the log's values of that dtype
-        # ([Note: the values kept per dtype]).
-        if pooled not in ("", POOL_WHERE, POOL_LIST):
-            raise ValueError(f"pooled={pooled!r}: expected '', {POOL_WHERE!r} or {POOL_LIST!r}")
-        parts: dict[tuple[torch.dtype, torch.device, bool, str], list[int]] = {}
-        for index, data in enumerate(self.tensors):
-            pool = self._keys[index][0] if pooled == POOL_WHERE else ""
-            key = (data.dtype, data.device, self._segments[index] is not None, pool)
-            parts.setdefault(key, []).append(index)
-        self.part_indices = list(parts.values())
-        self.plans = [
-            ReductionPlan([self.tensors[i] for i in indices], FUSED_DEVICE_TYPES, located, bool(pooled))
-            for (_, _, located, _), indices in parts.items()
-        ]
-        # Per probe, in order: its part and its places in that part's first chunk.
-        self.places: list[tuple[int, int, int, bool]] = [(0, 0, 0, False)] * len(self.tensors)
-        # Per probe, its place among its part's tensors (a concatenated part told apart reads there).
-        self.member: list[int] = [0] * len(self.tensors)
-        for part, (indices, plan) in enumerate(zip(self.part_indices, self.plans, strict=True)):
-            for member, (index, (low, high, peak)) in enumerate(zip(indices, plan.places, strict=True)):
-                self.places[index] = (part, low, high, peak)
-                self.member[index] = member
-        self.grads_at_step = any(_grads_at_step(stage, where) for where, _, _, _ in self._keys)
-        self._probes: dict[int, list[Probe]] = {}
-
-    @property
-    def parts(self) -> list[list[torch.Tensor]]:
-        """The tensors of each dtype and device."""
-        return [plan.tensors for plan in self.plans]
-
-    def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Check ``tensors`` from now on: new tensors standing for the same items (the same
-        places, dtypes and sizes: the caller knows), each a plain tensor as :attr:`tensors` holds."""
-        self.tensors = [tensors[i] for i in self._kept]
-        for indices, plan in zip(self.part_indices, self.plans, strict=True):
-            plan.retarget([self.tensors[i] for i in indices])
-
-    def probes(self, microbatch: int) -> list[Probe]:
-        """The probes of a check made after ``microbatch`` backward passes."""
-        probes = self._probes.get(microbatch)
-        if probes is None:
-            if len(self._probes) >= 8:  # a count of backward passes per step that keeps changing
-                self._probes.clear()
-            probes = [
-                Probe(self.stage, where, dtype, when, microbatch, group) for where, dtype, when, group in self._keys
-            ]
-            self._probes[microbatch] = probes
-        return probes
-
-    def located(self, index: int, probe: Probe, at: int) -> Probe:
-        """Probe ``index`` (a flat buffer found non-finite at its element ``at``) as the probe of
-        the parameter holding that element."""
-        segments = self._segments[index]
-        if not segments or at < 0:
-            return probe
-        place = bisect.bisect_right([start for start, _ in segments], at) - 1
-        return probe if place < 0 else probe._replace(where=segments[place][1])
-
-
 class _Values:
     """The values of one dtype and device in an iteration's log: single checks' 0-d results
     (stacked at the end) and lists' 1-d chunks, after them."""
@@ -231,13 +104,21 @@ class _Values:
 class _Block:
     """A prepared list's checks in a log: its probes, and where each part's chunks begin."""
 
-    __slots__ = ("prepared", "probes", "starts")
+    __slots__ = ("prepared", "probes", "starts", "stagings")
 
-    def __init__(self, prepared: PreparedChecks, probes: list[Probe], starts: list[list[tuple[int, int]]]) -> None:
+    def __init__(
+        self,
+        prepared: PreparedChecks,
+        probes: list[Probe],
+        starts: list[list[tuple[int, int]]],
+        stagings: list[torch.Tensor | None],
+    ) -> None:
         self.prepared = prepared
         self.probes = probes
         # Per part, per chunk: (values index, place of the chunk among that index's chunks).
         self.starts = starts
+        # Per part, a concatenated part's staging buffer of this check (what it is told apart from).
+        self.stagings = stagings
 
 
 class ProbeLog:
@@ -256,10 +137,14 @@ class ProbeLog:
     probe knows its values and place.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, held_plans: HeldPlans | None = None) -> None:
         # In the order checked: a single check's (probe, values index, place among the scalars),
-        # or a prepared list's block.
-        self._entries: list[tuple[Probe, int, int] | _Block] = []
+        # a prepared list's block, or a block of held checks (a prepared list's once flushed).
+        self._entries: list[tuple[Probe, int, int] | _Block | HeldBlock] = []
+        self._held: HeldBlock | None = None  # the block a hold joins (closed by any other check)
+        self._unflushed: list[int] = []  # the entries that are held blocks
+        # Kept by the owner across its iterations' logs: a repeated forward plans its batch once.
+        self.held_plans = held_plans if held_plans is not None else HeldPlans(_prepared_as_held)
         self._count = 0
         self._values: list[_Values] = []  # one per (dtype, device)
         self._values_of: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -278,11 +163,44 @@ class ProbeLog:
             self._values.append(_Values())
         return index, self._values[index]
 
-    def check(self, stage: str, where: str, tensor: torch.Tensor, when: str = "", group: str = "") -> None:
-        """Add ``tensor``'s check; tensors that are empty or not floating point are skipped."""
-        data = _checkable(tensor)
+    def hold(self, stage: str, where: str, tensor: torch.Tensor, when: str = "") -> None:
+        """Add ``tensor``'s check, made later with the others held by :meth:`flush`, in this
+        place among the checks (:mod:`.held_checks`); skipped as :meth:`check` skips."""
+        data = checkable(tensor)
         if data is None:
             return
+        block = self._held
+        if block is None or block.stage != stage or block.microbatch != self.microbatch:
+            block = self._held = HeldBlock(stage, self.microbatch)
+            self._unflushed.append(len(self._entries))
+            self._entries.append(block)
+        block.hold(where, data, when)
+
+    def flush(self) -> list[str]:
+        """Check every held tensor now, in one reduction per batch; returns the places of those
+        written in place since they were held, which are not checked (see :mod:`.held_checks`)."""
+        written: list[str] = []
+        self._held = None
+        for at in self._unflushed:
+            block = self._entries[at]
+            assert isinstance(block, HeldBlock)
+            items, moved = block.current()
+            written += moved
+            if items:
+                prepared = self.held_plans.prepared(block.stage, items)
+                self._entries[at] = self._reduced(prepared, block.microbatch)
+                self._count += len(prepared.tensors)
+            else:
+                self._entries[at] = _Block(PreparedChecks(block.stage, []), [], [], [])
+        self._unflushed = []
+        return written
+
+    def check(self, stage: str, where: str, tensor: torch.Tensor, when: str = "", group: str = "") -> None:
+        """Add ``tensor``'s check; tensors that are empty or not floating point are skipped."""
+        data = checkable(tensor)
+        if data is None:
+            return
+        self._held = None
         index, values = self._values_for(data)
         scalars = values.scalars
         self._entries.append(
@@ -291,7 +209,7 @@ class ProbeLog:
         scalars.extend(torch.aminmax(data))
         self._count += 1
         if stage == semconv.ORIGIN_GRAD_WRITE:
-            self.grads_at_step = self.grads_at_step or _grads_at_step(stage, where)
+            self.grads_at_step = self.grads_at_step or grads_at_step(stage, where)
 
     def check_all(self, stage: str, items: Sequence[tuple[str, torch.Tensor, str, str]]) -> None:
         """Add the checks of ``(where, tensor, when, group)`` each, in order, as :meth:`check`
@@ -302,7 +220,15 @@ class ProbeLog:
         """Add the checks of ``prepared``'s tensors as they are now (see :meth:`check_all`)."""
         if not prepared.tensors:
             return
+        self._held = None
+        self._entries.append(self._reduced(prepared, self.microbatch))
+        self._count += len(prepared.tensors)
+        self.grads_at_step = self.grads_at_step or prepared.grads_at_step
+
+    def _reduced(self, prepared: PreparedChecks, microbatch: int) -> _Block:
+        """``prepared``'s tensors reduced now, their values joining the log's."""
         starts: list[list[tuple[int, int]]] = []
+        stagings: list[torch.Tensor | None] = []
         for plan in prepared.plans:
             part: list[tuple[int, int]] = []
             for chunk, width in zip(plan.reduce(), plan.widths, strict=True):
@@ -311,14 +237,15 @@ class ProbeLog:
                 values.chunks.append(chunk)
                 values.chunk_width += width
             starts.append(part)
-        self._entries.append(_Block(prepared, prepared.probes(self.microbatch), starts))
-        self._count += len(prepared.tensors)
-        self.grads_at_step = self.grads_at_step or prepared.grads_at_step
+            stagings.append(plan.staged if plan.kind == CONCATENATED else None)
+        return _Block(prepared, prepared.probes(microbatch), starts, stagings)
 
     def stacked(self) -> torch.Tensor | None:
         """Every check's values as one 1-d float64 tensor on the first check's device (``None``
         when nothing was checked): joined per dtype ([Note: the values kept per dtype]); copies
-        nothing to the host unless checks ran on several devices."""
+        nothing to the host unless checks ran on several devices. Held checks are flushed first."""
+        if self._unflushed:
+            self.flush()
         if not self._values:
             return None
         parts = [values.joined() for values in self._values]
@@ -326,6 +253,16 @@ class ProbeLog:
         if len(parts) == 1:
             return parts[0].to(dtype=torch.float64)
         return torch.cat([part.to(device=device, dtype=torch.float64) for part in parts])
+
+    def release(self) -> None:
+        """This log was read and found finite: nothing will tell its lists apart, so their staging
+        buffers go back to their plans ([Note: a staging buffer per reduce])."""
+        for entry in self._entries:
+            if isinstance(entry, _Block):
+                for plan, staging in zip(entry.prepared.plans, entry.stagings, strict=True):
+                    if staging is not None:
+                        plan.give_back(staging)
+                entry.stagings = [None] * len(entry.stagings)
 
     def read(
         self, stacked: torch.Tensor | Sequence[float] | None, stages: Container[str] | None = None
@@ -345,6 +282,8 @@ class ProbeLog:
             offset += len(values.scalars) + values.chunk_width
         checked: list[Checked] = []
         for entry in self._entries:
+            if isinstance(entry, HeldBlock):
+                continue  # held after the values were stacked: no part of them
             if isinstance(entry, _Block):
                 if stages is not None and entry.prepared.stage not in stages:
                     continue
@@ -367,8 +306,9 @@ def _read_block(block: _Block, host: Sequence[float], chunks_at: list[int]) -> l
     for part, plan in enumerate(prepared.plans):
         if plan.kind == CONCATENATED:
             low, high = host[bases[part][0]], host[bases[part][0] + 1]
-            if not (math.isfinite(low) and math.isfinite(high)):
-                each[part] = plan.each_value()
+            staging = block.stagings[part]
+            if not (math.isfinite(low) and math.isfinite(high)) and staging is not None:
+                each[part] = plan.each_value(staging)
     checked: list[Checked] = []
     for index, (probe, (part, low_place, high_place, peak)) in enumerate(
         zip(block.probes, prepared.places, strict=True)
@@ -390,17 +330,6 @@ def _read_block(block: _Block, host: Sequence[float], chunks_at: list[int]) -> l
     return checked
 
 
-def _grads_at_step(stage: str, where: str) -> bool:
-    """Whether a probe checks main grads at the step (a clip's total norm does not)."""
-    return stage == semconv.ORIGIN_GRAD_WRITE and where != CLIP
-
-
-def _checkable(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The data a check reads (a DTensor's local shard, detached where it records autograd), or
-    ``None`` for nothing to check."""
-    if not tensor.is_floating_point():
-        return None
-    data: torch.Tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor: this rank's shard
-    if data.numel() == 0:
-        return None
-    return data.detach() if data.requires_grad else data
+def _prepared_as_held(stage: str, items: list[tuple[str, torch.Tensor, str, str]]) -> PreparedChecks:
+    """A batch of held checks as a prepared list: each tensor read as its own (not pooled)."""
+    return PreparedChecks(stage, items)

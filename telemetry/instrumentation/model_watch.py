@@ -147,6 +147,10 @@ class ModelWatch:
         self._handles: list[Any] = []
         self._fsdp2 = FSDP2ReduceChecks(self)
         self._grad_versions: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # Units whose output was written in place after its hook (see [Note: a forward's checks
+        # held until its backward]).
+        self._checked_at_once: set[str] = set()
+        self._in_backward = False
         self._handles.append(model.root.register_forward_pre_hook(self._model_input))
         units: list[tuple[str, nn.Module]] = []
         self._output_grad_hooks: dict[str, Callable[[torch.Tensor], None]] = {}
@@ -171,18 +175,32 @@ class ModelWatch:
 
     # -- what the model runs ----------------------------------------------------------------
 
+    # [Note: a forward's checks held until its backward]
+    # The model's input and each unit's output are held (ProbeLog.hold) and checked together as
+    # the backward begins (before the loss), or at the next forward or the step where no backward
+    # came: autograd keeps those tensors until then anyway (held_checks). A unit whose output was
+    # written in place after its hook saw it is checked at once from then on.
+
     def _model_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled():
+            self._flush()  # a forward that no backward followed
             for t in floating_tensors(args):
-                self.log.check(semconv.ORIGIN_FORWARD, "", t, INPUT)
+                self.log.hold(semconv.ORIGIN_FORWARD, "", t, INPUT)
 
     def _unit_output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation between steps is no part of the iteration the step ends
+        # A forward recomputed inside a backward (activation checkpointing) is checked at once:
+        # held, its outputs would outlive the recomputation.
+        check = self.log.check if self._in_backward or name in self._checked_at_once else self.log.hold
         for t in floating_tensors(output):
-            self.log.check(semconv.ORIGIN_FORWARD, name, t)
+            check(semconv.ORIGIN_FORWARD, name, t)
             if t.requires_grad:
                 t.register_hook(self._output_grad_hooks[name])
+
+    def _flush(self) -> None:
+        """The held checks made now (see [Note: a forward's checks held until its backward])."""
+        self._checked_at_once.update(self.log.flush())
 
     def _unit_output_grad(self, name: str, grad: torch.Tensor) -> None:
         self.log.check(semconv.ORIGIN_BACKWARD, name, grad)
@@ -195,7 +213,10 @@ class ModelWatch:
         self.log.check(semconv.ORIGIN_REDUCE, name, grads, when)
 
     def before_backward(self, tensors: Any) -> None:
-        """``torch.autograd.backward(tensors)`` is about to run: the loss, checked."""
+        """``torch.autograd.backward(tensors)`` is about to run: the forward's held checks made,
+        then the loss checked."""
+        self._flush()
+        self._in_backward = True
         for t in floating_tensors(tensors):
             self.log.check(semconv.ORIGIN_LOSS, "loss", t)
             if not self._loss_checked:
@@ -204,6 +225,7 @@ class ModelWatch:
 
     def after_backward(self) -> None:
         """A backward pass ended (also by an exception): what follows belongs to the next microbatch."""
+        self._in_backward = False
         self.backward_count += 1
         self.log.microbatch += 1
         for listener in self.backward_listeners:
@@ -221,6 +243,7 @@ class ModelWatch:
                 step's update, so the parameter written is known only now). Checked every step:
                 writes through ``.data`` (a load, an EMA, a manual edit) move no version counter.
         """
+        self._flush()
         changed = [(name, grad, "", "") for name, grad in grads if not self._unchanged_grad(grad)]
         if changed:
             self.log.check_all(semconv.ORIGIN_GRAD_WRITE, changed)
@@ -271,7 +294,8 @@ class ModelWatch:
         if self.modules is not None:
             refined = [o for o in self.modules.reset() if o is not None]
         count, self.backward_count = self.backward_count, 0
-        log, self.log = self.log, ProbeLog()
+        self._flush()
+        log, self.log = self.log, ProbeLog(self.log.held_plans)
         self._grad_versions.clear()
         values = log.stacked()
         work = flag = None
@@ -314,6 +338,7 @@ class ModelWatch:
             # read only where the zeroed-grads finding needs them.
             origin = None
             zeroed = zeroed_groups(log.read(values, _ZEROED_STAGES)) if log.grads_at_step else []
+            log.release()
         else:
             checks = log.read(values)
             origin = find_origin(checks, self._after_finite)

@@ -81,8 +81,11 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
         for step, tokens in enumerate(models.make_batches(STEPS), start=1):
             planted = step == PLANT
             handles = []
-            if planted and fault == "forward":
+            if planted and fault in ("forward", "forward_written"):
                 handles.append(model.blocks[1].fc1.register_forward_hook(lambda m, a, out: out * math.inf))
+            if fault == "forward_written":
+                # Every step, the last block's output is written in place after its unit's hook saw it.
+                handles.append(model.norm.register_forward_pre_hook(_written_in_place))
             if planted and fault == "backward":
                 handles.append(model.blocks[1].fc1.register_forward_hook(lambda m, a, out: _NaNInBackward.apply(out)))
             batch = models.rank_slice(tokens, rank, world)
@@ -117,6 +120,10 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
         restored = _process_wide() == originals
         reset_otel()
     return {"weights": weights, "restored": restored}
+
+
+def _written_in_place(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    args[0].mul_(1.0)
 
 
 def _process_wide() -> tuple[Any, ...]:
@@ -181,6 +188,18 @@ def test_a_planted_fault_is_reported_where_and_when_it_began(dist_pool, tmp_path
         # grads held NaN and its update spread it over the parameter: the count says so.
         want = "which spread it"
         assert want in origin["detail"], f"{kind}: want the elements counted ({want!r}): {origin['detail']!r}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_unit_output_written_in_place_after_its_hook_is_still_named(dist_pool, tmp_path, kind) -> None:
+    """A forward's unit outputs are checked together as its backward begins; an output the model
+    writes in place after its unit's hook (here every step, by the module after the last block)
+    no longer holds what the unit made: that unit is checked at once from the next forward on, so
+    a NaN it makes later is still named at it, not at the module that wrote it."""
+    report = _run(dist_pool, 2, kind, "forward_written", tmp_path, "100")
+    origin = report["origin"]
+    got = None if origin is None else (origin["step"], origin["stage"], origin["where"])
+    assert got == (PLANT, *WANT["forward"]), f"{kind}: want the origin {(PLANT, *WANT['forward'])}, got {got}"
 
 
 def test_a_grad_replaced_after_the_reduce_is_checked_at_the_step(dist_pool, tmp_path) -> None:

@@ -247,11 +247,11 @@ def test_fused_lists_read_as_one_check_per_tensor() -> None:
     among the single checks around it ([Note: the values kept per dtype])."""
     from unittest import mock
 
-    from fsdp_patch.telemetry.diagnostics import probes
+    from fsdp_patch.telemetry.diagnostics import prepared_checks
 
     unfused = check_all_against_check("cpu")
     with (
-        mock.patch.object(probes, "FUSED_DEVICE_TYPES", probes.FUSED_DEVICE_TYPES | {"cpu"}),
+        mock.patch.object(prepared_checks, "FUSED_DEVICE_TYPES", prepared_checks.FUSED_DEVICE_TYPES | {"cpu"}),
         mock.patch.object(torch, "_foreach_norm", wraps=torch._foreach_norm) as fused,
     ):
         got = check_all_against_check("cpu")

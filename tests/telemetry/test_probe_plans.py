@@ -17,7 +17,7 @@ import torch
 from fsdp_patch.telemetry import semconv
 from fsdp_patch.telemetry.diagnostics import probe_plans
 from fsdp_patch.telemetry.diagnostics.probe_plans import CONCATENATED, EACH, LOCATED, ReductionPlan
-from fsdp_patch.telemetry.diagnostics.probes import BEFORE, POOL_LIST, POOL_WHERE, PreparedChecks, ProbeLog
+from fsdp_patch.telemetry.diagnostics.probes import AFTER, BEFORE, POOL_LIST, POOL_WHERE, PreparedChecks, ProbeLog
 
 WW = semconv.ORIGIN_WEIGHT_WRITE
 SEGMENTS = [(0, "blocks.0.weight"), (6, "blocks.0.bias"), (8, "blocks.1.weight")]
@@ -92,6 +92,32 @@ def test_the_staging_buffer_keeps_the_values_as_they_were_checked() -> None:
     tensors[0][0] = math.nan  # after the check
     got = [(c.probe.where, c.nan) for c in log.read(log.stacked())]
     assert got == [("p0", False), ("p1", True)], f"want only p1 NaN as checked, got {got}"
+
+
+def test_a_log_read_after_the_list_was_checked_again_tells_apart_its_own_values() -> None:
+    """A log is read an iteration later, after the same list was checked again (FSDP2's reduced
+    grads of the next backward): a NaN that the later check no longer sees is still told apart in
+    the log that saw it, and a log read finite gives its buffer back for the next check."""
+    grads = [torch.ones(3), torch.ones(3)]
+    prepared = PreparedChecks(semconv.ORIGIN_REDUCE, [("unit", g, AFTER, "") for g in grads], pooled=POOL_LIST)
+    grads[1][2] = math.nan
+    earlier = ProbeLog()
+    earlier.check_prepared(prepared)
+    earlier_values = earlier.stacked()
+    grads[1][2] = 1.0  # the next iteration's grads: finite
+    later = ProbeLog()
+    later.check_prepared(prepared)
+    got = [(c.probe.where, c.nan) for c in earlier.read(earlier_values)]
+    assert got == [("unit", False), ("unit", True)], f"the earlier log: want only its second grad NaN, got {got}"
+    buffer = prepared.plans[0].staged
+    later_values = later.stacked()
+    assert all(c.finite for c in later.read(later_values)), "the later log: want every grad finite"
+    later.release()
+    again = ProbeLog()
+    again.check_prepared(prepared)
+    assert prepared.plans[0].staged is buffer, "a log read finite: want its staging buffer reused by the next check"
+    got = [(c.probe.where, c.nan) for c in earlier.read(earlier_values)]
+    assert got == [("unit", False), ("unit", True)], f"the log found NaN keeps its own buffer: got {got}"
 
 
 def test_lists_read_for_their_values_are_not_concatenated() -> None:
