@@ -150,6 +150,13 @@ class PreparedChecks:
         for indices, plan in zip(self.part_indices, self.plans, strict=True):
             plan.retarget([self.tensors[i] for i in indices])
 
+    def let_go(self) -> None:
+        """Hold no tensor until :meth:`retarget` gives new ones (a held batch once reduced: its
+        tensors are the model's activations, which the next forward's batch replaces)."""
+        self.tensors = []
+        for plan in self.plans:
+            plan.tensors = []
+
     def probes(self, microbatch: int) -> list[Probe]:
         """The probes of a check made after ``microbatch`` backward passes."""
         probes = self._probes.get(microbatch)

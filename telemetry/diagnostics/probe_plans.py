@@ -119,6 +119,7 @@ class ReductionPlan:
         small = device.type == "cpu" and total <= min(CPU_SMALL_NUMEL * count, CPU_STAGING_NUMEL)
         self.staged: torch.Tensor | None = None
         self._numel = total
+        self._numels = [t.numel() for t in self.tensors]
         self._spare: list[torch.Tensor] = []  # staging buffers read finite, for the next reduces
         if concatenate and small and count > 1:
             self.kind = CONCATENATED
@@ -180,7 +181,7 @@ class ReductionPlan:
         first NaN (else its first Inf; -1 where it is finite). Read on the host: for a list found
         non-finite only."""
         assert self.kind == CONCATENATED, "each_value() is for a concatenated plan"
-        pieces = torch.split(staging, [t.numel() for t in self.tensors])
+        pieces = torch.split(staging, self._numels)
         found = torch.stack([value for piece in pieces for value in torch.aminmax(piece)])
         host = found.double().tolist()
         out: list[tuple[float, float, int]] = []

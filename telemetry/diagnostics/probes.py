@@ -190,6 +190,7 @@ class ProbeLog:
                 prepared = self.held_plans.prepared(block.stage, items)
                 self._entries[at] = self._reduced(prepared, block.microbatch)
                 self._count += len(prepared.tensors)
+                prepared.let_go()
             else:
                 self._entries[at] = _Block(PreparedChecks(block.stage, []), [], [], [])
         self._unflushed = []

@@ -98,3 +98,21 @@ def test_a_tensor_written_in_place_after_it_was_held_is_not_read_and_its_place_i
     got = [(c.probe.where, c.finite) for c in log.read(log.stacked())]
     assert written == ["blocks.0"], f"want the place written in place given back, got {written}"
     assert got == [("blocks.1", True)], f"want only the tensor as held read, got {got}"
+
+
+def test_a_held_tensor_is_let_go_once_its_batch_is_reduced() -> None:
+    """A forward's unit outputs are the model's activations: once checked, neither the log nor the
+    batch's plan kept for the next forward keeps them alive."""
+    import gc
+    import weakref
+
+    log = ProbeLog()
+    output = torch.ones(4) * 2.0  # held as it is (a tensor that records no autograd)
+    log.hold(FWD, "blocks.0", output)
+    log.flush()
+    ref = weakref.ref(output)
+    del output
+    gc.collect()
+    assert ref() is None, "a held unit output is still referenced after its batch was reduced"
+    got = [(c.probe.where, c.high) for c in log.read(log.stacked())]
+    assert got == [("blocks.0", 2.0)], f"want its value read from the reduction, got {got}"
