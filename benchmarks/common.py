@@ -217,15 +217,18 @@ def device_slug(device: str) -> str:
     return re.sub(r"[^a-z0-9_]+", "-", device_name(device).lower()).strip("-")
 
 
-def write_results(json_path: str, benchmark: str, results: dict[str, Any], world_size: int | None = None) -> None:
+def write_results(
+    json_path: str, benchmark: str, results: dict[str, Any], world_size: int | None = None, device: str | None = None
+) -> None:
     """Write one benchmark's figures as JSON, with the device, world, torch and timer they came from.
 
     On a rank the device and world are the process group's; outside the ranks (figures gathered
-    from several jobs) ``world_size`` names the world and the device is the CPU.
+    from several jobs, or after the group is gone) ``world_size`` names the world and ``device``
+    the device (``"cuda"`` or ``"cpu"``, the default).
     """
     import json
 
-    cuda = world_size is None and dist.get_backend() == "nccl"
+    cuda = device == "cuda" if device is not None else world_size is None and dist.get_backend() == "nccl"
     document = {
         "benchmark": benchmark,
         "device": device_name("cuda" if cuda else "cpu"),

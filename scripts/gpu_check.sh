@@ -77,9 +77,13 @@ cd "$REPO"
 TESTS_LIMIT=100
 DEMO_LIMIT=45
 # Part 3's cases: NAME|LIMIT|python arguments. LIMIT is the case's seconds on an H200 with room
-# to spare (case 6 runs three models on two microbatch counts: 47 s there). The script appends
+# to spare (case 6 runs three models on two microbatch counts: 47 s there). Telemetry's cost at
+# its defaults comes first: on a model of about 1B parameters (with a profiler count of the CUDA
+# synchronizations of an undiagnosed step) and on the host-bound structure. The script appends
 # `--json FILE`; add a case with a line.
 BENCH_CASES=(
+    "host-cost-1b|150|-m benchmarks.host_cost --device cuda --preset 1b --rounds 10"
+    "host-cost-host-bound|90|-m benchmarks.host_cost --device cuda --rounds 20 --layers 0 6 24"
     "origin-checks|60|-m benchmarks.origin_checks --device cuda --world-size 1 --steps 24"
     "suite-1-floor|40|-m benchmarks --device cuda --case 1"
     "suite-2-step|40|-m benchmarks --device cuda --case 2"

@@ -117,7 +117,11 @@ def test_gpu_check_script_runs(tmp_path: Path) -> None:
         jsons = sorted(out.glob("suite-*.json"))
         assert len(jsons) == 6, f"want one benchmark JSON per suite case in {out}, got {jsons}: {log[-2000:]}"
         jsons += sorted(out.glob("origin-checks-*.json")) + sorted(out.glob("op-audit-cost-*.json"))
-        assert len(jsons) == 8, f"want the origin checks' and the operation audit's JSON too in {out}, got {jsons}"
+        jsons += sorted(out.glob("host-cost-*.json"))
+        assert len(jsons) == 10, (
+            f"want the host cost's (1b, host-bound), the origin checks' and the operation audit's JSON too in {out}, "
+            f"got {jsons}"
+        )
         for path in jsons:
             assert json.loads(path.read_text())["timer"] == "cuda_events", f"{path.name}: not timed with CUDA events"
         return

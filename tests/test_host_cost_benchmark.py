@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.host_cost import _fit
+import torch
+
+from benchmarks.common import process_group
+from benchmarks.host_cost import PRESETS, Shape, _fit, count_synchronizations, measure, quiet_telemetry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,3 +52,28 @@ def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
     )
     assert run.returncode == 2, f"--rounds 60: exit {run.returncode}"
     assert "--rounds 60: expected 1 to 46 (the measured steps stay undiagnosed)" in run.stderr, run.stderr
+
+
+def test_the_1b_preset_is_a_model_of_a_billion_parameters_in_bf16() -> None:
+    shape, layers = PRESETS["1b"]
+    params = shape.config(layers[0]).approx_params
+    assert 1.0e9 <= params <= 1.1e9, f"the 1b preset: want about 1B parameters, got {params:,}"
+    assert shape.compute_dtype == torch.bfloat16, f"the 1b preset: want bf16 compute, got {shape.compute_dtype}"
+
+
+def test_a_bf16_compute_model_is_measured_under_both_shardings() -> None:
+    """The 1b preset's structure and dtypes at a width a CPU runs in seconds."""
+    shape = Shape(vocab=64, dim=16, heads=2, seq=8, batch=2, compute_dtype=torch.bfloat16)
+    with process_group("cpu"), quiet_telemetry():
+        for kind in ("fully_shard", "fsdp2"):
+            got = measure(kind, 1, 1, shape)
+            assert got["tensors"] == 18 and got["params"] > 0, f"{kind}: {got}"
+            ratios = (got["ratio_on_off"], got["ratio_diagnosed_off"])
+            assert all(math.isfinite(r) and r > 0 for r in ratios), f"{kind}: ratios {ratios}"
+            assert "syncs_on" not in got, f"{kind}: CUDA synchronizations counted on a CPU: {got}"
+
+
+def test_synchronizations_are_counted_from_the_profiled_calls() -> None:
+    names = ["aten::mm", "cudaLaunchKernel", "cudaStreamSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize"]
+    got = count_synchronizations(names)
+    assert got == 2, f"want the stream and event synchronizations counted (2), got {got} of {names}"
