@@ -10,6 +10,9 @@ per parameter. Each parameter is one segment of one main tensor, and every pass 
 segments, in chunks of at most ``kernels.CHUNK_ELEMENTS`` elements: a Python loop over parameters
 and chunks, never over elements.
 
+Small parameters of one kind, one after another, run round 1 as one pack (:mod:`.packed_stats`):
+a few operations a pack, where a small parameter's own passes cost their dispatch each.
+
 Two rounds; round 2 only where round 1 found a NaN/Inf:
 
 1. **What every step needs**, chunk by chunk, each chunk's passes one after another while it is
@@ -48,6 +51,7 @@ import torch
 
 from . import kernels
 from .groups import PrecisionSnapshot
+from .packed_stats import packed_round, packs
 from .rows import (
     CHANGED,
     COMPUTE_INF,
@@ -262,12 +266,17 @@ def first_round(
         first, probes = Rows(len(found_segments), device), Probes()
         normed: list[tuple[str, int, int]] = []
         normed_tensors: list[torch.Tensor] = []
-        for i, s in enumerate(found_segments):
-            first.host[i][NUMEL] = float(s.slot.length)
+        runs, alone = packs(found_segments)
+        for run in runs:
+            packed_round(first, probes, run, [found_segments[i] for i in run], detail, underflow_below)
+        for i in alone:
+            s = found_segments[i]
             _weights_round(first, i, s, detail)
             _probe_round(probes, first, i, s)
             if underflow_below is not None:
                 _underflow_round(first, i, s, underflow_below)
+        for i, s in enumerate(found_segments):
+            first.host[i][NUMEL] = float(s.slot.length)
             for state in s.states:
                 # Not the second moment: finite iff every element is, which one fused norm tells.
                 if state.key != SECOND_MOMENT_KEY and state.local.numel() and not state.shows_in_weight:

@@ -18,8 +18,9 @@ from .rows import ROW, ParamSlot, StateTensor
 
 
 class Rows:
-    """Rows being computed: host-known values, and device scalars added once at the end (counts
-    and sums kept apart, so that counts stay exact integers until they become float64)."""
+    """Rows being computed: host-known values, and device values added once at the end (counts
+    and sums kept apart, so that counts stay exact integers until they become float64): 0-d
+    values one row's slot each, 1-d ones a slot of several rows (a pack's, :mod:`.packed_stats`)."""
 
     def __init__(self, count: int, device: torch.device) -> None:
         self.device = device
@@ -28,6 +29,8 @@ class Rows:
         self._counts: list[torch.Tensor] = []
         self._sum_index: list[int] = []
         self._sums: list[torch.Tensor] = []
+        self._vector_index: list[int] = []
+        self._vectors: list[torch.Tensor] = []
 
     def count(self, row: int, slot: int, value: torch.Tensor) -> None:
         self._count_index.append(row * ROW + slot)
@@ -37,10 +40,15 @@ class Rows:
         self._sum_index.append(row * ROW + slot)
         self._sums.append(value)
 
+    def add_many(self, rows: Sequence[int], slot: int, values: torch.Tensor) -> None:
+        """``values[k]`` (float64, exact for counts below 2**53) into slot ``slot`` of row ``rows[k]``."""
+        self._vector_index.extend(row * ROW + slot for row in rows)
+        self._vectors.append(values)
+
     @property
     def pending(self) -> bool:
         """Whether any device value was added (a row of host zeros otherwise)."""
-        return bool(self._counts or self._sums)
+        return bool(self._counts or self._sums or self._vectors)
 
     def matrix(self) -> torch.Tensor:
         rows = torch.tensor(self.host, dtype=torch.float64).to(self.device).view(-1)
@@ -48,6 +56,9 @@ class Rows:
             if values:
                 stacked = torch.stack(values).to(torch.float64)
                 rows.index_add_(0, torch.tensor(index, dtype=torch.long, device=self.device), stacked)
+        if self._vectors:
+            joined = torch.cat([v.to(torch.float64) for v in self._vectors])
+            rows.index_add_(0, torch.tensor(self._vector_index, dtype=torch.long, device=self.device), joined)
         return rows.view(len(self.host), ROW)
 
 
@@ -135,7 +146,8 @@ class Probes:
     def __init__(self) -> None:
         self._keys: list[tuple[Any, ...]] = []
         self._widths: list[int] = []
-        self._values: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []  # 0-d, not yet joined into a chunk
+        self._chunks: list[torch.Tensor] = []  # 1-d, in order
 
     def add(self, key: tuple[Any, ...], *values: torch.Tensor) -> None:
         self._keys.append(key)
@@ -146,14 +158,27 @@ class Probes:
         for key, value in zip(keys, values, strict=True):
             self.add(key, value)
 
+    def add_pairs(self, keys: Sequence[tuple[Any, ...]], lows: torch.Tensor, highs: torch.Tensor) -> None:
+        """Probe ``keys[k]``'s values ``(lows[k], highs[k])``, for 1-d ``lows`` and ``highs``."""
+        self._join()
+        self._keys.extend(keys)
+        self._widths.extend([2] * len(keys))
+        self._chunks.append(torch.stack([lows.to(torch.float64), highs.to(torch.float64)], dim=1).view(-1))
+
+    def _join(self) -> None:
+        if self._values:
+            self._chunks.append(torch.stack(self._values).to(torch.float64))
+            self._values = []
+
     def __bool__(self) -> bool:
-        return bool(self._values)
+        return bool(self._values or self._chunks)
 
     def stacked(self, like: torch.Tensor) -> torch.Tensor:
         """Every probe's values in order, as one float64 vector on ``like``'s device."""
-        if not self._values:
+        self._join()
+        if not self._chunks:
             return torch.zeros(0, dtype=torch.float64, device=like.device)
-        return torch.stack(self._values).to(torch.float64)
+        return self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks)
 
     def split(
         self, rows: list[list[float]], values: list[float]
