@@ -85,7 +85,11 @@ class GroupWeights:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1)
+    """``t`` as a 1-d tensor outside autograd: itself where it is one already (a diagnosed step
+    flattens every parameter's tensors several times; most are plain and many 1-d)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def _aligned_grads(group: Any, mains: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
