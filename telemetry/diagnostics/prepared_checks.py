@@ -151,8 +151,9 @@ class PreparedChecks:
             plan.retarget([self.tensors[i] for i in indices])
 
     def let_go(self) -> None:
-        """Hold no tensor until :meth:`retarget` gives new ones (a held batch once reduced: its
-        tensors are the model's activations, which the next forward's batch replaces)."""
+        """Hold no tensor until :meth:`retarget` gives new ones: a list checked once an
+        iteration on new tensors (a held batch of activations, FSDP2's grads) keeps none of them
+        alive after its check."""
         self.tensors = []
         for plan in self.plans:
             plan.tensors = []

@@ -215,7 +215,9 @@ class ProbeLog:
     def check_all(self, stage: str, items: Sequence[tuple[str, torch.Tensor, str, str]]) -> None:
         """Add the checks of ``(where, tensor, when, group)`` each, in order, as :meth:`check`
         would; reduced as :meth:`check_prepared` reduces a list."""
-        self.check_prepared(PreparedChecks(stage, items))
+        prepared = PreparedChecks(stage, items)
+        self.check_prepared(prepared)
+        prepared.let_go()  # the log keeps its values, not the tensors (grads a zero_grad frees)
 
     def check_prepared(self, prepared: PreparedChecks) -> None:
         """Add the checks of ``prepared``'s tensors as they are now (see :meth:`check_all`)."""

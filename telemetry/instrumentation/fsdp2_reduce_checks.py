@@ -40,12 +40,19 @@ class ReduceLog(Protocol):
     def seen_grads(self, tensors: Sequence[torch.Tensor]) -> None: ...
 
 
-class _ReducedGrads:
-    """Torch FSDP2's grads after its reduce, one list an iteration: new tensors each time for the
-    same parameters, so their probes are made again only when which parameters have grads, or
-    their dtypes or sizes, change."""
+class _GradList:
+    """A list of torch FSDP2's grads checked every iteration (a unit's before its reduce, every
+    unit's after it): new tensors each time for the same parameters, so their probes are made
+    again only when which parameters have grads, or their dtypes or sizes, change.
 
-    def __init__(self) -> None:
+    Args:
+        when: ``BEFORE`` or ``AFTER`` the reduce.
+        pooled: How far the values may be pooled (:class:`~..diagnostics.prepared_checks.PreparedChecks`).
+    """
+
+    def __init__(self, when: str, pooled: str) -> None:
+        self._when = when
+        self._pooled = pooled
         self._key: tuple[list[str], list[torch.dtype], list[int]] | None = None
         self._prepared: PreparedChecks | None = None
 
@@ -55,11 +62,10 @@ class _ReducedGrads:
             self._prepared.retarget(grads)
             return self._prepared
         self._key = key
-        # Read unit by unit (a unit's grads all 0: zeroed_groups), so pooled per unit.
         self._prepared = PreparedChecks(
             semconv.ORIGIN_REDUCE,
-            [(where, grad, AFTER, "") for where, grad in zip(wheres, grads, strict=True)],
-            pooled=POOL_WHERE,
+            [(where, grad, self._when, "") for where, grad in zip(wheres, grads, strict=True)],
+            pooled=self._pooled,
         )
         return self._prepared
 
@@ -78,7 +84,9 @@ class FSDP2ReduceChecks:
         self._owner_ref = weakref.ref(owner)
         self._patched_groups: list[Any] = []
         self._patched_states: list[Any] = []
-        self._reduced = _ReducedGrads()
+        # Read unit by unit (a unit's grads all 0: zeroed_groups), so pooled per unit.
+        self._reduced = _GradList(AFTER, POOL_WHERE)
+        self._unreduced: dict[int, _GradList] = {}  # per FSDP2 group, by id: its grads before the reduce
         # FSDP2 groups whose grads are reduced in a wide dtype ([Note: the reduce's input in a wide dtype]).
         self._wide_reduces: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -101,6 +109,7 @@ class FSDP2ReduceChecks:
         for state in self._patched_states:
             state.__dict__.pop("_root_post_backward_final_callback", None)
         self._patched_states.clear()
+        self._unreduced.clear()
 
     def _patch_post_backward(self, group: Any, name: str) -> None:
         """FSDP2 reduces inside its group's ``post_backward``: check the unsharded grads it is about
@@ -157,7 +166,15 @@ class FSDP2ReduceChecks:
         if grads and not narrow:
             # Its dtypes are fixed at FSDP2's lazy initialization: never checked here.
             self._wide_reduces.add(group)
-        owner.log.check_all(semconv.ORIGIN_REDUCE, [(name, grad, BEFORE, "") for grad in narrow])
+        if not narrow:
+            return
+        checks = self._unreduced.get(id(group))
+        if checks is None:
+            checks = self._unreduced[id(group)] = _GradList(BEFORE, "")
+        data = [grad.detach() if grad.requires_grad else grad for grad in narrow]
+        prepared = checks.prepared([name] * len(data), data)
+        owner.log.check_prepared(prepared)
+        prepared.let_go()  # FSDP2 frees the unsharded grads after the reduce
 
     def _after_reduce(self, units: Sequence[tuple[str, Any]]) -> None:
         owner = self._owner_ref()
@@ -173,7 +190,9 @@ class FSDP2ReduceChecks:
                     seen.append(getattr(grad, "_local_tensor", grad))
         owner.seen_grads(seen)
         grads = [local.detach() if local.requires_grad else local for local in seen]
-        owner.log.check_prepared(self._reduced.prepared(wheres, grads))
+        prepared = self._reduced.prepared(wheres, grads)
+        owner.log.check_prepared(prepared)
+        prepared.let_go()  # zero_grad frees the grads
 
 
 def _fsdp2_param_groups(unit: nn.Module) -> list[Any]:

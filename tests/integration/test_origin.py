@@ -251,6 +251,49 @@ def test_the_checks_keep_no_main_grad_buffer_alive(dist_pool) -> None:
     assert got == want, f"groups holding a main-grad buffer: want {want}, got {got}"
 
 
+def fsdp2_grads_freed_by_zero_grad() -> dict[str, Any]:
+    """Torch FSDP2's grads (reduced in bf16, so checked before and after the reduce, and at the
+    step where written since) are freed by ``zero_grad()`` with the checks on: none is referenced
+    by the iteration's checks, which keep values, not tensors."""
+    import weakref
+
+    from fsdp_patch.optimizer import fully_shard_optimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with environment(
+        FSDP_PATCH_TELEMETRY="1",
+        FSDP_PATCH_TRACE_DIR=None,
+        FSDP_PATCH_SUMMARY="none",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="none",
+    ):
+        reset_otel()
+        model = _shard(models.make_model(0), "fsdp2", param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fully_shard_optimizer(optimizer)
+        tokens = next(iter(models.make_batches(1)))
+        models.lm_loss(model, models.rank_slice(tokens, rank, world)).backward()
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # written since the reduce: checked at the step
+        refs = [weakref.ref(g) for g in grads]
+        del grads
+        optimizer.step()
+        optimizer.zero_grad()
+        gc.collect()
+        alive = sum(ref() is not None for ref in refs)
+        from fsdp_patch import telemetry
+
+        telemetry.shutdown()
+        reset_otel()
+    return {"grads": len(refs), "alive after zero_grad": alive}
+
+
+def test_the_checks_keep_no_fsdp2_grad_alive(dist_pool) -> None:
+    got = dist_pool(2).run(fsdp2_grads_freed_by_zero_grad)[0]
+    want = {"grads": got["grads"], "alive after zero_grad": 0}
+    assert got["grads"] > 0 and got == want, f"FSDP2 grads the checks keep alive: want {want}, got {got}"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_on_four_ranks_the_origin_is_the_same(dist_pool, tmp_path, kind) -> None:
     for fault in ("weight_write", "backward"):
