@@ -233,34 +233,32 @@ def _bug_patterns(doc: Document) -> tuple[str, str]:
 
 def _host_cost(doc: Document) -> tuple[str, str]:
     """``python -m benchmarks.host_cost``: telemetry's host cost per undiagnosed step by model size."""
+    sizes = [size for key in ("fully_shard", "fsdp2") if key in doc for size in doc[key]["sizes"]]
+    syncs = any("syncs_on" in size for size in sizes)  # a GPU's run: its profiled synchronizations
     header = ["sharding", "tensors", "step, off", "on / off", "added", "diagnosed / off"]
+    header += ["CUDA syncs on / off"] if syncs else []
     rows = []
     for key, name in (("fully_shard", "`fully_shard`"), ("fsdp2", "torch FSDP2")):
         if key not in doc:
             continue
         for size in doc[key]["sizes"]:
-            rows.append(
-                [
-                    name,
-                    str(size["tensors"]),
-                    _ms(size["step_s_off"]),
-                    _ratio(size["ratio_on_off"]),
-                    f"{size['added_s'] * 1e6:.0f} us",
-                    _ratio(size["ratio_diagnosed_off"]),
-                ]
-            )
-        fit = doc[key]
-        rows.append(
-            [
+            params = f" ({size['params'] / 1e6:.2f}M parameters)" if size.get("params", 0) >= 1e6 else ""
+            row = [
                 name,
-                "fit",
-                "",
-                "",
-                f"{fit['added_fixed_s'] * 1e6:.0f} us + {fit['added_per_tensor_s'] * 1e6:.2f} us per tensor",
-                "",
+                f"{size['tensors']}{params}",
+                _ms(size["step_s_off"]),
+                _ratio(size["ratio_on_off"]),
+                f"{size['added_s'] * 1e6:.0f} us",
+                _ratio(size["ratio_diagnosed_off"]),
             ]
-        )
-    return _table(header, rows), f"width {doc.get('width', 16)}, {doc['rounds']} paired steps per size"
+            rows.append(row + ([f"{size.get('syncs_on', '-')} / {size.get('syncs_off', '-')}"] if syncs else []))
+        fit = doc[key]
+        if len(doc[key]["sizes"]) > 1:
+            added = f"{fit['added_fixed_s'] * 1e6:.0f} us + {fit['added_per_tensor_s'] * 1e6:.2f} us per tensor"
+            rows.append([name, "fit", "", "", added, ""] + ([""] if syncs else []))
+    dtype = doc.get("compute_dtype", "default")
+    compute = "" if dtype == "default" else f", {dtype.removeprefix('torch.')} compute"
+    return _table(header, rows), f"width {doc.get('width', 16)}{compute}, {doc['rounds']} paired steps per size"
 
 
 def _float8_gather(doc: Document) -> tuple[str, str]:
