@@ -242,7 +242,9 @@ def _host_cost(doc: Document) -> tuple[str, str]:
         if key not in doc:
             continue
         for size in doc[key]["sizes"]:
-            params = f" ({size['params'] / 1e6:.2f}M parameters)" if size.get("params", 0) >= 1e6 else ""
+            count = size.get("params", 0)
+            params = f" ({count / 1e9:.2f}B parameters)" if count >= 1e9 else ""
+            params = params or (f" ({count / 1e6:.1f}M parameters)" if count >= 1e6 else "")
             row = [
                 name,
                 f"{size['tensors']}{params}",

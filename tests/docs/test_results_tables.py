@@ -131,7 +131,10 @@ def test_a_host_cost_record_renders_each_size_and_the_fit(tmp_path: Path) -> Non
         "rounds": 40,
         "width": 16,
         "fully_shard": {
-            "sizes": [{**size, "ratio_diagnosed_off": 1.2}],
+            "sizes": [
+                {**size, "ratio_diagnosed_off": 1.2},
+                {**size, "layers": 1, "tensors": 18, "added_s": 2.2e-4, "ratio_diagnosed_off": 1.1},
+            ],
             "added_fixed_s": 1.5e-4,
             "added_per_tensor_s": 1e-6,
         },
@@ -139,6 +142,31 @@ def test_a_host_cost_record_renders_each_size_and_the_fit(tmp_path: Path) -> Non
     out = hook.render_markers("<!-- results-table: host.json -->\n", _results(tmp_path, "host.json", document))
     for row in (
         "| `fully_shard` | 6 | 4.00 ms | 1.040x | 200 us | 1.200x |",
+        "| `fully_shard` | 18 | 4.00 ms | 1.040x | 220 us | 1.100x |",
         "| `fully_shard` | fit |  |  | 150 us + 1.00 us per tensor |  |",
     ):
         assert row in out, f"expected the row {row!r}, got:\n{out}"
+
+
+def test_a_host_cost_record_of_one_gpu_size_shows_its_synchronizations_and_no_fit(tmp_path: Path) -> None:
+    """The 1b preset on a GPU: one size (no fit to draw), its parameters and profiled CUDA
+    synchronizations on and off."""
+    size = {"layers": 18, "tensors": 222, "params": 1_038_000_000, "step_s_off": 0.1, "ratio_on_off": 1.004}
+    document = {
+        "benchmark": "host_cost",
+        "device": "NVIDIA H100",
+        "torch": "2.11.0",
+        "rounds": 10,
+        "width": 2048,
+        "compute_dtype": "torch.bfloat16",
+        "fully_shard": {
+            "sizes": [{**size, "added_s": 4e-4, "ratio_diagnosed_off": 1.25, "syncs_on": 1, "syncs_off": 1}],
+            "added_fixed_s": 4e-4,
+            "added_per_tensor_s": 0.0,
+        },
+    }
+    out = hook.render_markers("<!-- results-table: gpu.json -->\n", _results(tmp_path, "gpu.json", document))
+    row = "| `fully_shard` | 222 (1.04B parameters) | 100 ms | 1.004x | 400 us | 1.250x | 1 / 1 |"
+    assert row in out, f"expected the row {row!r}, got:\n{out}"
+    assert "| fit |" not in out, f"one size: want no fit row, got:\n{out}"
+    assert "width 2048, bfloat16 compute" in out, f"want the width and compute dtype said, got:\n{out}"
