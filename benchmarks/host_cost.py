@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -73,22 +74,19 @@ MAX_ROUNDS = 100 - WARMUP_STEPS - 2
 class Shape:
     """The model's sizes (its block count is each size's ``--layers``), batch and compute dtype."""
 
-    vocab: int = 64
-    dim: int = 16
-    heads: int = 8
-    seq: int = 8
+    model: GPTConfig = GPTConfig(vocab=64, dim=16, heads=8, layers=0, seq=8)
     batch: int = 8
     compute_dtype: torch.dtype | None = None  # None: fully_shard's and FSDP2's defaults
 
     def config(self, layers: int) -> GPTConfig:
-        return GPTConfig(vocab=self.vocab, dim=self.dim, heads=self.heads, layers=layers, seq=self.seq)
+        return dataclasses.replace(self.model, layers=layers)
 
 
 HOST_BOUND = Shape()
 # About 1.04B parameters at 18 blocks (GPTConfig.approx_params), bf16 compute.
 PRESETS: dict[str, tuple[Shape, tuple[int, ...]]] = {
     "host-bound": (HOST_BOUND, DEFAULT_LAYERS),
-    "1b": (Shape(vocab=32000, dim=2048, heads=16, seq=512, batch=4, compute_dtype=torch.bfloat16), (18,)),
+    "1b": (Shape(GPTConfig(vocab=32000, dim=2048, heads=16, layers=18, seq=512), 4, torch.bfloat16), (18,)),
 }
 
 # The CUDA runtime calls that make the host wait for the device.
@@ -152,9 +150,9 @@ def measure(kind: str, layers: int, rounds: int, shape: Shape = HOST_BOUND, devi
     tensors = len(list(built["off"][0].parameters()))
     params = sum(p.numel() for p in built["off"][0].parameters())
     batches = [
-        torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=torch.Generator().manual_seed(i)).to(
-            device
-        )
+        torch.randint(
+            0, shape.model.vocab, (shape.batch, shape.model.seq + 1), generator=torch.Generator().manual_seed(i)
+        ).to(device)
         for i in range(4)
     ]
     step = training_steps(built, batches, Clock(device), lm_loss)
@@ -214,7 +212,11 @@ def run(
     device: str = "cpu",
     kinds: tuple[str, ...] = KINDS,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"rounds": rounds, "width": shape.dim, "compute_dtype": str(shape.compute_dtype or "default")}
+    out: dict[str, Any] = {
+        "rounds": rounds,
+        "width": shape.model.dim,
+        "compute_dtype": str(shape.compute_dtype or "default"),
+    }
     with process_group(device), quiet_telemetry():
         for kind in kinds:
             sizes = []

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from fsdp_patch.app.demo.model import GPTConfig
 
 from benchmarks.common import process_group
 from benchmarks.host_cost import PRESETS, Shape, _fit, count_synchronizations, measure, quiet_telemetry
@@ -63,7 +64,7 @@ def test_the_1b_preset_is_a_model_of_a_billion_parameters_in_bf16() -> None:
 
 def test_a_bf16_compute_model_is_measured_under_both_shardings() -> None:
     """The 1b preset's structure and dtypes at a width a CPU runs in seconds."""
-    shape = Shape(vocab=64, dim=16, heads=2, seq=8, batch=2, compute_dtype=torch.bfloat16)
+    shape = Shape(GPTConfig(vocab=64, dim=16, heads=2, layers=0, seq=8), batch=2, compute_dtype=torch.bfloat16)
     with process_group("cpu"), quiet_telemetry():
         for kind in ("fully_shard", "fsdp2"):
             got = measure(kind, 1, 1, shape)

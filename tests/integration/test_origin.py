@@ -212,6 +212,16 @@ def test_a_grad_replaced_after_the_reduce_is_checked_at_the_step(dist_pool, tmp_
     assert got == (PLANT, *WANT["grad_write"]), f"want the origin {(PLANT, *WANT['grad_write'])}, got {got}"
 
 
+# Telemetry on with no exporter and no summary: what a test of the checks' memory needs.
+EXPORTING_NOTHING: dict[str, str | None] = {
+    "FSDP_PATCH_TELEMETRY": "1",
+    "FSDP_PATCH_TRACE_DIR": None,
+    "FSDP_PATCH_SUMMARY": "none",
+    "OTEL_TRACES_EXPORTER": "none",
+    "OTEL_METRICS_EXPORTER": "none",
+}
+
+
 def main_grads_freed_by_zero_grad() -> dict[str, Any]:
     """``fully_shard`` frees a group's main-grad buffer once no grad holds it: after a backward
     and ``zero_grad()`` with no step between, with the checks on, every group's ``main_grad`` is
@@ -220,13 +230,7 @@ def main_grads_freed_by_zero_grad() -> dict[str, Any]:
     from fsdp_patch.sharding import parameter_group_of
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    with environment(
-        FSDP_PATCH_TELEMETRY="1",
-        FSDP_PATCH_TRACE_DIR=None,
-        FSDP_PATCH_SUMMARY="none",
-        OTEL_TRACES_EXPORTER="none",
-        OTEL_METRICS_EXPORTER="none",
-    ):
+    with environment(**EXPORTING_NOTHING):
         reset_otel()
         model = _shard(models.make_model(0), "fully_shard", main_grads_dtype=torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -260,13 +264,7 @@ def fsdp2_grads_freed_by_zero_grad() -> dict[str, Any]:
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    with environment(
-        FSDP_PATCH_TELEMETRY="1",
-        FSDP_PATCH_TRACE_DIR=None,
-        FSDP_PATCH_SUMMARY="none",
-        OTEL_TRACES_EXPORTER="none",
-        OTEL_METRICS_EXPORTER="none",
-    ):
+    with environment(**EXPORTING_NOTHING):
         reset_otel()
         model = _shard(models.make_model(0), "fsdp2", param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -25,6 +25,19 @@ from opentelemetry.test.globals_test import reset_metrics_globals, reset_trace_g
 from fsdp_patch.adapter.events import GroupCast, Mismatch, MismatchAction, Phase, StepPlanned
 
 
+@dataclass
+class ListGroup:
+    """A stand-in for a torch FSDP2 group: a tensor per parameter, in a compute dtype cast at
+    each gather."""
+
+    main_weights: list[torch.Tensor]
+    main_grads: list[torch.Tensor]
+    compute_dtype: torch.dtype | None
+    names: list[str]
+    unit_name: str = "blocks.3"
+    process_group: object = None
+
+
 def reset_otel_globals() -> None:
     """Forget the global tracer and meter providers, so that the next test may install its own."""
     reset_trace_globals()

@@ -13,6 +13,7 @@ from fsdp_patch.telemetry.diagnostics import packed_stats, param_stats
 from fsdp_patch.telemetry.diagnostics import rows as ps
 from fsdp_patch.telemetry.diagnostics.groups import take_snapshot
 from fsdp_patch.telemetry.diagnostics.segments import segments
+from telemetry_testing import ListGroup
 
 from fsdp_patch.sharding.layout import GroupLayout
 
@@ -33,18 +34,6 @@ class FlatGroup:
     names: list[str]
     process_group: object = None
     params: list = field(default_factory=list)
-
-
-@dataclass
-class ListGroup:
-    """A stand-in for a torch FSDP2 group: a tensor per parameter, cast at each gather."""
-
-    main_weights: list[torch.Tensor]
-    main_grads: list[torch.Tensor]
-    compute_dtype: torch.dtype | None
-    names: list[str]
-    unit_name: str = "blocks.0"
-    process_group: object = None
 
 
 def _values(n: int, g: torch.Generator) -> torch.Tensor:

@@ -12,7 +12,7 @@ from fsdp_patch.telemetry import semconv
 from fsdp_patch.telemetry.diagnostics import kernels, param_stats, precision
 from fsdp_patch.telemetry.diagnostics import rows as ps
 from fsdp_patch.telemetry.diagnostics.groups import take_snapshot
-from telemetry_testing import reference_stats, to_numpy
+from telemetry_testing import ListGroup, reference_stats, to_numpy
 
 from fsdp_patch.sharding.layout import GroupLayout
 
@@ -251,15 +251,6 @@ def test_state_rows_count_nonfinite_and_flushed_exp_avg_sq() -> None:
 
 
 def test_table_of_tensor_list_groups_names_and_aligns_grads() -> None:
-    @dataclass
-    class ListGroup:
-        main_weights: list[torch.Tensor]
-        main_grads: list[torch.Tensor]
-        compute_dtype: torch.dtype | None
-        names: list[str]
-        unit_name: str = "blocks.3"
-        process_group: object = None
-
     mains = [torch.randn(5), torch.zeros(0), torch.randn(4)]
     group = ListGroup(
         [m.clone() for m in mains], [torch.ones(5), torch.full((4,), 2.0)], torch.bfloat16, ["x", "y", "z"]
