@@ -138,11 +138,6 @@ class PreparedChecks:
         self.grads_at_step = any(grads_at_step(stage, where) for where, _, _, _ in self._keys)
         self._probes: dict[int, list[Probe]] = {}
 
-    @property
-    def parts(self) -> list[list[torch.Tensor]]:
-        """The tensors of each dtype and device."""
-        return [plan.tensors for plan in self.plans]
-
     def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
         """Check ``tensors`` from now on: new tensors standing for the same items (the same
         places, dtypes and sizes: the caller knows), each a plain tensor as :attr:`tensors` holds."""

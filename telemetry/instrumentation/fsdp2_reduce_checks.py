@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import semconv
 from ..diagnostics.origin import WIDE_REDUCE_DTYPES
-from ..diagnostics.probes import AFTER, BEFORE, POOL_WHERE, PreparedChecks, ProbeLog
+from ..diagnostics.probes import AFTER, BEFORE, POOL_WHERE, PreparedChecks, ProbeLog, checkable
 
 __all__ = ["FSDP2ReduceChecks", "ReduceLog"]
 
@@ -171,7 +171,11 @@ class FSDP2ReduceChecks:
         checks = self._unreduced.get(id(group))
         if checks is None:
             checks = self._unreduced[id(group)] = _GradList(BEFORE, "")
-        data = [grad.detach() if grad.requires_grad else grad for grad in narrow]
+        # As a new list would check them (a tensor-parallel grad: its local shard): a retargeted
+        # list takes the tensors as they are.
+        data = [local for grad in narrow if (local := checkable(grad)) is not None]
+        if not data:
+            return
         prepared = checks.prepared([name] * len(data), data)
         owner.log.check_prepared(prepared)
         prepared.let_go()  # FSDP2 frees the unsharded grads after the reduce
