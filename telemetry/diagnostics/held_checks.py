@@ -16,7 +16,10 @@ would keep memory the model has let go: a forward's unit outputs as the backward
 begins (until then autograd holds them, or the next unit's inputs, itself), at the next forward
 and at the step. A tensor written in place after it was held (its version counter moved) no
 longer holds what its hook saw: it is not checked (:meth:`HeldBlock.current`), and the owner is
-told where, so that it checks that place at once from then on.
+told where, so that it checks that place at once from then on. A kernel that writes into a tensor
+through its memory, outside torch's in-place operations, moves no version counter: a unit output
+written that way before its batch is reduced reads as what was written. Once reduced, a batch
+keeps none of its tensors (``PreparedChecks.let_go``).
 
 Alternatives considered:
     - Copying each held tensor into a staging buffer as its hook runs: a copy per call is the
