@@ -50,9 +50,10 @@ PACK_MAX_SEGMENT = 1 << 13
 """The largest parameter (its local elements) packed: past it, a parameter's own passes cost
 about what copying it into a pack would."""
 
-# Segment ids of each pack's lengths, kept across steps (a model's packs stay the same).
+# Segment ids of each pack's lengths, kept across steps (a model's packs stay the same), up to
+# _KEPT_ID_ELEMENTS ids in all (128 MiB of int64; a model's small parameters hold far fewer).
 _IDS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
-_KEPT_IDS = 4096
+_KEPT_ID_ELEMENTS = 1 << 24
 
 
 def signature(s: Segment) -> tuple[Any, ...] | None:
@@ -106,7 +107,7 @@ def _ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
     key = (lengths, device)
     ids = _IDS.get(key)
     if ids is None:
-        if len(_IDS) >= _KEPT_IDS:
+        if sum(map(torch.Tensor.numel, _IDS.values())) + sum(lengths) > _KEPT_ID_ELEMENTS:
             _IDS.clear()
         counts = torch.tensor(lengths, dtype=torch.long)
         ids = _IDS[key] = torch.repeat_interleave(torch.arange(len(lengths)), counts).to(device)
