@@ -180,13 +180,14 @@ def measure(kind: str, layers: int, rounds: int, shape: Shape = HOST_BOUND, devi
 
 def _table(kind: str, sizes: list[dict[str, Any]]) -> None:
     """The sizes' figures as a Markdown table (what a GPU check's summary shows)."""
-    print(f"\n| {kind} | parameters | on/off | diagnosed/off | added per step | CUDA syncs on / off |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"\n| {kind} | parameters | step, off | on/off | diagnosed/off | added per step | CUDA syncs on / off |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for s in sizes:
         syncs = f"{s['syncs_on']} / {s['syncs_off']}" if "syncs_on" in s else "-"
         print(
-            f"| {s['tensors']} tensors | {s['params']:,} | {s['ratio_on_off']:.3f} | {s['ratio_diagnosed_off']:.3f} "
-            f"| {s['added_s'] * 1e6:.0f} us | {syncs} |"
+            f"| {s['tensors']} tensors | {s['params']:,} | {s['step_s_off'] * 1e3:.2f} ms | {s['ratio_on_off']:.3f} "
+            f"| {s['ratio_diagnosed_off']:.3f} | {s['added_s'] * 1e6:.0f} us | {syncs} |",
+            flush=True,
         )
     print()
 
@@ -226,14 +227,6 @@ def run(
                     torch.cuda.empty_cache()  # three models of the size people train: one size at a time
             fixed, per_tensor = _fit([s["tensors"] for s in sizes], [s["added_s"] for s in sizes])
             out[kind] = {"sizes": sizes, "added_fixed_s": fixed, "added_per_tensor_s": per_tensor}
-            for s in sizes:
-                syncs = f", CUDA syncs on/off {s['syncs_on']}/{s['syncs_off']}" if "syncs_on" in s else ""
-                print(
-                    f"{kind:>11} {s['tensors']:>5} tensors ({s['params']:,} parameters): "
-                    f"on/off {s['ratio_on_off']:.3f}, diagnosed/off {s['ratio_diagnosed_off']:.3f}, "
-                    f"added {s['added_s'] * 1e6:.0f} us (off {s['step_s_off'] * 1e3:.2f} ms){syncs}",
-                    flush=True,
-                )
             _table(kind, sizes)
             if len(sizes) > 1:
                 print(

@@ -186,13 +186,11 @@ class ProbeLog:
             assert isinstance(block, HeldBlock)
             items, moved = block.current()
             written += moved
-            if items:
+            if items:  # else the empty block stays, read as nothing
                 prepared = self.held_plans.prepared(block.stage, items)
                 self._entries[at] = self._reduced(prepared, block.microbatch)
                 self._count += len(prepared.tensors)
                 prepared.let_go()
-            else:
-                self._entries[at] = _Block(PreparedChecks(block.stage, []), [], [], [])
         self._unflushed = []
         return written
 
@@ -286,7 +284,7 @@ class ProbeLog:
         checked: list[Checked] = []
         for entry in self._entries:
             if isinstance(entry, HeldBlock):
-                continue  # held after the values were stacked: no part of them
+                continue  # all its tensors written in place since held: nothing checked
             if isinstance(entry, _Block):
                 if stages is not None and entry.prepared.stage not in stages:
                     continue

@@ -116,3 +116,16 @@ def test_a_held_tensor_is_let_go_once_its_batch_is_reduced() -> None:
     assert ref() is None, "a held unit output is still referenced after its batch was reduced"
     got = [(c.probe.where, c.high) for c in log.read(log.stacked())]
     assert got == [("blocks.0", 2.0)], f"want its value read from the reduction, got {got}"
+
+
+def test_a_batch_whose_every_tensor_was_written_in_place_reads_as_nothing() -> None:
+    log = ProbeLog()
+    output = torch.ones(2)
+    log.hold(FWD, "blocks.0", output)
+    output.add_(1.0)
+    written = log.flush()
+    log.check(LOSS, "loss", torch.tensor(1.0))
+    got = [c.probe.where for c in log.read(log.stacked())]
+    assert written == ["blocks.0"] and got == ["loss"], (
+        f"want blocks.0 given back and only the loss read, got {written}, {got}"
+    )
