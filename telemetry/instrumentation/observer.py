@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from opentelemetry import context as context_api
 from opentelemetry import metrics, trace
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Span
 from opentelemetry.util.types import AttributeValue
 
@@ -32,6 +33,7 @@ from . import instruments
 from .instruments import AttributeCache, dtype_name
 from .iterations import IterationWatch
 from .precision_recorder import PrecisionRecorder
+from .recorded_spans import SpanMaker
 from .step_spans import StepScope, emit_phases, fail_span
 from .timing import DurationRecorder, duration_recorder_for
 
@@ -123,7 +125,10 @@ class OptimizerObserver:
             version = providers.instrumentation_version()
             # Untraced ranks skip span work entirely rather than paying for no-op spans.
             self._tracer = (
-                tracer_provider.get_tracer(semconv.SCOPE_NAME, version, schema_url=semconv.SCHEMA_URL)
+                SpanMaker(
+                    tracer_provider.get_tracer(semconv.SCOPE_NAME, version, schema_url=semconv.SCHEMA_URL),
+                    InstrumentationScope(semconv.SCOPE_NAME, version, semconv.SCHEMA_URL),
+                )
                 if traced
                 else None
             )

@@ -21,6 +21,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from .. import semconv
+from .recorded_spans import RecordedSpan, SpanMaker
 
 __all__ = ["StepScope", "emit_phases", "fail_span", "public_type_name"]
 
@@ -80,12 +81,16 @@ class StepScope:
 
     def end_attributes(self) -> None:
         """Set the attributes noted so far on the step span (as it ends, also when the step raised)."""
-        if self._span is not None and self.attributes:
-            self._span.set_attributes(self.attributes)
+        span = self._span
+        if span is not None and self.attributes:
+            if isinstance(span, RecordedSpan):
+                span.note_attributes(self.attributes)  # this package's values: no cleaning
+            else:
+                span.set_attributes(self.attributes)
             self.attributes = {}
 
 
-def emit_phases(tracer: trace.Tracer, scope: StepScope) -> None:
+def emit_phases(tracer: SpanMaker, scope: StepScope) -> None:
     """The spans of ``scope``'s noted phases, children of its step span, with the times noted."""
     phases, scope.phases = scope.phases, []
     step = scope.span

@@ -152,29 +152,30 @@ def test_step_numbers_count_per_observer(make_observer):
 
 def test_a_steps_attributes_are_set_on_its_span_in_one_call(otel, make_observer):
     """What the step learns as it runs (its plan's counts, the bytes cast) goes onto the step span
-    once, as it ends: each call into an SDK span takes its lock and validates its value."""
-    from opentelemetry.sdk.trace import Span as SdkSpan
+    once, as it ends, as values that need no cleaning (each value set through the API is cleaned
+    as the span ends, as the SDK cleans it)."""
+    from fsdp_patch.telemetry.instrumentation.recorded_spans import RecordedSpan
 
     observer = make_observer(precision_aware=True)
     group = small_group()
     run_fake_step(observer, [group], [group.main_weight], cast_bytes=64)  # providers ready, first step's extras done
-    calls: list[tuple[str, tuple[str, ...]]] = []
-    single, many = SdkSpan.set_attribute, SdkSpan.set_attributes
+    calls: list[tuple[str, str, tuple[str, ...]]] = []
+    originals = {name: getattr(RecordedSpan, name) for name in ("set_attribute", "set_attributes", "note_attributes")}
 
-    def set_attribute(self, key, value):
-        calls.append((self.name, (key,)))
-        return single(self, key, value)
+    def recording(method: str):
+        def record(self, *args):
+            keys = (args[0],) if method == "set_attribute" else tuple(args[0])
+            calls.append((self.name, method, keys))
+            return originals[method](self, *args)
 
-    def set_attributes(self, attributes):
-        calls.append((self.name, tuple(attributes)))
-        return many(self, attributes)
+        return record
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SdkSpan, "set_attribute", set_attribute)
-        patch.setattr(SdkSpan, "set_attributes", set_attributes)
+        for method in originals:
+            patch.setattr(RecordedSpan, method, recording(method))
         run_fake_step(observer, [group], [group.main_weight], cast_bytes=64)
-    on_step = [keys for name, keys in calls if name == semconv.SPAN_STEP]
+    on_step = [(method, keys) for name, method, keys in calls if name == semconv.SPAN_STEP]
     want = {semconv.ATTR_PARAMS_COUNT, semconv.ATTR_GROUPS_COUNT, semconv.ATTR_CAST_BYTES}
-    assert len(on_step) == 1 and want <= set(on_step[0]), (
-        f"want one call setting {sorted(want)} on the step span, got {on_step}"
+    assert len(on_step) == 1 and on_step[0][0] == "note_attributes" and want <= set(on_step[0][1]), (
+        f"want one note_attributes call setting {sorted(want)} on the step span, got {on_step}"
     )
