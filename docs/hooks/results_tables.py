@@ -306,6 +306,19 @@ def _float8_gather(doc: Document) -> tuple[str, str]:
     return _table(header, rows), note
 
 
+def _span_cost(doc: Document) -> tuple[str, str]:
+    """``python -m benchmarks.span_cost``: a step's spans recorded in plain Python against the SDK's."""
+    header = ["sharding", "step, off", "added, spans recorded", "added, the SDK's spans", "recording saves"]
+    rows = []
+    for key, name in (("fully_shard", "`fully_shard`"), ("fsdp2", "torch FSDP2")):
+        got = doc[key]
+        added = [f"{got[field] * 1e6:.0f} us" for field in ("added_s_recorded", "added_s_sdk", "saved_s")]
+        rows.append([name, _ms(got["step_s_off"]), *added])
+    first = doc["fully_shard"]
+    note = f"{first['tensors']} parameter tensors at width {doc['width']}, {first['rounds']} paired rounds"
+    return _table(header, rows), note
+
+
 def _float8_watch_cost(doc: Document) -> tuple[str, str]:
     """``python -m benchmarks.float8_watch_cost``: the float8 cast watch's cost."""
     header = ["", "step", "against off"]
@@ -332,6 +345,7 @@ RENDERERS: dict[str, Callable[[Document], tuple[str, str]]] = {
     "float8_gather": _float8_gather,
     "float8_watch_cost": _float8_watch_cost,
     "host_cost": _host_cost,
+    "span_cost": _span_cost,
     "suite": _suite,
     "origin_checks": _origin_checks,
     "op_audit_cost": _op_audit_cost,

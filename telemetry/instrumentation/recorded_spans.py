@@ -188,7 +188,13 @@ class SpanMaker:
     Args:
         tracer: The tracer the spans belong to.
         scope: Its instrumentation scope (what the spans' ``instrumentation_scope`` reads).
+
+    Attributes:
+        record: Whether spans may be recorded here (a class attribute: ``False`` makes every
+            maker use the tracer's own spans; ``benchmarks/span_cost.py`` times both).
     """
+
+    record = True
 
     def __init__(self, tracer: trace.Tracer, scope: InstrumentationScope) -> None:
         self.tracer = tracer
@@ -200,7 +206,7 @@ class SpanMaker:
     @property
     def direct(self) -> bool:
         """Whether spans are recorded here now (see [Note: when a span is recorded here])."""
-        if not self._sdk:
+        if not (self._sdk and self.record):
             return False
         tracer = self.tracer
         assert isinstance(tracer, sdk_trace.Tracer)

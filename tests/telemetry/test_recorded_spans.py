@@ -181,3 +181,17 @@ def test_status_rules_follow_the_sdk(first: StatusCode):
     )
     assert got == want, f"after {first.name} then ERROR: recorded {got}, the SDK's {want}"
     provider.shutdown()
+
+
+def test_record_off_gives_every_maker_the_sdks_spans(monkeypatch: pytest.MonkeyPatch):
+    """What benchmarks/span_cost.py times its SDK contender with."""
+    provider, exporter, maker = pipeline()
+    monkeypatch.setattr(SpanMaker, "record", False)
+    span = maker.start_span("step")
+    span.end()
+    assert isinstance(span, SdkSpan) and not maker.direct, f"record off: want an SDK span, got {type(span).__name__}"
+    monkeypatch.setattr(SpanMaker, "record", True)
+    again = maker.start_span("step")
+    again.end()
+    assert isinstance(again, RecordedSpan), f"record on again: want a recorded span, got {type(again).__name__}"
+    provider.shutdown()
