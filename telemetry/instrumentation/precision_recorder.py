@@ -28,7 +28,7 @@ from ..diagnostics.groups import PrecisionSnapshot, take_snapshot
 from ..diagnostics.op_sites import site_here
 from ..diagnostics.reduced_rows import reduce_on_host
 from ..export.isolation import WarnOnce
-from .instruments import AttributeCache, dtype_name
+from .instruments import AttributeCache, CounterAdds, dtype_name
 
 _logger = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class PrecisionRecorder:
         self._skipped_steps = created[semconv.METRIC_SKIPPED_STEPS]
         self._precision_steps = created[semconv.METRIC_PRECISION_STEPS]
         self._nonfinite_steps = created[semconv.METRIC_NONFINITE_STEPS]
+        self._counts = CounterAdds()
         self._rank_attrs: dict[str, AttributeValue] = {semconv.ATTR_RANK: rank}
         self._attrs = AttributeCache(self._rank_attrs)
         self._nonfinite_attrs: dict[tuple[str, str], dict[str, AttributeValue]] = {
@@ -304,9 +305,9 @@ class PrecisionRecorder:
     def _record_stats(
         self, stats: precision.PrecisionStats, table: Sequence[row_spec.ParamSlot], rows: Sequence[Sequence[float]]
     ) -> None:
-        # Every diagnosed step adds to both (0 for a clean step), so the series exist from step 1.
+        # The series exist from the first diagnosed step (a clean step's zero added once).
         self._precision_steps.add(1, self._rank_attrs)
-        self._nonfinite_steps.add(1 if any(stats.nonfinite.values()) else 0, self._rank_attrs)
+        self._counts.add(self._nonfinite_steps, 1 if any(stats.nonfinite.values()) else 0, self._rank_attrs)
         if self._unit_detail:
             for unit, row in attribution.unit_rows(table, rows).items():
                 self._record_metrics(attribution.stats_of_row(row), {**self._rank_attrs, semconv.ATTR_UNIT: unit})
@@ -336,9 +337,9 @@ class PrecisionRecorder:
                     ("nonfinite", attrs.get(semconv.ATTR_UNIT), *key),
                     lambda key=key: {**attrs, semconv.ATTR_TENSOR: key[0], semconv.ATTR_NONFINITE_KIND: key[1]},
                 )
-            self._nonfinite.add(count, point)
-        self._overflow.add(stats.overflow, attrs)
-        self._underflow.add(stats.underflow, attrs)
+            self._counts.add(self._nonfinite, count, point)
+        self._counts.add(self._overflow, stats.overflow, attrs)
+        self._counts.add(self._underflow, stats.underflow, attrs)
         for gauge, value in (
             (self._refresh_error, stats.refresh_error),
             (self._lost_ratio, stats.lost_ratio),

@@ -202,3 +202,47 @@ def test_prometheus_names_are_distinct_and_as_documented(otel, make_observer):
         base = family.removesuffix("_total")
         assert re.search(rf"^# TYPE ({family}|{base}) {kind}$", text, re.MULTILINE), family
     assert re.search(r'^fsdp_optimizer_step_duration_seconds_count\{.*fsdp_rank="0".*\} 2\.0$', text, re.MULTILINE)
+
+
+class _CountingCounter:
+    """Stands for an SDK counter: what was added to which series."""
+
+    def __init__(self) -> None:
+        self.adds: list[tuple[int, dict]] = []
+
+    def add(self, amount: int, attributes: dict) -> None:
+        self.adds.append((amount, dict(attributes)))
+
+
+def test_a_zero_is_added_once_per_series_and_every_other_amount_always():
+    counts = instruments.CounterAdds()
+    first, second = _CountingCounter(), _CountingCounter()
+    clean, other = {semconv.ATTR_RANK: 0}, {semconv.ATTR_RANK: 0, semconv.ATTR_TENSOR: "main_grad"}
+    for amount in (0, 0, 3, 0, 2):
+        counts.add(first, amount, clean)
+    counts.add(first, 0, dict(other))
+    counts.add(first, 0, dict(other))  # the same series in a dict of its own
+    counts.add(second, 0, clean)
+    want = [(0, clean), (3, clean), (2, clean), (0, other)]
+    assert first.adds == want, f"want the first zero of each series and every other amount {want}, got {first.adds}"
+    assert second.adds == [(0, clean)], f"another counter's series is its own: got {second.adds}"
+
+
+def test_clean_diagnosed_steps_export_their_counters_at_zero(otel, make_observer, monkeypatch):
+    """The zeros a clean step would add are added once: the series exist, at 0, after many steps."""
+    monkeypatch.setenv("FSDP_PATCH_PRECISION_EVERY", "1")
+    observer = make_observer()
+    main = torch.linspace(-1, 1, 16)
+    group = Group(main, main.to(torch.bfloat16), torch.full((16,), 0.5, dtype=torch.bfloat16))
+    for step in range(3):
+        run_fake_step(observer, [group], [main + 0.01 * (step + 1)])
+    points = otel.points()
+    for tensor in semconv.TENSORS:
+        for kind in semconv.NONFINITE_KINDS:
+            got = point_value(
+                points, semconv.METRIC_NONFINITE, **{semconv.ATTR_TENSOR: tensor, semconv.ATTR_NONFINITE_KIND: kind}
+            )
+            assert got == 0, f"{tensor} {kind}: want the series at 0 after 3 clean steps, got {got}"
+    got = (point_value(points, semconv.METRIC_REFRESH_OVERFLOW), point_value(points, semconv.METRIC_NONFINITE_STEPS))
+    assert got == (0, 0), f"overflow and steps with a NaN/Inf: want (0, 0), got {got}"
+    assert point_value(points, semconv.METRIC_PRECISION_STEPS) == 3, "every diagnosed step counted"
