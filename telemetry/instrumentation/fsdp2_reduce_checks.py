@@ -37,6 +37,8 @@ class ReduceLog(Protocol):
 
     log: ProbeLog
 
+    def reached(self) -> None: ...
+
     def seen_grads(self, tensors: Sequence[torch.Tensor]) -> None: ...
 
 
@@ -154,7 +156,10 @@ class FSDP2ReduceChecks:
 
     def _before_reduce(self, group: Any, name: str) -> None:
         owner = self._owner_ref()
-        if owner is None or group in self._wide_reduces:
+        if owner is None:
+            return
+        owner.reached()  # the group's post-backward: this backward is the model's
+        if group in self._wide_reduces:
             return
         dtype = getattr(group, "_reduce_dtype", None)
         grads = [g for p in group.fsdp_params if (g := _fsdp2_unsharded_grad(p)) is not None]
@@ -184,6 +189,7 @@ class FSDP2ReduceChecks:
         owner = self._owner_ref()
         if owner is None:
             return
+        owner.reached()
         wheres: list[str] = []
         seen: list[torch.Tensor] = []
         for name, group in units:

@@ -43,6 +43,7 @@ from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precisi
 from ..diagnostics.origin import Origin, find_origin, zeroed_groups
 from ..diagnostics.probes import AFTER, BEFORE, INPUT, Checked, PreparedChecks, ProbeLog, floating_tensors
 from .fsdp2_reduce_checks import FSDP2ReduceChecks
+from .model_parameters import ModelParameters
 from .module_checks import ModuleChecks
 
 __all__ = ["IterationCheck", "ModelWatch"]
@@ -151,6 +152,13 @@ class ModelWatch:
         # held until its backward]).
         self._checked_at_once: set[str] = set()
         self._in_backward = False
+        # Whether a hook of this model ran in the backward going on, and that backward's losses,
+        # checked as it first does (see [Note: whose backward]).
+        self._reached = False
+        self._losses: list[torch.Tensor] = []
+        self._depth = 0  # backward passes running, one inside another (reentrant checkpointing)
+        self._loss_finding: ModelFinding | None = None  # of the first loss, read before its backward
+        self.parameters = ModelParameters(self._root_ref)  # what a clip_grad_norm_ clipped is known by
         self._handles.append(model.root.register_forward_pre_hook(self._model_input))
         units: list[tuple[str, nn.Module]] = []
         self._output_grad_hooks: dict[str, Callable[[torch.Tensor], None]] = {}
@@ -182,6 +190,8 @@ class ModelWatch:
     # written in place after its hook saw it is checked at once from then on.
 
     def _model_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._in_backward:
+            self.reached()
         if torch.is_grad_enabled():
             self._flush()  # a forward that no backward followed
             for t in floating_tensors(args):
@@ -190,6 +200,8 @@ class ModelWatch:
     def _unit_output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation between steps is no part of the iteration the step ends
+        if self._in_backward:
+            self.reached()
         # A forward recomputed inside a backward (activation checkpointing) is checked at once:
         # held, its outputs would outlive the recomputation.
         check = self.log.check if self._in_backward or name in self._checked_at_once else self.log.hold
@@ -203,29 +215,65 @@ class ModelWatch:
         self._checked_at_once.update(self.log.flush())
 
     def _unit_output_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.reached()
         self.log.check(semconv.ORIGIN_BACKWARD, name, grad)
 
     def _reduced(self, name: str, group: Any, stage: str, grads: torch.Tensor) -> None:
+        self.reached()
         if stage == REDUCE_COPIED:  # main_grad now holds the shard just checked: not checked again at the step
             self.seen_grad(grads)
             return
         when = BEFORE if stage == REDUCE_INPUT else AFTER
         self.log.check(semconv.ORIGIN_REDUCE, name, grads, when)
 
+    # [Note: whose backward]
+    # torch.autograd.backward is wrapped for the whole process, and a process may train other
+    # models beside this one (a GAN's discriminator, a model not adapted). A backward belongs to
+    # this model's iteration only where one of its hooks ran in it: a unit's output grad, a
+    # reduce (fully_shard's, torch FSDP2's post-backward), a forward recomputed; its loss is
+    # checked as the first of them runs, so it comes before them in the log, and another
+    # model's backward costs this watch nothing but its held checks made. A model reached only
+    # by a forward method of its own (no module hook runs) in a backward without gradient sync
+    # shows none of these: that backward is not counted.
+
+    def reached(self) -> None:
+        """A hook of this model runs in the backward going on: the first checks its losses (see
+        [Note: whose backward])."""
+        if self._reached:
+            return
+        self._reached = True
+        losses, self._losses = self._losses, []
+        for t in losses:
+            self.log.check(semconv.ORIGIN_LOSS, "loss", t)
+        if losses and not self._loss_checked:
+            self._loss_checked = True
+            self.loss_finding = self._loss_finding
+
     def before_backward(self, tensors: Any) -> None:
-        """``torch.autograd.backward(tensors)`` is about to run: the forward's held checks made,
-        then the loss checked."""
+        """``torch.autograd.backward(tensors)`` is about to run: the forward's held checks made;
+        the loss is checked where the backward proves this model's (:meth:`reached`). A backward
+        inside a backward (reentrant checkpointing's recomputation) is part of the outer one."""
+        self._depth += 1
+        if self._depth > 1:
+            return
         self._flush()
         self._in_backward = True
-        for t in floating_tensors(tensors):
-            self.log.check(semconv.ORIGIN_LOSS, "loss", t)
-            if not self._loss_checked:
-                self._loss_checked = True
-                self.loss_finding = loss_precision(t)
+        self._reached = False
+        self._losses = list(floating_tensors(tensors))
+        if self._losses and not self._loss_checked:
+            # Read from the graph behind the loss, which the backward frees as it goes.
+            self._loss_finding = loss_precision(self._losses[0])
 
     def after_backward(self) -> None:
-        """A backward pass ended (also by an exception): what follows belongs to the next microbatch."""
+        """A backward pass ended (also by an exception): what follows belongs to the next
+        microbatch, where the backward was this model's."""
+        self._depth -= 1
+        if self._depth > 0:
+            return
         self._in_backward = False
+        self._losses = []
+        if not self._reached:
+            return
         self.backward_count += 1
         self.log.microbatch += 1
         for listener in self.backward_listeners:

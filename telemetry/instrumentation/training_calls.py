@@ -2,12 +2,14 @@
 what no hook of the model or the optimizer shows.
 
 - ``torch.autograd.backward`` (``Tensor.backward`` calls it): each registered
-  :class:`~.model_watch.ModelWatch` checks the loss before the pass and counts it after; the
-  listeners of :func:`listen_before_backward` (the late adaptation's pending optimizers) run first.
+  :class:`~.model_watch.ModelWatch` checks the loss before the pass and counts it after, where the
+  pass proves its model's; the listeners of :func:`listen_before_backward` (the late adaptation's
+  pending optimizers) run first.
 - ``torch.amp.GradScaler.step``: a registered optimizer's observer is told the loss was scaled,
   and of a step the scaler skipped (with the scale).
 - ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad``'s, through which callers
-  may reach it too): the total norm it returns is checked by every watch.
+  may reach it too): the total norm it returns is checked by the watch of the model whose
+  parameters it clipped (its first parameter decides).
 
 The wrappers go in with the first registration (:func:`watch_optimizer_steps`,
 :func:`listen_before_backward`) and are removed, exactly, with the last; ``process_wide.CHANGES``
@@ -70,10 +72,19 @@ def _on_scaler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
 
 
 def _on_clip(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    parameters = args[0] if args else kwargs.get("parameters")
+    if parameters is not None and not isinstance(parameters, torch.Tensor):
+        parameters = list(parameters)  # a generator is read here once, and clipped as this list
+        if args:
+            args = (parameters, *args[1:])
+        else:
+            kwargs = {**kwargs, "parameters": parameters}
     total_norm = wrapped(*args, **kwargs)
     if isinstance(total_norm, torch.Tensor):
+        clipped = [parameters] if isinstance(parameters, torch.Tensor) else parameters or []
         for watch in list(_watches):
-            watch.log.check(semconv.ORIGIN_GRAD_WRITE, CLIP, total_norm)
+            if watch.parameters.hold_any(clipped):
+                watch.log.check(semconv.ORIGIN_GRAD_WRITE, CLIP, total_norm)
     return total_norm
 
 

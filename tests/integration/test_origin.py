@@ -9,6 +9,7 @@ write a user's code could make: nothing of the product is patched.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -60,6 +61,8 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
     from fsdp_patch.optimizer import fully_shard_optimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    reentrant = fault.endswith("_reentrant")
+    fault = fault.removesuffix("_reentrant")
     settings = {
         "FSDP_PATCH_TELEMETRY": "1",
         "FSDP_PATCH_TRACE_DIR": trace_dir,
@@ -73,11 +76,16 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
     originals = _process_wide()
     with environment(**settings):
         reset_otel()
-        model = _shard(models.make_model(0), kind)
+        model = models.make_model(0)
+        if reentrant:  # each block's computation checkpointed: recomputed in a backward of its own
+            for block in model.blocks:
+                block.forward = functools.partial(_checkpointed, block.forward)
+        model = _shard(model, kind)
         head = [p for name, p in model.named_parameters() if name == "head.weight"]
         rest = [p for name, p in model.named_parameters() if name != "head.weight"]
         optimizer = torch.optim.AdamW([{"params": rest}, {"params": head}], lr=1e-3)
         fully_shard_optimizer(optimizer)
+        other = torch.nn.Linear(4, 4) if fault == "other_model" else None
         for step, tokens in enumerate(models.make_batches(STEPS), start=1):
             planted = step == PLANT
             handles = []
@@ -93,6 +101,11 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
             if planted and fault == "loss":
                 loss = loss * math.inf
             loss.backward()
+            if other is not None:
+                # Another model of the process (a GAN's discriminator, a model not adapted) runs
+                # its backward and clips its grads every step; at PLANT its loss is NaN.
+                (other(torch.ones(2, 4)).sum() * (math.nan if planted else 1.0)).backward()
+                torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
             for handle in handles:
                 handle.remove()
             if planted and fault == "grad_write":
@@ -120,6 +133,10 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
         restored = _process_wide() == originals
         reset_otel()
     return {"weights": weights, "restored": restored}
+
+
+def _checkpointed(forward: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=True)
 
 
 def _written_in_place(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
