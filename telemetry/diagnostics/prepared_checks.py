@@ -123,6 +123,13 @@ class PreparedChecks:
             key = (data.dtype, data.device, self._segments[index] is not None, pool)
             parts.setdefault(key, []).append(index)
         self.part_indices = list(parts.values())
+        # How :meth:`retarget` takes each part's tensors: a slice where the part is a run of
+        # consecutive items (one list's, a unit's), else item by item.
+        self._part_takes: list[slice | list[int]] = [
+            slice(indices[0], indices[-1] + 1) if indices == list(range(indices[0], indices[-1] + 1)) else indices
+            for indices in self.part_indices
+        ]
+        self._keeps_all = len(self._kept) == len(items)
         self.plans = [
             ReductionPlan([self.tensors[i] for i in indices], FUSED_DEVICE_TYPES, located, bool(pooled))
             for (_, _, located, _), indices in parts.items()
@@ -141,9 +148,9 @@ class PreparedChecks:
     def retarget(self, tensors: Sequence[torch.Tensor]) -> None:
         """Check ``tensors`` from now on: new tensors standing for the same items (the same
         places, dtypes and sizes: the caller knows), each a plain tensor as :attr:`tensors` holds."""
-        self.tensors = [tensors[i] for i in self._kept]
-        for indices, plan in zip(self.part_indices, self.plans, strict=True):
-            plan.retarget([self.tensors[i] for i in indices])
+        self.tensors = list(tensors) if self._keeps_all else [tensors[i] for i in self._kept]
+        for take, plan in zip(self._part_takes, self.plans, strict=True):
+            plan.retarget(self.tensors[take] if isinstance(take, slice) else [self.tensors[i] for i in take])
 
     def let_go(self) -> None:
         """Hold no tensor until :meth:`retarget` gives new ones: a list checked once an

@@ -62,7 +62,8 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
 
     rank, world = dist.get_rank(), dist.get_world_size()
     reentrant = fault.endswith("_reentrant")
-    fault = fault.removesuffix("_reentrant")
+    frozen = fault.endswith("_frozen")
+    fault = fault.removesuffix("_reentrant").removesuffix("_frozen")
     settings = {
         "FSDP_PATCH_TELEMETRY": "1",
         "FSDP_PATCH_TRACE_DIR": trace_dir,
@@ -80,9 +81,11 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
         if reentrant:  # each block's computation checkpointed: recomputed in a backward of its own
             for block in model.blocks:
                 block.forward = functools.partial(_checkpointed, block.forward)
+        if frozen:  # a parameter without a grad, in the unit before the fault
+            model.blocks[0].fc1.bias.requires_grad_(False)
         model = _shard(model, kind)
         head = [p for name, p in model.named_parameters() if name == "head.weight"]
-        rest = [p for name, p in model.named_parameters() if name != "head.weight"]
+        rest = [p for name, p in model.named_parameters() if name != "head.weight" and p.requires_grad]
         optimizer = torch.optim.AdamW([{"params": rest}, {"params": head}], lr=1e-3)
         fully_shard_optimizer(optimizer)
         other = torch.nn.Linear(4, 4) if fault == "other_model" else None

@@ -146,6 +146,41 @@ def test_grads_pooled_by_place_read_exactly_place_by_place() -> None:
     assert got == want, f"want {want}, got {got}"
 
 
+@pytest.mark.parametrize("with_scalar", [False, True], ids=["shaped", "with-0-d"])
+def test_a_retargeted_list_is_read_as_a_new_list_of_the_same_tensors_would_be(with_scalar: bool) -> None:
+    """FSDP2's grads are new tensors every iteration, of their own shapes (a transposed one among
+    them): a plan retargeted to them reads each unit's values, and tells a NaN apart, exactly as a
+    plan made for them would (copied flattened by ``_chunk_cat``; a 0-d tensor, which it does not
+    take, flattened first)."""
+
+    def grads(nan: bool) -> list[torch.Tensor]:
+        made = [torch.full((2, 3), 2.0).t(), torch.full((4,), -1.0), torch.full((3, 2), 5.0), torch.zeros(2)]
+        if with_scalar:
+            made.append(torch.tensor(7.0))
+        if nan:
+            made[2][1, 0] = math.nan
+        return made
+
+    def items(tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor, str, str]]:
+        return [("blocks.0" if i < 2 else "blocks.1", t, AFTER, "") for i, t in enumerate(tensors)]
+
+    def read(prepared: PreparedChecks) -> list[tuple[str, str, str, bool]]:
+        log = ProbeLog()
+        log.check_prepared(prepared)
+        return [(c.probe.where, repr(c.low), repr(c.high), c.nan) for c in log.read(log.stacked())]
+
+    retargeted = PreparedChecks(semconv.ORIGIN_REDUCE, items(grads(False)), pooled=POOL_WHERE)
+    read(retargeted)
+    for nan in (False, True):
+        now = grads(nan)
+        retargeted.retarget(now)
+        got, want = read(retargeted), read(PreparedChecks(semconv.ORIGIN_REDUCE, items(now), pooled=POOL_WHERE))
+        assert got == want, f"nan={nan}: retargeted read {got}, a new plan {want}"
+    assert [plan.kind for plan in retargeted.plans] == [CONCATENATED, CONCATENATED], "want a pool per unit"
+    nans = [where for where, _, _, nan in got if nan]
+    assert nans == ["blocks.1"], f"want the NaN told apart in blocks.1's third grad only, got {nans}"
+
+
 @pytest.mark.parametrize(
     ("writes", "want"), [({"at7": math.nan}, "blocks.0.bias"), ({"at9": -math.inf}, "blocks.1.weight")]
 )
