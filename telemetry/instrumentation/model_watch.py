@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from ..diagnostics.host_copies import HostCopy
 from ..diagnostics.model_audit import ModelFinding, NormStatistics, loss_precision
 from ..diagnostics.origin import Origin, find_origin, zeroed_groups
 from ..diagnostics.probes import AFTER, BEFORE, INPUT, Checked, PreparedChecks, ProbeLog, floating_tensors
+from .checked_grads import CheckedGrads
 from .fsdp2_reduce_checks import FSDP2ReduceChecks
 from .model_parameters import ModelParameters
 from .module_checks import ModuleChecks
@@ -147,7 +147,7 @@ class ModelWatch:
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._fsdp2 = FSDP2ReduceChecks(self)
-        self._grad_versions: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.checked_grads = CheckedGrads()
         # Units whose output was written in place after its hook (see [Note: a forward's checks
         # held until its backward]).
         self._checked_at_once: set[str] = set()
@@ -292,37 +292,22 @@ class ModelWatch:
                 writes through ``.data`` (a load, an EMA, a manual edit) move no version counter.
         """
         self._flush()
-        changed = [(name, grad, "", "") for name, grad in grads if not self._unchanged_grad(grad)]
-        if changed:
-            self.log.check_all(semconv.ORIGIN_GRAD_WRITE, changed)
+        written = self.checked_grads.written([grad for _, grad in grads])
+        if written:
+            self.log.check_all(semconv.ORIGIN_GRAD_WRITE, [(grads[i][0], grads[i][1], "", "") for i in written])
         self.log.check_prepared(weights)
 
     def check_step_end(self, weights: PreparedChecks) -> None:
         """After the update: each group's main weights."""
         self.log.check_prepared(weights)
 
-    # A grad checked already and not written since holds what that check saw: torch FSDP2's from
-    # its reduce to the step, fully_shard's main grads copied from the reduce. Not checking it
-    # again saves a pass over the grads in every iteration that writes nothing between. A grad
-    # is known by its tensor (a weak reference: holding it would keep alive a main-grad buffer
-    # that its group frees) and "not written" by its version counter unmoved: a clip or an
-    # unscale writes in place and moves it. Grads are known for one iteration only.
-
     def seen_grad(self, tensor: torch.Tensor) -> None:
-        """Record ``tensor`` (a grad) as checked now."""
-        local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
-        self._grad_versions[id(local)] = (weakref.ref(local), local._version)
+        """Record ``tensor`` (a grad) as checked now (:mod:`.checked_grads`)."""
+        self.checked_grads.record([getattr(tensor, "_local_tensor", tensor)])
 
     def seen_grads(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Record ``tensors`` (plain grads: local shards) as checked now, in C-level calls."""
-        held = zip(map(weakref.ref, tensors), map(_VERSION, tensors), strict=True)
-        self._grad_versions.update(zip(map(id, tensors), held, strict=True))
-
-    def _unchanged_grad(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` was checked and not written since."""
-        local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
-        held = self._grad_versions.get(id(local))
-        return held is not None and held[0]() is local and held[1] == local._version
+        """Record ``tensors`` (plain grads: local shards) as checked now."""
+        self.checked_grads.record(tensors)
 
     def close_iteration(self, agree: bool = True) -> IterationCheck | None:
         """End the iteration: its log goes on its way (with the ranks' flag when ``agree``, a
@@ -344,7 +329,7 @@ class ModelWatch:
         count, self.backward_count = self.backward_count, 0
         self._flush()
         log, self.log = self.log, ProbeLog(self.log.held_plans)
-        self._grad_versions.clear()
+        self.checked_grads.clear()
         values = log.stacked()
         work = flag = None
         device = values.device if values is not None else torch.device("cpu")
@@ -427,9 +412,6 @@ class ModelWatch:
             handle.remove()
         self._handles.clear()
         self._fsdp2.remove()
-
-
-_VERSION = operator.attrgetter("_version")
 
 
 def _backend(group: Any) -> str:
