@@ -92,9 +92,12 @@ def training_steps(
     batches: list[torch.Tensor],
     clock: Clock,
     loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    clip: float | None = None,
 ) -> Callable[[str], float]:
     """``step(name)``: one timed training step (forward, backward, optimizer step, zero_grad) of
-    model ``name`` of ``built`` on its next batch; each model walks ``batches`` on its own."""
+    model ``name`` of ``built`` on its next batch; each model walks ``batches`` on its own. With
+    ``clip``, the grads are clipped to that total norm before the step (``clip_grad_norm_``, as
+    most training scripts do)."""
     cursor = dict.fromkeys(built, 0)
 
     def step(name: str) -> float:
@@ -103,6 +106,8 @@ def training_steps(
         cursor[name] += 1
         start = clock.start()
         loss(model, tokens).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         return clock.seconds_since(start)

@@ -23,9 +23,12 @@ a 32000-token vocabulary, about 1.04B parameters, bf16 compute, AdamW (``--devic
 each sharding's undiagnosed ``on`` and ``off`` steps are also traced once with ``torch.profiler``
 and their CUDA synchronizations counted (``syncs_on``, ``syncs_off``): telemetry adds none.
 
+``--clip MAX_NORM`` clips the grads before each step (``clip_grad_norm_``), as most training scripts
+do: the step then takes the clip's path through the checks too.
+
 Usage::
 
-    python -m benchmarks.host_cost [--rounds 40] [--layers 0 1 6 24 80] [--json out.json]
+    python -m benchmarks.host_cost [--rounds 40] [--layers 0 1 6 24 80] [--clip 1.0] [--json out.json]
     python -m benchmarks.host_cost --device cuda --preset 1b --rounds 10 [--kinds fully_shard]
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -145,7 +149,9 @@ def _fit(counts: list[int], added: list[float]) -> tuple[float, float]:
     return intercept, slope
 
 
-def measure(kind: str, layers: int, rounds: int, shape: Shape = HOST_BOUND, device: str = "cpu") -> dict[str, Any]:
+def measure(
+    kind: str, layers: int, rounds: int, shape: Shape = HOST_BOUND, device: str = "cpu", clip: float | None = None
+) -> dict[str, Any]:
     built = {setting: _built(kind, layers, setting, shape, device) for setting in SETTINGS}
     tensors = len(list(built["off"][0].parameters()))
     params = sum(p.numel() for p in built["off"][0].parameters())
@@ -155,7 +161,7 @@ def measure(kind: str, layers: int, rounds: int, shape: Shape = HOST_BOUND, devi
         ).to(device)
         for i in range(4)
     ]
-    step = training_steps(built, batches, Clock(device), lm_loss)
+    step = training_steps(built, batches, Clock(device), lm_loss, clip)
     for name in built:
         for _ in range(WARMUP_STEPS):
             step(name)
@@ -212,17 +218,19 @@ def run(
     shape: Shape = HOST_BOUND,
     device: str = "cpu",
     kinds: tuple[str, ...] = KINDS,
+    clip: float | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "rounds": rounds,
         "width": shape.model.dim,
         "compute_dtype": str(shape.compute_dtype or "default"),
+        "clip": clip,
     }
     with process_group(device), quiet_telemetry():
         for kind in kinds:
             sizes = []
             for n in layers:
-                sizes.append(measure(kind, n, rounds, shape, device))
+                sizes.append(measure(kind, n, rounds, shape, device, clip))
                 if device == "cuda":
                     torch.cuda.empty_cache()  # three models of the size people train: one size at a time
             fixed, per_tensor = _fit([s["tensors"] for s in sizes], [s["added_s"] for s in sizes])
@@ -249,10 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the shardings measured")
+    parser.add_argument(
+        "--clip",
+        type=float,
+        metavar="MAX_NORM",
+        help="clip the grads to this total norm before each step (clip_grad_norm_; default: no clip)",
+    )
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if not 1 <= args.rounds <= MAX_ROUNDS:
         parser.error(f"--rounds {args.rounds}: expected 1 to {MAX_ROUNDS} (the measured steps stay undiagnosed)")
+    if args.clip is not None and not (math.isfinite(args.clip) and args.clip > 0):
+        parser.error(f"--clip {args.clip}: expected a positive total norm")
     shape, preset_layers = PRESETS[args.preset]
     layers = tuple(args.layers) if args.layers else preset_layers
     if any(n < 0 for n in layers):
@@ -261,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: no CUDA device here (leave --device out to measure on the CPU)")
     if args.preset == "1b" and args.device != "cuda":
         parser.error("--preset 1b: expected --device cuda (a 1B-parameter model's steps on a CPU take minutes)")
-    results = run(layers, args.rounds, shape, args.device, tuple(args.kinds))
+    results = run(layers, args.rounds, shape, args.device, tuple(args.kinds), args.clip)
     if args.json:
         write_results(args.json, "host_cost", results, world_size=1, device=args.device)
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from fsdp_patch.app.demo.model import GPTConfig
 
-from benchmarks.common import process_group
+from benchmarks.common import Clock, process_group, training_steps
 from benchmarks.host_cost import PRESETS, Shape, _fit, count_synchronizations, measure, quiet_telemetry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,13 +24,14 @@ def test_fit_finds_the_fixed_part_and_the_part_per_tensor() -> None:
 
 def test_host_cost_measures_every_size_and_sharding_and_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
-    args = ["--rounds", "2", "--layers", "0", "1", "--json", str(out)]
+    args = ["--rounds", "2", "--layers", "0", "1", "--clip", "1.0", "--json", str(out)]
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.host_cost", *args], cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
     document = json.loads(out.read_text(encoding="utf-8"))
     assert document["benchmark"] == "host_cost" and document["rounds"] == 2, document
+    assert document["clip"] == 1.0, f"--clip 1.0: want it recorded, got {document['clip']}"
     for kind in ("fully_shard", "fsdp2"):
         sizes = document[kind]["sizes"]
         got = [(s["layers"], s["tensors"]) for s in sizes]
@@ -43,6 +44,20 @@ def test_host_cost_measures_every_size_and_sharding_and_writes_its_figures(tmp_p
         assert f"{kind} added per undiagnosed step" in run.stdout, run.stdout
 
 
+def test_a_clipped_step_clips_the_grads_before_the_update() -> None:
+    """``training_steps(..., clip=)``: with SGD at lr 1 the update is the grads, clipped to ``clip``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = training_steps(
+        {"m": (model, optimizer)}, [torch.ones(2, 4)], Clock("cpu"), lambda m, x: 1000 * m(x).sum(), 0.5
+    )
+    step("m")
+    got = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)]).norm().item()
+    assert math.isclose(got, 0.5, rel_tol=1e-4), f"want an update of norm 0.5 (the clip), got {got}"
+
+
 def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.host_cost", "--rounds", "60"],
@@ -53,6 +68,15 @@ def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
     )
     assert run.returncode == 2, f"--rounds 60: exit {run.returncode}"
     assert "--rounds 60: expected 1 to 46 (the measured steps stay undiagnosed)" in run.stderr, run.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.host_cost", "--clip", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, f"--clip 0: exit {run.returncode}"
+    assert "--clip 0.0: expected a positive total norm" in run.stderr, run.stderr
 
 
 def test_the_1b_preset_is_a_model_of_a_billion_parameters_in_bf16() -> None:

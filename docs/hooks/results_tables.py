@@ -260,7 +260,9 @@ def _host_cost(doc: Document) -> tuple[str, str]:
             rows.append([name, "fit", "", "", added, ""] + ([""] if syncs else []))
     dtype = doc.get("compute_dtype", "default")
     compute = "" if dtype == "default" else f", {dtype.removeprefix('torch.')} compute"
-    return _table(header, rows), f"width {doc.get('width', 16)}{compute}, {doc['rounds']} paired steps per size"
+    clipped = f", grads clipped to a total norm of {doc['clip']:g} every step" if doc.get("clip") else ""
+    note = f"width {doc.get('width', 16)}{compute}{clipped}, {doc['rounds']} paired steps per size"
+    return _table(header, rows), note
 
 
 def _float8_gather(doc: Document) -> tuple[str, str]:
