@@ -9,20 +9,18 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.benchmark_runs import run_benchmark
+
 CASES = ["1 floor", "2 step", "3 scaling", "4 attachments", "5 telemetry", "6 end_to_end", "7 hsdp"]
 
 
 def _suite(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks", *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    return run_benchmark("benchmarks", *args)
 
 
 @pytest.mark.long
@@ -78,13 +76,7 @@ def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
 
 def test_telemetry_overhead_refuses_settings_it_cannot_pair() -> None:
     """Case 5's settings from the command line: ratios are against ``off``, so it comes first."""
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.telemetry_overhead", "--settings", "on,attribution"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_benchmark("benchmarks.telemetry_overhead", "--settings", "on,attribution", timeout=120)
     assert run.returncode == 2, f"--settings on,attribution: exit {run.returncode}\n{run.stderr[-2000:]}"
     want = "want off first, then on and any of off, on, diagnostics, attribution"
     assert want in run.stderr, run.stderr
@@ -117,26 +109,8 @@ def test_origin_checks_host_bound_runs_escalated_to_the_end_and_writes_its_figur
     checks' own time), the escalated model still escalated after its last measured step (an
     escalation no NaN/Inf began is not ended by the next report), the width-16 shape recorded."""
     out = tmp_path / "origin.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.origin_checks",
-            "--host-bound",
-            "--world-size",
-            "1",
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["--host-bound", "--world-size", "1", "--steps", "3", "--warmup", "1", "--json", str(out)]
+    run = run_benchmark("benchmarks.origin_checks", *args, timeout=300)
     assert run.returncode == 0, f"exit {run.returncode}:\n{run.stderr[-3000:]}"
     document = json.loads(out.read_text())
     got = {
@@ -171,9 +145,7 @@ def test_op_audit_cost_measures_both_kinds_and_writes_its_figures(tmp_path: Path
     in 1000 iterations, in the table and the JSON."""
     out = tmp_path / "audit.json"
     args = ["--small", "--world-size", "1", "--steps", "2", "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.op_audit_cost", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    run = run_benchmark("benchmarks.op_audit_cost", *args, timeout=300)
     assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
     results = json.loads(out.read_text(encoding="utf-8"))
     for kind in ("fully_shard", "fsdp2"):
@@ -187,13 +159,7 @@ def test_op_audit_cost_measures_both_kinds_and_writes_its_figures(tmp_path: Path
 
 
 def test_origin_checks_host_bound_is_refused_on_a_gpu() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.origin_checks", "--host-bound", "--device", "cuda"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_benchmark("benchmarks.origin_checks", "--host-bound", "--device", "cuda", timeout=120)
     assert run.returncode == 2, f"--host-bound --device cuda: exit {run.returncode}\n{run.stderr[-2000:]}"
     assert "--host-bound measures on the CPU: leave --device out" in run.stderr, run.stderr
 
@@ -235,13 +201,7 @@ def test_determinism_soak_runs_and_every_run_holds_one_state(tmp_path: Path) -> 
         "--json",
         str(out),
     ]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.determinism_soak", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = run_benchmark("benchmarks.determinism_soak", *args)
     assert run.returncode == 0, f"determinism_soak exited {run.returncode}:\n{run.stderr[-3000:]}"
     want = "| 2 | 1 and 2 | 8 (2 x 2 jobs x 1 per setting) | 3 x 2 | all bitwise equal | - |"
     assert want in run.stdout, f"want the row {want!r} in:\n{run.stdout}"

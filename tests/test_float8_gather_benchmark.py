@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.benchmark_runs import run_benchmark
 from tests.fsdp.float8_models import require_torchao
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_float8_gathers_fewer_bytes_and_the_figures_are_written(tmp_path: Path) -> None:
     require_torchao()
     out = tmp_path / "float8.json"
     args = ["--layers", "2", "--width", "64", "--steps", "2", "--world-size", "2", "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.float8_gather", *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    run = run_benchmark("benchmarks.float8_gather", *args)
     assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
     document = json.loads(out.read_text(encoding="utf-8"))
     bf16, float8 = document["bf16"], document["float8"]
@@ -36,12 +31,6 @@ def test_float8_gathers_fewer_bytes_and_the_figures_are_written(tmp_path: Path) 
 
 
 def test_a_width_float8_cannot_multiply_is_refused() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.float8_gather", "--width", "100"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_benchmark("benchmarks.float8_gather", "--width", "100", timeout=120)
     assert run.returncode == 2, f"--width 100: exit {run.returncode}"
     assert "--width 100: expected a multiple of 16" in run.stderr, run.stderr

@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.benchmark_runs import run_benchmark
 from tests.fsdp.float8_models import require_torchao
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_watch_s_cost_is_measured_and_written(tmp_path: Path) -> None:
     require_torchao()
     out = tmp_path / "watch.json"
     args = ["--layers", "2", "--width", "64", "--rounds", "2", "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.float8_watch_cost", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = run_benchmark("benchmarks.float8_watch_cost", *args)
     assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
     document = json.loads(out.read_text(encoding="utf-8"))
     for setting in ("off", "on", "diagnosed", "diagnosed_no_watch"):
@@ -38,11 +29,5 @@ def test_the_watch_s_cost_is_measured_and_written(tmp_path: Path) -> None:
 
 
 def test_more_rounds_than_the_undiagnosed_stretch_holds_are_refused() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.float8_watch_cost", "--rounds", "60"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_benchmark("benchmarks.float8_watch_cost", "--rounds", "60", timeout=120)
     assert run.returncode == 2 and "--rounds 60: at most 46" in run.stderr, (run.returncode, run.stderr[-2000:])

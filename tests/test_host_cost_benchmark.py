@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -13,8 +11,7 @@ from fsdp_patch.app.demo.model import GPTConfig
 
 from benchmarks.common import Clock, process_group, training_steps
 from benchmarks.host_cost import PRESETS, Shape, _fit, count_synchronizations, measure, quiet_telemetry
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.benchmark_runs import run_benchmark
 
 
 def test_fit_finds_the_fixed_part_and_the_part_per_tensor() -> None:
@@ -25,9 +22,7 @@ def test_fit_finds_the_fixed_part_and_the_part_per_tensor() -> None:
 def test_host_cost_measures_every_size_and_sharding_and_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
     args = ["--rounds", "2", "--layers", "0", "1", "--clip", "1.0", "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.host_cost", *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    run = run_benchmark("benchmarks.host_cost", *args)
     assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
     document = json.loads(out.read_text(encoding="utf-8"))
     assert document["benchmark"] == "host_cost" and document["rounds"] == 2, document
@@ -59,22 +54,10 @@ def test_a_clipped_step_clips_the_grads_before_the_update() -> None:
 
 
 def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.host_cost", "--rounds", "60"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_benchmark("benchmarks.host_cost", "--rounds", "60", timeout=120)
     assert run.returncode == 2, f"--rounds 60: exit {run.returncode}"
     assert "--rounds 60: expected 1 to 46 (the measured steps stay undiagnosed)" in run.stderr, run.stderr
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.host_cost", "--clip", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_benchmark("benchmarks.host_cost", "--clip", "0", timeout=120)
     assert run.returncode == 2, f"--clip 0: exit {run.returncode}"
     assert "--clip 0.0: expected a positive total norm" in run.stderr, run.stderr
 

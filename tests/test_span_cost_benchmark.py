@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.benchmark_runs import run_benchmark
 
 
 def test_span_cost_measures_both_shardings_and_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "spans.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.span_cost", "--repeats", "1", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = run_benchmark("benchmarks.span_cost", "--repeats", "1", "--json", str(out))
     assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-3000:]}"
     document = json.loads(out.read_text(encoding="utf-8"))
     assert document["benchmark"] == "span_cost" and document["repeats"] == 1, document
@@ -32,12 +24,6 @@ def test_span_cost_measures_both_shardings_and_writes_its_figures(tmp_path: Path
 
 
 def test_bad_arguments_are_refused_naming_what_is_expected() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.span_cost", "--repeats", "0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_benchmark("benchmarks.span_cost", "--repeats", "0", timeout=120)
     assert run.returncode == 2, f"--repeats 0: exit {run.returncode}"
     assert "--repeats 0, --layers 0: expected at least 1 repeat and 0 blocks" in run.stderr, run.stderr

@@ -14,8 +14,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +26,10 @@ from benchmarks.bug_patterns.float8_catalogue import FLOAT8_CONTROLS
 from benchmarks.bug_patterns.op_catalogue import OP_CONTROLS, OP_PATTERNS, STATE_PATTERNS
 from benchmarks.bug_patterns.run import quiet_warnings
 from benchmarks.bug_patterns.training import FULLY_SHARD, KINDS, train_on_rank
+from tests.benchmark_runs import run_benchmark
 from tests.integration.otel_training import reset_otel
 
 WORLD = 2
-REPO = Path(__file__).resolve().parents[2]
 
 
 # -- on the ranks --------------------------------------------------------------------------------
@@ -359,9 +357,7 @@ def test_benchmark_runs_a_pattern_and_writes_its_row_and_json(tmp_path: Path) ->
     (CEWithChunkedOutputLoss does not check division by zero)."""
     out = tmp_path / "patterns.json"
     args = ["--pattern", "4b", "--kind", FULLY_SHARD, "--json", str(out)]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bug_patterns", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    run = run_benchmark("benchmarks.bug_patterns", *args, timeout=300)
     assert run.returncode == 0, f"python -m benchmarks.bug_patterns exited {run.returncode}:\n{run.stderr[-3000:]}"
     row = (
         "| 4b | loss_all_targets_ignored | fully_shard | 1 | problem | origin: NaN/Inf began in the loss | loss at loss"
