@@ -7,20 +7,18 @@ a pass over the grads in every iteration that writes nothing between. A grad is 
 written" by its version counter unmoved: an unscale or a manual edit writes in place and moves it.
 Grads are known for one iteration only.
 
-[Note: a clip keeps checked grads checked]
-``clip_grad_norm_`` writes every grad in place, at every step of most training scripts: where that
-moves their version counters (a clip without foreach), the step would check them all again. It
-multiplies them by ``min(1, max_norm / (norm + eps))``, and its total norm is checked (the clip's
-own probe): where that norm is finite and ``max_norm`` positive the factor is finite and not zero,
-and a grad is finite after the clip exactly where it was before (and the largest elements stay
-non-zero: no such clip zeroes every group's grads, which
-:func:`~..diagnostics.origin.zeroed_groups` looks for); where the norm is not finite, the clip's
-probe is the first non-finite check, whatever the grads hold after it. So the grads checked and
-unwritten as such a clip begins are recorded as checked again as it ends
-(:meth:`CheckedGrads.before_clip`, :meth:`CheckedGrads.after_clip`). A clip by a ``max_norm`` that
-is not a positive number zeroes the grads (or may): every grad is checked again at the step,
-whatever the version counters say, for a foreach op on DTensor grads (the clip's, where foreach
-runs) moves none of them. A clip that raises (its ``error_if_nonfinite``) records nothing.
+[Note: a clip that zeroes the grads]
+``clip_grad_norm_`` multiplies every grad by ``min(1, max_norm / (norm + eps))`` in place, through
+their DTensor (``fully_shard``'s and FSDP2's grads are DTensors), and such a write moves no
+version counter: neither the DTensor's nor its local shard's, which the reduce checked (a
+foreach op, or an op with a DTensor operand, runs on the shards below the layer that moves them).
+By a positive ``max_norm`` that is no loss: the clip's total norm is checked (its own probe), and
+where it is finite the factor is finite and not zero, so a grad is finite after the clip exactly
+where it was before and the largest elements stay non-zero; where it is not finite, the clip's
+probe is the first non-finite check. A ``max_norm`` that is not a positive number zeroes every
+grad (or may), which :func:`~..diagnostics.origin.zeroed_groups` finds only from the grads at the
+step: after such a clip nothing is known as checked (:meth:`CheckedGrads.clear`), and the step
+checks every grad again.
 
 [Note: grads compared in C-level calls]
 Torch FSDP2 holds a grad per parameter: the lists here are compared by ``map`` over C-level
@@ -30,11 +28,9 @@ or written, is then told apart grad by grad.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import weakref
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 
@@ -71,29 +67,6 @@ class CheckedGrads:
                 return []
         return [place for place, tensor in enumerate(tensors) if not self.unchanged(tensor)]
 
-    def unwritten(self) -> list[torch.Tensor]:
-        """The grads checked and not written since (see [Note: a clip keeps checked grads checked])."""
-        held = list(self._versions.values())
-        found: list[torch.Tensor | None] = list(map(_DEREF, map(_REF, held)))
-        if any(map(operator.is_, found, itertools.repeat(None))):
-            alive = [(tensor, version) for tensor, (_, version) in zip(found, held, strict=True) if tensor is not None]
-            tensors, versions = [tensor for tensor, _ in alive], [version for _, version in alive]
-        else:
-            tensors, versions = cast(list[torch.Tensor], found), list(map(_HELD_VERSION, held))
-        return list(itertools.compress(tensors, map(operator.eq, map(_VERSION, tensors), versions)))
-
-    def before_clip(self) -> list[torch.Tensor]:
-        """What a clip by a positive factor keeps checked: the grads checked and unwritten as it
-        begins ([Note: a clip keeps checked grads checked])."""
-        return self.unwritten()
-
-    def after_clip(self, unwritten: list[torch.Tensor] | None) -> None:
-        """A clip has ended: the grads :meth:`before_clip` gave are checked again; ``None``, a clip
-        by a factor that may be 0, leaves no grad checked."""
-        if unwritten is None:
-            self.clear()
-        else:
-            self.record(unwritten)
-
     def clear(self) -> None:
+        """Nothing is known as checked (the iteration ended, or a clip zeroed the grads)."""
         self._versions.clear()

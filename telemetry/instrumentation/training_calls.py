@@ -81,16 +81,14 @@ def _on_clip(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[st
             kwargs = {**kwargs, "parameters": parameters}
     clipped = [parameters] if isinstance(parameters, torch.Tensor) else parameters or []
     watches = [watch for watch in list(_watches) if watch.parameters.hold_any(clipped)]
-    # Checked grads stay checked through a clip by a positive factor, and none through another
-    # ([Note: a clip keeps checked grads checked]).
     max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
     positive = isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0
-    kept = [watch.checked_grads.before_clip() if positive else None for watch in watches]
     total_norm = wrapped(*args, **kwargs)
     if isinstance(total_norm, torch.Tensor):
-        for watch, unwritten in zip(watches, kept, strict=True):
+        for watch in watches:
             watch.log.check(semconv.ORIGIN_GRAD_WRITE, CLIP, total_norm)
-            watch.checked_grads.after_clip(unwritten)
+            if not positive:  # every grad checked again at the step ([Note: a clip that zeroes the grads])
+                watch.checked_grads.clear()
     return total_norm
 
 

@@ -1,7 +1,8 @@
-"""A ``clip_grad_norm_`` at every step, as most training scripts run one: the grads it writes were
-checked after their reduce and stay checked through a clip by a positive factor, so the step checks
-none of them again; a write after the clip is still named, and a clip by ``max_norm=0`` (which
-zeroes every grad) still reads as grads zeroed. Runs on ``test_origin``'s models and report.
+"""A ``clip_grad_norm_`` at every step, as most training scripts run one: by a positive ``max_norm``
+the step checks none of the grads it wrote again (its total norm is checked; see
+``checked_grads``' [Note: a clip that zeroes the grads]), a write after the clip is still named, and
+a clip by ``max_norm=0`` (which zeroes every grad) is checked again and reads as grads zeroed.
+Runs on ``test_origin``'s models and report.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from tests.integration.otel_training import environment, reset_otel
 from tests.integration.test_origin import KINDS, PLANT, STEPS, WANT, _local, _report, _shard
 
 
-def clip_training(kind: str, max_norm: float, plant: bool, trace_dir: str) -> list[int]:
+def clip_training(kind: str, max_norm: float, plant: bool, trace_dir: str, foreach: bool | None = None) -> list[int]:
     """Train STEPS steps, each clipped by ``max_norm`` (``plant``: a NaN written into blocks.0's
-    grad after the clip at step PLANT); returns how many grads each step checked again."""
+    grad after the clip at step PLANT; ``foreach=False``: a clip that writes grad by grad, which
+    moves their version counters); returns how many grads each step checked again."""
     from fsdp_patch.telemetry import semconv, shutdown
     from fsdp_patch.telemetry.diagnostics.probes import ProbeLog
 
@@ -47,7 +49,7 @@ def clip_training(kind: str, max_norm: float, plant: bool, trace_dir: str) -> li
         for step, tokens in enumerate(models.make_batches(STEPS), start=1):
             rechecked.append(0)
             models.lm_loss(model, models.rank_slice(tokens, rank, world)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=foreach)
             if plant and step == PLANT:
                 with torch.no_grad():
                     _local(model.blocks[0].fc1.weight.grad).view(-1)[0] = math.nan
@@ -58,17 +60,21 @@ def clip_training(kind: str, max_norm: float, plant: bool, trace_dir: str) -> li
     return rechecked
 
 
-def _run(dist_pool: Any, tmp_path: Path, kind: str, max_norm: float, plant: bool) -> tuple[list[list[int]], Any]:
-    trace_dir = tmp_path / f"{kind}-{max_norm}-{plant}"
+def _run(
+    dist_pool: Any, tmp_path: Path, kind: str, max_norm: float, plant: bool, foreach: bool | None = None
+) -> tuple[list[list[int]], Any]:
+    trace_dir = tmp_path / f"{kind}-{max_norm}-{plant}-{foreach}"
     os.makedirs(trace_dir, exist_ok=True)
-    counts = dist_pool(2).run(clip_training, kind, max_norm, plant, str(trace_dir))
+    counts = dist_pool(2).run(clip_training, kind, max_norm, plant, str(trace_dir), foreach)
     return counts, _report(trace_dir)
 
 
+@pytest.mark.parametrize("foreach", [None, False], ids=["foreach", "grad-by-grad"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_grads_clipped_by_a_positive_factor_are_not_checked_again(dist_pool, tmp_path, kind) -> None:
-    counts, report = _run(dist_pool, tmp_path, kind, 1.0, False)
-    assert counts == [[0] * STEPS] * 2, f"{kind}: grads checked again at each step, per rank: {counts}, want none"
+def test_grads_clipped_by_a_positive_factor_are_not_checked_again(dist_pool, tmp_path, kind, foreach) -> None:
+    counts, report = _run(dist_pool, tmp_path, kind, 1.0, False, foreach)
+    want = [[0] * STEPS] * 2
+    assert counts == want, f"{kind}, foreach={foreach}: grads checked again at each step, per rank: {counts}, want none"
     assert report["origin"] is None, f"{kind}: a healthy run, want no origin, got {report['origin']}"
 
 
