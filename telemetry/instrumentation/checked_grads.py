@@ -15,10 +15,21 @@ foreach op, or an op with a DTensor operand, runs on the shards below the layer 
 By a positive ``max_norm`` that is no loss: the clip's total norm is checked (its own probe), and
 where it is finite the factor is finite and not zero, so a grad is finite after the clip exactly
 where it was before and the largest elements stay non-zero; where it is not finite, the clip's
-probe is the first non-finite check. A ``max_norm`` that is not a positive number zeroes every
+probe is the first non-finite check. So a clip by a positive factor of grads nothing else wrote
+since the backward leaves them as the backward left them (:meth:`CheckedGrads.snapshot` taken
+again: a clip grad by grad, ``foreach=False``, moves the DTensors' counters). A ``max_norm`` that is not a positive number zeroes every
 grad (or may), which :func:`~..diagnostics.origin.zeroed_groups` finds only from the grads at the
 step: after such a clip nothing is known as checked (:meth:`CheckedGrads.clear`), and the step
 checks every grad again.
+
+[Note: a grad written through its DTensor]
+An in-place op on a DTensor grad (``p.grad.mul_(s)``, ``p.grad.zero_()``, ``p.grad[i] = x``) moves
+the DTensor's version counter and not its local shard's, which the reduce checked; a write into
+the shard moves the shard's only. So the parameters' grads are also recorded as each backward of
+the model leaves them, by their own counters (:meth:`CheckedGrads.snapshot`), and a step where one
+of them was written, replaced, added or dropped since checks every grad again
+(:meth:`CheckedGrads.moved`). A foreach op on DTensors moves neither counter (see [Note: a clip
+that zeroes the grads] for the one such write telemetry watches).
 
 [Note: grads compared in C-level calls]
 Torch FSDP2 holds a grad per parameter: the lists here are compared by ``map`` over C-level
@@ -28,6 +39,7 @@ or written, is then told apart grad by grad.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from collections.abc import Sequence
@@ -37,6 +49,7 @@ import torch
 __all__ = ["CheckedGrads"]
 
 _VERSION = operator.attrgetter("_version")
+_GRAD = operator.attrgetter("grad")
 _REF = operator.itemgetter(0)
 _HELD_VERSION = operator.itemgetter(1)
 _DEREF = weakref.ref.__call__
@@ -47,6 +60,10 @@ class CheckedGrads:
 
     def __init__(self) -> None:
         self._versions: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # The parameters' grads as the last backward left them, and their versions then.
+        # By id: a grad replaced by a tensor at the address of the one gone, at its version, is
+        # also a new local shard, which :meth:`written` finds.
+        self._outer: tuple[list[int], list[int]] | None = None
 
     def record(self, tensors: Sequence[torch.Tensor]) -> None:
         """``tensors`` (plain grads: local shards) are checked as they are now."""
@@ -67,6 +84,27 @@ class CheckedGrads:
                 return []
         return [place for place, tensor in enumerate(tensors) if not self.unchanged(tensor)]
 
+    def snapshot(self, params: Sequence[torch.Tensor]) -> None:
+        """The grads of ``params`` as they are now, by their own version counters (see [Note: a
+        grad written through its DTensor])."""
+        present = _present_grads(params)
+        self._outer = (list(map(id, present)), list(map(_VERSION, present)))
+
+    def moved(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether a grad of ``params`` was written, replaced, added or dropped since the last
+        :meth:`snapshot` (``False`` where none was taken)."""
+        if self._outer is None:
+            return False
+        ids, versions = self._outer
+        present = _present_grads(params)
+        return list(map(id, present)) != ids or list(map(_VERSION, present)) != versions
+
     def clear(self) -> None:
         """Nothing is known as checked (the iteration ended, or a clip zeroed the grads)."""
         self._versions.clear()
+        self._outer = None
+
+
+def _present_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    grads = list(map(_GRAD, params))
+    return list(itertools.compress(grads, map(operator.is_not, grads, itertools.repeat(None))))

@@ -4,8 +4,11 @@ of one model among several), known without Python per parameter on the steps tha
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,6 +28,17 @@ class ModelParameters:
         self._root = root
         self._own: dict[int, weakref.ref[torch.Tensor]] = {}
         self._foreign: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._listed: list[weakref.ref[torch.Tensor]] = []
+
+    def listed(self) -> list[torch.Tensor]:
+        """The model's parameters, in its order: as last read, read again where one of them is gone."""
+        params: list[torch.Tensor | None] = list(map(_DEREF, self._listed))
+        if not params or any(map(operator.is_, params, itertools.repeat(None))):
+            root = self._root()
+            fresh: list[torch.Tensor] = list(root.parameters()) if root is not None else []
+            self._listed = list(map(weakref.ref, fresh))
+            return fresh
+        return cast(list[torch.Tensor], params)
 
     def hold_any(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether ``params`` are this model's: the first decides (a parameter found foreign stays
@@ -44,6 +58,9 @@ class ModelParameters:
             self._foreign.clear()
         self._foreign[id(first)] = weakref.ref(first)
         return False
+
+
+_DEREF = weakref.ref.__call__
 
 
 def _holds(refs: dict[int, weakref.ref[torch.Tensor]], tensor: torch.Tensor) -> bool:

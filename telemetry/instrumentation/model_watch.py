@@ -276,6 +276,7 @@ class ModelWatch:
             return
         self.backward_count += 1
         self.log.microbatch += 1
+        self.checked_grads.snapshot(self.parameters.listed())
         for listener in self.backward_listeners:
             listener()
 
@@ -293,6 +294,8 @@ class ModelWatch:
         """
         self._flush()
         written = self.checked_grads.written([grad for _, grad in grads])
+        if self.checked_grads.moved(self.parameters.listed()):  # [Note: a grad written through its DTensor]
+            written = list(range(len(grads)))
         if written:
             self.log.check_all(semconv.ORIGIN_GRAD_WRITE, [(grads[i][0], grads[i][1], "", "") for i in written])
         self.log.check_prepared(weights)

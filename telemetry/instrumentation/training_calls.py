@@ -83,12 +83,17 @@ def _on_clip(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[st
     watches = [watch for watch in list(_watches) if watch.parameters.hold_any(clipped)]
     max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
     positive = isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0
+    unmoved = [positive and not watch.checked_grads.moved(watch.parameters.listed()) for watch in watches]
     total_norm = wrapped(*args, **kwargs)
     if isinstance(total_norm, torch.Tensor):
-        for watch in watches:
+        for watch, kept in zip(watches, unmoved, strict=True):
             watch.log.check(semconv.ORIGIN_GRAD_WRITE, CLIP, total_norm)
-            if not positive:  # every grad checked again at the step ([Note: a clip that zeroes the grads])
+            # [Note: a clip that zeroes the grads]: none checked after one that may; as the backward
+            # left them after one by a positive factor, where nothing else wrote them before it.
+            if not positive:
                 watch.checked_grads.clear()
+            elif kept:
+                watch.checked_grads.snapshot(watch.parameters.listed())
     return total_norm
 
 

@@ -115,6 +115,9 @@ def origin_training(kind: str, fault: str, trace_dir: str, every: str) -> dict[s
                 grad = model.blocks[0].fc1.weight.grad
                 with torch.no_grad():
                     _local(grad).view(-1)[0] = math.nan
+            if planted and fault == "grad_write_dtensor":  # through the DTensor: its shard's counter stays
+                with torch.no_grad():
+                    model.blocks[0].fc1.weight.grad.mul_(math.nan)
             if planted and fault == "grad_replaced":  # a new grad tensor, not a write into the reduced one
                 weight = model.blocks[0].fc1.weight
                 weight.grad = weight.grad * math.nan

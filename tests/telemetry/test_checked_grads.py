@@ -34,3 +34,25 @@ def test_cleared_nothing_is_checked() -> None:
     checked.clear()
     got = checked.written(grads)
     assert got == [0], f"after clear: want the grad written (not checked), got {got}"
+
+
+def test_a_parameters_grad_written_replaced_or_dropped_since_the_snapshot_has_moved() -> None:
+    """The parameters' own grads as a backward left them (a write through a grad's DTensor moves
+    its counter, not its shard's): a write, a new grad, a grad dropped each read as moved."""
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.ones(2)
+    checked = CheckedGrads()
+    assert not checked.moved(params), "no snapshot taken: want nothing moved"
+    checked.snapshot(params)
+    assert not checked.moved(params), "nothing written since the snapshot: want nothing moved"
+    params[1].grad.mul_(2.0)
+    assert checked.moved(params), "a grad written in place: want moved"
+    checked.snapshot(params)
+    params[2].grad = torch.ones(2)
+    assert checked.moved(params), "a grad replaced by a new tensor: want moved"
+    checked.snapshot(params)
+    params[0].grad = None
+    assert checked.moved(params), "a grad dropped: want moved"
+    checked.clear()
+    assert not checked.moved(params), "cleared: want no snapshot to compare with"
