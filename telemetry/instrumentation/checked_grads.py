@@ -4,23 +4,9 @@ A grad checked already and not written since holds what that check saw: torch FS
 reduce to the step, ``fully_shard``'s main grads copied from the reduce. Not checking it again saves
 a pass over the grads in every iteration that writes nothing between. A grad is known by its tensor
 (a weak reference: holding it would keep alive a main-grad buffer that its group frees) and "not
-written" by its version counter unmoved: an unscale or a manual edit writes in place and moves it.
-Grads are known for one iteration only.
-
-[Note: a clip that zeroes the grads]
-``clip_grad_norm_`` multiplies every grad by ``min(1, max_norm / (norm + eps))`` in place, through
-their DTensor (``fully_shard``'s and FSDP2's grads are DTensors), and such a write moves no
-version counter: neither the DTensor's nor its local shard's, which the reduce checked (a
-foreach op, or an op with a DTensor operand, runs on the shards below the layer that moves them).
-By a positive ``max_norm`` that is no loss: the clip's total norm is checked (its own probe), and
-where it is finite the factor is finite and not zero, so a grad is finite after the clip exactly
-where it was before and the largest elements stay non-zero; where it is not finite, the clip's
-probe is the first non-finite check. So a clip by a positive factor of grads nothing else wrote
-since the backward leaves them as the backward left them (:meth:`CheckedGrads.snapshot` taken
-again: a clip grad by grad, ``foreach=False``, moves the DTensors' counters). A ``max_norm`` that is not a positive number zeroes every
-grad (or may), which :func:`~..diagnostics.origin.zeroed_groups` finds only from the grads at the
-step: after such a clip nothing is known as checked (:meth:`CheckedGrads.clear`), and the step
-checks every grad again.
+written" by version counters unmoved: its own (a write into the shard) and that of its parameter's
+grad (a write through the DTensor: [Note: a grad written through its DTensor]). Grads are known for
+one iteration only.
 
 [Note: a grad written through its DTensor]
 An in-place op on a DTensor grad (``p.grad.mul_(s)``, ``p.grad.zero_()``, ``p.grad[i] = x``) moves
@@ -28,8 +14,21 @@ the DTensor's version counter and not its local shard's, which the reduce checke
 the shard moves the shard's only. So the parameters' grads are also recorded as each backward of
 the model leaves them, by their own counters (:meth:`CheckedGrads.snapshot`), and a step where one
 of them was written, replaced, added or dropped since checks every grad again
-(:meth:`CheckedGrads.moved`). A foreach op on DTensors moves neither counter (see [Note: a clip
-that zeroes the grads] for the one such write telemetry watches).
+(:meth:`CheckedGrads.moved`). A foreach op on DTensors moves neither counter: the clip below is the
+one such write telemetry sees (it wraps the clip).
+
+[Note: a clip that zeroes the grads]
+``clip_grad_norm_`` multiplies every grad by ``min(1, max_norm / (norm + eps))`` in place: as a
+foreach op (its default where foreach runs), which moves no counter, or grad by grad
+(``foreach=False``), which moves the DTensors'. By a positive ``max_norm`` neither needs a check
+of the grads: the clip's total norm is checked (its own probe), and where it is finite the factor
+is finite and not zero, so a grad is finite after the clip exactly where it was before and the
+largest elements stay non-zero; where it is not finite, the clip's probe is the first non-finite
+check. So after such a clip of grads nothing else wrote since the backward, the snapshot is taken
+again. A ``max_norm`` that is not a positive number zeroes every grad (or may), which
+:func:`~..diagnostics.origin.zeroed_groups` finds only from the grads at the step: after such a
+clip nothing is known as checked (:meth:`CheckedGrads.clear`), and the step checks every grad
+again.
 
 [Note: grads compared in C-level calls]
 Torch FSDP2 holds a grad per parameter: the lists here are compared by ``map`` over C-level
