@@ -128,6 +128,25 @@ def present_grads(group: Any) -> list[torch.Tensor]:
     return [] if group.main_grad is None else [group.main_grad]
 
 
+def replaced_grads(group: Any) -> list[torch.Tensor]:
+    """A flat group's parameters' grads that are no view of its main-grad buffer (a grad a script
+    replaced, ``p.grad = p.grad * s``: the one the optimizer steps with), as local shards; none for
+    a tensor-list group, whose main grads are its parameters' own. Python per parameter: read only
+    on a step where the parameters' grads moved."""
+    if hasattr(group, "main_weights") or not hasattr(group, "params"):
+        return []
+    buffer = group.main_grad
+    base = None if buffer is None else buffer.untyped_storage().data_ptr()
+    out = []
+    for param in group.params:
+        grad = param.grad
+        if grad is not None:
+            local = getattr(grad, "_local_tensor", grad)
+            if local.untyped_storage().data_ptr() != base:
+                out.append(local)
+    return out
+
+
 def weights_of(group: Any, default_compute_dtype: torch.dtype | None) -> GroupWeights:
     """The tensors the diagnostics read of ``group`` (a :class:`PrecisionView` or
     :class:`TensorListView`); ``default_compute_dtype`` stands for a tensor-list group's

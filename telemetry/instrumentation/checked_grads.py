@@ -14,7 +14,8 @@ the DTensor's version counter and not its local shard's, which the reduce checke
 the shard moves the shard's only. So the parameters' grads are also recorded as each backward of
 the model leaves them, by their own counters (:meth:`CheckedGrads.snapshot`), and a step where one
 of them was written, replaced, added or dropped since checks every grad again
-(:meth:`CheckedGrads.moved`). A foreach op on DTensors moves neither counter: the clip below is the
+(:meth:`CheckedGrads.moved`), with, under ``fully_shard``, the grads that are no view of their
+group's main-grad buffer (a grad replaced: what the optimizer steps with). A foreach op on DTensors moves neither counter: the clip below is the
 one such write telemetry sees (it wraps the clip).
 
 [Note: a clip that zeroes the grads]

@@ -40,6 +40,7 @@ from ..diagnostics.groups import (
     first_process_group,
     mesh_coordinate,
     present_grads,
+    replaced_grads,
     weights_of,
     widest_mesh,
 )
@@ -183,8 +184,13 @@ class IterationWatch:
         grads = [
             (name, grad) for name, group in zip(self._names, self._groups, strict=True) for grad in present_grads(group)
         ]
+        pairs = list(zip(self._names, self._groups, strict=True))
+
+        def replaced() -> list[tuple[str, torch.Tensor]]:
+            return [(name, grad) for name, group in pairs for grad in replaced_grads(group)]
+
         for watch in self.watches:
-            watch.check_step_begin(grads, tensors.before)
+            watch.check_step_begin(grads, tensors.before, replaced)
 
     def end_step(
         self, span: Span | None, completed: bool, note: Callable[[str, AttributeValue], None] | None = None

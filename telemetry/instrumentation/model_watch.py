@@ -282,7 +282,12 @@ class ModelWatch:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def check_step_begin(self, grads: Sequence[tuple[str, torch.Tensor]], weights: PreparedChecks) -> None:
+    def check_step_begin(
+        self,
+        grads: Sequence[tuple[str, torch.Tensor]],
+        weights: PreparedChecks,
+        replaced: Callable[[], list[tuple[str, torch.Tensor]]] | None = None,
+    ) -> None:
         """At the step, before the update: the main grads written since their reduce, and the
         main weights.
 
@@ -291,13 +296,17 @@ class ModelWatch:
             weights: Each parameter's main weight (a write between steps spreads through this
                 step's update, so the parameter written is known only now). Checked every step:
                 writes through ``.data`` (a load, an EMA, a manual edit) move no version counter.
+            replaced: ``(group name, grad)`` of the parameters' grads that are no main grad of
+                their group (replaced by a script), read where the parameters' grads moved.
         """
         self._flush()
         written = self.checked_grads.written([grad for _, grad in grads])
+        items = [(grads[i][0], grads[i][1], "", "") for i in written]
         if self.checked_grads.moved(self.parameters.listed()):  # [Note: a grad written through its DTensor]
-            written = list(range(len(grads)))
-        if written:
-            self.log.check_all(semconv.ORIGIN_GRAD_WRITE, [(grads[i][0], grads[i][1], "", "") for i in written])
+            items = [(name, grad, "", "") for name, grad in grads]
+            items += [(name, grad, "", "") for name, grad in (replaced() if replaced is not None else [])]
+        if items:
+            self.log.check_all(semconv.ORIGIN_GRAD_WRITE, items)
         self.log.check_prepared(weights)
 
     def check_step_end(self, weights: PreparedChecks) -> None:

@@ -37,3 +37,14 @@ def test_a_grad_written_through_its_dtensor_is_checked_at_the_step(dist_pool, tm
     got = None if origin is None else (origin["step"], origin["stage"], origin["where"])
     want = (PLANT, *WANT["grad_write"])
     assert got == want, f"{kind}: want the origin {want}, got {got}"
+
+
+def test_a_grad_replaced_under_fully_shard_is_checked_at_the_step(dist_pool, tmp_path) -> None:
+    """``p.grad = p.grad * nan`` under ``fully_shard``: the new grad is no view of the main-grad
+    buffer the reduce filled (which stays finite), and it is what the optimizer steps with: the
+    step checks it and names the write, not the update."""
+    report = _run(dist_pool, 2, "fully_shard", "grad_replaced", tmp_path, "100")
+    origin = report["origin"]
+    got = None if origin is None else (origin["step"], origin["stage"], origin["where"])
+    want = (PLANT, *WANT["grad_write"])
+    assert got == want, f"want the origin {want}, got {got}"
