@@ -181,10 +181,8 @@ class IterationWatch:
             return
         tensors = self._step_tensors = self._step_tensors_now()
         self._audit_model(step, span, tensors)
-        grads = [
-            (name, grad) for name, group in zip(self._names, self._groups, strict=True) for grad in present_grads(group)
-        ]
         pairs = list(zip(self._names, self._groups, strict=True))
+        grads = [(name, grad) for name, group in pairs for grad in present_grads(group)]
 
         def replaced() -> list[tuple[str, torch.Tensor]]:
             return [(name, grad) for name, group in pairs for grad in replaced_grads(group)]

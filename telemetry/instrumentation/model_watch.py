@@ -300,11 +300,12 @@ class ModelWatch:
                 their group (replaced by a script), read where the parameters' grads moved.
         """
         self._flush()
-        written = self.checked_grads.written([grad for _, grad in grads])
-        items = [(grads[i][0], grads[i][1], "", "") for i in written]
         if self.checked_grads.moved(self.parameters.listed()):  # [Note: a grad written through its DTensor]
             items = [(name, grad, "", "") for name, grad in grads]
             items += [(name, grad, "", "") for name, grad in (replaced() if replaced is not None else [])]
+        else:
+            written = self.checked_grads.written([grad for _, grad in grads])
+            items = [(grads[i][0], grads[i][1], "", "") for i in written]
         if items:
             self.log.check_all(semconv.ORIGIN_GRAD_WRITE, items)
         self.log.check_prepared(weights)

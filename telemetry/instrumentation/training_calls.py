@@ -83,17 +83,18 @@ def _on_clip(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[st
     watches = [watch for watch in list(_watches) if watch.parameters.hold_any(clipped)]
     max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
     positive = isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0
-    unmoved = [positive and not watch.checked_grads.moved(watch.parameters.listed()) for watch in watches]
+    params = [watch.parameters.listed() for watch in watches]
+    unmoved = [positive and not w.checked_grads.moved(p) for w, p in zip(watches, params, strict=True)]
     total_norm = wrapped(*args, **kwargs)
     if isinstance(total_norm, torch.Tensor):
-        for watch, kept in zip(watches, unmoved, strict=True):
+        for watch, listed, kept in zip(watches, params, unmoved, strict=True):
             watch.log.check(semconv.ORIGIN_GRAD_WRITE, CLIP, total_norm)
             # [Note: a clip that zeroes the grads]: none checked after one that may; as the backward
             # left them after one by a positive factor, where nothing else wrote them before it.
             if not positive:
                 watch.checked_grads.clear()
             elif kept:
-                watch.checked_grads.snapshot(watch.parameters.listed())
+                watch.checked_grads.snapshot(listed)
     return total_norm
 
 
